@@ -1,0 +1,36 @@
+# Two-command quickstart: `make demo` and `make test`. Each bootstraps .venv on first use.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvkern-installed
+
+.PHONY: demo test test-all bench bench-gpu reliability lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first, pinned: the CPU build of this version is what pip takes here.
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) -m kvkern demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+test-all: $(STAMP)
+	$(VPY) -m pytest -q -m ''
+
+bench: $(STAMP)
+	$(VPY) -m pytest -q bench --benchmark-enable --benchmark-only -p no:randomly
+
+bench-gpu:
+	PYTHONPATH=. $(PY) bench/gpu_kernels.py
+
+lint: $(STAMP)
+	$(VPY) -m ruff check kvkern tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks

@@ -1,0 +1,3 @@
+from kvkern.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,96 @@
+"""KVLayout: constructors, sizes, strides, checks that name both sides."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvkern.layout import LAYOUT_CONSTRUCTORS, Axis, KVLayout, LayoutMismatchError, allocate_staging
+
+SIZES = dict(num_blocks=10, num_layers=3, num_heads=4, block_size=16, head_dim=8,
+             dtype=torch.float16)
+
+EXPECTED_SHAPES = {
+    "trtllm": (10, 3, 2, 4, 16, 8),
+    "vllm_flash": (2, 10, 16, 4, 8),
+    "vllm_nhd": (10, 2, 16, 4, 8),
+    "vllm_hnd": (10, 2, 4, 16, 8),
+    "cross_layer": (10, 3, 2, 16, 4, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_CONSTRUCTORS))
+def test_constructor_shapes_and_bytes(name):
+    layout = KVLayout.named(name, **SIZES)
+    assert layout.shape == EXPECTED_SHAPES[name]
+    assert layout.per_layer == (len(layout.shape) == 5)
+    assert layout.bytes_per_block == 3 * 2 * 4 * 16 * 8 * 2
+    assert layout.total_bytes == 10 * layout.bytes_per_block
+    pool = layout.allocate(fill="zeros")
+    tensors = layout.check(pool)
+    assert len(tensors) == layout.num_tensors
+    assert sum(t.numel() * t.element_size() for t in tensors) == layout.total_bytes
+    # the canonical view of every tensor is [NB, (L,) 2, H, T, D]
+    canon = layout.canonical_view(tensors[0])
+    assert canon.shape[0] == 10 and canon.shape[-4:] == (2, 4, 16, 8)
+
+
+def test_contiguous_run_bytes():
+    hnd = KVLayout.vllm_hnd(**SIZES)
+    nhd = KVLayout.vllm_nhd(**SIZES)
+    assert hnd.contiguous_run_bytes == 16 * 8 * 2
+    assert nhd.contiguous_run_bytes == 8 * 2
+    assert KVLayout.trtllm(**SIZES).stride(Axis.TOKEN) == 8
+    assert hnd.stride(Axis.LAYER) == 0
+
+
+def test_frozen_and_variants():
+    layout = KVLayout.trtllm(**SIZES)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        layout.num_blocks = 3
+    smaller = layout.with_sizes(num_blocks=4)
+    assert smaller.shape[0] == 4 and smaller.strides[0] == 3 * 2 * 4 * 16 * 8
+    assert dataclasses.replace(layout, dtype=torch.int8).itemsize == 1
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(num_blocks=0), "num_blocks must be a positive int"),
+    (dict(head_dim=True), "head_dim must be a positive int"),
+    (dict(dtype="fp16"), "dtype must be a torch.dtype"),
+])
+def test_invalid_sizes(bad, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        KVLayout.trtllm(**{**SIZES, **bad})
+
+
+def test_invalid_orders():
+    with pytest.raises(ValueError, match="exactly once"):
+        KVLayout(name="x", order=("block", "kv", "head", "token", "dim"), **SIZES)
+    with pytest.raises(ValueError, match="head_dim must be the last, dense axis"):
+        KVLayout(name="x", order=("block", "layer", "kv", "head", "dim", "token"), **SIZES)
+    with pytest.raises(ValueError, match="unknown layout 'nope'"):
+        KVLayout.named("nope", **SIZES)
+
+
+def test_check_messages_name_both_sides():
+    layout = KVLayout.vllm_nhd(**SIZES)
+    pool = layout.allocate(fill="zeros")
+    pool[1] = pool[1].transpose(2, 3).contiguous().transpose(2, 3)
+    with pytest.raises(LayoutMismatchError, match=r"layer 1 tensor has strides .* expects"):
+        layout.check(pool)
+    with pytest.raises(LayoutMismatchError, match="pool is on cpu, expected meta"):
+        layout.check(layout.allocate(fill="zeros"), device="meta")
+
+
+def test_logical_round_trip_and_staging():
+    layout = KVLayout.vllm_flash(**SIZES)
+    pool = layout.allocate(fill="random", generator=torch.Generator().manual_seed(0))
+    logical = layout.logical(pool)
+    assert logical.shape == (10, 3, 2, 4, 16, 8)
+    assert torch.equal(logical[3, 2, 1].view(torch.int16),
+                       pool[2][1, 3].permute(1, 0, 2).view(torch.int16))
+    st = allocate_staging(layout, 5, layers=(1, 3), heads=(0, 1))
+    assert st.shape == (5, 2, 2, 1, 16, 8) and st.is_contiguous()
+    assert layout.describe()["order"] == ["kv", "block", "token", "head", "dim"]
