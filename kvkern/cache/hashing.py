@@ -1,0 +1,338 @@
+"""Block-hash schemes, selected by name.
+
+A request's tokens are split into full blocks of ``block_size`` tokens; the trailing partial
+block is never hashed (no system in REFERENCE.md transfers it, it is always recomputed)::
+
+    tokens     |<- block 0 ->|<- block 1 ->|<- block 2 ->|<- partial ->|
+    block hash      b0            b1            b2          (none)
+    chained         c0 = b0       c1 = H(c0,b1) c2 = H(c1,b2)
+
+Two forms exist for every scheme:
+
+* ``block_hashes`` / :func:`local_block_hashes`: what the scheme computes per block.
+* ``chain`` / :func:`sequence_hashes`: the chained form, where hash ``i`` names the whole
+  prefix ``tokens[: (i + 1) * block_size]``. The prefix index of the reference pool keys on it,
+  so one dict lookup per block answers "is this prefix cached".
+
+Schemes
+-------
+``public-xxh3-v1``
+    Dynamo's router hash. Local hash of a block: XXH3-64 over its token ids as 4-byte
+    little-endian unsigned integers, seed 1337; it does **not** depend on earlier blocks.
+    Chained (Dynamo's "sequence hash"): ``c[0] = b[0]``,
+    ``c[i] = XXH3-64(le64(c[i-1]) || le64(b[i]), seed=1337)``.
+    Takes no cache salt and no LoRA id (passing one raises: silently ignoring it would make
+    hashes of different adapters collide).
+
+``trtllm-v1``
+    TRT-LLM V1's ``BlockKeyHasher``. It is chained by construction (the parent hash seeds each
+    block), so it has no per-block "local" hash: ``block_hashes`` returns the chained block
+    keys and ``chain`` is the identity on them (it only normalises). For a block with ``n``
+    tokens and parent hash ``p`` (0 at the root), all arithmetic mod 2**64::
+
+        seed = n ^ (p * 0xbf58476d1ce4e5b9)
+        for t in tokens:                      # t as uint32
+            a = ((t >> 16) ^ t) * 0x45d9f3b    (mod 2**32)
+            a = ((a >> 16) ^ a) * 0x45d9f3b    (mod 2**32)
+            a = (a >> 16) ^ a
+            seed ^= ((a + 0x9e3779b9) mod 2**32) + (seed << 6) + (seed >> 2)
+        then, if given, the LoRA id and (root block only) the cache salt, each through the
+        splitmix64 finaliser m(x) and folded as seed ^= m(x) + 0x9e3779b9 + (seed << 6) + (seed >> 2)
+
+    ``a + 0x9e3779b9`` wraps at 32 bits because in the C++ source both operands are 32-bit
+    unsigned; the sum is widened only when added to the 64-bit ``seed << 6``. LoRA and salt
+    values are 64-bit, so their sum does not wrap at 32 bits.
+
+Hashes are u64 everywhere in kvkern. Engines that report i64 bit-casts are normalised with
+:func:`normalize_hash` (``-1 -> 2**64 - 1``); anything outside ``[-2**63, 2**64)`` or a bool is
+rejected.
+"""
+
+from __future__ import annotations
+
+import operator
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+__all__ = [
+    "DEFAULT_SCHEME",
+    "HashScheme",
+    "U64_MASK",
+    "get_scheme",
+    "known_schemes",
+    "local_block_hashes",
+    "normalize_hash",
+    "normalize_hashes",
+    "sequence_hashes",
+]
+
+U64_MASK = (1 << 64) - 1
+_U32_MASK = (1 << 32) - 1
+DEFAULT_SCHEME = "public-xxh3-v1"
+DYNAMO_SEED = 1337
+
+
+def normalize_hash(value: int) -> int:
+    """Return ``value`` as a u64: i64 bit-casts (``-2**63 <= value < 0``) wrap to their u64
+    twin; ``0 <= value < 2**64`` is returned as is; bools and anything else raise ValueError."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"block hash must be an int, got {type(value).__name__} {value!r}")
+    if 0 <= value <= U64_MASK:
+        return value
+    if -(1 << 63) <= value < 0:
+        return value & U64_MASK
+    raise ValueError(f"block hash {value} outside u64 [0, 2**64) and i64 [-2**63, 0)")
+
+
+def normalize_hashes(values: Sequence[int]) -> list[int]:
+    """:func:`normalize_hash` over a sequence; the error names the offending index."""
+    out = []
+    for i, v in enumerate(values):
+        try:
+            out.append(normalize_hash(v))
+        except ValueError as exc:
+            raise ValueError(f"block_hashes[{i}]: {exc}") from None
+    return out
+
+
+def _check_block_size(block_size: int) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+
+
+def _token_bytes(token_ids: Sequence[int], n: int) -> bytes:
+    """The first ``n`` token ids as little-endian u32; ValueError naming the bad token.
+
+    Ints and anything with ``__index__`` (numpy integers) are accepted; bools are not."""
+    toks = token_ids[:n]
+    try:
+        data = struct.pack(f"<{n}I", *toks)
+    except struct.error:
+        data = None
+    if data is not None and not any(isinstance(t, bool) for t in toks):
+        return data
+    for i, t in enumerate(toks):
+        try:
+            ok = not isinstance(t, bool) and 0 <= operator.index(t) <= _U32_MASK
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"token_ids[{i}] = {t!r} is not a u32 token id in [0, 2**32)")
+    raise ValueError(f"token_ids could not be packed as {n} u32 values")
+
+# ---------------------------------------------------------------------------- public-xxh3-v1
+
+
+def _xxh3_block_hashes(
+    token_ids: Sequence[int], block_size: int, *, cache_salt: int | None, lora_id: int | None
+) -> list[int]:
+    if cache_salt is not None or lora_id is not None:
+        raise ValueError(
+            f"scheme {DEFAULT_SCHEME!r} takes no cache_salt or lora_id "
+            f"(got cache_salt={cache_salt!r}, lora_id={lora_id!r})"
+        )
+    n_full = len(token_ids) // block_size
+    data = _token_bytes(token_ids, n_full * block_size)
+    step = 4 * block_size
+    view = memoryview(data)
+    return [
+        xxhash.xxh3_64_intdigest(view[i * step : (i + 1) * step], seed=DYNAMO_SEED)
+        for i in range(n_full)
+    ]
+
+
+def _xxh3_chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
+    out = []
+    prev = None if parent is None else normalize_hash(parent)
+    for h in normalize_hashes(block_hashes):
+        if prev is None:
+            cur = h
+        else:
+            cur = xxhash.xxh3_64_intdigest(struct.pack("<QQ", prev, h), seed=DYNAMO_SEED)
+        out.append(cur)
+        prev = cur
+    return out
+
+
+# --------------------------------------------------------------------------------- trtllm-v1
+
+
+def _splitmix64_final(x: int) -> int:
+    x &= U64_MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & U64_MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & U64_MASK
+    return x ^ (x >> 31)
+
+
+def _fold64(seed: int, value: int) -> int:
+    return seed ^ ((value + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & U64_MASK)
+
+
+def trtllm_block_key(
+    tokens: Sequence[int], parent: int, *, cache_salt: int | None = None, lora_id: int | None = None
+) -> int:
+    """One TRT-LLM V1 block key (see the module docstring for the formula)."""
+    seed = (len(tokens) ^ (parent * 0xBF58476D1CE4E5B9)) & U64_MASK
+    for t in tokens:
+        a = t & _U32_MASK
+        a = (((a >> 16) ^ a) * 0x45D9F3B) & _U32_MASK
+        a = (((a >> 16) ^ a) * 0x45D9F3B) & _U32_MASK
+        a = (a >> 16) ^ a
+        seed ^= (((a + 0x9E3779B9) & _U32_MASK) + (seed << 6) + (seed >> 2)) & U64_MASK
+    if lora_id is not None:
+        seed = _fold64(seed, _splitmix64_final(lora_id))
+    if cache_salt is not None and parent == 0:
+        seed = _fold64(seed, _splitmix64_final(cache_salt))
+    return seed
+
+
+def _check_u64_opt(name: str, value: int | None) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= U64_MASK:
+        raise ValueError(f"{name} must be a u64 int or None, got {value!r}")
+
+
+def _trtllm_block_hashes(
+    token_ids: Sequence[int], block_size: int, *, cache_salt: int | None, lora_id: int | None
+) -> list[int]:
+    _check_u64_opt("cache_salt", cache_salt)
+    _check_u64_opt("lora_id", lora_id)
+    n_full = len(token_ids) // block_size
+    _token_bytes(token_ids, n_full * block_size)  # validates the token ids
+    out = []
+    parent = 0
+    for i in range(n_full):
+        parent = trtllm_block_key(
+            token_ids[i * block_size : (i + 1) * block_size],
+            parent,
+            cache_salt=cache_salt,
+            lora_id=lora_id,
+        )
+        out.append(parent)
+    return out
+
+
+def _identity_chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
+    if parent is not None:
+        raise ValueError(
+            "scheme 'trtllm-v1' hashes are chained already; pass the parent to block_hashes "
+            f"by hashing the whole prefix instead (got parent={parent!r})"
+        )
+    return normalize_hashes(block_hashes)
+
+
+# ---------------------------------------------------------------------------------- registry
+
+
+@dataclass(frozen=True, kw_only=True)
+class HashScheme:
+    """A named block-hash scheme.
+
+    ``block_hashes(token_ids, block_size, *, cache_salt=None, lora_id=None)`` returns the
+    scheme's per-block hashes of the full blocks; ``chain(block_hashes, parent=None)`` turns
+    them into the chained form the prefix index keys on. ``chained`` says whether
+    ``block_hashes`` is chained already (then ``chain`` is the identity).
+    """
+
+    name: str
+    chained: bool
+    supports_salt: bool
+    supports_lora: bool
+    _block_hashes: Callable[..., list[int]]
+    _chain: Callable[[Sequence[int], int | None], list[int]]
+
+    def block_hashes(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        cache_salt: int | None = None,
+        lora_id: int | None = None,
+    ) -> list[int]:
+        _check_block_size(block_size)
+        return self._block_hashes(token_ids, block_size, cache_salt=cache_salt, lora_id=lora_id)
+
+    def chain(self, block_hashes: Sequence[int], parent: int | None = None) -> list[int]:
+        return self._chain(block_hashes, parent)
+
+    def sequence_hashes(
+        self,
+        token_ids: Sequence[int],
+        block_size: int,
+        *,
+        cache_salt: int | None = None,
+        lora_id: int | None = None,
+    ) -> list[int]:
+        return self.chain(
+            self.block_hashes(token_ids, block_size, cache_salt=cache_salt, lora_id=lora_id)
+        )
+
+
+_SCHEMES: dict[str, HashScheme] = {
+    s.name: s
+    for s in (
+        HashScheme(
+            name="public-xxh3-v1",
+            chained=False,
+            supports_salt=False,
+            supports_lora=False,
+            _block_hashes=_xxh3_block_hashes,
+            _chain=_xxh3_chain,
+        ),
+        HashScheme(
+            name="trtllm-v1",
+            chained=True,
+            supports_salt=True,
+            supports_lora=True,
+            _block_hashes=_trtllm_block_hashes,
+            _chain=_identity_chain,
+        ),
+    )
+}
+
+
+def known_schemes() -> tuple[str, ...]:
+    return tuple(sorted(_SCHEMES))
+
+
+def get_scheme(name: str) -> HashScheme:
+    """The scheme called ``name``; ValueError listing the known ones otherwise."""
+    try:
+        return _SCHEMES[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown hash scheme {name!r}; known schemes: {', '.join(known_schemes())}"
+        ) from None
+
+
+def local_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    scheme: str = DEFAULT_SCHEME,
+    *,
+    cache_salt: int | None = None,
+    lora_id: int | None = None,
+) -> list[int]:
+    """Per-block hashes of the full blocks of ``token_ids`` (u64, unchained for
+    ``public-xxh3-v1``; for ``trtllm-v1``, which has no unchained form, the chained keys)."""
+    return get_scheme(scheme).block_hashes(
+        token_ids, block_size, cache_salt=cache_salt, lora_id=lora_id
+    )
+
+
+def sequence_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    scheme: str = DEFAULT_SCHEME,
+    *,
+    cache_salt: int | None = None,
+    lora_id: int | None = None,
+) -> list[int]:
+    """Chained hashes of the full blocks: element ``i`` names ``tokens[:(i+1)*block_size]``."""
+    return get_scheme(scheme).sequence_hashes(
+        token_ids, block_size, cache_salt=cache_salt, lora_id=lora_id
+    )

@@ -1,0 +1,231 @@
+"""Block-hash schemes: golden values from REFERENCE.md, chaining, normalisation, trtllm-v1."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvkern.cache.hashing import (
+    U64_MASK,
+    get_scheme,
+    known_schemes,
+    local_block_hashes,
+    normalize_hash,
+    normalize_hashes,
+    sequence_hashes,
+    trtllm_block_key,
+)
+
+# Verified against Dynamo 1.6.1 (REFERENCE.md, "Block-hash schemes").
+GOLDEN = [
+    pytest.param(32, 32, [5756925433886871916], id="tokens0-31_block32"),
+    pytest.param(64, 32, [5756925433886871916, 13958166640625465031], id="tokens0-63_block32"),
+    pytest.param(
+        64,
+        16,
+        [15310707395893867146, 15292316782987903195, 5532946206955930018, 14928757266181269122],
+        id="tokens0-63_block16",
+    ),
+]
+
+
+@pytest.mark.parametrize("n_tokens,block_size,expected", GOLDEN)
+def test_public_xxh3_golden(n_tokens, block_size, expected):
+    assert local_block_hashes(list(range(n_tokens)), block_size) == expected
+    assert local_block_hashes(list(range(n_tokens)), block_size, "public-xxh3-v1") == expected
+
+
+def test_public_second_block_is_position_independent():
+    # Dynamo's local hash of block 1 of 0..63 equals the hash of tokens 32..63 on their own.
+    assert local_block_hashes(list(range(32, 64)), 32) == [13958166640625465031]
+
+
+def test_partial_block_never_hashed():
+    assert local_block_hashes(list(range(31)), 32) == []
+    assert local_block_hashes(list(range(63)), 32) == [5756925433886871916]
+    assert sequence_hashes([], 16) == []
+    assert sequence_hashes(list(range(15)), 16, "trtllm-v1") == []
+
+
+def test_sequence_hash_formula():
+    local = local_block_hashes(list(range(64)), 16)
+    seq = sequence_hashes(list(range(64)), 16)
+    assert seq[0] == local[0]
+    for i in range(1, 4):
+        want = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seq[i - 1], local[i]), seed=1337)
+        assert seq[i] == want
+    assert len(set(seq)) == 4
+
+
+def test_chain_continues_from_parent():
+    scheme = get_scheme("public-xxh3-v1")
+    local = local_block_hashes(list(range(64)), 16)
+    full = scheme.chain(local)
+    assert scheme.chain(local[2:], parent=full[1]) == full[2:]
+
+
+def test_chained_hash_depends_on_prefix_local_does_not():
+    a = list(range(32))
+    b = [7] * 16 + list(range(16, 32))
+    assert local_block_hashes(a, 16)[1] == local_block_hashes(b, 16)[1]
+    assert sequence_hashes(a, 16)[1] != sequence_hashes(b, 16)[1]
+    assert sequence_hashes(a, 16, "trtllm-v1")[1] != sequence_hashes(b, 16, "trtllm-v1")[1]
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [
+        pytest.param(0, 0, id="zero"),
+        pytest.param(U64_MASK, U64_MASK, id="u64_max"),
+        pytest.param(-1, U64_MASK, id="i64_minus1"),
+        pytest.param(-(1 << 63), 1 << 63, id="i64_min"),
+        pytest.param(1 << 63, 1 << 63, id="u64_high_bit"),
+    ],
+)
+def test_normalize_hash(value, expected):
+    assert normalize_hash(value) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        pytest.param(1 << 64, id="u64_overflow"),
+        pytest.param(-(1 << 63) - 1, id="i64_underflow"),
+        pytest.param(True, id="bool"),
+        pytest.param(1.0, id="float"),
+        pytest.param("1", id="str"),
+        pytest.param(None, id="none"),
+    ],
+)
+def test_normalize_hash_rejects(value):
+    with pytest.raises(ValueError, match="block hash"):
+        normalize_hash(value)
+
+
+def test_normalize_hashes_names_index():
+    with pytest.raises(ValueError, match=r"block_hashes\[2\]"):
+        normalize_hashes([1, 2, True])
+
+
+@given(st.integers(min_value=-(1 << 63), max_value=U64_MASK))
+@settings(max_examples=200)
+def test_i64_bitcast_round_trip(value):
+    u = normalize_hash(value)
+    assert 0 <= u <= U64_MASK
+    assert struct.pack("<Q", u) == (
+        struct.pack("<q", value) if value < 0 else struct.pack("<Q", value)
+    )
+
+
+def test_chain_accepts_i64_spelling():
+    local = local_block_hashes(list(range(64)), 16)
+    signed = [h - (1 << 64) if h >= 1 << 63 else h for h in local]
+    assert any(h < 0 for h in signed)
+    scheme = get_scheme("public-xxh3-v1")
+    assert scheme.chain(signed) == scheme.chain(local)
+
+
+def _ref_trtllm_block(tokens, parent, salt=None, lora=None):
+    """Straight transcription of REFERENCE.md's formula (with C++ uint32 promotion)."""
+    m64 = (1 << 64) - 1
+    seed = (len(tokens) ^ (parent * 0xBF58476D1CE4E5B9)) % (1 << 64)
+    for t in tokens:
+        a = t % (1 << 32)
+        a = (((a >> 16) ^ a) * 0x45D9F3B) % (1 << 32)
+        a = (((a >> 16) ^ a) * 0x45D9F3B) % (1 << 32)
+        a = (a >> 16) ^ a
+        seed = seed ^ ((((a + 0x9E3779B9) % (1 << 32)) + (seed << 6) + (seed >> 2)) & m64)
+
+    def sm(x):
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m64
+        return x ^ (x >> 31)
+
+    if lora is not None:
+        seed = seed ^ ((sm(lora) + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & m64)
+    if salt is not None and parent == 0:
+        seed = seed ^ ((sm(salt) + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & m64)
+    return seed
+
+
+def test_trtllm_matches_formula_and_chains_through_parent():
+    tokens = [3, 70000, 2**32 - 1, 0, 12345, 99, 5, 6]
+    keys = sequence_hashes(tokens, 4, "trtllm-v1")
+    k0 = _ref_trtllm_block(tokens[:4], 0)
+    k1 = _ref_trtllm_block(tokens[4:], k0)
+    assert keys == [k0, k1]
+    assert trtllm_block_key(tokens[4:], k0) == k1
+    # trtllm-v1 has no unchained form: local_block_hashes returns the chained keys.
+    assert local_block_hashes(tokens, 4, "trtllm-v1") == keys
+    assert get_scheme("trtllm-v1").chain(keys) == keys
+    assert get_scheme("trtllm-v1").chained and not get_scheme("public-xxh3-v1").chained
+
+
+def test_trtllm_salt_changes_root_and_therefore_every_key():
+    tokens = list(range(48))
+    plain = sequence_hashes(tokens, 16, "trtllm-v1")
+    salted = sequence_hashes(tokens, 16, "trtllm-v1", cache_salt=42)
+    other = sequence_hashes(tokens, 16, "trtllm-v1", cache_salt=43)
+    assert all(a != b for a, b in zip(plain, salted, strict=True))
+    assert salted != other
+    assert salted[0] == _ref_trtllm_block(tokens[:16], 0, salt=42)
+    # Salt only enters the root block's own mix; later blocks inherit it through the parent.
+    assert salted[1] == _ref_trtllm_block(tokens[16:32], salted[0])
+
+
+def test_trtllm_lora_changes_every_key():
+    tokens = list(range(32))
+    plain = sequence_hashes(tokens, 16, "trtllm-v1")
+    lora = sequence_hashes(tokens, 16, "trtllm-v1", lora_id=7)
+    assert all(a != b for a, b in zip(plain, lora, strict=True))
+    assert lora[1] == _ref_trtllm_block(tokens[16:], lora[0], lora=7)
+
+
+def test_public_scheme_refuses_salt_and_lora():
+    with pytest.raises(ValueError, match="cache_salt"):
+        local_block_hashes(list(range(32)), 16, cache_salt=1)
+    with pytest.raises(ValueError, match="lora_id=3"):
+        sequence_hashes(list(range(32)), 16, lora_id=3)
+
+
+def test_unknown_scheme_lists_known():
+    with pytest.raises(ValueError, match="public-xxh3-v1.*trtllm-v1"):
+        local_block_hashes([1, 2], 1, "vllm-sha256")
+    assert known_schemes() == ("public-xxh3-v1", "trtllm-v1")
+
+
+@pytest.mark.parametrize("scheme", ["public-xxh3-v1", "trtllm-v1"])
+@pytest.mark.parametrize(
+    "tokens,match",
+    [
+        pytest.param([1, -1], r"token_ids\[1\] = -1", id="negative"),
+        pytest.param([1, 2**32], r"token_ids\[1\]", id="overflow"),
+        pytest.param([True, 1], r"token_ids\[0\]", id="bool"),
+    ],
+)
+def test_bad_tokens_raise(scheme, tokens, match):
+    with pytest.raises(ValueError, match=match):
+        local_block_hashes(tokens, 2, scheme)
+
+
+@pytest.mark.parametrize("block_size", [0, -4, True, 2.0])
+def test_bad_block_size(block_size):
+    with pytest.raises(ValueError, match="block_size"):
+        local_block_hashes([1, 2, 3, 4], block_size)
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=80), st.integers(1, 16))
+@settings(max_examples=60, deadline=None)
+def test_prefix_property(tokens, block_size):
+    """Hashes of a prefix are a prefix of the hashes (both schemes, both forms)."""
+    cut = len(tokens) // 2
+    for scheme in known_schemes():
+        full = sequence_hashes(tokens, block_size, scheme)
+        part = sequence_hashes(tokens[:cut], block_size, scheme)
+        assert full[: len(part)] == part
+        assert len(full) == len(tokens) // block_size
+        assert all(0 <= h <= U64_MASK for h in full)
