@@ -242,6 +242,18 @@ def test_attention_dp_uses_tp_per_dp_group():
         plan_transfer(topo, 4, topo, 0)
 
 
+def test_plan_travels_as_msgpack():
+    msgspec = pytest.importorskip("msgspec")
+    model = ModelKVSpec(num_layers=6, num_kv_heads=2, head_dim=8, block_size=16,
+                        dtype="float8_e4m3fn")
+    src = Topology(model=model, parallel=Parallelism(tp_size=8, pp_size=2, dp_size=2,
+                                                     attention_dp=True))
+    dst = Topology(model=model, parallel=Parallelism(tp_size=2, pp_size=3))
+    plan = plan_transfer(src, 1, dst, 0)
+    wire = msgspec.msgpack.encode(plan.to_dict())
+    assert TransferPlan.from_dict(msgspec.msgpack.decode(wire)) == plan
+
+
 def test_from_dict_rejects_tampered_plans():
     src, dst = _topo(tp=2), _topo(tp=4)
     wire = plan_transfer(src, 0, dst, 0).to_dict()

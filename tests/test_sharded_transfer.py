@@ -9,6 +9,7 @@ blocks (``torch.equal`` on bytes).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
@@ -123,7 +124,7 @@ def _ids(nb: int, n: int, rng: random.Random, pad: set[int]) -> list[int]:
 
 
 def _simulate(case: Case, *, pad: frozenset[int] = frozenset(), tensor_ids: bool = False,
-              one_send_buffer: bool = False):
+              one_send_buffer: bool = False, backend: str = "auto"):
     src = _topo(case, case.src, case.src_split)
     dst = _topo(case, case.dst, case.dst_split)
     gen = torch.Generator().manual_seed(hash(case.id) & 0xFFFF)
@@ -169,12 +170,14 @@ def _simulate(case: Case, *, pad: frozenset[int] = frozenset(), tensor_ids: bool
                 out = big[offset:offset + t.nbytes(case.n_blocks)]
                 offset += t.nbytes(case.n_blocks)
             streams[(s, t.dst_rank)] = pack_for_peer(
-                plan, s, t.dst_rank, src_pools[s], src_layouts[s], src_ids, out=out)
+                plan, s, t.dst_rank, src_pools[s], src_layouts[s], src_ids, out=out,
+                backend=backend)
             assert streams[(s, t.dst_rank)].numel() == peer_stream_nbytes(
                 plan, s, t.dst_rank, case.n_blocks)
     # "Network": the destination receives its own copy of each stream.
     for (s, d), stream in streams.items():
-        unpack_from_peer(plan, s, d, stream.clone(), dst_pools[d], dst_layouts[d], dst_ids)
+        unpack_from_peer(plan, s, d, stream.clone(), dst_pools[d], dst_layouts[d], dst_ids,
+                         backend=backend)
 
     for r in range(dst.world_size):
         got = dst_layouts[r].tensors(dst_pools[r])
@@ -192,6 +195,14 @@ def test_simulated_transfer_bit_exact(case):
 @pytest.mark.parametrize("case", [CASES[3], CASES[5], CASES[13]], ids=lambda c: c.id)
 def test_padding_ids_tensor_ids_and_one_send_buffer(case):
     _simulate(case, pad=frozenset({1}), tensor_ids=True, one_send_buffer=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("case", [CASES[12], CASES[18]], ids=lambda c: c.id)
+def test_triton_backend(case):
+    # The Triton kernel (interpreted on CPU) through the same sharded path.
+    _simulate(dataclasses.replace(case, n_blocks=2, head_dim=4), pad=frozenset({0}),
+              backend="triton")
 
 
 def test_replicas_spread_over_source_ranks():
