@@ -23,6 +23,7 @@ Dispatch: CUDA tensors run the Triton kernel; CPU tensors run a vectorized torch
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import operator
@@ -41,7 +42,7 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
     tl = None
 
-__all__ = ["pack", "unpack", "Backend", "launch_config"]
+__all__ = ["pack", "unpack", "Backend", "launch_config", "config_override", "tuning_key"]
 
 Backend = str  # "auto" | "triton" | "torch"
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -103,6 +104,7 @@ if triton is not None:
 # --------------------------------------------------------------------------------------
 
 _TUNED_PATH = Path(__file__).with_name("tuned_configs.json")
+_OVERRIDE: dict = {}  # set by config_override (bench/autotune.py); empty in normal use
 
 
 @functools.lru_cache(maxsize=8)
@@ -112,34 +114,51 @@ def _tuned_table(device_name: str) -> dict:
         table = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    return table.get(device_name, {}) if isinstance(table, dict) else {}
+    entry = table.get(device_name, {}) if isinstance(table, dict) else {}
+    return entry.get("configs", {}) if isinstance(entry, dict) else {}
+
+
+@contextlib.contextmanager
+def config_override(*, tile_bytes: int, num_warps: int):
+    """Force one launch configuration (for the autotuner); not thread-safe."""
+    _OVERRIDE.update(tile_bytes=int(tile_bytes), num_warps=int(num_warps))
+    try:
+        yield
+    finally:
+        _OVERRIDE.clear()
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def launch_config(device: torch.device, t: int, dw: int, word_bytes: int) -> dict:
+def tuning_key(row_bytes: int, dense_rows: bool) -> str:
+    """Key of the tuned table: row kind and the row size bucket (a power of two <= 64 KiB).
+    A row is one (block, layer, kv, head): ``T x D``; dense when tokens follow head_dim."""
+    return f"{'dense' if dense_rows else 'strided'}:{min(_next_pow2(row_bytes), 1 << 16)}"
+
+
+def launch_config(device: torch.device, t: int, dw: int, word_bytes: int,
+                  dense_rows: bool = True) -> dict:
     """Tile sizes and warps for one (block_size, head_dim words) shape on ``device``.
 
     Heuristic: a tile of ~16 KiB of words per iteration (enough loads in flight per SM to
     cover HBM latency; 256 B runs need several rows per program), 4 warps, 8 for big tiles.
-    A table written by ``bench/autotune.py`` for this device name overrides the tile size.
+    A table written by ``bench/autotune.py`` for this device name overrides tile and warps.
     """
-    tile_words = (16 * 1024) // word_bytes
-    warps = 4
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        run_bytes = t * dw * word_bytes
-        bucket = str(min(_next_pow2(run_bytes), 1 << 16))
-        tuned = _tuned_table(name).get(bucket)
+    tile_bytes, warps = 16 * 1024, 4
+    if _OVERRIDE:
+        tile_bytes, warps = _OVERRIDE["tile_bytes"], _OVERRIDE["num_warps"]
+    elif device.type == "cuda":
+        tuned = _tuned_table(torch.cuda.get_device_name(device)).get(
+            tuning_key(t * dw * word_bytes, dense_rows))
         if tuned:
-            tile_words = int(tuned["tile_bytes"]) // word_bytes
-            warps = int(tuned["num_warps"])
+            tile_bytes, warps = int(tuned["tile_bytes"]), int(tuned["num_warps"])
+    tile_words = max(1, tile_bytes // word_bytes)
     block_d = _next_pow2(dw)
     block_t = min(_next_pow2(t), max(1, tile_words // block_d))
     block_r = max(1, tile_words // (block_t * block_d)) if block_t >= t else 1
-    if block_r * block_t * block_d * word_bytes >= 32 * 1024:
+    if not _OVERRIDE and block_r * block_t * block_d * word_bytes >= 32 * 1024:
         warps = max(warps, 8)
     return {"BLOCK_R": block_r, "BLOCK_T": block_t, "BLOCK_D": block_d, "num_warps": warps}
 
@@ -194,7 +213,7 @@ def _launch_triton(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.
     n_rows = ids.numel() * n_layers * 2 * n_heads
     if n_rows == 0:
         return
-    cfg = launch_config(staging.device, t, dw, wb)
+    cfg = launch_config(staging.device, t, dw, wb, dense_rows=wstride("token") == dw or t == 1)
     n_groups = triton.cdiv(n_rows, cfg["BLOCK_R"])
     grid = n_groups if max_programs is None else max(1, min(n_groups, int(max_programs)))
     _kv_copy_kernel[(grid,)](
@@ -218,9 +237,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _torch_copy(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Tensor,
                 l0: int, l1: int, h0: int, h1: int, pack_dir: bool) -> None:
-    """One ``index_select``/``index_copy_`` per tensor: the gather writes straight into the
-    strided staging slice (measured 0.8x a contiguous copy on 2 cores; a gather into a
-    temporary and a second copy reached 0.13x)."""
+    """One gather or scatter per tensor, straight between the pool and the strided staging
+    slice, on integer views of the same memory. Pack uses ``index_select(out=...)``
+    (0.8-1.1x a contiguous copy on 2 cores; gathering into a temporary and copying again
+    reached 0.13x). Unpack uses numpy fancy assignment on shared-memory views, which copies
+    each block slice as a strided run (0.9-1.1x); ``index_copy_`` reached 0.1-0.3x."""
     valid = ids >= 0
     all_valid = bool(valid.all())
     pos = None if all_valid else valid.nonzero().squeeze(1)
@@ -231,14 +252,16 @@ def _torch_copy(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Ten
                   for li in range(l0, l1)]
     else:
         pieces = [(_bits(layout.canonical_view(tensors[0]))[:, l0:l1, :, h0:h1], stg)]
-    for src, dst in pieces:
+    sel_np = None if pack_dir else sel.numpy()
+    for pool_part, stg_part in pieces:
         if pack_dir:
             if all_valid:
-                torch.index_select(src, 0, sel, out=dst)
+                torch.index_select(pool_part, 0, sel, out=stg_part)
             else:
-                dst[pos] = src.index_select(0, sel)
+                stg_part[pos] = pool_part.index_select(0, sel)
         else:
-            src.index_copy_(0, sel, dst if all_valid else dst[pos])
+            src = stg_part if all_valid else stg_part[pos]
+            pool_part.numpy()[sel_np] = src.numpy()
 
 
 # --------------------------------------------------------------------------------------
