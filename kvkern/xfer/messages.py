@@ -1,0 +1,274 @@
+"""Versioned control messages of the pull path, msgpack on the wire.
+
+Every frame is a fixed binary preamble followed by a msgpack body::
+
+    offset  size  field
+    0       4     magic  b"KVKX"
+    4       2     protocol version (u16, little endian)   == PROTOCOL_VERSION
+    6       2     flags (u16), must be 0
+    8       8     compatibility fingerprint (u64)         == codec.fingerprint
+    16      4     body length in bytes (u32)              <= codec.max_body_bytes
+    20      n     msgpack body: a map with a "kind" tag (PullRequest | PullReply | Cancel)
+
+The preamble is checked completely (magic, version, flags, fingerprint, length) before a
+single byte of the body is decoded, so an incompatible or hostile peer is rejected cheaply.
+The fingerprint hashes the message schema (so any field change changes it) plus optional
+deployment compatibility bytes the caller mixes in (e.g. layout and hash-scheme ids).
+
+Decoding is strict: unknown fields, unknown kinds, out-of-range integers and oversized lists
+are :class:`ProtocolError` with a ``reason``; nothing else escapes :meth:`Codec.decode`.
+
+Hashes are root-aligned: ``block_hashes[i]`` is the hash of block ``i`` of the prompt counted
+from the root, and a request asks for ``block_hashes[start:start + count]``::
+
+    block_hashes  [h0 h1 h2 h3 h4 h5 h6 h7]
+                   └─ dst has ─┘└ pulled ┘      start=4, count=4
+
+This module never imports ucxx.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from enum import Enum
+from typing import Annotated, Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAGIC = b"KVKX"
+_PREAMBLE = struct.Struct("<4sHHQI")
+PREAMBLE_BYTES = _PREAMBLE.size  # 20
+
+# Caps on what a decoder accepts. 1 Mi hashes is ~16 M tokens at block size 16.
+MAX_BODY_BYTES = 16 << 20
+MAX_BLOCKS = 1 << 20
+MAX_PIECES = 4096
+MAX_CHUNKS = 1 << 20
+MAX_TEXT = 256
+
+# msgpack integers stop at 2**64 - 1, so ge=0 is the whole u64 check (msgspec rejects an
+# upper bound beyond int64 in Meta).
+U64 = Annotated[int, msgspec.Meta(ge=0)]
+NonNeg = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+# Transfer ids live in the transport's tag (see kvkern.xfer.transport.tag_for): 30 bits, 0 is
+# the control channel.
+TransferId = Annotated[int, msgspec.Meta(ge=1, le=(1 << 30) - 1)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+
+
+class ProtocolError(Exception):
+    """A frame that cannot be accepted. ``reason`` is one of: ``truncated``, ``bad_magic``,
+    ``unsupported_version``, ``bad_flags``, ``fingerprint_mismatch``, ``too_large``,
+    ``length_mismatch``, ``unknown_kind``, ``invalid``."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class Status(str, Enum):
+    """Outcome of a pull as the source reports it."""
+
+    OK = "ok"  # every requested block served
+    PARTIAL = "partial"  # a prefix of the requested blocks served (served_blocks < count)
+    MISS = "miss"  # none of the requested blocks held any more
+    REJECTED = "rejected"  # request invalid for this source (scheme, plan, rank)
+    BUSY = "busy"  # source at its in-flight limit; retry elsewhere or recompute
+    ERROR = "error"  # source-side failure; reason says which
+
+
+class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+            tag_field="kind"):
+    pass
+
+
+class PlanPiece(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One piece of the staging stream a destination rank receives: source rank ``src_rank``
+    packs layers ``[layer_start, layer_stop)`` × heads ``[head_start, head_stop)`` of every
+    served block into bytes ``[offset, offset + length)`` of the stream."""
+
+    src_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    layer_start: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    layer_stop: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    head_start: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    head_stop: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+    offset: NonNeg
+    length: NonNeg
+
+    def __post_init__(self) -> None:
+        if self.layer_stop <= self.layer_start:
+            raise ValueError(f"empty layer range [{self.layer_start}, {self.layer_stop})")
+        if self.head_stop <= self.head_start:
+            raise ValueError(f"empty head range [{self.head_start}, {self.head_stop})")
+
+
+class PullRequest(_Base, tag="pull_request"):
+    """Destination → source: send blocks ``block_hashes[start:start + count]``.
+
+    ``deadline_ms`` is relative (milliseconds the source may spend, counted from receipt), so
+    clock skew between hosts does not matter. ``chunk_bytes`` is the largest chunk the source
+    may send; every chunk but the last of a stream has exactly that size.
+    """
+
+    transfer_id: TransferId
+    request_id: Text
+    hash_scheme: Text
+    block_hashes: Annotated[list[U64], msgspec.Meta(max_length=MAX_BLOCKS)]
+    start: NonNeg
+    count: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS)]
+    pieces: Annotated[list[PlanPiece], msgspec.Meta(min_length=1, max_length=MAX_PIECES)]
+    chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
+    deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)]
+
+    def __post_init__(self) -> None:
+        if self.start + self.count > len(self.block_hashes):
+            raise ValueError(f"start {self.start} + count {self.count} exceeds "
+                             f"{len(self.block_hashes)} block hashes")
+        end = 0
+        for p in sorted(self.pieces, key=lambda p: p.offset):
+            if p.offset < end:
+                raise ValueError(f"plan piece at offset {p.offset} overlaps the previous "
+                                 f"piece ending at {end}")
+            end = p.offset + p.length
+
+    @property
+    def requested_hashes(self) -> list[int]:
+        return self.block_hashes[self.start:self.start + self.count]
+
+
+class PullReply(_Base, tag="pull_reply"):
+    """Source → destination: what will follow on the data tags of ``transfer_id``.
+
+    ``n_chunks`` chunks follow with sizes ``chunk_sizes`` (sum ``total_bytes``) unless
+    ``status`` is not ok/partial, in which case nothing follows and ``reason`` says why.
+    ``block_hashes`` are the served blocks' hashes, a prefix of the requested ones.
+    """
+
+    transfer_id: TransferId
+    status: Status
+    served_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0
+    block_hashes: Annotated[list[U64], msgspec.Meta(max_length=MAX_BLOCKS)] = []
+    total_bytes: NonNeg = 0
+    n_chunks: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHUNKS)] = 0
+    chunk_sizes: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_CHUNKS)] = []
+    reason: Text = ""
+
+    def __post_init__(self) -> None:
+        if len(self.block_hashes) != self.served_blocks:
+            raise ValueError(f"served_blocks {self.served_blocks} but "
+                             f"{len(self.block_hashes)} block hashes")
+        if len(self.chunk_sizes) != self.n_chunks:
+            raise ValueError(f"n_chunks {self.n_chunks} but {len(self.chunk_sizes)} sizes")
+        if sum(self.chunk_sizes) != self.total_bytes:
+            raise ValueError(f"chunk sizes sum to {sum(self.chunk_sizes)}, "
+                             f"total_bytes is {self.total_bytes}")
+        if self.status not in (Status.OK, Status.PARTIAL) and (self.n_chunks or
+                                                               self.served_blocks):
+            raise ValueError(f"status {self.status.value} carries no data but announces "
+                             f"{self.served_blocks} blocks in {self.n_chunks} chunks")
+
+
+class Cancel(_Base, tag="cancel"):
+    """Either side → the other: abandon ``transfer_id`` (the source unpins; the destination
+    stops waiting). Sending it is best effort; each side also has its own deadline."""
+
+    transfer_id: TransferId
+    reason: Text = ""
+
+
+Message = Union[PullRequest, PullReply, Cancel]  # noqa: UP007 (msgspec needs a runtime Union)
+MESSAGE_TYPES: tuple[type, ...] = (PullRequest, PullReply, Cancel)
+
+
+def schema_fingerprint(compat: bytes = b"") -> int:
+    """u64 over the JSON schema of every message (field names, types, constraints, tags),
+    the protocol version and ``compat``. Any schema change changes it."""
+    schema = msgspec.json.encode(msgspec.json.schema(Message), order="sorted")
+    h = hashlib.blake2b(digest_size=8)
+    h.update(MAGIC + PROTOCOL_VERSION.to_bytes(2, "little") + schema + b"\0" + compat)
+    return int.from_bytes(h.digest(), "little")
+
+
+class Codec:
+    """Encoder/decoder bound to one compatibility fingerprint.
+
+    ``compat`` is mixed into the fingerprint: two peers interoperate only if they were built
+    with the same message schema, protocol version and ``compat`` bytes.
+    """
+
+    def __init__(self, compat: bytes = b"", *, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        if not 0 < max_body_bytes <= 0xFFFFFFFF:
+            raise ValueError(f"max_body_bytes {max_body_bytes} not in (0, 2**32)")
+        self.fingerprint = schema_fingerprint(compat)
+        self.max_body_bytes = max_body_bytes
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(Message)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return PREAMBLE_BYTES + self.max_body_bytes
+
+    def encode(self, msg: Message) -> bytes:
+        if not isinstance(msg, MESSAGE_TYPES):
+            raise TypeError(f"cannot encode {type(msg).__name__}; expected one of "
+                            f"{[t.__name__ for t in MESSAGE_TYPES]}")
+        body = self._encoder.encode(msg)
+        if len(body) > self.max_body_bytes:
+            raise ValueError(f"{type(msg).__name__} body of {len(body)} bytes exceeds the "
+                             f"{self.max_body_bytes}-byte cap")
+        return _PREAMBLE.pack(MAGIC, PROTOCOL_VERSION, 0, self.fingerprint, len(body)) + body
+
+    def frame_length(self, preamble: bytes | bytearray | memoryview) -> int:
+        """Total frame length announced by a (validated) preamble; raises ProtocolError."""
+        if len(preamble) < PREAMBLE_BYTES:
+            raise ProtocolError("truncated", f"{len(preamble)} bytes is shorter than the "
+                                f"{PREAMBLE_BYTES}-byte preamble")
+        magic, version, flags, fingerprint, n = _PREAMBLE.unpack_from(preamble)
+        if magic != MAGIC:
+            raise ProtocolError("bad_magic", f"magic {magic!r} is not {MAGIC!r}")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError("unsupported_version",
+                                f"peer speaks version {version}, we speak {PROTOCOL_VERSION}")
+        if flags != 0:
+            raise ProtocolError("bad_flags", f"flags {flags:#x} set; none are defined")
+        if fingerprint != self.fingerprint:
+            raise ProtocolError("fingerprint_mismatch", f"peer fingerprint {fingerprint:#018x}"
+                                f" != ours {self.fingerprint:#018x}")
+        if n > self.max_body_bytes:
+            raise ProtocolError("too_large", f"body of {n} bytes exceeds the "
+                                f"{self.max_body_bytes}-byte cap")
+        return PREAMBLE_BYTES + n
+
+    def decode(self, frame: bytes | bytearray | memoryview) -> Message:
+        """Decode one complete frame (exactly its bytes). Raises only ProtocolError."""
+        view = memoryview(frame)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        total = self.frame_length(view)
+        if len(view) != total:
+            raise ProtocolError("length_mismatch", f"preamble announces {total} bytes, "
+                                f"frame has {len(view)}")
+        try:
+            return self._decoder.decode(view[PREAMBLE_BYTES:])
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            reason = "unknown_kind" if "`$.kind`" in text else "invalid"
+            raise ProtocolError(reason, text) from None
+        except (msgspec.DecodeError, ValueError, TypeError, RecursionError) as exc:
+            raise ProtocolError("invalid", f"{type(exc).__name__}: {exc}") from None
+
+
+DEFAULT_CODEC = Codec()
+
+
+def encode(msg: Message) -> bytes:
+    """Encode with the default (no deployment compat bytes) codec."""
+    return DEFAULT_CODEC.encode(msg)
+
+
+def decode(frame: bytes | bytearray | memoryview) -> Message:
+    """Decode with the default codec; raises only :class:`ProtocolError`."""
+    return DEFAULT_CODEC.decode(frame)

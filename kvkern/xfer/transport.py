@@ -1,0 +1,679 @@
+"""The UCXX transport of the pull path: listener, connection pool, framed control messages
+and chunked data streams, all under timeouts, with typed errors.
+
+Tag scheme
+----------
+ucxx hashes a non-forced user tag together with the endpoint's private tag agreed at connect
+time, so a tag is private to one connection; within it, ``tag_for`` gives each transfer and
+chunk its own 60-bit integer (an int below 2**61 - 1 hashes to itself in every process; string
+tags hash per process and never match, ``force_tag`` is worker-wide)::
+
+    bit 59            30 29  28 27                 0
+        [ transfer id   ][lane ][ chunk index        ]
+          30 bits          2      28 bits
+
+    lane 0 CONTROL  transfer id 0 index 0: the one well-known tag a source reads requests and
+                    cancels from (any transfer of that connection)
+    lane 1 REPLY    the source's PullReply for transfer id
+    lane 2 DATA     chunk ``index`` of transfer id
+    lane 3          reserved
+
+A control frame is two messages on its tag: the 20-byte preamble of
+:mod:`kvkern.xfer.messages` (checked before anything else is received), then the body. One
+sender lock per connection keeps the two adjacent; each tag has at most one reader at a time.
+
+Errors
+------
+Every operation is bounded. Failures raise :class:`TransportError` whose ``reason`` is one of
+``transfer_timeout``, ``transfer_failed``, ``peer_closed``, ``connect_timeout``,
+``connect_failed``, ``protocol_error``, ``closed``. Any failure in the middle of an operation
+aborts the connection before the error is raised: UCX may still own the buffers of
+outstanding requests (a timed-out send is *not* cancelled by UCX) and only an endpoint abort
+cancels them, so after the raise every caller buffer is free to reuse. A
+:class:`ConnectionPool` then reconnects on the next ``get``.
+
+Progress mode
+-------------
+``thread`` (ucxx's default; set by :mod:`kvkern.xfer.ucx_env` unless ``UCXPY_PROGRESS_MODE``
+is set). Measured with ``kvkern bench xfer`` on this 2-core loopback machine (table in
+:mod:`kvkern.benchcli`): polling wins latency (control round trip 72 us vs 0.25-2.5 ms) and a
+single 256 MiB buffer (11 vs 5.4 GB/s), but loses chunked streams (2.2 vs 4.3 GB/s at 4 MiB x
+4) and spins the event loop at 100% of a core in every process, starving the rest of a
+serving worker (HTTP, scheduling) and here the peer on a shared core. Thread progress keeps
+the event loop free and lets a packer run while chunks fly; blocking mode had the worst
+per-message cost (780 us). A dedicated transfer process may still set
+``UCXPY_PROGRESS_MODE=polling``. ``thread-polling`` collapsed on 2 cores (1.3 GB/s, 83 ms
+round trip); ``UCXPY_ENABLE_PYTHON_FUTURE=1`` cut the thread-mode round trip to ~1 ms in one
+run (not yet adopted: one noisy measurement).
+
+Buffers
+-------
+Host memory: ``bytes``/``bytearray``/``memoryview``, numpy arrays, CPU torch tensors (any
+dtype; sent as their raw bytes). Device memory: any object with
+``__cuda_array_interface__`` and CUDA torch tensors go to UCX as is, and UCX's CUDA
+transports move them (untested here: no GPU). Non-contiguous buffers raise ``ValueError``:
+ucxx would silently send the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import inspect
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from enum import IntEnum
+from typing import Any
+
+from kvkern.xfer.messages import (
+    DEFAULT_CODEC,
+    PREAMBLE_BYTES,
+    Codec,
+    Message,
+    ProtocolError,
+)
+from kvkern.xfer.ucx_env import import_ucxx, ucx_tls_problem
+
+log = logging.getLogger(__name__)
+
+TRANSFER_ID_BITS = 30
+LANE_BITS = 2
+INDEX_BITS = 28
+MAX_TRANSFER_ID = (1 << TRANSFER_ID_BITS) - 1
+MAX_CHUNK_INDEX = (1 << INDEX_BITS) - 1
+
+DEFAULT_TIMEOUT_S = 30.0  # the seed prototype's transfer timeout (REFERENCE "Defaults")
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_MAX_IN_FLIGHT = 4
+
+
+class Lane(IntEnum):
+    CONTROL = 0
+    REPLY = 1
+    DATA = 2
+
+
+def tag_for(transfer_id: int, lane: Lane | int, index: int = 0) -> int:
+    """The integer tag of (transfer, lane, chunk index); see the module docstring."""
+    if not 0 <= transfer_id <= MAX_TRANSFER_ID:
+        raise ValueError(f"transfer id {transfer_id} out of range [0, {MAX_TRANSFER_ID}]")
+    if not 0 <= int(lane) < (1 << LANE_BITS):
+        raise ValueError(f"lane {lane} out of range [0, {1 << LANE_BITS})")
+    if not 0 <= index <= MAX_CHUNK_INDEX:
+        raise ValueError(f"chunk index {index} out of range [0, {MAX_CHUNK_INDEX}]")
+    return (transfer_id << (LANE_BITS + INDEX_BITS)) | (int(lane) << INDEX_BITS) | index
+
+
+CONTROL_TAG = tag_for(0, Lane.CONTROL, 0)
+
+
+class TransportError(Exception):
+    """A transport failure with a machine-readable ``reason`` (see the module docstring)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+# ---------------------------------------------------------------------------------- buffers
+
+
+def as_send_buffer(buf: Any) -> Any:
+    """``buf`` as an object ucxx can send, after checking it is one contiguous run."""
+    return _as_ucx_buffer(buf, writable=False)
+
+
+def as_recv_buffer(buf: Any) -> Any:
+    """``buf`` as an object ucxx can receive into (contiguous and writable)."""
+    return _as_ucx_buffer(buf, writable=True)
+
+
+def _as_ucx_buffer(buf: Any, *, writable: bool) -> Any:
+    mod = type(buf).__module__
+    if mod.startswith("torch"):
+        if not buf.is_contiguous():
+            raise ValueError(f"torch tensor of shape {tuple(buf.shape)} and strides "
+                             f"{buf.stride()} is not contiguous; ucxx would send wrong bytes")
+        flat = buf.detach().reshape(-1)
+        import torch  # noqa: PLC0415 (only reached with a tensor in hand)
+
+        flat = flat.view(torch.uint8)  # any dtype (bf16, fp8) as raw bytes
+        return flat if flat.is_cuda else flat.numpy()
+    if mod.startswith("numpy"):
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"numpy array of shape {buf.shape} and strides {buf.strides} is "
+                             "not C-contiguous; ucxx would send wrong bytes")
+        if writable and not buf.flags.writeable:
+            raise ValueError("numpy array is read-only; cannot receive into it")
+        return buf
+    if hasattr(buf, "__cuda_array_interface__"):
+        cai = buf.__cuda_array_interface__
+        if cai.get("strides") is not None:
+            raise ValueError(f"device buffer with strides {cai['strides']} is not "
+                             "C-contiguous (or says so explicitly); pass a dense buffer")
+        return buf
+    try:
+        view = memoryview(buf)
+    except TypeError:
+        raise TypeError(f"cannot use {type(buf).__name__} as a transfer buffer") from None
+    if not view.c_contiguous:
+        raise ValueError(f"memoryview of shape {view.shape} and strides {view.strides} is "
+                         "not C-contiguous; ucxx would send wrong bytes")
+    if writable and view.readonly:
+        raise ValueError(f"{type(buf).__name__} is read-only; cannot receive into it")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def _nbytes(ucx_buf: Any) -> int:
+    if isinstance(ucx_buf, memoryview):
+        return ucx_buf.nbytes
+    if hasattr(ucx_buf, "nbytes"):
+        return int(ucx_buf.nbytes)
+    return int(ucx_buf.numel() * ucx_buf.element_size())
+
+
+# ------------------------------------------------------------------------------- connection
+
+
+class Connection:
+    """One UCX endpoint with kvkern's framing, timeouts and error mapping.
+
+    Created by :class:`Listener` (accepted, ``peer`` is None) or :class:`ConnectionPool`.
+    After any failure the connection is aborted (``alive`` False) and stays dead.
+    """
+
+    def __init__(self, ep: Any, *, peer: tuple[str, int] | None, codec: Codec) -> None:
+        self._ep = ep
+        self.peer = peer
+        self.codec = codec
+        self.failure: str | None = None  # reason of the failure that killed it
+        self._peer_closed = False  # set from the UCX progress thread: a plain flag only
+        self._send_lock = asyncio.Lock()
+        ep.set_close_callback(self._on_peer_close)
+
+    def _on_peer_close(self, *_: Any) -> None:
+        self._peer_closed = True
+
+    @property
+    def alive(self) -> bool:
+        return self._ep is not None and not self._peer_closed and not self._ep.closed
+
+    def __repr__(self) -> str:
+        state = "alive" if self.alive else f"dead({self.failure or 'closed'})"
+        return f"Connection(peer={self.peer}, {state})"
+
+    def abort(self, reason: str = "closed") -> None:
+        """Close the endpoint now, cancelling every outstanding request. Idempotent."""
+        ep, self._ep = self._ep, None
+        if self.failure is None:
+            self.failure = reason
+        if ep is not None:
+            try:
+                ep.abort()
+            except Exception as exc:  # noqa: BLE001 (closing a broken endpoint may complain)
+                log.debug("abort of %r raised %r", self, exc)
+
+    close = abort
+
+    def _require(self) -> Any:
+        if self._ep is None:
+            raise TransportError("closed", f"connection already closed ({self.failure})")
+        if self._peer_closed:
+            self.abort("peer_closed")
+            raise TransportError("peer_closed", "peer closed the connection")
+        return self._ep
+
+    def _fail(self, exc: BaseException, what: str) -> TransportError:
+        """Abort and map ``exc`` to a TransportError (the caller raises it)."""
+        if isinstance(exc, TransportError):
+            self.abort(exc.reason)
+            return exc
+        if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+            reason, detail = "transfer_timeout", f"{what} timed out"
+        elif isinstance(exc, ProtocolError):
+            reason, detail = "protocol_error", f"{what}: {exc}"
+        else:
+            ucxx = import_ucxx()
+            ex = ucxx.exceptions
+            closed_types = (ex.UCXConnectionResetError, ex.UCXCloseError,
+                            ex.UCXNotConnectedError, ex.UCXEndpointTimeoutError,
+                            ex.UCXUnreachableError)
+            if self._peer_closed or isinstance(exc, closed_types):
+                reason = "peer_closed"
+            else:
+                reason = "transfer_failed"
+            detail = f"{what}: {type(exc).__name__}: {exc}"
+        self.abort(reason)
+        err = TransportError(reason, detail)
+        err.__cause__ = exc
+        return err
+
+    # ---- single messages
+
+    async def _post_send(self, buf: Any, tag: int) -> None:
+        await self._require().send(buf, tag=tag)
+
+    async def _post_recv(self, buf: Any, tag: int) -> None:
+        await self._require().recv(buf, tag=tag)
+
+    async def send_bytes(self, buf: Any, tag: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Send one contiguous buffer on ``tag``; on timeout the connection is aborted."""
+        ubuf = as_send_buffer(buf)
+        try:
+            await asyncio.wait_for(self._post_send(ubuf, tag), timeout)
+        except asyncio.CancelledError:
+            self.abort("cancelled")
+            raise
+        except Exception as exc:
+            raise self._fail(exc, f"send of {_nbytes(ubuf)} B on tag {tag:#x}") from exc
+
+    async def recv_bytes(self, buf: Any, tag: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Receive one message on ``tag`` into ``buf`` (exactly its size is expected)."""
+        ubuf = as_recv_buffer(buf)
+        try:
+            await asyncio.wait_for(self._post_recv(ubuf, tag), timeout)
+        except asyncio.CancelledError:
+            self.abort("cancelled")
+            raise
+        except Exception as exc:
+            raise self._fail(exc, f"receive of {_nbytes(ubuf)} B on tag {tag:#x}") from exc
+
+    # ---- control frames
+
+    async def send_msg(self, msg: Message, tag: int = CONTROL_TAG, *,
+                       timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Send one control message (preamble then body) on ``tag``."""
+        frame = self.codec.encode(msg)
+        pre, body = memoryview(frame)[:PREAMBLE_BYTES], memoryview(frame)[PREAMBLE_BYTES:]
+
+        async def _send() -> None:
+            async with self._send_lock:
+                await self._post_send(pre, tag)
+                await self._post_send(body, tag)
+
+        try:
+            await asyncio.wait_for(_send(), timeout)
+        except asyncio.CancelledError:
+            self.abort("cancelled")
+            raise
+        except Exception as exc:
+            raise self._fail(exc, f"send of {type(msg).__name__}") from exc
+
+    async def recv_msg(self, tag: int = CONTROL_TAG, *,
+                       timeout: float | None = DEFAULT_TIMEOUT_S) -> Message:
+        """Receive one control message on ``tag``. ``timeout=None`` waits until the peer
+        sends or goes away (a source's request loop). Bad frames abort the connection and
+        raise ``TransportError('protocol_error')`` with the ProtocolError as ``__cause__``."""
+
+        async def _recv() -> Message:
+            pre = bytearray(PREAMBLE_BYTES)
+            await self._post_recv(pre, tag)
+            total = self.codec.frame_length(pre)  # fingerprint etc. before anything else
+            frame = bytearray(total)
+            frame[:PREAMBLE_BYTES] = pre
+            if total > PREAMBLE_BYTES:
+                await self._post_recv(memoryview(frame)[PREAMBLE_BYTES:], tag)
+            return self.codec.decode(frame)
+
+        try:
+            return await asyncio.wait_for(_recv(), timeout)
+        except asyncio.CancelledError:
+            self.abort("cancelled")
+            raise
+        except Exception as exc:
+            raise self._fail(exc, f"receive of a control message on tag {tag:#x}") from exc
+
+    # ---- chunk streams
+
+    async def send_stream(
+        self,
+        transfer_id: int,
+        produce_chunk: Callable[[int], Any],
+        n_chunks: int,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        first_index: int = 0,
+    ) -> int:
+        """Send chunks ``0..n_chunks-1`` of ``transfer_id``, producing each on demand.
+
+        ``produce_chunk(i)`` returns the buffer of chunk ``i`` (or an awaitable of it); it is
+        called while earlier chunks are still in flight, so packing chunk k+1 overlaps sending
+        chunk k. When ``produce_chunk(i)`` runs, every chunk ``<= i - max_in_flight`` has been
+        sent completely, so a ring of ``max_in_flight`` staging buffers is safe to reuse.
+        ``timeout`` bounds the time without progress (no chunk completing). Returns the
+        bytes sent. On any failure the connection is aborted before raising.
+        """
+        _check_stream_args(transfer_id, n_chunks, max_in_flight, first_index)
+        inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
+        total = 0
+        try:
+            for i in range(n_chunks):
+                while len(inflight) >= max_in_flight:
+                    await self._retire_oldest(inflight, timeout, "send")
+                buf = produce_chunk(i)
+                if inspect.isawaitable(buf):
+                    buf = await buf
+                ubuf = as_send_buffer(buf)
+                total += _nbytes(ubuf)
+                tag = tag_for(transfer_id, Lane.DATA, first_index + i)
+                inflight.append((i, asyncio.ensure_future(self._post_send(ubuf, tag))))
+            while inflight:
+                await self._retire_oldest(inflight, timeout, "send")
+            return total
+        except ValueError:
+            self._abort_streams(inflight, "bad_buffer")
+            raise
+        except asyncio.CancelledError:
+            self._abort_streams(inflight, "cancelled")
+            raise
+        except Exception as exc:
+            err = self._fail(exc, f"send of transfer {transfer_id}")
+            self._abort_streams(inflight, err.reason)
+            raise err from exc
+
+    async def send_chunks(self, transfer_id: int, buffers: Sequence[Any], *,
+                          timeout: float = DEFAULT_TIMEOUT_S,
+                          max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int:
+        """Send ``buffers`` as chunks ``0..len-1`` of ``transfer_id``; see send_stream."""
+        for b in buffers:  # reject every bad buffer before the first byte moves
+            as_send_buffer(b)
+        return await self.send_stream(transfer_id, buffers.__getitem__, len(buffers),
+                                      timeout=timeout, max_in_flight=max_in_flight)
+
+    async def recv_stream(
+        self,
+        transfer_id: int,
+        buffer_for: Callable[[int], Any],
+        n_chunks: int,
+        *,
+        on_chunk: Callable[[int, Any], Any] | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        max_in_flight: int = 2 * DEFAULT_MAX_IN_FLIGHT,
+        first_index: int = 0,
+    ) -> int:
+        """Receive chunks ``0..n_chunks-1`` of ``transfer_id``.
+
+        ``buffer_for(i)`` gives the buffer chunk ``i`` lands in, sized exactly as the sender's
+        chunk. ``on_chunk(i, buf)`` (sync or async) runs in index order as chunks complete, so
+        unpacking chunk k overlaps receiving chunk k+1; ``buffer_for(i)`` is called only after
+        ``on_chunk`` returned for every chunk ``<= i - max_in_flight`` (ring reuse is safe).
+        ``timeout`` bounds the time without progress. Returns the bytes received. On any
+        failure the connection is aborted (cancelling every posted receive) before raising.
+        """
+        _check_stream_args(transfer_id, n_chunks, max_in_flight, first_index)
+        inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
+        bufs: dict[int, Any] = {}
+        total = 0
+        try:
+            for i in range(n_chunks):
+                while len(inflight) >= max_in_flight:
+                    j = await self._retire_oldest(inflight, timeout, "receive")
+                    await _call_maybe_async(on_chunk, j, bufs.pop(j))
+                buf = buffer_for(i)
+                ubuf = as_recv_buffer(buf)
+                bufs[i] = buf
+                total += _nbytes(ubuf)
+                tag = tag_for(transfer_id, Lane.DATA, first_index + i)
+                inflight.append((i, asyncio.ensure_future(self._post_recv(ubuf, tag))))
+            while inflight:
+                j = await self._retire_oldest(inflight, timeout, "receive")
+                await _call_maybe_async(on_chunk, j, bufs.pop(j))
+            return total
+        except ValueError:
+            self._abort_streams(inflight, "bad_buffer")
+            raise
+        except asyncio.CancelledError:
+            self._abort_streams(inflight, "cancelled")
+            raise
+        except Exception as exc:
+            err = self._fail(exc, f"receive of transfer {transfer_id}")
+            self._abort_streams(inflight, err.reason)
+            raise err from exc
+
+    async def recv_chunks(self, transfer_id: int, buffers: Sequence[Any], *,
+                          timeout: float = DEFAULT_TIMEOUT_S,
+                          max_in_flight: int = 2 * DEFAULT_MAX_IN_FLIGHT) -> int:
+        """Receive chunks ``0..len-1`` of ``transfer_id`` into ``buffers``; see recv_stream."""
+        for b in buffers:
+            as_recv_buffer(b)
+        return await self.recv_stream(transfer_id, buffers.__getitem__, len(buffers),
+                                      timeout=timeout, max_in_flight=max_in_flight)
+
+    async def _retire_oldest(self, inflight: collections.deque, timeout: float,
+                             what: str) -> int:
+        """Wait until the oldest in-flight op is done; fail fast if any op fails; raise
+        TimeoutError when no op completes for ``timeout`` seconds. Returns its index."""
+        oldest_i, oldest = inflight[0]
+        while not oldest.done():
+            done, _ = await asyncio.wait([t for _, t in inflight], timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                raise asyncio.TimeoutError(f"no chunk {what} completed in {timeout} s")
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()
+        inflight.popleft()
+        oldest.result()
+        return oldest_i
+
+    def _abort_streams(self, inflight: collections.deque, reason: str) -> None:
+        # Abort first: only an endpoint abort makes UCX let go of posted buffers.
+        self.abort(reason)
+        for _, t in inflight:
+            t.cancel()
+        for _, t in inflight:
+            if t.done() and not t.cancelled():
+                t.exception()  # retrieved: no "exception never retrieved" noise
+
+
+def _check_stream_args(transfer_id: int, n_chunks: int, max_in_flight: int,
+                       first_index: int) -> None:
+    if not 1 <= transfer_id <= MAX_TRANSFER_ID:
+        raise ValueError(f"transfer id {transfer_id} out of range [1, {MAX_TRANSFER_ID}]")
+    if n_chunks < 0 or first_index < 0 or first_index + n_chunks > MAX_CHUNK_INDEX + 1:
+        raise ValueError(f"chunks [{first_index}, {first_index + n_chunks}) out of range "
+                         f"[0, {MAX_CHUNK_INDEX + 1})")
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight {max_in_flight} must be >= 1")
+
+
+async def _call_maybe_async(fn: Callable[..., Any] | None, *args: Any) -> None:
+    if fn is None:
+        return
+    out = fn(*args)
+    if inspect.isawaitable(out):
+        await out
+
+
+def _check_config() -> None:
+    problem = ucx_tls_problem()
+    if problem is not None:
+        raise TransportError("connect_failed", problem)
+
+
+# --------------------------------------------------------------------------------- listener
+
+
+Handler = Callable[[Connection], Awaitable[None]]
+
+
+class Listener:
+    """Accepts connections and runs ``handler(conn)`` for each; the connection is closed when
+    the handler returns. ``close()`` stops listening, aborts every accepted connection and
+    cancels running handlers.
+
+    ucxx's listener binds every interface (its API takes no address); ``host`` is the address
+    this listener advertises in ``address``.
+    """
+
+    def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
+                 codec: Codec = DEFAULT_CODEC, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
+                 ) -> None:
+        self._handler = handler
+        self.host = host
+        self._port = port
+        self.codec = codec
+        self.connect_timeout = connect_timeout
+        self._listener: Any = None
+        self._conns: set[Connection] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
+        self.accepted = 0  # connections accepted so far
+
+    @property
+    def port(self) -> int:
+        if self._listener is None:
+            raise RuntimeError("listener not started")
+        return int(self._listener.port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return (self.host, self.port)
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._conns)
+
+    @property
+    def running_handlers(self) -> int:
+        return len(self._tasks)
+
+    async def start(self) -> Listener:
+        if self._listener is not None:
+            raise RuntimeError("listener already started")
+        _check_config()
+        ucxx = import_ucxx()
+        self._listener = ucxx.create_listener(self._on_accept, port=self._port,
+                                              connect_timeout=self.connect_timeout)
+        return self
+
+    async def _on_accept(self, ep: Any) -> None:
+        if self._closing:
+            ep.abort()
+            return
+        conn = Connection(ep, peer=None, codec=self.codec)
+        task = asyncio.current_task()
+        self._conns.add(conn)
+        if task is not None:
+            self._tasks.add(task)
+        self.accepted += 1
+        try:
+            await self._handler(conn)
+        except asyncio.CancelledError:
+            pass
+        except TransportError as exc:
+            log.debug("handler for %r ended with %s", conn, exc.reason)
+        except Exception:
+            log.exception("listener handler failed")
+        finally:
+            conn.abort("closed")
+            self._conns.discard(conn)
+            if task is not None:
+                self._tasks.discard(task)
+
+    async def close(self, timeout: float = 5.0) -> None:
+        """Stop listening, abort every accepted connection, cancel and await handlers."""
+        self._closing = True
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        for conn in list(self._conns):
+            conn.abort("closed")
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout)
+        self._conns.clear()
+
+    async def __aenter__(self) -> Listener:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+# ---------------------------------------------------------------------------- pool
+
+
+class ConnectionPool:
+    """One connection per source ``(host, port)``: created on first use, reused while alive,
+    replaced after a failure, all closed by ``close()``. Concurrent ``get``s of one source
+    share a single connect."""
+
+    def __init__(self, *, codec: Codec = DEFAULT_CODEC,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+        self.codec = codec
+        self.connect_timeout = connect_timeout
+        self._conns: dict[tuple[str, int], Connection] = {}
+        self._locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._closed = False
+        self.connects = 0  # endpoints created so far (reconnects included)
+
+    def __len__(self) -> int:
+        return sum(1 for c in self._conns.values() if c.alive)
+
+    async def get(self, host: str, port: int) -> Connection:
+        if self._closed:
+            raise TransportError("closed", "connection pool is closed")
+        key = (host, int(port))
+        conn = self._conns.get(key)
+        if conn is not None and conn.alive:
+            return conn
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            conn = self._conns.get(key)
+            if conn is not None and conn.alive:
+                return conn
+            if conn is not None:
+                conn.abort(conn.failure or "closed")
+            conn = await self._connect(key)
+            self._conns[key] = conn
+            return conn
+
+    async def _connect(self, key: tuple[str, int]) -> Connection:
+        _check_config()
+        ucxx = import_ucxx()
+        host, port = key
+        started = time.monotonic()
+        try:
+            ep = await asyncio.wait_for(
+                ucxx.create_endpoint(host, port, connect_timeout=self.connect_timeout),
+                self.connect_timeout)
+        except (asyncio.TimeoutError, TimeoutError) as exc:
+            raise TransportError("connect_timeout", f"{host}:{port} did not accept within "
+                                 f"{self.connect_timeout} s") from exc
+        except Exception as exc:
+            raise TransportError("connect_failed", f"{host}:{port}: {type(exc).__name__}: "
+                                 f"{exc} after {time.monotonic() - started:.2f} s") from exc
+        self.connects += 1
+        return Connection(ep, peer=key, codec=self.codec)
+
+    def discard(self, conn: Connection) -> None:
+        """Abort ``conn`` and forget it; the next ``get`` reconnects."""
+        conn.abort(conn.failure or "closed")
+        if conn.peer is not None and self._conns.get(conn.peer) is conn:
+            del self._conns[conn.peer]
+
+    async def close(self) -> None:
+        self._closed = True
+        for conn in list(self._conns.values()):
+            conn.abort("closed")
+        self._conns.clear()
+
+    async def __aenter__(self) -> ConnectionPool:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+async def reset_ucx() -> None:
+    """Best effort: let ucxx tear its context down (tests, clean process exit)."""
+    ucxx = import_ucxx()
+    with contextlib.suppress(Exception):
+        ucxx.stop_notifier_thread()

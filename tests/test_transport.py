@@ -1,0 +1,363 @@
+"""The UCXX transport between real processes on 127.0.0.1.
+
+One peer process (tests/peers/ucx_peer.py) serves the whole module; tests that kill or freeze
+their peer get their own. All tests share one event loop (ucxx ties its progress to a loop)
+and one connection pool, which is itself under test: after every failure it must reconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+from kvkern.xfer.messages import PlanPiece, PullReply, PullRequest, Status
+from kvkern.xfer.transport import (
+    CONTROL_TAG,
+    MAX_TRANSFER_ID,
+    ConnectionPool,
+    Lane,
+    Listener,
+    TransportError,
+    as_recv_buffer,
+    as_send_buffer,
+    tag_for,
+)
+
+PEER = Path(__file__).parent / "peers" / "ucx_peer.py"
+sys.path.insert(0, str(PEER.parent))
+from ucx_peer import pattern  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+# One loop for the module: ucxx binds its progress to an event loop.
+aio = pytest.mark.asyncio(loop_scope="module")
+HOST = "127.0.0.1"
+
+
+def start_peer(tmp_path: Path) -> tuple[subprocess.Popen, int]:
+    port_file = tmp_path / f"port-{time.monotonic_ns()}"
+    proc = subprocess.Popen([sys.executable, str(PEER), str(port_file)],
+                            stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"peer did not start (exit code {proc.poll()})")
+        time.sleep(0.02)
+    return proc, int(port_file.read_text())
+
+
+def stop_peer(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()  # SIGKILL also ends a SIGSTOPped process
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def peer(tmp_path_factory):
+    proc, port = start_peer(tmp_path_factory.mktemp("peer"))
+    try:
+        yield proc, port
+    finally:
+        stop_peer(proc)
+
+
+@pytest.fixture
+def solo_peer(tmp_path):
+    """A peer of the test's own, for tests that kill or freeze it."""
+    proc, port = start_peer(tmp_path)
+    try:
+        yield proc, port
+    finally:
+        stop_peer(proc)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool():
+    async with ConnectionPool(connect_timeout=10) as p:
+        yield p
+
+
+_tids = iter(range(1, MAX_TRANSFER_ID))
+
+
+def request(mode: str, total: int, chunk: int, tid: int | None = None) -> PullRequest:
+    return PullRequest(transfer_id=tid or next(_tids), request_id=mode, hash_scheme="test",
+                       block_hashes=[11, 22, 33], start=1, count=2,
+                       pieces=[PlanPiece(src_rank=0, layer_start=0, layer_stop=1, head_start=0,
+                                         head_stop=1, offset=0, length=total)],
+                       chunk_bytes=chunk, deadline_ms=10_000)
+
+
+async def pull(conn, mode: str, total: int, chunk: int, *, timeout: float = 10,
+               max_in_flight: int = 8) -> tuple[PullReply, np.ndarray, int]:
+    req = request(mode, total, chunk)
+    await conn.send_msg(req, timeout=5)
+    reply = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY), timeout=5)
+    bufs = [np.full(s, 0xA5, dtype=np.uint8) for s in reply.chunk_sizes]
+    await conn.recv_chunks(req.transfer_id, bufs, timeout=timeout, max_in_flight=max_in_flight)
+    data = np.concatenate(bufs) if bufs else np.empty(0, np.uint8)
+    return reply, data, req.transfer_id
+
+
+# ------------------------------------------------------------------------- no network
+
+
+def test_tag_layout():
+    assert tag_for(0, Lane.CONTROL, 0) == CONTROL_TAG == 0
+    assert tag_for(1, Lane.DATA, 5) == (1 << 30) | (2 << 28) | 5
+    top = tag_for(MAX_TRANSFER_ID, Lane.DATA, (1 << 28) - 1)
+    assert top < (1 << 61) - 1  # ints below the hash modulus hash to themselves
+    assert hash(top) == top
+    for bad in [(-1, 0, 0), (MAX_TRANSFER_ID + 1, 0, 0), (1, 4, 0), (1, 0, 1 << 28)]:
+        with pytest.raises(ValueError):
+            tag_for(*bad)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.arange(64, dtype=torch.int32).reshape(8, 8)[:, ::2],
+    lambda: torch.arange(64, dtype=torch.int32).reshape(8, 8).t(),
+    lambda: np.arange(64, dtype=np.int32).reshape(8, 8)[:, 1:3],
+    lambda: memoryview(bytearray(64))[::2],
+], ids=["torch-strided", "torch-transposed", "numpy-slice", "memoryview-step"])
+def test_non_contiguous_buffers_rejected(make):
+    with pytest.raises(ValueError, match="contiguous"):
+        as_send_buffer(make())
+    with pytest.raises(ValueError, match="contiguous"):
+        as_recv_buffer(make())
+
+
+def test_buffer_kinds():
+    assert as_send_buffer(torch.zeros(3, 5, dtype=torch.bfloat16)).nbytes == 30
+    assert as_send_buffer(b"abc").nbytes == 3
+    assert as_recv_buffer(np.zeros((2, 3), np.float32)).nbytes == 24
+    with pytest.raises(ValueError, match="read-only"):
+        as_recv_buffer(b"abc")
+    with pytest.raises(TypeError):
+        as_send_buffer(object())
+
+
+# ---------------------------------------------------------------------------- network
+
+
+@pytest.mark.parametrize("total,chunk", [
+    (0, 1), (1, 1), (4095, 4096), (65539, 4096), (3 * 2**20 + 5, 2**20), (4 * 2**20, 4 * 2**20),
+], ids=["0B", "1B", "4095B-one-chunk", "64KiB+3-in-17", "3MiB+5-in-4", "4MiB-one-buffer"])
+@aio
+async def test_pull_sizes_byte_exact(peer, pool, total, chunk):
+    conn = await pool.get(HOST, peer[1])
+    reply, data, tid = await pull(conn, "ok", total, chunk)
+    assert reply.status == Status.OK and reply.block_hashes == [22, 33]
+    assert reply.total_bytes == total == data.size
+    assert np.array_equal(data, pattern(tid, total))
+
+
+@aio
+async def test_many_chunks_in_flight_ring_buffers(peer, pool):
+    """512 chunks through a ring of 16 buffers: on_chunk runs in order, and the ring is never
+    overwritten before its chunk was consumed."""
+    conn = await pool.get(HOST, peer[1])
+    chunk, n, ring_n = 4096, 512, 16
+    req = request("ok", chunk * n, chunk)
+    await conn.send_msg(req)
+    reply = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY))
+    ring = [np.empty(chunk, np.uint8) for _ in range(ring_n)]
+    out, order = np.empty(chunk * n, np.uint8), []
+
+    def on_chunk(i, buf):
+        order.append(i)
+        out[i * chunk:(i + 1) * chunk] = buf
+
+    got = await conn.recv_stream(req.transfer_id, lambda i: ring[i % ring_n], reply.n_chunks,
+                                 on_chunk=on_chunk, max_in_flight=ring_n, timeout=10)
+    assert got == chunk * n and order == list(range(n))
+    assert np.array_equal(out, pattern(req.transfer_id, chunk * n))
+
+
+@aio
+async def test_send_stream_overlaps_and_sink_checks(peer, pool):
+    """The other direction: we produce (async, torch bf16) and send; the peer hashes."""
+    conn = await pool.get(HOST, peer[1])
+    n, chunk = 24, 96 * 1024
+    src = torch.randn(n * chunk // 2, generator=torch.Generator().manual_seed(3)).bfloat16()
+    raw = src.view(torch.uint8)
+    req = request("sink", n * chunk, chunk)
+    await conn.send_msg(req)
+    reply = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY))
+    assert reply.n_chunks == n
+    produced = []
+
+    async def produce(i):
+        produced.append(i)
+        await asyncio.sleep(0)
+        return src[i * chunk // 2:(i + 1) * chunk // 2]
+
+    sent = await conn.send_stream(req.transfer_id, produce, n, max_in_flight=4, timeout=10)
+    done = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY, 1))
+    assert sent == n * chunk and produced == list(range(n))
+    assert done.reason == hashlib.sha256(raw.numpy().tobytes()).hexdigest()
+
+
+@aio
+async def test_receive_timeout_then_pool_reconnects(peer, pool):
+    conn = await pool.get(HOST, peer[1])
+    req = request("silent", 8192, 4096)
+    await conn.send_msg(req)
+    reply = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY))
+    bufs = [bytearray(s) for s in reply.chunk_sizes]
+    t0 = time.monotonic()
+    with pytest.raises(TransportError) as info:
+        await conn.recv_chunks(req.transfer_id, bufs, timeout=0.5)
+    assert info.value.reason == "transfer_timeout"
+    assert 0.4 < time.monotonic() - t0 < 3
+    assert not conn.alive and conn.failure == "transfer_timeout"
+    with pytest.raises(TransportError) as info:
+        await conn.recv_msg(timeout=1)
+    assert info.value.reason == "closed"
+
+    connects = pool.connects
+    again = await pool.get(HOST, peer[1])
+    assert again is not conn and again.alive and pool.connects == connects + 1
+    _, data, tid = await pull(again, "ok", 100_000, 30_000)
+    assert np.array_equal(data, pattern(tid, 100_000))
+    assert await pool.get(HOST, peer[1]) is again  # reused, not reconnected
+
+
+@aio
+async def test_control_reply_timeout(peer, pool):
+    conn = await pool.get(HOST, peer[1])
+    req = request("noreply", 10, 10)
+    await conn.send_msg(req)
+    with pytest.raises(TransportError) as info:
+        await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY), timeout=0.3)
+    assert info.value.reason == "transfer_timeout"
+    pool.discard(conn)
+    assert len(pool) == 0
+
+
+@aio
+async def test_peer_killed_mid_transfer(solo_peer):
+    proc, port = solo_peer
+    async with ConnectionPool() as pool:
+        conn = await pool.get(HOST, port)
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as info:
+            await pull(conn, "die", 8 * 2**20, 2**20, timeout=20)
+        elapsed = time.monotonic() - t0
+        assert info.value.reason in ("transfer_failed", "peer_closed"), info.value
+        assert elapsed < 5, f"a dead peer took {elapsed:.1f} s to surface"
+        assert proc.wait(timeout=5) == -signal.SIGKILL
+        assert not conn.alive
+        with pytest.raises(TransportError) as info:
+            await pool.get(HOST, port)  # nobody listens any more
+        assert info.value.reason in ("connect_failed", "connect_timeout")
+
+
+@aio
+async def test_frozen_peer_times_out(solo_peer):
+    proc, port = solo_peer
+    async with ConnectionPool() as pool:
+        conn = await pool.get(HOST, port)
+        with pytest.raises(TransportError) as info:
+            await pull(conn, "stop", 8 * 2**20, 2**20, timeout=1)
+        assert info.value.reason == "transfer_timeout"
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+@aio
+async def test_connect_to_closed_port_is_bounded():
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago, nobody listening
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    async with ConnectionPool(connect_timeout=2) as pool:
+        t0 = time.monotonic()
+        with pytest.raises(TransportError) as info:
+            await pool.get(HOST, port)
+        assert info.value.reason in ("connect_failed", "connect_timeout")
+        assert time.monotonic() - t0 < 4
+
+
+# ------------------------------------------------------------ in-process listener
+
+
+@aio
+async def test_listener_shutdown_closes_everything():
+    events = []
+
+    async def handler(conn):
+        try:
+            await conn.recv_msg(timeout=None)
+        except TransportError as exc:
+            events.append(exc.reason)
+
+    listener = await Listener(handler).start()
+    async with ConnectionPool() as pool:
+        a = await pool.get(HOST, listener.port)
+        await asyncio.sleep(0)
+        b_pool = ConnectionPool()
+        b = await b_pool.get(HOST, listener.port)
+        for _ in range(200):
+            if listener.open_connections == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert listener.accepted == 2 and listener.open_connections == 2
+        assert listener.running_handlers == 2
+        await listener.close()
+        assert listener.open_connections == 0 and listener.running_handlers == 0
+        for conn in (a, b):
+            with pytest.raises(TransportError) as info:
+                await conn.recv_msg(timeout=3)
+            assert info.value.reason in ("peer_closed", "transfer_failed", "transfer_timeout")
+        await b_pool.close()
+        assert len(b_pool) == 0
+
+
+@aio
+async def test_send_timeout_aborts_endpoint():
+    """A rendezvous send nobody receives: the send times out, the endpoint is aborted (UCX
+    does not cancel a timed-out send), so the buffer is ours again."""
+    gate = asyncio.Event()
+
+    async def handler(conn):
+        await gate.wait()
+
+    async with Listener(handler) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        buf = np.zeros(8 * 2**20, np.uint8)
+        with pytest.raises(TransportError) as info:
+            await conn.send_chunks(7, [buf], timeout=0.5)
+        assert info.value.reason == "transfer_timeout"
+        assert not conn.alive and len(pool) == 0
+        gate.set()
+
+
+@aio
+async def test_garbage_control_frame_is_protocol_error():
+    seen = []
+
+    async def handler(conn):
+        try:
+            await conn.recv_msg(timeout=5)
+        except TransportError as exc:
+            seen.append((exc.reason, getattr(exc.__cause__, "reason", None)))
+
+    async with Listener(handler) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        await conn.send_bytes(b"NOPE" + bytes(16), CONTROL_TAG, timeout=5)
+        for _ in range(300):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+    assert seen == [("protocol_error", "bad_magic")]
