@@ -1,0 +1,234 @@
+"""Prometheus metrics of the pull path, one registry per :class:`XferMetrics` instance.
+
+Every metric is prefixed ``kvkern_``. Destination side (the puller calls these)::
+
+    kvkern_hints_received_total                      counter
+    kvkern_hints_accepted_total                      counter
+    kvkern_hints_ignored_total{reason}               counter   hint led to no pull attempt
+    kvkern_metadata_fetch_failures_total{reason}     counter   GET state failed / timed out
+    kvkern_transfer_failures_total{reason}           counter   pull failed after the fetch
+    kvkern_fallbacks_total{reason}                   counter   request ran without the pull
+    kvkern_pulls_total{outcome}                      counter   one per finished pull
+    kvkern_blocks_transferred_total                  counter   blocks received and committed
+    kvkern_bytes_transferred_total                   counter   bytes received
+    kvkern_blocks_skipped_total                      counter   blocks the destination had already
+    kvkern_pulls_in_flight                           gauge
+    kvkern_phase_seconds{phase}                      histogram metadata, plan, allocate,
+                                                               transfer, unpack, validate,
+                                                               commit, total
+
+Source side (:class:`kvkern.xfer.source.SourceService`)::
+
+    kvkern_source_requests_total{status}             counter   one per PullRequest answered
+                                                               (ok partial miss rejected busy
+                                                               error)
+    kvkern_source_blocks_served_total                counter   blocks whose bytes were all sent
+    kvkern_source_bytes_sent_total                   counter
+    kvkern_source_send_failures_total{reason}        counter   sends that did not complete
+    kvkern_source_pinned_blocks                      gauge     blocks pinned by running sends
+    kvkern_source_sends_in_flight                    gauge
+    kvkern_source_send_seconds                       histogram pin -> last chunk sent
+
+Histogram buckets run from 100 us to 60 s. Label values (reasons, outcomes) must be short
+identifiers (``[a-z0-9_]``, at most 64 characters) so an exception text can never explode the
+label cardinality; anything else raises ``ValueError``. Phases must be one of :data:`PHASES`.
+
+``prometheus_client`` is imported here only; ``import kvkern`` does not load it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Iterator
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+__all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "PHASES", "XferMetrics"]
+
+PREFIX = "kvkern_"
+PHASES: tuple[str, ...] = ("metadata", "plan", "allocate", "transfer", "unpack", "validate",
+                           "commit", "total")
+LATENCY_BUCKETS: tuple[float, ...] = (
+    1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 30.0, 60.0,
+)
+SOURCE_STATUSES: tuple[str, ...] = ("ok", "partial", "miss", "rejected", "busy", "error")
+_LABEL_RE = re.compile(r"[a-z0-9_]{1,64}")
+
+
+def _label(kind: str, value: str) -> str:
+    v = getattr(value, "value", value)  # str enums (Status) pass as their value
+    if not isinstance(v, str) or not _LABEL_RE.fullmatch(v):
+        raise ValueError(f"{kind} {value!r} is not a metric label ([a-z0-9_], 1-64 chars)")
+    return v
+
+
+def _count(name: str, n: int | float) -> float:
+    if n < 0:
+        raise ValueError(f"{name} increment {n} is negative")
+    return n
+
+
+class XferMetrics:
+    """Every ``kvkern_`` metric, registered in ``registry`` (a fresh
+    :class:`~prometheus_client.CollectorRegistry` by default, so tests can create many).
+    Thread-safe (prometheus_client metrics are)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r, p = self.registry, PREFIX
+
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(p + name, doc, labels, registry=r)
+
+        # destination
+        self.hints_received = counter("hints_received", "Hints received with a request.")
+        self.hints_accepted = counter("hints_accepted", "Hints that led to a pull attempt.")
+        self.hints_ignored = counter("hints_ignored", "Hints that led to no pull, by reason.",
+                                     ("reason",))
+        self.metadata_fetch_failures = counter(
+            "metadata_fetch_failures", "Source state fetches that failed, by reason.",
+            ("reason",))
+        self.transfer_failures = counter("transfer_failures",
+                                         "Pulls that failed after the fetch, by reason.",
+                                         ("reason",))
+        self.fallbacks = counter("fallbacks", "Hinted requests that ran without the pulled "
+                                 "blocks, by reason.", ("reason",))
+        self.pulls = counter("pulls", "Finished pulls, by outcome.", ("outcome",))
+        self.blocks_transferred = counter("blocks_transferred",
+                                          "Blocks received and committed.")
+        self.bytes_transferred = counter("bytes_transferred", "KV bytes received.")
+        self.blocks_skipped = counter("blocks_skipped", "Hinted blocks the destination "
+                                      "already held (not transferred).")
+        self.pulls_in_flight = Gauge(p + "pulls_in_flight", "Pulls in progress.", registry=r)
+        self.phase_seconds = Histogram(p + "phase_seconds", "Latency of each pull phase.",
+                                       ("phase",), buckets=LATENCY_BUCKETS, registry=r)
+        # source
+        self.source_requests = counter("source_requests",
+                                       "Pull requests answered by the source, by status.",
+                                       ("status",))
+        self.source_blocks_served = counter("source_blocks_served",
+                                            "Blocks whose bytes the source sent completely.")
+        self.source_bytes_sent = counter("source_bytes_sent", "KV bytes the source sent.")
+        self.source_send_failures = counter("source_send_failures",
+                                            "Source sends that did not complete, by reason.",
+                                            ("reason",))
+        self.source_pinned_blocks = Gauge(p + "source_pinned_blocks",
+                                          "Blocks pinned by running source sends.", registry=r)
+        self.source_sends_in_flight = Gauge(p + "source_sends_in_flight",
+                                            "Source sends in progress.", registry=r)
+        self.source_send_seconds = Histogram(p + "source_send_seconds",
+                                             "Source send latency (pin to last chunk).",
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        for ph in PHASES:  # every series exists from the start (dashboards, rate())
+            self.phase_seconds.labels(phase=ph)
+        for st in SOURCE_STATUSES:
+            self.source_requests.labels(status=st)
+
+    # ------------------------------------------------------------------- destination side
+
+    def hint_received(self) -> None:
+        self.hints_received.inc()
+
+    def hint_accepted(self) -> None:
+        self.hints_accepted.inc()
+
+    def hint_ignored(self, reason: str) -> None:
+        self.hints_ignored.labels(reason=_label("reason", reason)).inc()
+
+    def metadata_fetch_failed(self, reason: str) -> None:
+        self.metadata_fetch_failures.labels(reason=_label("reason", reason)).inc()
+
+    def transfer_failed(self, reason: str) -> None:
+        self.transfer_failures.labels(reason=_label("reason", reason)).inc()
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks.labels(reason=_label("reason", reason)).inc()
+
+    def pull_finished(self, outcome: str) -> None:
+        self.pulls.labels(outcome=_label("outcome", outcome)).inc()
+
+    def transferred(self, blocks: int, nbytes: int) -> None:
+        """Blocks received and committed, and their bytes."""
+        self.blocks_transferred.inc(_count("blocks", blocks))
+        self.bytes_transferred.inc(_count("bytes", nbytes))
+
+    def skipped(self, blocks: int) -> None:
+        self.blocks_skipped.inc(_count("blocks", blocks))
+
+    def pull_started(self) -> None:
+        self.pulls_in_flight.inc()
+
+    def pull_ended(self) -> None:
+        self.pulls_in_flight.dec()
+
+    @contextlib.contextmanager
+    def pull_in_flight(self) -> Iterator[None]:
+        """``with metrics.pull_in_flight():`` counts one in-flight pull for the block."""
+        self.pull_started()
+        try:
+            yield
+        finally:
+            self.pull_ended()
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+        if seconds < 0:
+            raise ValueError(f"phase {phase!r} duration {seconds} s is negative")
+        self.phase_seconds.labels(phase=phase).observe(seconds)
+
+    @contextlib.contextmanager
+    def phase(self, phase: str) -> Iterator[None]:
+        """``with metrics.phase("unpack"):`` observes the block's duration (also on error)."""
+        if phase not in PHASES:
+            raise ValueError(f"phase {phase!r} is not one of {PHASES}")
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.observe_phase(phase, time.perf_counter() - t0)
+
+    # ------------------------------------------------------------------------ source side
+
+    def source_request(self, status: str) -> None:
+        self.source_requests.labels(status=_label("status", status)).inc()
+
+    def source_served(self, blocks: int, nbytes: int) -> None:
+        self.source_blocks_served.inc(_count("blocks", blocks))
+        self.source_bytes_sent.inc(_count("bytes", nbytes))
+
+    def source_send_failed(self, reason: str) -> None:
+        self.source_send_failures.labels(reason=_label("reason", reason)).inc()
+
+    def source_pins_changed(self, delta_blocks: int) -> None:
+        self.source_pinned_blocks.inc(delta_blocks)
+
+    def source_send_started(self) -> None:
+        self.source_sends_in_flight.inc()
+
+    def source_send_ended(self, seconds: float | None = None) -> None:
+        self.source_sends_in_flight.dec()
+        if seconds is not None:
+            self.source_send_seconds.observe(max(seconds, 0.0))
+
+    # ---------------------------------------------------------------------------- export
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format (``CONTENT_TYPE_LATEST``)."""
+        return generate_latest(self.registry)
+
+    def value(self, name: str, **labels: str) -> float:
+        """Current value of one sample (``"kvkern_fallbacks_total"``, reason="miss"); 0.0
+        when the series does not exist yet. For tests and logs."""
+        v = self.registry.get_sample_value(name, labels or None)
+        return 0.0 if v is None else float(v)
