@@ -1,0 +1,204 @@
+"""Configuration of the destination side of the pull path (the puller) and the knobs the
+source reads for defaults it shares with it.
+
+One frozen, keyword-only :class:`XferConfig` holds every bound the puller applies; it is
+validated once at construction (a bad value is a ``ValueError`` naming the field and the
+value). Variants come from :meth:`XferConfig.replace`. Defaults are the safe ones:
+
+* **no allowlist means no outbound fetch** (``allowlist=()`` refuses every hint with
+  ``source_not_allowed`` / ``empty_allowlist``);
+* every wait is bounded: ``metadata_timeout_s`` (state GET), ``transfer_timeout_s`` (time
+  without progress on the data stream), ``deadline_s`` (the whole pull, hint to commit);
+* a hint may *lower* the timeouts but never raise them above the ``max_*`` caps
+  (``effective_timeouts``)::
+
+      effective = min(hint value or config default, config cap)
+
+* the cost guard is on: a pull that cannot beat recompute is skipped (``not_worth_it``).
+
+Timeline of one pull and the bound that applies to each part::
+
+    submit ─┬─ resolve+allowlist ─ GET state ─┬─ plan, allocate ─ request ─ chunks ... ─ commit
+            │  └──── metadata_timeout_s ─────┘                   └ transfer_timeout_s ┘
+            │                                                       (no progress)      │
+            └───────────────────────────── deadline_s ─────────────────────────────────┘
+
+Endpoint knobs (``default_state_port``, ``dp_port_stride``, ``state_port_offset``,
+``state_path``) are handed to :class:`kvkern.xfer.endpoint.EndpointConfig` by
+:meth:`XferConfig.endpoint_config`; the allowlist is parsed by
+:class:`kvkern.xfer.endpoint.Allowlist` (specs or an ``Allowlist``). Both are imported
+lazily so this module stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["POLICIES", "XferConfig", "DEFAULT_CONFIG"]
+
+POLICIES = ("strict", "best_effort")
+Policy = Literal["strict", "best_effort"]
+
+
+def _pos(name: str, value: Any, *, allow_none: bool = False, integer: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"XferConfig.{name} must be a number, got {value!r}")
+    if integer and not isinstance(value, int):
+        raise ValueError(f"XferConfig.{name} must be an int, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"XferConfig.{name} must be finite and > 0, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class XferConfig:
+    """Bounds, limits and policies of the puller. See the module docstring."""
+
+    # ---- timeouts (seconds) and the caps a hint's own values are clamped to
+    metadata_timeout_s: float = 2.0
+    transfer_timeout_s: float = 10.0  # no progress for this long -> transfer_timeout
+    deadline_s: float = 15.0  # the whole pull, from submit to commit
+    max_metadata_timeout_s: float = 10.0
+    max_transfer_timeout_s: float = 60.0
+    max_deadline_s: float = 120.0
+
+    # ---- admission
+    max_inflight_pulls: int = 4  # more concurrent pulls -> busy (the seed's TRT-LLM limit)
+    dedup: bool = True  # an identical in-flight pull (same source, same hash range) -> duplicate
+    max_tracked_requests: int = 65536  # finished outcomes kept for result(); oldest dropped
+
+    # ---- source state
+    state_cache_ttl_s: float = 30.0  # per (source, incarnation); failures drop the entry
+    max_state_bytes: int = 1 << 20
+
+    # ---- retention and data stream
+    lease_s: float = 30.0  # committed blocks are leased until claim/release or expiry
+    chunk_bytes: int = 16 << 20  # multi-MiB chunks: per-message cost ~30-270 us (REFERENCE)
+    chunks_in_flight: int = 4  # staging ring depth per (source rank, destination rank) pair
+
+    # ---- policy
+    default_policy: Policy = "strict"
+
+    # ---- cost guard: estimated pull = rtt + bytes / bandwidth  vs  recompute = tokens * s/tok
+    cost_guard: bool = True
+    prefill_s_per_token: float | None = None  # configured; else learned by observe_prefill
+    prefill_prior_s_per_token: float | None = None  # prior until observed; None: guard passes
+    bandwidth_prior_bps: float = 1e9  # bytes/s before any pull was measured (TCP loopback ~0.8e9)
+    rtt_prior_s: float = 2e-3  # per-pull fixed cost before any pull was measured
+    ewma_alpha: float = 0.3  # weight of the newest measurement
+    cost_margin: float = 1.0  # pull only if estimated pull * margin < recompute
+    min_blocks: int = 1  # fewer missing blocks than this -> not_worth_it
+
+    # ---- endpoints (handed to kvkern.xfer.endpoint.EndpointConfig)
+    allowlist: Any = ()  # Allowlist, or specs ("10.0.0.0/8", "host:8000-8010", ...)
+    default_state_port: int = 8000
+    state_path: str = "/kvkern/v1/state"
+    dp_port_stride: int = 1  # Dynamo: control endpoint of DP rank N is control_port + N
+    state_port_offset: int | None = None  # tcp:// control port -> state port; None refuses tcp
+
+    def __post_init__(self) -> None:
+        for name in ("metadata_timeout_s", "transfer_timeout_s", "deadline_s",
+                     "max_metadata_timeout_s", "max_transfer_timeout_s", "max_deadline_s",
+                     "state_cache_ttl_s", "lease_s", "bandwidth_prior_bps", "rtt_prior_s",
+                     "cost_margin"):
+            _pos(name, getattr(self, name))
+        for name in ("prefill_s_per_token", "prefill_prior_s_per_token"):
+            _pos(name, getattr(self, name), allow_none=True)
+        for name in ("max_inflight_pulls", "max_state_bytes", "chunk_bytes",
+                     "chunks_in_flight", "min_blocks", "max_tracked_requests",
+                     "default_state_port", "dp_port_stride"):
+            _pos(name, getattr(self, name), integer=True)
+        for short, cap in (("metadata_timeout_s", "max_metadata_timeout_s"),
+                           ("transfer_timeout_s", "max_transfer_timeout_s"),
+                           ("deadline_s", "max_deadline_s")):
+            if getattr(self, short) > getattr(self, cap):
+                raise ValueError(f"XferConfig.{short} {getattr(self, short)} exceeds "
+                                 f"{cap} {getattr(self, cap)}")
+        if not 0 < self.ewma_alpha <= 1:
+            raise ValueError(f"XferConfig.ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+        if self.default_policy not in POLICIES:
+            raise ValueError(f"XferConfig.default_policy {self.default_policy!r} not in "
+                             f"{POLICIES}")
+        if self.chunk_bytes > 1 << 34:
+            raise ValueError(f"XferConfig.chunk_bytes {self.chunk_bytes} exceeds 16 GiB")
+        if not 1 <= self.default_state_port <= 65535:
+            raise ValueError(f"XferConfig.default_state_port {self.default_state_port} not in "
+                             "1..65535")
+        if self.state_port_offset is not None and (
+                isinstance(self.state_port_offset, bool)
+                or not isinstance(self.state_port_offset, int)):
+            raise ValueError(f"XferConfig.state_port_offset must be an int or None, got "
+                             f"{self.state_port_offset!r}")
+        if not isinstance(self.state_path, str) or not self.state_path.startswith("/"):
+            raise ValueError(f"XferConfig.state_path must start with '/', got "
+                             f"{self.state_path!r}")
+        for flag in ("dedup", "cost_guard"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
+        # Parse allowlist specs now so a bad entry fails at configuration, not per request.
+        allow = self.allowlist
+        if allow is None or (not isinstance(allow, str) and isinstance(allow, (tuple, list))
+                             and not allow):
+            object.__setattr__(self, "allowlist", ())  # empty: fails closed
+        elif isinstance(allow, str) or (isinstance(allow, Iterable)
+                                        and not _is_allowlist(allow)):
+            from kvkern.xfer.endpoint import Allowlist  # noqa: PLC0415 (stdlib-only module)
+
+            object.__setattr__(self, "allowlist", Allowlist.parse(
+                [allow] if isinstance(allow, str) else list(allow)))
+        elif not _is_allowlist(allow):
+            raise ValueError(f"XferConfig.allowlist must be an Allowlist or specs, got "
+                             f"{type(allow).__name__}")
+
+    # ------------------------------------------------------------------ helpers
+
+    def replace(self, **changes: Any) -> XferConfig:
+        return dataclasses.replace(self, **changes)
+
+    def endpoint_config(self) -> Any:
+        """The :class:`kvkern.xfer.endpoint.EndpointConfig` these knobs describe."""
+        from kvkern.xfer.endpoint import EndpointConfig  # noqa: PLC0415
+
+        return EndpointConfig(default_port=self.default_state_port, state_path=self.state_path,
+                              dp_port_stride=self.dp_port_stride,
+                              state_port_offset=self.state_port_offset)
+
+    def effective_timeouts(self, *, metadata_timeout_s: float | None = None,
+                           transfer_timeout_s: float | None = None,
+                           deadline_s: float | None = None) -> tuple[float, float, float]:
+        """``(metadata, transfer, deadline)`` seconds for one pull: a hint's value where it
+        gives one (else the default), never above the cap."""
+
+        def eff(value: float | None, default: float, cap: float) -> float:
+            if value is None or not (isinstance(value, (int, float)) and value > 0
+                                     and math.isfinite(value)):
+                return default
+            return min(float(value), cap)
+
+        return (eff(metadata_timeout_s, self.metadata_timeout_s, self.max_metadata_timeout_s),
+                eff(transfer_timeout_s, self.transfer_timeout_s, self.max_transfer_timeout_s),
+                eff(deadline_s, self.deadline_s, self.max_deadline_s))
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> XferConfig:
+        """Defaults plus ``KVKERN_ALLOWLIST`` (comma/space separated specs) and
+        ``overrides``."""
+        env = os.environ if env is None else env
+        kw: dict[str, Any] = {}
+        if env.get("KVKERN_ALLOWLIST"):
+            kw["allowlist"] = env["KVKERN_ALLOWLIST"]
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def _is_allowlist(obj: Any) -> bool:
+    return type(obj).__name__ == "Allowlist" and hasattr(obj, "entries")
+
+
+DEFAULT_CONFIG = XferConfig()
