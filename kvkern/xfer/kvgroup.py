@@ -1,0 +1,125 @@
+"""One attention-DP group's KV as a process hosts it: the group's block manager and the KV
+memory of the group's ranks that live in this process.
+
+One block manager drives every TP/PP rank of a DP group: a request's block ``b`` is block id
+``b`` in the pool of every rank of the group (each rank holding its own layers x heads)::
+
+    DP group 0 of TP2 x PP2                 manager (one per group)
+    rank 0  pool [NB, L0..L2, 2, h0..h3, T, D]     \\
+    rank 1  pool [NB, L0..L2, 2, h4..h7, T, D]      |  block id b is the same request
+    rank 4  pool [NB, L3..L5, 2, h0..h3, T, D]      |  block on every rank
+    rank 5  pool [NB, L3..L5, 2, h4..h7, T, D]     /
+
+A process may host every rank of the group (tests, one-process workers) or a subset (one
+process per GPU); ``KVGroup.ranks`` holds those it hosts. The checks here run once, when the
+group is built, so the source service can trust sizes afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvkern.cache.protocol import KVCacheManager
+from kvkern.layout.kv_layout import KVLayout, LayoutMismatchError
+from kvkern.layout.topology import Topology
+
+__all__ = ["KVGroup", "RankKV"]
+
+_SIZE_FIELDS = ("num_layers", "num_heads", "block_size", "head_dim", "dtype")
+
+
+@dataclass(frozen=True)
+class RankKV:
+    """The KV memory of one rank: its pool tensor(s) in ``layout`` (checked on creation).
+
+    ``pool`` is a tensor (single-tensor layouts) or a list of per-layer tensors, on any
+    device; the source packs from it and the puller unpacks into it.
+    """
+
+    rank: int
+    layout: KVLayout
+    pool: Any
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
+        self.layout.check(self.pool)
+
+    @property
+    def device(self):
+        return self.layout.tensors(self.pool)[0].device
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One DP group: ``topology`` (the whole worker's), the group's ``dp_rank``, its block
+    ``manager`` and the hosted ``ranks`` (rank -> :class:`RankKV`, at least one).
+
+    Raises ``ValueError`` naming both values when a hosted rank is not in the group, a pool's
+    layout disagrees with ``topology.local_layout(rank)``, ranks disagree on the number of
+    blocks, or the manager's block size differs from the model's.
+    """
+
+    topology: Topology
+    dp_rank: int
+    manager: KVCacheManager
+    ranks: Mapping[int, RankKV] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        topo = self.topology
+        if not 0 <= self.dp_rank < topo.parallel.dp_size:
+            raise ValueError(f"dp_rank {self.dp_rank} out of range for dp_size "
+                             f"{topo.parallel.dp_size}")
+        if not self.ranks:
+            raise ValueError(f"DP group {self.dp_rank} hosts no rank")
+        group = topo.ranks_of_dp(self.dp_rank)
+        block_size = topo.model.block_size
+        if self.manager.block_size != block_size:
+            raise ValueError(f"DP group {self.dp_rank}: manager block size "
+                             f"{self.manager.block_size} != model block size {block_size}")
+        num_blocks = None
+        for rank, rkv in self.ranks.items():
+            if rank != rkv.rank:
+                raise ValueError(f"ranks[{rank}] holds the KV of rank {rkv.rank}")
+            if rank not in group:
+                raise ValueError(f"rank {rank} is not in DP group {self.dp_rank} "
+                                 f"(ranks {list(group)})")
+            want = topo.local_layout(rank, rkv.layout.num_blocks, rkv.layout.name)
+            for f in _SIZE_FIELDS:
+                got, exp = getattr(rkv.layout, f), getattr(want, f)
+                if got != exp:
+                    raise LayoutMismatchError(
+                        f"rank {rank}: layout {rkv.layout.name!r} has {f} {got}, the topology "
+                        f"gives that rank {f} {exp}")
+            if num_blocks is None:
+                num_blocks = rkv.layout.num_blocks
+            elif rkv.layout.num_blocks != num_blocks:
+                raise ValueError(f"rank {rank} has {rkv.layout.num_blocks} blocks, rank "
+                                 f"{next(iter(self.ranks))} has {num_blocks}: one manager "
+                                 "needs the same block ids on every rank")
+        mgr_blocks = getattr(self.manager, "num_blocks", None)
+        if isinstance(mgr_blocks, int) and mgr_blocks > num_blocks:
+            raise ValueError(f"DP group {self.dp_rank}: manager has {mgr_blocks} blocks, the "
+                             f"pools only {num_blocks}")
+        object.__setattr__(self, "ranks", dict(sorted(self.ranks.items())))
+
+    @property
+    def num_blocks(self) -> int:
+        return next(iter(self.ranks.values())).layout.num_blocks
+
+    @property
+    def hash_scheme(self) -> str:
+        return self.manager.hash_scheme
+
+    @property
+    def block_size(self) -> int:
+        return self.topology.model.block_size
+
+    def rank_kv(self, rank: int) -> RankKV:
+        try:
+            return self.ranks[rank]
+        except KeyError:
+            raise KeyError(f"rank {rank} is not hosted here; DP group {self.dp_rank} hosts "
+                           f"{sorted(self.ranks)}") from None
