@@ -19,6 +19,16 @@ _LAZY = {
     "Axis": "kvkern.layout.kv_layout",
     "allocate_staging": "kvkern.layout.kv_layout",
     "staging_shape": "kvkern.layout.kv_layout",
+    "ModelKVSpec": "kvkern.layout.topology",
+    "Parallelism": "kvkern.layout.topology",
+    "Topology": "kvkern.layout.topology",
+    "plan_transfer": "kvkern.layout.plan",
+    "TransferPlan": "kvkern.layout.plan",
+    "pack_for_peer": "kvkern.kernels.sharded",
+    "unpack_from_peer": "kvkern.kernels.sharded",
+    "local_block_hashes": "kvkern.cache.hashing",
+    "BlockPool": "kvkern.cache.pool",
+    "KVCacheManager": "kvkern.cache.protocol",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
