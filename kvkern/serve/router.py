@@ -1,0 +1,508 @@
+"""A KV-aware router: destination by load, hint by longest cached prefix.
+
+The router never moves KV. It keeps, per worker, the *router-domain* hashes of the blocks that
+worker caches and, for each request, picks a destination by load and names another worker as
+the hint's source when that worker holds a longer prefix of the request than the destination::
+
+    request tokens  | b0 | b1 | b2 | b3 | b4 | partial |
+    local hashes      l0   l1   l2   l3   l4              XXH3-64 of each block's tokens
+    chained           c0   c1   c2   c3   c4              c[i] names tokens[:(i+1)*T]
+
+    worker A holds    c0   c1   c2   c3                   match 4 blocks
+    worker B holds    c0                                  match 1 block
+    load              A busy, B idle  ->  destination B, hint {source: A, block_hashes: c0..c3}
+
+Router-domain hashes are ``public-xxh3-v1`` (Dynamo's router hash): local block hashes are
+XXH3-64 of the block's tokens; the router indexes their *chained* form (Dynamo's sequence
+hash), so one set lookup per block answers "does this worker hold this whole prefix". A
+worker's holdings are learned two ways: from the prompts the router routed to it (after the
+request finished, so the blocks are committed) and from the worker's report endpoint
+(``GET /v1/blocks``, which replaces what was learned, so evictions are forgotten).
+
+Load is ``(requests in flight, prompt tokens in flight, least recently chosen)``; ties go to
+the worker chosen longest ago, so an idle pair alternates.
+
+Hint dialects (all decoded by :func:`kvkern.xfer.hints.decode_hint`): ``kv_hint`` (kvkern's
+own, default), ``kv_hints`` (the ``kv.fetch`` 1.0 envelope), ``dynamo``
+(``kv_transfer_params.router_hint``) and ``llm-d`` (``kv_transfer_params.remote_kv_source``,
+which carries no hashes: the destination computes them). Hashes in a hint are the chained
+``public-xxh3-v1`` hashes of the matched prefix, so their count is the number of blocks to pull.
+
+``kvkern router`` (:func:`main`) serves this over HTTP; see :func:`build_app` for the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvkern.cache.hashing import get_scheme, normalize_hashes
+
+__all__ = [
+    "DIALECTS",
+    "ROUTER_SCHEME",
+    "KVRouter",
+    "RouteDecision",
+    "WorkerState",
+    "build_app",
+    "hint_fragment",
+    "main",
+    "router_hashes",
+]
+
+log = logging.getLogger(__name__)
+
+ROUTER_SCHEME = "public-xxh3-v1"
+DIALECTS = ("kv_hint", "kv_hints", "dynamo", "llm-d")
+
+
+def router_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained ``public-xxh3-v1`` hashes of the full blocks of ``token_ids``: element ``i``
+    names ``token_ids[:(i + 1) * block_size]``."""
+    return get_scheme(ROUTER_SCHEME).sequence_hashes(token_ids, block_size)
+
+
+def hint_fragment(dialect: str, source: str, block_hashes: Sequence[int], *,
+                  message_id: str | None = None) -> dict[str, Any]:
+    """The request-body fields that carry a hint naming ``source`` for ``block_hashes`` (the
+    chained ``public-xxh3-v1`` hashes of the prefix to pull) in ``dialect``.
+
+    ``source`` is the source worker's endpoint (``http://host:port`` or ``host:port``); for
+    ``llm-d`` it must have an explicit port."""
+    hashes = [int(h) for h in block_hashes]
+    if not hashes:
+        raise ValueError("a hint needs at least one block hash")
+    if dialect == "kv_hint":
+        return {"kv_hint": {"version": 1, "source": source, "block_hashes": hashes,
+                            "hash_scheme": ROUTER_SCHEME}}
+    if dialect == "kv_hints":
+        return {"kv_hints": {
+            "protocol_version": "0.1",
+            "message_id": message_id or uuid.uuid4().hex,
+            "actions": [{"action_type": "kv.fetch", "action_version": "1.0",
+                         "action_id": "0",
+                         "payload": {"source_control_endpoint": source,
+                                     "block_hashes": hashes}}],
+        }}
+    if dialect == "dynamo":
+        return {"kv_transfer_params": {"router_hint": {"source_control_endpoint": source,
+                                                       "block_hashes": hashes}}}
+    if dialect == "llm-d":
+        parts = urlsplit(source if "://" in source else f"http://{source}")
+        if parts.hostname is None or parts.port is None:
+            raise ValueError(f"llm-d hints need host:port, got source {source!r}")
+        return {"kv_transfer_params": {"remote_kv_source": {"host": parts.hostname,
+                                                            "port": parts.port}}}
+    raise ValueError(f"unknown hint dialect {dialect!r}; known: {', '.join(DIALECTS)}")
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """What the router knows about one worker. ``url`` is the worker's HTTP API base;
+    ``source`` the endpoint a hint names for it (default: ``url``'s ``host:port``)."""
+
+    worker_id: str
+    url: str
+    source: str
+    hashes: set[int] = field(default_factory=set)
+    in_flight: int = 0
+    tokens_in_flight: int = 0
+    last_chosen: int = -1
+    routed: int = 0
+    healthy: bool = True
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """Leading ``hashes`` this worker holds."""
+        n = 0
+        for h in hashes:
+            if h not in self.hashes:
+                break
+            n += 1
+        return n
+
+    def describe(self) -> dict[str, Any]:
+        return {"worker_id": self.worker_id, "url": self.url, "source": self.source,
+                "blocks": len(self.hashes), "in_flight": self.in_flight,
+                "tokens_in_flight": self.tokens_in_flight, "routed": self.routed,
+                "healthy": self.healthy}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouteDecision:
+    """One routing decision. ``matched`` maps each worker to the leading blocks it holds;
+    ``hint`` is the body fragment to merge into the request (``None``: no hint)."""
+
+    request_id: str
+    destination: str
+    destination_url: str
+    num_tokens: int
+    hashes: tuple[int, ...]
+    matched: dict[str, int]
+    hint_source: str | None = None
+    hint_blocks: int = 0
+    hint: dict[str, Any] | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"request_id": self.request_id, "destination": self.destination,
+                "matched_blocks": dict(self.matched), "hint_source": self.hint_source,
+                "hint_blocks": self.hint_blocks,
+                "hint_dialect": next(iter(self.hint), None) if self.hint else None}
+
+
+class KVRouter:
+    """Routing state and decisions; thread-safe (one lock), no I/O.
+
+    ``block_size`` must equal the workers' block size (a worker's report says it; a mismatch
+    raises in :meth:`load_report`). ``min_hint_blocks``: a source must beat the destination by
+    at least this many blocks to be named.
+    """
+
+    def __init__(self, block_size: int, *, dialect: str = "kv_hint",
+                 min_hint_blocks: int = 1) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if dialect not in DIALECTS:
+            raise ValueError(f"unknown hint dialect {dialect!r}; known: {', '.join(DIALECTS)}")
+        if min_hint_blocks < 1:
+            raise ValueError(f"min_hint_blocks must be >= 1, got {min_hint_blocks}")
+        self.block_size = block_size
+        self.dialect = dialect
+        self.min_hint_blocks = min_hint_blocks
+        self._workers: dict[str, WorkerState] = {}
+        self._lock = threading.Lock()
+        self._clock = itertools.count()
+
+    # ------------------------------------------------------------------ membership
+
+    def add_worker(self, worker_id: str, url: str, source: str | None = None) -> WorkerState:
+        url = url.rstrip("/")
+        if source is None:
+            parts = urlsplit(url)
+            if not parts.netloc:
+                raise ValueError(f"worker {worker_id!r}: url {url!r} has no host")
+            source = url if parts.path not in ("", "/") else f"{parts.scheme}://{parts.netloc}"
+        with self._lock:
+            if worker_id in self._workers:
+                raise ValueError(f"worker {worker_id!r} already added (url "
+                                 f"{self._workers[worker_id].url})")
+            w = WorkerState(worker_id=worker_id, url=url, source=source)
+            self._workers[worker_id] = w
+            return w
+
+    def remove_worker(self, worker_id: str) -> None:
+        with self._lock:
+            self._workers.pop(worker_id, None)
+
+    def workers(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [w.describe() for w in self._workers.values()]
+
+    def worker(self, worker_id: str) -> WorkerState:
+        with self._lock:
+            return self._get(worker_id)
+
+    def _get(self, worker_id: str) -> WorkerState:
+        try:
+            return self._workers[worker_id]
+        except KeyError:
+            raise KeyError(f"unknown worker {worker_id!r}; known: "
+                           f"{sorted(self._workers)}") from None
+
+    def set_healthy(self, worker_id: str, healthy: bool) -> None:
+        with self._lock:
+            self._get(worker_id).healthy = healthy
+
+    # ------------------------------------------------------------------ learning
+
+    def learn(self, worker_id: str, hashes: Iterable[int]) -> None:
+        """Record that ``worker_id`` now caches the chained router-domain ``hashes``."""
+        hs = normalize_hashes(list(hashes))
+        with self._lock:
+            self._get(worker_id).hashes.update(hs)
+
+    def learn_tokens(self, worker_id: str, token_ids: Sequence[int]) -> None:
+        """Record that ``worker_id`` cached the full blocks of ``token_ids``."""
+        self.learn(worker_id, router_hashes(token_ids, self.block_size))
+
+    def load_report(self, worker_id: str, report: dict[str, Any]) -> int:
+        """Replace what is known of ``worker_id`` with its ``GET /v1/blocks`` report; returns
+        the number of blocks. Raises ``ValueError`` when the report's scheme or block size
+        is not the router's."""
+        scheme, bs = report.get("hash_scheme"), report.get("block_size")
+        if scheme != ROUTER_SCHEME:
+            raise ValueError(f"worker {worker_id!r} reports hash scheme {scheme!r}, the router "
+                             f"reads {ROUTER_SCHEME!r}")
+        if bs != self.block_size:
+            raise ValueError(f"worker {worker_id!r} has block size {bs}, the router "
+                             f"{self.block_size}")
+        blocks = report.get("blocks")
+        if not isinstance(blocks, list):
+            raise ValueError(f"worker {worker_id!r}: report has no 'blocks' list")
+        hs = normalize_hashes([b["hash"] if isinstance(b, dict) else b for b in blocks])
+        with self._lock:
+            self._get(worker_id).hashes = set(hs)
+        return len(hs)
+
+    def forget(self, worker_id: str) -> None:
+        with self._lock:
+            self._get(worker_id).hashes.clear()
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, token_ids: Sequence[int], *, destination: str | None = None,
+              request_id: str | None = None, dialect: str | None = None) -> RouteDecision:
+        """Pick a destination (least loaded healthy worker, or ``destination`` when given)
+        and, when another worker holds a longer prefix (by ``min_hint_blocks``), a hint
+        naming it. Marks the request in flight on the destination: call :meth:`finish`."""
+        hashes = router_hashes(token_ids, self.block_size)
+        dialect = dialect or self.dialect
+        with self._lock:
+            if not self._workers:
+                raise LookupError("the router has no workers")
+            if destination is None:
+                healthy = [w for w in self._workers.values() if w.healthy]
+                if not healthy:
+                    raise LookupError("no healthy worker")
+                dest = min(healthy, key=lambda w: (w.in_flight, w.tokens_in_flight,
+                                                   w.last_chosen))
+            else:
+                dest = self._get(destination)
+            matched = {w.worker_id: w.match(hashes) for w in self._workers.values()}
+            best = max((w for w in self._workers.values() if w is not dest and w.healthy),
+                       key=lambda w: matched[w.worker_id], default=None)
+            hint_source, hint_blocks, hint = None, 0, None
+            if best is not None and (matched[best.worker_id] - matched[dest.worker_id]
+                                     >= self.min_hint_blocks):
+                hint_source, hint_blocks = best.worker_id, matched[best.worker_id]
+                hint = hint_fragment(dialect, best.source, hashes[:hint_blocks])
+            dest.in_flight += 1
+            dest.tokens_in_flight += len(token_ids)
+            dest.last_chosen = next(self._clock)
+            dest.routed += 1
+            return RouteDecision(
+                request_id=request_id or uuid.uuid4().hex, destination=dest.worker_id,
+                destination_url=dest.url, num_tokens=len(token_ids), hashes=tuple(hashes),
+                matched=matched, hint_source=hint_source, hint_blocks=hint_blocks, hint=hint,
+            )
+
+    def finish(self, decision: RouteDecision, *, ok: bool) -> None:
+        """The routed request ended. On success the destination holds the prompt's full
+        blocks (its own, pulled or computed), so the router learns them."""
+        with self._lock:
+            w = self._workers.get(decision.destination)
+            if w is None:
+                return
+            w.in_flight = max(0, w.in_flight - 1)
+            w.tokens_in_flight = max(0, w.tokens_in_flight - decision.num_tokens)
+            if ok:
+                w.hashes.update(decision.hashes)
+
+
+# ---------------------------------------------------------------------------- HTTP front
+
+
+def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
+              report_timeout_s: float = 5.0, refresh_s: float | None = 5.0):
+    """The ``kvkern router`` HTTP API (aiohttp)::
+
+        POST /v1/generate   body: a worker generate body ({"token_ids": [...], ...});
+                            optional "destination": worker id. Routes, attaches the hint,
+                            forwards to the destination's POST /v1/generate and returns its
+                            JSON plus "router": the decision summary.
+        POST /v1/route      body: {"token_ids": [...]}: the decision only (nothing is sent;
+                            the request is not counted in flight). Returns summary plus
+                            "destination_url" and "hint" (the body fragment).
+        GET  /v1/workers    what the router knows of each worker
+        POST /v1/refresh    re-read every worker's GET /v1/blocks now
+        GET  /healthz       "ok"
+    """
+    from aiohttp import ClientSession, ClientTimeout, web  # noqa: PLC0415 (lazy heavy import)
+
+    app = web.Application(client_max_size=64 << 20)
+    state: dict[str, Any] = {}
+
+    async def refresh_once() -> dict[str, Any]:
+        session: ClientSession = state["session"]
+        out: dict[str, Any] = {}
+        for info in router.workers():
+            wid = info["worker_id"]
+            try:
+                async with session.get(f"{info['url']}/v1/blocks",
+                                       timeout=ClientTimeout(total=report_timeout_s)) as r:
+                    r.raise_for_status()
+                    report = await r.json()
+                out[wid] = router.load_report(wid, report)
+                router.set_healthy(wid, True)
+            except Exception as exc:  # noqa: BLE001 (a worker down must not stop the router)
+                router.set_healthy(wid, False)
+                out[wid] = f"unreachable: {type(exc).__name__}: {exc}"
+        return out
+
+    async def refresher() -> None:
+        while True:
+            with contextlib.suppress(Exception):
+                await refresh_once()
+            await asyncio.sleep(refresh_s)
+
+    async def on_startup(app_: web.Application) -> None:
+        state["session"] = ClientSession(trust_env=False)
+        if refresh_s:
+            state["task"] = asyncio.create_task(refresher())
+        else:
+            await refresh_once()
+
+    async def on_cleanup(app_: web.Application) -> None:
+        task = state.get("task")
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await state["session"].close()
+
+    app.on_startup.append(on_startup)
+    app.on_cleanup.append(on_cleanup)
+
+    async def read_tokens(request: web.Request) -> tuple[dict, list[int]]:
+        try:
+            body = await request.json()
+        except Exception as exc:  # noqa: BLE001
+            raise web.HTTPBadRequest(text=f"body is not JSON: {exc}") from None
+        tokens = body.get("token_ids") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not tokens or not all(
+                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise web.HTTPBadRequest(text="token_ids must be a non-empty list of ints")
+        return body, tokens
+
+    async def generate(request: web.Request) -> web.Response:
+        body, tokens = await read_tokens(request)
+        try:
+            decision = router.route(tokens, destination=body.pop("destination", None))
+        except (LookupError, KeyError) as exc:
+            raise web.HTTPServiceUnavailable(text=str(exc)) from None
+        forward = {**body, **(decision.hint or {})}
+        ok = False
+        try:
+            async with state["session"].post(
+                    f"{decision.destination_url}/v1/generate", json=forward,
+                    timeout=ClientTimeout(total=request_timeout_s)) as r:
+                payload = await r.json(content_type=None)
+                status = r.status
+            ok = status == 200
+        except Exception as exc:  # noqa: BLE001
+            router.set_healthy(decision.destination, False)
+            payload, status = {"error": f"{type(exc).__name__}: {exc}"}, 502
+        finally:
+            router.finish(decision, ok=ok)
+        if not isinstance(payload, dict):
+            payload = {"response": payload}
+        payload["router"] = decision.summary()
+        return web.json_response(payload, status=status)
+
+    async def route(request: web.Request) -> web.Response:
+        body, tokens = await read_tokens(request)
+        try:
+            decision = router.route(tokens, destination=body.get("destination"))
+        except (LookupError, KeyError) as exc:
+            raise web.HTTPServiceUnavailable(text=str(exc)) from None
+        router.finish(decision, ok=False)
+        return web.json_response({**decision.summary(),
+                                  "destination_url": decision.destination_url,
+                                  "hint": decision.hint})
+
+    async def workers(request: web.Request) -> web.Response:
+        return web.json_response({"block_size": router.block_size, "scheme": ROUTER_SCHEME,
+                                  "dialect": router.dialect, "workers": router.workers()})
+
+    async def refresh(request: web.Request) -> web.Response:
+        return web.json_response(await refresh_once())
+
+    async def healthz(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app.add_routes([web.post("/v1/generate", generate), web.post("/v1/route", route),
+                    web.get("/v1/workers", workers), web.post("/v1/refresh", refresh),
+                    web.get("/healthz", healthz)])
+    return app
+
+
+def _parse_worker(spec: str, index: int) -> tuple[str, str, str | None]:
+    """``[id=]URL[,source=ENDPOINT]`` -> (id, url, source)."""
+    source = None
+    if ",source=" in spec:
+        spec, source = spec.split(",source=", 1)
+    wid = f"w{index}"
+    if "=" in spec.split("://", 1)[0]:
+        wid, spec = spec.split("=", 1)
+    if "://" not in spec:
+        spec = f"http://{spec}"
+    return wid, spec, source
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="kvkern router",
+        description="KV-aware router: destination by load, hint naming the worker with the "
+                    "longest cached prefix. Workers are `kvkern worker` processes.")
+    p.add_argument("--worker", action="append", default=[], metavar="[ID=]URL[,source=EP]",
+                   help="a worker's HTTP base URL (repeat); source= overrides the endpoint "
+                        "hints name for it (default: the URL)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--block-size", type=int, default=None,
+                   help="tokens per block (default: read from the first worker's report)")
+    p.add_argument("--dialect", choices=DIALECTS, default="kv_hint")
+    p.add_argument("--min-hint-blocks", type=int, default=1)
+    p.add_argument("--refresh-s", type=float, default=5.0,
+                   help="re-read workers' block reports this often (0: only at start)")
+    p.add_argument("--request-timeout-s", type=float, default=120.0)
+    args = p.parse_args(argv)
+    if not args.worker:
+        p.error("at least one --worker is needed")
+    specs = [_parse_worker(s, i) for i, s in enumerate(args.worker)]
+    block_size = args.block_size
+    if block_size is None:
+        block_size = _fetch_block_size([url for _, url, _ in specs])
+    router = KVRouter(block_size, dialect=args.dialect, min_hint_blocks=args.min_hint_blocks)
+    for wid, url, source in specs:
+        router.add_worker(wid, url, source)
+
+    from aiohttp import web  # noqa: PLC0415
+
+    app = build_app(router, request_timeout_s=args.request_timeout_s,
+                    refresh_s=args.refresh_s or None)
+    print(f"kvkern router on http://{args.host}:{args.port} -> "
+          + ", ".join(f"{w}={u}" for w, u, _ in specs), flush=True)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+    return 0
+
+
+def _fetch_block_size(urls: list[str], timeout_s: float = 10.0) -> int:
+    from kvkern.serve.httpjson import get_json  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        for url in urls:
+            try:
+                return int(get_json(f"{url}/v1/blocks", timeout=2.0)["block_size"])
+            except Exception as exc:  # noqa: BLE001
+                last = exc
+        time.sleep(0.5)
+    print(f"kvkern router: no worker answered GET /v1/blocks ({last}); pass --block-size",
+          file=sys.stderr)
+    raise SystemExit(2)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
