@@ -60,8 +60,7 @@ def main(argv=None) -> int:
         fn()
         return 1.0
 
-    winners = {}
-    for layout_name, t, d in shapes:
+    def tune_shape(layout_name: str, t: int, d: int) -> tuple[str, dict]:
         per_block = 4 * 2 * 8 * t * d * 2
         nb = max(8, 2 * (target // per_block))
         layout = KVLayout.named(layout_name, num_blocks=nb, num_layers=4, num_heads=8,
@@ -80,10 +79,14 @@ def main(argv=None) -> int:
                 gbps = nbytes / max(tp, tu) / 1e9
                 if best is None or gbps > best["gbps"]:
                     best = {"tile_bytes": tile, "num_warps": warps, "gbps": round(gbps, 1)}
+        return key, best
+
+    winners = {}
+    for layout_name, t, d in shapes:
+        key, best = tune_shape(layout_name, t, d)
         winners[key] = best
         print(f"{key:>14s} ({layout_name} T={t} D={d}): tile {best['tile_bytes']} B, "
               f"{best['num_warps']} warps, {best['gbps']} GB/s (slower of pack/unpack)")
-        del pool, staging
     entry = {"configs": winners, "torch": torch.__version__, "triton": triton.__version__,
              "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")}
     print(json.dumps({name: entry}, indent=1))

@@ -253,8 +253,9 @@ def main(argv=None) -> int:
     for case in cases(args.quick, args.smoke):
         row = {**info, **run_case(case, device, bench, target, check=True)}
         rows.append(row)
+        best_copy = max(row["copy_gbps"], row["triton_copy_gbps"])
         print(f"{row['name']:>18s} run={row['run_bytes']:>6d}B pack={row['pack_gbps']:8.1f} "
-              f"unpack={row['unpack_gbps']:8.1f} copy={max(row['copy_gbps'], row['triton_copy_gbps']):8.1f} GB/s "
+              f"unpack={row['unpack_gbps']:8.1f} copy={best_copy:8.1f} GB/s "
               f"({time.time() - t_start:.0f}s)", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
