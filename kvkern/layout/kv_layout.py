@@ -64,6 +64,16 @@ CANONICAL_ORDER: tuple[Axis, ...] = (
 )
 
 
+# engine layout name -> (axis of each tensor dim, one tensor per layer?)
+ENGINE_ORDERS: dict[str, tuple[tuple[Axis, ...], bool]] = {
+    "trtllm": (CANONICAL_ORDER, False),
+    "vllm_flash": ((Axis.KV, Axis.BLOCK, Axis.TOKEN, Axis.HEAD, Axis.DIM), True),
+    "vllm_nhd": ((Axis.BLOCK, Axis.KV, Axis.TOKEN, Axis.HEAD, Axis.DIM), True),
+    "vllm_hnd": ((Axis.BLOCK, Axis.KV, Axis.HEAD, Axis.TOKEN, Axis.DIM), True),
+    "cross_layer": ((Axis.BLOCK, Axis.LAYER, Axis.KV, Axis.TOKEN, Axis.HEAD, Axis.DIM), False),
+}
+
+
 class LayoutMismatchError(ValueError):
     """Tensors given as a pool do not match the layout they were declared with."""
 
@@ -133,48 +143,41 @@ class KVLayout:
     # -- constructors for the engines' pools -------------------------------------------
 
     @classmethod
-    def trtllm(cls, *, num_blocks, num_layers, num_heads, block_size, head_dim, dtype) -> KVLayout:
+    def trtllm(cls, **sizes) -> KVLayout:
         """TRT-LLM V1: one tensor ``[NB, L, 2, H, T, D]`` (HND inside each block)."""
-        return cls(name="trtllm", num_blocks=num_blocks, num_layers=num_layers,
-                   num_heads=num_heads, block_size=block_size, head_dim=head_dim, dtype=dtype,
-                   order=CANONICAL_ORDER)
+        return cls.named("trtllm", **sizes)
 
     @classmethod
-    def vllm_flash(cls, *, num_blocks, num_layers, num_heads, block_size, head_dim, dtype) -> KVLayout:
+    def vllm_flash(cls, **sizes) -> KVLayout:
         """vLLM FlashAttention (older): per layer ``[2, NB, T, H, D]``."""
-        return cls(name="vllm_flash", num_blocks=num_blocks, num_layers=num_layers,
-                   num_heads=num_heads, block_size=block_size, head_dim=head_dim, dtype=dtype,
-                   order=(Axis.KV, Axis.BLOCK, Axis.TOKEN, Axis.HEAD, Axis.DIM), per_layer=True)
+        return cls.named("vllm_flash", **sizes)
 
     @classmethod
-    def vllm_nhd(cls, *, num_blocks, num_layers, num_heads, block_size, head_dim, dtype) -> KVLayout:
+    def vllm_nhd(cls, **sizes) -> KVLayout:
         """vLLM / FlashInfer NHD: per layer ``[NB, 2, T, H, D]``."""
-        return cls(name="vllm_nhd", num_blocks=num_blocks, num_layers=num_layers,
-                   num_heads=num_heads, block_size=block_size, head_dim=head_dim, dtype=dtype,
-                   order=(Axis.BLOCK, Axis.KV, Axis.TOKEN, Axis.HEAD, Axis.DIM), per_layer=True)
+        return cls.named("vllm_nhd", **sizes)
 
     @classmethod
-    def vllm_hnd(cls, *, num_blocks, num_layers, num_heads, block_size, head_dim, dtype) -> KVLayout:
+    def vllm_hnd(cls, **sizes) -> KVLayout:
         """vLLM / FlashInfer HND: per layer ``[NB, 2, H, T, D]``."""
-        return cls(name="vllm_hnd", num_blocks=num_blocks, num_layers=num_layers,
-                   num_heads=num_heads, block_size=block_size, head_dim=head_dim, dtype=dtype,
-                   order=(Axis.BLOCK, Axis.KV, Axis.HEAD, Axis.TOKEN, Axis.DIM), per_layer=True)
+        return cls.named("vllm_hnd", **sizes)
 
     @classmethod
-    def cross_layer(cls, *, num_blocks, num_layers, num_heads, block_size, head_dim, dtype) -> KVLayout:
+    def cross_layer(cls, **sizes) -> KVLayout:
         """vLLM cross-layer: one tensor ``[NB, L, 2, T, H, D]``."""
-        return cls(name="cross_layer", num_blocks=num_blocks, num_layers=num_layers,
-                   num_heads=num_heads, block_size=block_size, head_dim=head_dim, dtype=dtype,
-                   order=(Axis.BLOCK, Axis.LAYER, Axis.KV, Axis.TOKEN, Axis.HEAD, Axis.DIM))
+        return cls.named("cross_layer", **sizes)
 
     @classmethod
-    def named(cls, name: str, **sizes) -> KVLayout:
-        """Build a layout by constructor name (``trtllm``, ``vllm_flash``, ``vllm_nhd``,
-        ``vllm_hnd``, ``cross_layer``)."""
-        ctor = LAYOUT_CONSTRUCTORS.get(name)
-        if ctor is None:
-            raise ValueError(f"unknown layout {name!r}; known: {sorted(LAYOUT_CONSTRUCTORS)}")
-        return ctor(**sizes)
+    def named(cls, name: str, *, num_blocks: int, num_layers: int, num_heads: int,
+              block_size: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
+        """Build an engine layout by name (``trtllm``, ``vllm_flash``, ``vllm_nhd``,
+        ``vllm_hnd``, ``cross_layer``) from its sizes."""
+        if name not in ENGINE_ORDERS:
+            raise ValueError(f"unknown layout {name!r}; known: {sorted(ENGINE_ORDERS)}")
+        order, per_layer = ENGINE_ORDERS[name]
+        return cls(name=name, num_blocks=num_blocks, num_layers=num_layers, num_heads=num_heads,
+                   block_size=block_size, head_dim=head_dim, dtype=dtype, order=order,
+                   per_layer=per_layer)
 
     # -- sizes ---------------------------------------------------------------------------
 
