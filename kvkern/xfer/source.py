@@ -1,0 +1,754 @@
+"""The source side of the pull path: serve pinned KV blocks to destinations over UCXX.
+
+A :class:`SourceService` runs on the transfer event loop (:class:`kvkern.xfer.runtime.
+EventLoopThread`) of a worker hosting one or more attention-DP groups (:class:`KVGroup`). It
+has one HTTP server (state, metrics, health) and one UCXX :class:`Listener` per hosted rank.
+
+HTTP
+----
+``GET /kvkern/v1/state`` (``STATE_PATH``), the JSON a destination codes against::
+
+    {"protocol": "kvkern/1",
+     "worker_id": "...",
+     "incarnation": "<uuid4 hex, new per service start>",
+     "hash_scheme": "public-xxh3-v1",          # every group's manager uses it
+     "block_size": 16,
+     "codec_fingerprint": "<16 hex digits of Codec.fingerprint, zero padded>",
+     "topology": Topology.to_dict(),
+     "dp_groups": {"<dp_rank>": {"ranks": {"<rank>": {"ucx_host": "127.0.0.1",
+                                                       "ucx_port": 12345,
+                                                       "layout": KVLayout.describe()}}}},
+     "capabilities": ["pull/1", "strict", "best_effort", "sharded"]}
+
+Only hosted groups and ranks appear (a worker of one process per GPU publishes one rank per
+process). ``GET /metrics`` is the Prometheus exposition of :class:`XferMetrics`; ``GET
+/healthz`` is ``{"status": "ok", "worker_id", "incarnation"}`` (503 while closing).
+
+Pull protocol (one rank's listener)
+-----------------------------------
+The handler of each connection reads control frames on ``CONTROL_TAG`` and serves every
+:class:`PullRequest` in its own task, so a :class:`Cancel` for a running transfer is read
+while it streams. For one request::
+
+    validate  (no pin yet)        hash_scheme == the group's; every piece from this rank
+                                  (src_rank), its layer/head ranges inside this rank's local
+                                  layout; pieces tile the per-block stream (below); the chunk
+                                  count fits the protocol          -> REJECTED "code: detail"
+    admit                         active sends < max_concurrent_sends -> else BUSY
+    pin       manager.pin(block_hashes[start:start + count], require_all=False)
+              served = the pinned leading run; none -> MISS; fewer than count -> PARTIAL
+    reply     PullReply on tag_for(tid, REPLY): served blocks and hashes, total_bytes,
+              n_chunks, chunk_sizes
+    stream    chunks on tag_for(tid, DATA, i), packed into a ring of staging buffers
+    unpin     exactly once (see below)
+
+A REJECTED / ERROR reply's ``reason`` is ``"<code>: <detail>"``; codes: ``hash_scheme_mismatch``,
+``wrong_rank``, ``bad_piece``, ``too_many_chunks``, ``duplicate_transfer``, ``busy``,
+``internal``. The source never decides strictness (the request carries no policy): it serves
+the longest pinned leading run and says PARTIAL; a strict destination that does not want a
+partial prefix sends :class:`Cancel` (or drops the connection) and falls back.
+
+Pieces and the byte stream
+--------------------------
+A :class:`PlanPiece` is one :class:`kvkern.layout.plan.Piece` of the (source rank,
+destination rank) pair, in **source-local** coordinates and **per block**::
+
+    layer_start, layer_stop = piece.src_layers      head_start, head_stop = piece.src_heads
+    offset = piece.block_offset                     length = piece.block_nbytes
+    (length == n_layers * 2 * n_heads * block_size * head_dim * itemsize)
+
+Offsets are per block because the served count ``n`` is known only at the source; pieces
+sorted by offset must tile ``[0, sum(length))`` exactly. The stream for ``n`` served blocks is
+:func:`kvkern.kernels.sharded.pack_for_peer`'s: piece-major, each piece the canonical staging
+``[n, L', 2, H', T, D]`` of the served blocks, at byte ``offset * n``::
+
+    stream   | piece 0: n blocks x length0 | piece 1: n blocks x length1 | ...
+    chunks   |  c0  |  c1  |  c2 |  c3   |  c4  | c5 |                           (<= limit)
+
+Chunking: ``limit = min(request.chunk_bytes, service chunk_bytes)``. Chunk boundaries fall on
+whole (piece, block range) units: for each piece in offset order, runs of
+``max(1, limit // length)`` blocks, one chunk each (the last run of a piece may be shorter;
+a chunk never spans two pieces). If one block of a piece is larger than ``limit``, that block
+is cut into ``ceil(length / limit)`` byte slices. So chunks are at most ``limit`` bytes but
+**not all equal**: the destination sizes its buffers from ``PullReply.chunk_sizes``. Chunk
+``k + 1`` is packed (on a small packing thread pool, so the event loop stays free) into a ring
+of ``chunks_in_flight`` staging buffers while earlier chunks are on the wire
+(:meth:`Connection.send_stream` guarantees the slot is free before reuse).
+
+Unpin exactly once
+------------------
+Each admitted request is a task that pins inside its body and releases in ``finally``; a
+done-callback releases again as a backstop (release is idempotent, the manager's ``unpin``
+is called once). Whatever ends the task — the last chunk sent, a send failure, the peer
+vanishing (``peer_closed``), the deadline (``deadline_ms`` from receipt, 0 = the source cap,
+capped by ``max_send_s``), a :class:`Cancel` for its transfer id, or :meth:`close` — the pins
+are released once and ``pins_outstanding`` / ``kvkern_source_pinned_blocks`` drop. If a packing
+thread is still reading the pool, the release waits for it (bounded).
+
+Broken promises abort: if the task ends after the reply promised chunks but before all were
+sent, the connection is aborted (UCX can withdraw posted sends only that way, and the
+destination then fails fast with ``peer_closed`` instead of waiting). Other transfers on that
+connection fail too; the destination's :class:`ConnectionPool` reconnects.
+
+A malformed frame aborts its connection (the transport's rule); a well-formed but invalid
+request gets a REJECTED reply and the connection keeps serving. Nothing a peer sends stops the
+listener or the service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from kvkern.kernels.pack import pack
+from kvkern.layout.kv_layout import KVLayout
+from kvkern.xfer.kvgroup import KVGroup, RankKV
+from kvkern.xfer.messages import (
+    DEFAULT_CODEC,
+    MAX_CHUNKS,
+    MAX_TEXT,
+    Cancel,
+    Codec,
+    PlanPiece,
+    PullReply,
+    PullRequest,
+    Status,
+)
+from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
+from kvkern.xfer.transport import (
+    CONTROL_TAG,
+    Connection,
+    Lane,
+    Listener,
+    TransportError,
+    tag_for,
+)
+
+__all__ = ["CAPABILITIES", "PROTOCOL", "STATE_PATH", "ChunkSpec", "SourceService",
+           "plan_chunks"]
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = "kvkern/1"
+STATE_PATH = "/kvkern/v1/state"
+CAPABILITIES = ("pull/1", "strict", "best_effort", "sharded")
+DEFAULT_MAX_SEND_S = 60.0  # TRT-LLM kv_transfer_timeout_ms (REFERENCE "Defaults")
+DEFAULT_PROGRESS_TIMEOUT_S = 10.0
+_PACK_WAIT_S = 5.0
+
+
+# ------------------------------------------------------------------------------ chunking
+
+
+@dataclass(frozen=True)
+class ChunkSpec:
+    """One chunk: blocks ``[b0, b1)`` of piece ``piece`` (index into the offset-sorted
+    pieces), bytes ``[lo, hi)`` of that (piece, block range) slab."""
+
+    piece: int
+    b0: int
+    b1: int
+    lo: int
+    hi: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+
+def count_chunks(lengths: Sequence[int], n_blocks: int, limit: int) -> int:
+    """Number of chunks :func:`plan_chunks` makes, without building them."""
+    total = 0
+    for length in lengths:
+        if length <= limit:
+            total += math.ceil(n_blocks / (limit // length))
+        else:
+            total += n_blocks * math.ceil(length / limit)
+    return total
+
+
+def plan_chunks(lengths: Sequence[int], n_blocks: int, limit: int) -> list[ChunkSpec]:
+    """Chunks of the stream of ``n_blocks`` blocks whose pieces (in stream order) have
+    ``lengths`` bytes per block; see the module docstring."""
+    if limit < 1:
+        raise ValueError(f"chunk limit {limit} must be >= 1")
+    out: list[ChunkSpec] = []
+    for p, length in enumerate(lengths):
+        if length <= limit:
+            per = limit // length
+            for b0 in range(0, n_blocks, per):
+                b1 = min(b0 + per, n_blocks)
+                out.append(ChunkSpec(p, b0, b1, 0, (b1 - b0) * length))
+        else:
+            for b in range(n_blocks):
+                for lo in range(0, length, limit):
+                    out.append(ChunkSpec(p, b, b + 1, lo, min(lo + limit, length)))
+    return out
+
+
+def _piece_nbytes(layout: KVLayout, p: PlanPiece) -> int:
+    return ((p.layer_stop - p.layer_start) * 2 * (p.head_stop - p.head_start)
+            * layout.block_size * layout.head_dim * layout.itemsize)
+
+
+def _reason(code: str, detail: str) -> str:
+    text = f"{code}: {detail}"
+    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 3] + "..."
+
+
+class _Rejected(Exception):
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(_reason(code, detail))
+        self.code = code
+
+
+# ------------------------------------------------------------------------------ one send
+
+
+@dataclass(frozen=True)
+class _RankCtx:
+    group: KVGroup
+    rkv: RankKV
+
+    @property
+    def rank(self) -> int:
+        return self.rkv.rank
+
+
+class _Send:
+    """Bookkeeping of one request being served; owned by its task."""
+
+    __slots__ = ("req", "conn", "ctx", "conn_sends", "deadline", "admitted", "handle",
+                 "released", "replied", "completed", "cancel_reason", "task", "pack_cf",
+                 "started")
+
+    def __init__(self, req: PullRequest, conn: Connection, ctx: _RankCtx,
+                 conn_sends: dict[int, _Send], deadline: float, admitted: bool) -> None:
+        self.req = req
+        self.conn = conn
+        self.ctx = ctx
+        self.conn_sends = conn_sends
+        self.deadline = deadline
+        self.admitted = admitted
+        self.handle: Any = None
+        self.released = False
+        self.replied = False
+        self.completed = False
+        self.cancel_reason: str | None = None
+        self.task: asyncio.Task | None = None
+        self.pack_cf: concurrent.futures.Future | None = None
+        self.started = time.monotonic()
+
+
+# ------------------------------------------------------------------------------- service
+
+
+class SourceService:
+    """Serves the KV of ``groups`` (one :class:`KVGroup` per hosted attention-DP group, all of
+    one worker topology) to pulling destinations. See the module docstring.
+
+    Create and use it on one event loop (``await start()`` ... ``await close()``).
+    ``ucx_ports`` optionally fixes the listener port of a rank (default: the OS picks).
+    ``extra_routes`` (aiohttp ``RouteDef``s) are added to the HTTP app (test admin routes).
+    """
+
+    def __init__(
+        self,
+        groups: Sequence[KVGroup],
+        *,
+        worker_id: str,
+        host: str = "127.0.0.1",
+        http_port: int = 0,
+        advertise_host: str | None = None,
+        chunk_bytes: int = 16 << 20,
+        chunks_in_flight: int = 4,
+        max_concurrent_sends: int = 8,
+        metrics: XferMetrics | None = None,
+        extra_routes: Iterable[web.RouteDef] | None = None,
+        ucx_ports: Mapping[int, int] | None = None,
+        codec: Codec = DEFAULT_CODEC,
+        max_send_s: float = DEFAULT_MAX_SEND_S,
+        progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
+        pack_threads: int = 2,
+    ) -> None:
+        if not groups:
+            raise ValueError("SourceService needs at least one KVGroup")
+        topo = groups[0].topology
+        seen: set[int] = set()
+        for g in groups:
+            if g.topology != topo:
+                raise ValueError(f"DP group {g.dp_rank} has topology {g.topology.to_dict()}, "
+                                 f"group {groups[0].dp_rank} {topo.to_dict()}")
+            if g.dp_rank in seen:
+                raise ValueError(f"DP group {g.dp_rank} given twice")
+            seen.add(g.dp_rank)
+            if g.hash_scheme != groups[0].hash_scheme:
+                raise ValueError(f"DP group {g.dp_rank} uses hash scheme {g.hash_scheme!r}, "
+                                 f"group {groups[0].dp_rank} {groups[0].hash_scheme!r}")
+        for name, value in (("chunk_bytes", chunk_bytes), ("chunks_in_flight", chunks_in_flight),
+                            ("max_concurrent_sends", max_concurrent_sends),
+                            ("pack_threads", pack_threads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name, value in (("max_send_s", max_send_s),
+                            ("progress_timeout_s", progress_timeout_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        self.groups = tuple(sorted(groups, key=lambda g: g.dp_rank))
+        self.topology = topo
+        self.worker_id = worker_id
+        self.host = host
+        self.advertise_host = advertise_host or host
+        self.chunk_bytes = chunk_bytes
+        self.chunks_in_flight = chunks_in_flight
+        self.max_concurrent_sends = max_concurrent_sends
+        self.metrics = metrics if metrics is not None else XferMetrics()
+        self.codec = codec
+        self.max_send_s = float(max_send_s)
+        self.progress_timeout_s = float(progress_timeout_s)
+        self.incarnation = uuid.uuid4().hex
+        self._http_port_req = http_port
+        self._extra_routes = list(extra_routes or ())
+        self._ucx_ports = dict(ucx_ports or {})
+        self._pack_threads = pack_threads
+        self._ctx: dict[int, _RankCtx] = {
+            r: _RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
+        self._listeners: dict[int, Listener] = {}
+        self._runner: web.AppRunner | None = None
+        self._http_port: int | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._sends: set[_Send] = set()  # every request task not finished yet
+        self._active = 0  # admitted sends (count toward max_concurrent_sends)
+        self._pins = 0  # pin handles held
+        self._pinned_blocks = 0
+        self._started = False
+        self._closing = False
+
+    # ----------------------------------------------------------------------- properties
+
+    @property
+    def http_port(self) -> int:
+        if self._http_port is None:
+            raise RuntimeError("source service not started")
+        return self._http_port
+
+    @property
+    def ucx_ports(self) -> dict[int, int]:
+        """rank -> listener port of every hosted rank."""
+        return {r: lst.port for r, lst in self._listeners.items()}
+
+    @property
+    def active_sends(self) -> int:
+        """Admitted requests not finished (pinning, replying or streaming)."""
+        return self._active
+
+    @property
+    def pins_outstanding(self) -> int:
+        """Pin handles held by running sends (0 once every send has ended)."""
+        return self._pins
+
+    @property
+    def pinned_blocks(self) -> int:
+        return self._pinned_blocks
+
+    @property
+    def listeners_open(self) -> int:
+        return len(self._listeners)
+
+    @property
+    def hash_scheme(self) -> str:
+        return self.groups[0].hash_scheme
+
+    def state(self) -> dict:
+        """The state document (see the module docstring)."""
+        dp_groups: dict[str, Any] = {}
+        for g in self.groups:
+            ranks = {}
+            for r, rkv in g.ranks.items():
+                lst = self._listeners.get(r)
+                ranks[str(r)] = {"ucx_host": self.advertise_host,
+                                 "ucx_port": lst.port if lst is not None else None,
+                                 "layout": rkv.layout.describe()}
+            dp_groups[str(g.dp_rank)] = {"ranks": ranks}
+        return {
+            "protocol": PROTOCOL,
+            "worker_id": self.worker_id,
+            "incarnation": self.incarnation,
+            "hash_scheme": self.hash_scheme,
+            "block_size": self.topology.model.block_size,
+            "codec_fingerprint": f"{self.codec.fingerprint:016x}",
+            "topology": self.topology.to_dict(),
+            "dp_groups": dp_groups,
+            "capabilities": list(CAPABILITIES),
+        }
+
+    # -------------------------------------------------------------------- start / close
+
+    async def start(self) -> SourceService:
+        if self._started:
+            raise RuntimeError("source service already started")
+        self._started = True
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            self._pack_threads, thread_name_prefix="kvkern-pack")
+        try:
+            for rank, ctx in self._ctx.items():
+                lst = Listener(self._handler_for(ctx), host=self.advertise_host,
+                               port=self._ucx_ports.get(rank, 0), codec=self.codec)
+                await asyncio.wait_for(lst.start(), 10.0)
+                self._listeners[rank] = lst
+            app = web.Application()
+            app.router.add_get(STATE_PATH, self._http_state)
+            app.router.add_get("/metrics", self._http_metrics)
+            app.router.add_get("/healthz", self._http_health)
+            app.router.add_routes(self._extra_routes)
+            self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+            await asyncio.wait_for(self._runner.setup(), 10.0)
+            site = web.TCPSite(self._runner, self.host, self._http_port_req)
+            await asyncio.wait_for(site.start(), 10.0)
+            self._http_port = int(self._runner.addresses[0][1])
+        except BaseException:
+            await self.close()
+            raise
+        log.info("source %s (incarnation %s) serving HTTP on %s:%s, UCX ranks %s",
+                 self.worker_id, self.incarnation, self.host, self._http_port, self.ucx_ports)
+        return self
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Stop HTTP and listeners, cancel every send (releasing its pins) and wait for them,
+        bounded by ``timeout``. Idempotent."""
+        if self._closing:
+            return
+        self._closing = True
+        deadline = time.monotonic() + timeout
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(runner.cleanup(), max(deadline - time.monotonic(), 0.1))
+        listeners, self._listeners = list(self._listeners.values()), {}
+        for lst in listeners:
+            with contextlib.suppress(Exception):
+                await lst.close(timeout=max(deadline - time.monotonic(), 0.1))
+        sends = list(self._sends)
+        for s in sends:
+            if s.task is not None:
+                s.task.cancel()
+        tasks = [s.task for s in sends if s.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0.1))
+        for s in list(self._sends):  # a task that did not finish in time: release anyway
+            log.warning("send of transfer %d still running at close; releasing its pins",
+                        s.req.transfer_id)
+            self._release(s)
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> SourceService:
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -------------------------------------------------------------------------- HTTP
+
+    async def _http_state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.state())
+
+    async def _http_metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _http_health(self, request: web.Request) -> web.Response:
+        status = "closing" if self._closing else "ok"
+        return web.json_response({"status": status, "worker_id": self.worker_id,
+                                  "incarnation": self.incarnation},
+                                 status=503 if self._closing else 200)
+
+    # ----------------------------------------------------------------------- listener
+
+    def _handler_for(self, ctx: _RankCtx):
+        async def handler(conn: Connection) -> None:
+            await self._serve_connection(conn, ctx)
+        return handler
+
+    async def _serve_connection(self, conn: Connection, ctx: _RankCtx) -> None:
+        conn_sends: dict[int, _Send] = {}
+        try:
+            while True:
+                msg = await conn.recv_msg(CONTROL_TAG, timeout=None)
+                if isinstance(msg, Cancel):
+                    s = conn_sends.get(msg.transfer_id)
+                    if s is not None and s.task is not None and not s.task.done():
+                        s.cancel_reason = msg.reason or "cancelled"
+                        s.task.cancel()
+                elif isinstance(msg, PullRequest):
+                    self._accept(conn, ctx, conn_sends, msg)
+                else:  # a PullReply has no business on the control tag
+                    log.debug("ignoring %s on the control tag of rank %d",
+                              type(msg).__name__, ctx.rank)
+        except TransportError as exc:
+            log.debug("rank %d connection ended: %s", ctx.rank, exc)
+        finally:
+            for s in list(conn_sends.values()):
+                if s.task is not None:
+                    s.task.cancel()
+
+    def _accept(self, conn: Connection, ctx: _RankCtx, conn_sends: dict[int, _Send],
+                req: PullRequest) -> None:
+        """Synchronous admission (no await between the check and the count)."""
+        now = time.monotonic()
+        budget = req.deadline_ms / 1000 if req.deadline_ms else self.max_send_s
+        deadline = now + min(budget, self.max_send_s)
+        duplicate = req.transfer_id in conn_sends
+        admitted = (not duplicate and not self._closing
+                    and self._active < self.max_concurrent_sends)
+        s = _Send(req, conn, ctx, conn_sends, deadline, admitted)
+        if admitted:
+            self._active += 1
+            self.metrics.source_send_started()
+        if not duplicate:
+            conn_sends[req.transfer_id] = s
+        self._sends.add(s)
+        s.task = asyncio.ensure_future(self._serve(s, duplicate=duplicate))
+        s.task.add_done_callback(lambda t, s=s: self._finished(s, t))
+
+    def _finished(self, s: _Send, task: asyncio.Task) -> None:
+        self._release(s)  # backstop; normally done in _serve's finally
+        self._sends.discard(s)
+        if s.conn_sends.get(s.req.transfer_id) is s:
+            del s.conn_sends[s.req.transfer_id]
+        if s.admitted:
+            s.admitted = False
+            self._active -= 1
+            self.metrics.source_send_ended(time.monotonic() - s.started)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("send of transfer %d failed unexpectedly", s.req.transfer_id,
+                      exc_info=task.exception())
+
+    def _release(self, s: _Send) -> None:
+        """Unpin ``s``'s blocks if pinned; idempotent (the manager is called once)."""
+        if s.released or s.handle is None:
+            s.released = True
+            return
+        s.released = True
+        handle, s.handle = s.handle, None
+        n = len(handle.block_ids)
+        self._pins -= 1
+        self._pinned_blocks -= n
+        self.metrics.source_pins_changed(-n)
+        try:
+            s.ctx.group.manager.unpin(handle)
+        except Exception:  # noqa: BLE001 (a manager bug must not take the service down)
+            log.exception("unpin of pin %s for transfer %d failed", handle.pin_id,
+                          s.req.transfer_id)
+
+    # ------------------------------------------------------------------------ serving
+
+    async def _reply(self, s: _Send, reply: PullReply) -> None:
+        self.metrics.source_request(reply.status.value)
+        timeout = max(s.deadline - time.monotonic(), 0.001)
+        await s.conn.send_msg(reply, tag_for(s.req.transfer_id, Lane.REPLY), timeout=timeout)
+        s.replied = True
+
+    async def _reply_status(self, s: _Send, status: Status, reason: str) -> None:
+        await self._reply(s, PullReply(transfer_id=s.req.transfer_id, status=status,
+                                       reason=reason))
+
+    async def _serve(self, s: _Send, *, duplicate: bool) -> None:
+        req = s.req
+        try:
+            if duplicate:
+                await self._reply_status(s, Status.REJECTED, _reason(
+                    "duplicate_transfer", f"transfer id {req.transfer_id} is already being "
+                    "served on this connection"))
+                return
+            if not s.admitted:
+                await self._reply_status(s, Status.BUSY, _reason(
+                    "busy", f"{self._active} sends in flight, limit "
+                    f"{self.max_concurrent_sends}"))
+                return
+            try:
+                pieces = self._validate(s.ctx, req)
+            except _Rejected as rej:
+                log.info("rejected transfer %d on rank %d: %s", req.transfer_id, s.ctx.rank,
+                         rej)
+                await self._reply_status(s, Status.REJECTED, str(rej))
+                return
+            remaining = s.deadline - time.monotonic()
+            if remaining <= 0:
+                raise asyncio.TimeoutError
+            await asyncio.wait_for(self._pin_and_send(s, pieces), remaining)
+        except asyncio.TimeoutError:
+            self._failed(s, "deadline")
+        except asyncio.CancelledError:
+            if s.cancel_reason is None:
+                self._failed(s, "closed")
+                raise
+            self._failed(s, "cancelled")
+        except TransportError as exc:
+            self._failed(s, exc.reason)
+        except Exception as exc:
+            log.exception("serving transfer %d on rank %d failed", req.transfer_id,
+                          s.ctx.rank)
+            self._failed(s, "internal")
+            if not s.replied and s.conn.alive:
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await self._reply_status(s, Status.ERROR, _reason(
+                        "internal", f"{type(exc).__name__}: {exc}"))
+        finally:
+            cf = s.pack_cf
+            if cf is not None and not cf.done():  # the pool is still being read
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait({asyncio.wrap_future(cf)}, timeout=_PACK_WAIT_S)
+            self._release(s)
+
+    def _failed(self, s: _Send, reason: str) -> None:
+        """A send that will not complete: count it; if a reply promised chunks that will not
+        all arrive, abort the connection (see the module docstring)."""
+        if s.handle is not None or s.replied:
+            self.metrics.source_send_failed(reason)
+        if s.replied and not s.completed and s.handle is not None:
+            s.conn.abort(f"send_{reason}")
+        log.info("transfer %d on rank %d ended without completing: %s", s.req.transfer_id,
+                 s.ctx.rank, reason)
+
+    def _validate(self, ctx: _RankCtx, req: PullRequest) -> list[PlanPiece]:
+        """Pieces sorted by offset, or :class:`_Rejected`."""
+        scheme = ctx.group.hash_scheme
+        if req.hash_scheme != scheme:
+            raise _Rejected("hash_scheme_mismatch", f"request scheme {req.hash_scheme!r} != "
+                            f"source scheme {scheme!r}")
+        layout = ctx.rkv.layout
+        pieces = sorted(req.pieces, key=lambda p: p.offset)
+        end = 0
+        for p in pieces:
+            if p.src_rank != ctx.rank:
+                raise _Rejected("wrong_rank", f"piece for source rank {p.src_rank} sent to the "
+                                f"listener of rank {ctx.rank}")
+            if p.layer_stop > layout.num_layers:
+                raise _Rejected("bad_piece", f"layers [{p.layer_start},{p.layer_stop}) outside "
+                                f"rank {ctx.rank}'s local [0,{layout.num_layers})")
+            if p.head_stop > layout.num_heads:
+                raise _Rejected("bad_piece", f"heads [{p.head_start},{p.head_stop}) outside "
+                                f"rank {ctx.rank}'s local [0,{layout.num_heads})")
+            want = _piece_nbytes(layout, p)
+            if p.length != want:
+                raise _Rejected("bad_piece", f"piece length {p.length} != {want} bytes per "
+                                f"block for layers [{p.layer_start},{p.layer_stop}) x heads "
+                                f"[{p.head_start},{p.head_stop})")
+            if p.offset != end:
+                raise _Rejected("bad_piece", f"piece at per-block offset {p.offset}, expected "
+                                f"{end} (pieces must tile the per-block stream from 0)")
+            end += p.length
+        limit = min(req.chunk_bytes, self.chunk_bytes)
+        n = count_chunks([p.length for p in pieces], req.count, limit)
+        if n > MAX_CHUNKS:
+            raise _Rejected("too_many_chunks", f"{req.count} blocks in chunks of <= {limit} B "
+                            f"make {n} chunks, the protocol allows {MAX_CHUNKS}")
+        return pieces
+
+    async def _pin_and_send(self, s: _Send, pieces: list[PlanPiece]) -> None:
+        req, ctx = s.req, s.ctx
+        handle = ctx.group.manager.pin(req.requested_hashes, require_all=False)
+        if handle is not None:
+            s.handle = handle
+            self._pins += 1
+            self._pinned_blocks += len(handle.block_ids)
+            self.metrics.source_pins_changed(len(handle.block_ids))
+        if handle is None:
+            await self._reply_status(s, Status.MISS, _reason(
+                "miss", f"none of the {req.count} requested blocks is cached"))
+            return
+        block_ids = list(handle.block_ids)
+        n = len(block_ids)
+        if max(block_ids) >= ctx.rkv.layout.num_blocks:
+            raise RuntimeError(f"manager pinned block {max(block_ids)}, rank {ctx.rank}'s pool "
+                               f"has {ctx.rkv.layout.num_blocks} blocks")
+        limit = min(req.chunk_bytes, self.chunk_bytes)
+        lengths = [p.length for p in pieces]
+        chunks = plan_chunks(lengths, n, limit)
+        sizes = [c.nbytes for c in chunks]
+        reply = PullReply(transfer_id=req.transfer_id,
+                          status=Status.OK if n == req.count else Status.PARTIAL,
+                          served_blocks=n, block_hashes=list(handle.hashes),
+                          total_bytes=sum(sizes), n_chunks=len(chunks), chunk_sizes=sizes,
+                          reason="" if n == req.count else _reason(
+                              "partial", f"{n} of {req.count} requested blocks cached"))
+        await self._reply(s, reply)
+        await self._after_reply(req, reply)
+        produce = self._producer(s, pieces, block_ids, chunks)
+        ring = min(self.chunks_in_flight, len(chunks))
+        remaining = max(s.deadline - time.monotonic(), 0.001)
+        sent = await s.conn.send_stream(req.transfer_id, produce, len(chunks),
+                                        timeout=min(self.progress_timeout_s, remaining),
+                                        max_in_flight=ring)
+        s.completed = True
+        self.metrics.source_served(n, sent)
+
+    def _producer(self, s: _Send, pieces: list[PlanPiece], block_ids: list[int],
+                  chunks: list[ChunkSpec]):
+        """``produce(i)`` for send_stream: packs chunk ``i`` into ring slot ``i % ring``."""
+        rkv = s.ctx.rkv
+        layout = rkv.layout
+        device = rkv.device
+        ring = min(self.chunks_in_flight, len(chunks))
+        slot_bytes = max(c.nbytes for c in chunks)
+        slots: list[torch.Tensor | None] = [None] * ring
+        big: dict[str, Any] = {"key": None, "buf": None}  # one oversized block, sliced
+        loop = asyncio.get_running_loop()
+        tid = s.req.transfer_id
+
+        def pack_slab(p: PlanPiece, b0: int, b1: int, out: torch.Tensor | None) -> torch.Tensor:
+            shape = (b1 - b0, p.layer_stop - p.layer_start, 2, p.head_stop - p.head_start,
+                     layout.block_size, layout.head_dim)
+            view = None if out is None else out.view(layout.dtype).view(shape)
+            staged = pack(rkv.pool, layout, block_ids[b0:b1], out=view,
+                          layers=(p.layer_start, p.layer_stop),
+                          heads=(p.head_start, p.head_stop))
+            if staged.is_cuda:  # UCX reads the memory as soon as the send is posted
+                torch.cuda.current_stream(staged.device).synchronize()
+            return staged.reshape(-1).view(torch.uint8)
+
+        async def run(fn, *args):
+            if self._executor is None:
+                raise TransportError("closed", "source service closed")
+            s.pack_cf = self._executor.submit(fn, *args)
+            return await asyncio.wrap_future(s.pack_cf, loop=loop)
+
+        async def produce(i: int) -> torch.Tensor:
+            await self._before_chunk(tid, i)
+            c = chunks[i]
+            p = pieces[c.piece]
+            if c.lo == 0 and c.hi == (c.b1 - c.b0) * p.length:
+                k = i % ring
+                if slots[k] is None:
+                    slots[k] = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+                return await run(pack_slab, p, c.b0, c.b1, slots[k][:c.nbytes])
+            key = (c.piece, c.b0)
+            if big["key"] != key:  # a new oversized block: pack it whole into a fresh buffer
+                big["buf"] = await run(pack_slab, p, c.b0, c.b1, None)
+                big["key"] = key
+            return big["buf"][c.lo:c.hi]
+
+        return produce
+
+    # ------------------------------------------------------------- hooks (fault tests)
+
+    async def _after_reply(self, req: PullRequest, reply: PullReply) -> None:
+        """Called after a data-carrying reply was sent, before the first chunk. No-op; test
+        peers override it to freeze a send."""
+
+    async def _before_chunk(self, transfer_id: int, index: int) -> None:
+        """Called before chunk ``index`` is packed. No-op; test peers override it to slow a
+        send down."""

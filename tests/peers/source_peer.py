@@ -1,0 +1,300 @@
+"""A test source worker: a SourceService over a reference BlockPool and random KV, on 127.0.0.1.
+
+Run as ``python tests/peers/source_peer.py [flags]``. It builds a tiny model's KV for every
+rank of one DP group (attention DP off) in this process, pre-commits token sequences under
+their chained hashes (:func:`kvkern.cache.hashing.sequence_hashes`), starts the service on an
+:class:`EventLoopThread` and prints ONE line to stdout (UCX may print other lines there, so
+look for the prefix)::
+
+    KVKERN_READY {"http_port": 41234, "ucx_ports": {"0": 40001, "1": 40002}, "pid": 123,
+                  "worker_id": "src", "incarnation": "...", "sequences": [[h0, h1, ...], ...]}
+
+It exits when its parent process dies, on SIGTERM/SIGINT, or after ``--lifetime-s``, closing
+the service first (every send cancelled, every pin released) and printing
+``KVKERN_CLOSED {"pins_outstanding", "active_sends", "listeners_open", "pool": stats}``.
+
+Flags
+-----
+``--tp N`` / ``--pp N``       parallelism of the worker (default 1 / 1); every rank is hosted
+``--layout NAME``             engine layout of every rank's pool (trtllm, vllm_nhd, vllm_hnd,
+                              vllm_flash, cross_layer; default trtllm)
+``--num-blocks N``            blocks per pool (default 64)
+``--layers N --kv-heads N --head-dim N --block-size N --dtype NAME``
+                              the model (default 2 layers, 4 KV heads, head_dim 16, block 4,
+                              float16)
+``--hash-scheme NAME``        default public-xxh3-v1
+``--seq SPEC``                pre-commit a token sequence (repeatable): ``A:B`` = tokens
+                              ``range(A, B)``, or a comma list ``1,2,3``
+``--seed N``                  KV random seed (default 0)
+``--chunk-bytes N --chunks-in-flight N --max-concurrent-sends N --max-send-s S``
+                              SourceService settings (defaults 16 MiB, 4, 8, 60)
+``--slow-send-ms MS``         sleep before packing each chunk (fault tests)
+``--freeze-after-reply``      after a data-carrying reply, send nothing until the deadline,
+                              a Cancel or the connection's end (fault tests)
+``--http-port N``             default 0 (the OS picks)
+``--worker-id ID``            default "source-peer"
+``--lifetime-s S``            exit after S seconds (default 120)
+
+Test-only HTTP routes (``extra_routes``)
+----------------------------------------
+``GET  /test/stats``      ``{"pool": BlockPool.stats(), "pins_outstanding", "pinned_blocks",
+                          "active_sends", "listeners_open"}``
+``POST /test/evict``      body ``{"hashes": [...]}``: evict those cached, unheld blocks;
+                          answers ``{"evicted": [...], "held": [...], "absent": [...]}``
+``POST /test/commit``     body ``{"tokens": [...]}`` or ``{"range": [A, B]}``: commit the full
+                          blocks (new blocks get fresh random KV); answers ``{"hashes",
+                          "block_ids"}``
+``GET  /test/blocks``     ``?hashes=h1,h2[&layers=A:B][&heads=C:D]``: per hash, its block id
+                          and per rank the sha256 of the block's canonical staging bytes
+                          ``[1, L', 2, H', T, D]`` (rank-local layer/head ranges; all by
+                          default), or null when not cached
+``POST /test/faults``     body ``{"slow_send_ms": 0, "freeze_after_reply": false}``: change
+                          the fault knobs at run time
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import torch
+from aiohttp import web
+
+from kvkern.cache.hashing import sequence_hashes
+from kvkern.cache.pool import BlockPool
+from kvkern.kernels.pack import pack, unpack
+from kvkern.layout.kv_layout import allocate_staging
+from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+from kvkern.xfer.kvgroup import KVGroup, RankKV
+from kvkern.xfer.runtime import EventLoopThread
+from kvkern.xfer.source import SourceService
+
+READY_PREFIX = "KVKERN_READY "
+CLOSED_PREFIX = "KVKERN_CLOSED "
+
+
+class FaultySource(SourceService):
+    """SourceService with run-time fault knobs for tests."""
+
+    def __init__(self, *args, slow_send_ms: float = 0.0, freeze_after_reply: bool = False,
+                 **kw) -> None:
+        super().__init__(*args, **kw)
+        self.slow_send_ms = slow_send_ms
+        self.freeze_after_reply = freeze_after_reply
+
+    async def _after_reply(self, req, reply) -> None:
+        if self.freeze_after_reply:
+            await asyncio.Event().wait()  # until the deadline, a Cancel or close cancels us
+
+    async def _before_chunk(self, transfer_id: int, index: int) -> None:
+        if self.slow_send_ms > 0:
+            await asyncio.sleep(self.slow_send_ms / 1000)
+
+
+def parse_tokens(spec: str) -> list[int]:
+    if ":" in spec:
+        a, b = spec.split(":")
+        return list(range(int(a), int(b)))
+    return [int(x) for x in spec.split(",") if x.strip()]
+
+
+def parse_range(spec: str | None) -> tuple[int, int] | None:
+    if not spec:
+        return None
+    a, b = spec.split(":")
+    return int(a), int(b)
+
+
+class Peer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        model = ModelKVSpec(num_layers=args.layers, num_kv_heads=args.kv_heads,
+                            head_dim=args.head_dim, block_size=args.block_size, dtype=args.dtype)
+        self.topo = Topology(model=model, parallel=Parallelism(tp_size=args.tp,
+                                                               pp_size=args.pp))
+        self.pool = BlockPool(args.num_blocks, block_size=args.block_size,
+                              hash_scheme=args.hash_scheme)
+        self.gen = torch.Generator().manual_seed(args.seed)
+        ranks = {}
+        for r in self.topo.ranks_of_dp(0):
+            layout = self.topo.local_layout(r, args.num_blocks, args.layout)
+            ranks[r] = RankKV(r, layout, layout.allocate(fill="random", generator=self.gen))
+        self.group = KVGroup(self.topo, 0, self.pool, ranks)
+        self.lock = threading.Lock()  # KV writes (commit) vs reads (blocks)
+        self.service = FaultySource(
+            [self.group], worker_id=args.worker_id, http_port=args.http_port,
+            chunk_bytes=args.chunk_bytes, chunks_in_flight=args.chunks_in_flight,
+            max_concurrent_sends=args.max_concurrent_sends, max_send_s=args.max_send_s,
+            slow_send_ms=args.slow_send_ms, freeze_after_reply=args.freeze_after_reply,
+            extra_routes=[web.get("/test/stats", self.h_stats),
+                          web.post("/test/evict", self.h_evict),
+                          web.post("/test/commit", self.h_commit),
+                          web.get("/test/blocks", self.h_blocks),
+                          web.post("/test/faults", self.h_faults)])
+
+    # ---- KV helpers
+
+    def commit_tokens(self, tokens: list[int]) -> dict:
+        hs = sequence_hashes(tokens, self.args.block_size, self.args.hash_scheme)
+        if not hs:
+            return {"hashes": [], "block_ids": []}
+        with self.lock:
+            have = self.pool.acquire_prefix(hs)
+            new = self.pool.allocate(len(hs) - len(have))
+            if new is None:
+                self.pool.release(have)
+                raise web.HTTPInsufficientStorage(text="pool full")
+            for rkv in self.group.ranks.values():  # fresh KV in the new blocks
+                if not new:
+                    break
+                staging = allocate_staging(rkv.layout, len(new))
+                raw = torch.randint(0, 256, (staging.numel() * staging.element_size(),),
+                                    dtype=torch.uint8, generator=self.gen)
+                staging.view(-1).view(torch.uint8).copy_(raw)
+                unpack(staging, rkv.pool, rkv.layout, new)
+            ids = have + new
+            self.pool.commit(ids, hs)
+            self.pool.release(ids)
+        return {"hashes": hs, "block_ids": ids}
+
+    def evict(self, hashes: list[int]) -> dict:
+        """Test-only: drop cached, unheld blocks from the index (BlockPool has no public
+        per-hash eviction; this uses its internals under its lock)."""
+        out = {"evicted": [], "held": [], "absent": []}
+        pool = self.pool
+        with pool._lock:
+            for h in hashes:
+                b = pool._index.get(h)
+                if b is None:
+                    out["absent"].append(h)
+                elif b.held():
+                    out["held"].append(h)
+                else:
+                    pool._free.remove(b)
+                    del pool._index[h]
+                    b.block_hash = None
+                    pool._free.appendleft(b)
+                    pool._counters["evictions"] += 1
+                    out["evicted"].append(h)
+        pool.check_invariants()
+        return out
+
+    def block_digests(self, hashes: list[int], layers, heads) -> dict:
+        out = {}
+        with self.lock:
+            for h in hashes:
+                ids = self.pool.match_prefix([h])
+                if not ids:
+                    out[str(h)] = None
+                    continue
+                sha = {}
+                for r, rkv in self.group.ranks.items():
+                    staged = pack(rkv.pool, rkv.layout, ids, layers=layers, heads=heads)
+                    sha[str(r)] = hashlib.sha256(
+                        staged.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                    ).hexdigest()
+                out[str(h)] = {"block_id": ids[0], "sha256": sha}
+        return out
+
+    # ---- routes
+
+    async def h_stats(self, request: web.Request) -> web.Response:
+        s = self.service
+        return web.json_response({"pool": self.pool.stats(), "pins_outstanding":
+                                  s.pins_outstanding, "pinned_blocks": s.pinned_blocks,
+                                  "active_sends": s.active_sends,
+                                  "listeners_open": s.listeners_open})
+
+    async def h_evict(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response(self.evict([int(h) for h in body["hashes"]]))
+
+    async def h_commit(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        tokens = body["tokens"] if "tokens" in body else list(range(*body["range"]))
+        return web.json_response(self.commit_tokens([int(t) for t in tokens]))
+
+    async def h_blocks(self, request: web.Request) -> web.Response:
+        q = request.query
+        hashes = [int(h) for h in q.get("hashes", "").split(",") if h]
+        return web.json_response(self.block_digests(
+            hashes, parse_range(q.get("layers")), parse_range(q.get("heads"))))
+
+    async def h_faults(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        if "slow_send_ms" in body:
+            self.service.slow_send_ms = float(body["slow_send_ms"])
+        if "freeze_after_reply" in body:
+            self.service.freeze_after_reply = bool(body["freeze_after_reply"])
+        return web.json_response({"slow_send_ms": self.service.slow_send_ms,
+                                  "freeze_after_reply": self.service.freeze_after_reply})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--layout", default="trtllm")
+    ap.add_argument("--num-blocks", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--hash-scheme", default="public-xxh3-v1")
+    ap.add_argument("--seq", action="append", default=[])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunk-bytes", type=int, default=16 << 20)
+    ap.add_argument("--chunks-in-flight", type=int, default=4)
+    ap.add_argument("--max-concurrent-sends", type=int, default=8)
+    ap.add_argument("--max-send-s", type=float, default=60.0)
+    ap.add_argument("--slow-send-ms", type=float, default=0.0)
+    ap.add_argument("--freeze-after-reply", action="store_true")
+    ap.add_argument("--http-port", type=int, default=0)
+    ap.add_argument("--worker-id", default="source-peer")
+    ap.add_argument("--lifetime-s", type=float, default=120.0)
+    args = ap.parse_args()
+
+    parent = os.getppid()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+
+    peer = Peer(args)
+    sequences = [peer.commit_tokens(parse_tokens(spec))["hashes"] for spec in args.seq]
+    rt = EventLoopThread("source-peer")
+    try:
+        rt.run(peer.service.start(), 30)
+        ready = {"http_port": peer.service.http_port,
+                 "ucx_ports": {str(r): p for r, p in peer.service.ucx_ports.items()},
+                 "pid": os.getpid(), "worker_id": args.worker_id,
+                 "incarnation": peer.service.incarnation, "sequences": sequences}
+        sys.stdout.write(READY_PREFIX + json.dumps(ready) + "\n")
+        sys.stdout.flush()
+        end = time.monotonic() + args.lifetime_s
+        while not stop.wait(0.2):
+            if os.getppid() != parent or time.monotonic() > end:
+                break
+    finally:
+        try:
+            rt.run(peer.service.close(), 10)
+        except Exception as exc:  # noqa: BLE001 (exiting anyway)
+            print(f"source peer close failed: {exc!r}", file=sys.stderr)
+        rt.close(5)
+        s = peer.service
+        closed = {"pins_outstanding": s.pins_outstanding, "active_sends": s.active_sends,
+                  "listeners_open": s.listeners_open, "pool": peer.pool.stats()}
+        sys.stdout.write(CLOSED_PREFIX + json.dumps(closed) + "\n")
+        sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,648 @@
+"""The source service between real processes on 127.0.0.1, plus its pure parts.
+
+Two source peers (tests/peers/source_peer.py, TP1 and TP2, started in parallel) serve the
+module; the test process is the destination, driving them with a raw ConnectionPool, messages
+and recv_stream, and checking received bytes against the peers' own block checksums. Fault
+knobs are switched at run time through the peer's /test/faults route, so one peer serves every
+fault test. One in-process service covers busy admission and close().
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+import pytest
+import pytest_asyncio
+import torch
+
+from kvkern.cache.hashing import sequence_hashes
+from kvkern.cache.pool import BlockPool
+from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+from kvkern.xfer.kvgroup import KVGroup, RankKV
+from kvkern.xfer.messages import Cancel, Codec, PlanPiece, PullReply, PullRequest, Status
+from kvkern.xfer.metrics import PHASES, XferMetrics
+from kvkern.xfer.runtime import EventLoopThread
+from kvkern.xfer.source import STATE_PATH, SourceService, count_chunks, plan_chunks
+from kvkern.xfer.transport import (
+    CONTROL_TAG,
+    MAX_TRANSFER_ID,
+    ConnectionPool,
+    Lane,
+    TransportError,
+    tag_for,
+)
+
+PEER = Path(__file__).parent / "peers" / "source_peer.py"
+HOST = "127.0.0.1"
+READY = "KVKERN_READY "
+CLOSED = "KVKERN_CLOSED "
+pytestmark = pytest.mark.timeout(60)
+aio = pytest.mark.asyncio(loop_scope="module")
+
+# The peers' model: 2 layers, 4 KV heads, head_dim 16, block 4 tokens, fp16.
+LAYERS, HEADS, HEAD_DIM, BLOCK, ITEM = 2, 4, 16, 4, 2
+SCHEME = "public-xxh3-v1"
+
+
+def unit(layers: int, heads: int) -> int:
+    """Bytes of one block of a (layers x heads) piece."""
+    return layers * 2 * heads * BLOCK * HEAD_DIM * ITEM
+
+
+# ------------------------------------------------------------------------------- peers
+
+
+def start_peers(specs: list[list[str]], timeout: float = 40.0) -> list[tuple[subprocess.Popen, dict]]:
+    """Start every peer at once; wait for each KVKERN_READY line (bounded)."""
+    procs = [subprocess.Popen([sys.executable, str(PEER), *args], stdout=subprocess.PIPE,
+                              stdin=subprocess.DEVNULL, text=True, bufsize=1)
+             for args in specs]
+    ready: list[dict | None] = [None] * len(procs)
+    sel = selectors.DefaultSelector()
+    for i, p in enumerate(procs):
+        sel.register(p.stdout, selectors.EVENT_READ, i)
+    deadline = time.monotonic() + timeout
+    try:
+        while any(r is None for r in ready):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"source peers not ready in {timeout} s")
+            for key, _ in sel.select(min(left, 0.5)):
+                i = key.data
+                line = procs[i].stdout.readline()
+                if line.startswith(READY):
+                    ready[i] = json.loads(line[len(READY):])
+                    sel.unregister(procs[i].stdout)
+                elif not line and procs[i].poll() is not None:
+                    raise RuntimeError(f"source peer {specs[i]} exited with {procs[i].poll()}")
+    except BaseException:
+        for p in procs:
+            stop_peer(p)
+        raise
+    finally:
+        sel.close()
+    return list(zip(procs, ready, strict=True))
+
+
+def stop_peer(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def peers():
+    common = ["--lifetime-s", "90", "--chunk-bytes", "5000"]
+    started = start_peers([[*common, "--seq", "0:64", "--worker-id", "src-tp1"],
+                           [*common, "--tp", "2", "--seq", "0:32", "--worker-id", "src-tp2"]])
+    try:
+        yield started
+    finally:
+        for proc, _ in started:
+            stop_peer(proc)
+
+
+@pytest.fixture(scope="module")
+def tp1(peers):
+    return peers[0][1]
+
+
+@pytest.fixture(scope="module")
+def tp2(peers):
+    return peers[1][1]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def pool():
+    async with ConnectionPool(connect_timeout=10) as p:
+        yield p
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def http():
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+        yield s
+
+
+_tids = iter(range(1, MAX_TRANSFER_ID))
+
+
+async def get_json(http, ready: dict, path: str):
+    async with http.get(f"http://{HOST}:{ready['http_port']}{path}") as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def post_json(http, ready: dict, path: str, body: dict):
+    async with http.post(f"http://{HOST}:{ready['http_port']}{path}", json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def wait_released(http, ready: dict, timeout: float = 10.0) -> dict:
+    """Poll /test/stats until no pin, no active send and no pinned block (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = await get_json(http, ready, "/test/stats")
+        if (st["pins_outstanding"] == 0 and st["active_sends"] == 0
+                and st["pool"]["pinned"] == 0 and st["pool"]["pins"] == 0):
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pins not released within {timeout} s: {st}")
+        await asyncio.sleep(0.05)
+
+
+async def wait_pinned(http, ready: dict, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = await get_json(http, ready, "/test/stats")
+        if st["pins_outstanding"] >= 1 and st["pool"]["pinned"] >= 1:
+            return st
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing pinned within {timeout} s: {st}")
+        await asyncio.sleep(0.02)
+
+
+def full_piece(src_rank: int = 0, heads: int = HEADS) -> list[PlanPiece]:
+    return [PlanPiece(src_rank=src_rank, layer_start=0, layer_stop=LAYERS, head_start=0,
+                      head_stop=heads, offset=0, length=unit(LAYERS, heads))]
+
+
+def request(hashes: list[int], *, start: int = 0, count: int | None = None,
+            pieces: list[PlanPiece] | None = None, chunk_bytes: int = 1 << 20,
+            deadline_ms: int = 10_000, scheme: str = SCHEME) -> PullRequest:
+    return PullRequest(transfer_id=next(_tids), request_id="test", hash_scheme=scheme,
+                       block_hashes=hashes, start=start,
+                       count=len(hashes) - start if count is None else count,
+                       pieces=pieces or full_piece(), chunk_bytes=chunk_bytes,
+                       deadline_ms=deadline_ms)
+
+
+async def ask(conn, req: PullRequest) -> PullReply:
+    await conn.send_msg(req, timeout=5)
+    reply = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY), timeout=5)
+    assert isinstance(reply, PullReply) and reply.transfer_id == req.transfer_id
+    return reply
+
+
+async def pull(conn, req: PullRequest) -> tuple[PullReply, np.ndarray]:
+    reply = await ask(conn, req)
+    bufs = [np.full(s, 0xA5, np.uint8) for s in reply.chunk_sizes]
+    if bufs:
+        await conn.recv_chunks(req.transfer_id, bufs, timeout=10)
+    return reply, (np.concatenate(bufs) if bufs else np.empty(0, np.uint8))
+
+
+def piece_blocks(data: np.ndarray, pieces: list[PlanPiece], n: int) -> list[list[bytes]]:
+    """Split a stream of n blocks into per-piece per-block bytes (pack_for_peer's layout)."""
+    out = []
+    for p in sorted(pieces, key=lambda p: p.offset):
+        base = p.offset * n
+        out.append([data[base + b * p.length: base + (b + 1) * p.length].tobytes()
+                    for b in range(n)])
+    return out
+
+
+async def digests(http, ready, hashes, rank=0, layers=None, heads=None) -> list[str]:
+    q = "hashes=" + ",".join(map(str, hashes))
+    if layers:
+        q += f"&layers={layers[0]}:{layers[1]}"
+    if heads:
+        q += f"&heads={heads[0]}:{heads[1]}"
+    got = await get_json(http, ready, f"/test/blocks?{q}")
+    return [got[str(h)]["sha256"][str(rank)] for h in hashes]
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+# --------------------------------------------------------------------------- HTTP routes
+
+
+@aio
+async def test_state_health_and_metrics(tp1, tp2, http):
+    st = await get_json(http, tp1, STATE_PATH)
+    assert st["protocol"] == "kvkern/1" and st["worker_id"] == "src-tp1"
+    assert st["incarnation"] == tp1["incarnation"] and len(st["incarnation"]) == 32
+    assert st["hash_scheme"] == SCHEME and st["block_size"] == BLOCK
+    assert st["codec_fingerprint"] == f"{Codec().fingerprint:016x}"
+    topo = Topology.from_dict(st["topology"])
+    assert topo.model == ModelKVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                                     block_size=BLOCK, dtype="float16")
+    assert topo.parallel == Parallelism()
+    r0 = st["dp_groups"]["0"]["ranks"]["0"]
+    assert r0["ucx_host"] == HOST and r0["ucx_port"] == tp1["ucx_ports"]["0"]
+    assert r0["layout"] == topo.local_layout(0, 64, "trtllm").describe()
+    assert set(st["capabilities"]) >= {"pull/1", "strict", "best_effort", "sharded"}
+
+    st2 = await get_json(http, tp2, STATE_PATH)
+    assert st2["incarnation"] != st["incarnation"]
+    ranks = st2["dp_groups"]["0"]["ranks"]
+    assert sorted(ranks) == ["0", "1"]
+    assert {ranks[r]["ucx_port"] for r in ranks} == set(tp2["ucx_ports"].values())
+    assert all(ranks[r]["layout"]["num_heads"] == HEADS // 2 for r in ranks)
+
+    health = await get_json(http, tp1, "/healthz")
+    assert health == {"status": "ok", "worker_id": "src-tp1", "incarnation": tp1["incarnation"]}
+    async with http.get(f"http://{HOST}:{tp1['http_port']}/metrics") as r:
+        assert r.status == 200 and r.content_type == "text/plain"
+        text = await r.text()
+    assert 'kvkern_source_requests_total{status="ok"}' in text
+    assert "kvkern_source_pinned_blocks 0.0" in text
+
+
+# ------------------------------------------------------------------------------- pulls
+
+
+@aio
+async def test_full_pull_delivers_the_sources_bytes(tp1, pool, http):
+    hs = tp1["sequences"][0]
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    req = request(hs, chunk_bytes=5000)  # 2 blocks of 2048 B per chunk
+    reply, data = await pull(conn, req)
+    assert reply.status == Status.OK and reply.served_blocks == 16
+    assert reply.block_hashes == hs and reply.total_bytes == 16 * unit(LAYERS, HEADS)
+    assert reply.chunk_sizes == [4096] * 8
+    got = piece_blocks(data, req.pieces, 16)[0]
+    assert [sha(b) for b in got] == await digests(http, tp1, hs)
+    st = await wait_released(http, tp1)
+    assert st["pool"]["cached"] >= 16
+
+    # a middle range, then the service's own cap (5000) below the request's chunk_bytes
+    req = request(hs, start=4, count=8, chunk_bytes=1 << 30)
+    reply, data = await pull(conn, req)
+    assert reply.status == Status.OK and reply.block_hashes == hs[4:12]
+    assert reply.chunk_sizes == [4096] * 4
+    assert [sha(b) for b in piece_blocks(data, req.pieces, 8)[0]] == \
+        await digests(http, tp1, hs[4:12])
+
+    async with http.get(f"http://{HOST}:{tp1['http_port']}/metrics") as r:
+        text = await r.text()
+    assert "kvkern_source_blocks_served_total 24.0" in text
+
+
+@aio
+async def test_sub_slab_pieces_and_sub_block_chunks(tp1, pool, http):
+    """Two pieces (layer 0 all heads; layer 1 heads 1..3) in offset order; chunks smaller than
+    one block of a piece cut the block into byte slices."""
+    hs = tp1["sequences"][0][:5]
+    a = PlanPiece(src_rank=0, layer_start=0, layer_stop=1, head_start=0, head_stop=4,
+                  offset=0, length=unit(1, 4))
+    b = PlanPiece(src_rank=0, layer_start=1, layer_stop=2, head_start=1, head_stop=3,
+                  offset=unit(1, 4), length=unit(1, 2))
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    req = request(hs, pieces=[b, a], chunk_bytes=700)  # given out of order on purpose
+    reply, data = await pull(conn, req)
+    assert reply.status == Status.OK
+    # piece a: 1024 B/block -> 700 + 324 per block; piece b: 512 B/block -> 1 block per chunk
+    assert reply.chunk_sizes == [700, 324] * 5 + [512] * 5
+    got_a, got_b = piece_blocks(data, [a, b], 5)
+    assert [sha(x) for x in got_a] == await digests(http, tp1, hs, layers=(0, 1), heads=(0, 4))
+    assert [sha(x) for x in got_b] == await digests(http, tp1, hs, layers=(1, 2), heads=(1, 3))
+    await wait_released(http, tp1)
+
+
+@aio
+async def test_tp2_each_rank_serves_its_heads(tp2, pool, http):
+    hs = tp2["sequences"][0]
+    for rank in (0, 1):
+        conn = await pool.get(HOST, tp2["ucx_ports"][str(rank)])
+        req = request(hs, pieces=full_piece(rank, heads=HEADS // 2))
+        reply, data = await pull(conn, req)
+        assert reply.status == Status.OK and reply.served_blocks == 8
+        got = piece_blocks(data, req.pieces, 8)[0]
+        assert [sha(b) for b in got] == await digests(http, tp2, hs, rank=rank)
+        # a piece for the other rank is refused by this rank's listener
+        wrong = await ask(conn, request(hs, pieces=full_piece(1 - rank, heads=HEADS // 2)))
+        assert wrong.status == Status.REJECTED and wrong.reason.startswith("wrong_rank:")
+    await wait_released(http, tp2)
+
+
+@aio
+async def test_partial_and_miss(tp1, pool, http):
+    committed = await post_json(http, tp1, "/test/commit", {"range": [1000, 1032]})
+    hs = committed["hashes"]
+    assert hs == sequence_hashes(list(range(1000, 1032)), BLOCK, SCHEME) and len(hs) == 8
+    ev = await post_json(http, tp1, "/test/evict", {"hashes": [hs[5]]})
+    assert ev["evicted"] == [hs[5]]
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    req = request(hs)
+    reply, data = await pull(conn, req)
+    assert reply.status == Status.PARTIAL and reply.served_blocks == 5
+    assert reply.block_hashes == hs[:5] and reply.reason.startswith("partial:")
+    assert [sha(b) for b in piece_blocks(data, req.pieces, 5)[0]] == \
+        await digests(http, tp1, hs[:5])
+
+    await post_json(http, tp1, "/test/evict", {"hashes": [hs[0]]})
+    for hashes in (hs, [12345, 67890]):
+        reply = await ask(conn, request(hashes))
+        assert reply.status == Status.MISS and reply.n_chunks == 0 and reply.served_blocks == 0
+    await wait_released(http, tp1)
+
+
+@aio
+async def test_bad_requests_rejected_and_listener_keeps_serving(tp1, pool, http):
+    hs = tp1["sequences"][0][:4]
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    good = unit(LAYERS, HEADS)
+    cases = {
+        "hash_scheme_mismatch": request(hs, scheme="trtllm-v1"),
+        "wrong_rank": request(hs, pieces=full_piece(src_rank=1)),
+        "bad_piece": request(hs, pieces=[PlanPiece(src_rank=0, layer_start=0, layer_stop=3,
+                                                   head_start=0, head_stop=4, offset=0,
+                                                   length=unit(3, 4))]),
+    }
+    bad_heads = [PlanPiece(src_rank=0, layer_start=0, layer_stop=2, head_start=2, head_stop=5,
+                           offset=0, length=unit(2, 3))]
+    bad_len = [PlanPiece(src_rank=0, layer_start=0, layer_stop=2, head_start=0, head_stop=4,
+                         offset=0, length=good * 3)]  # absolute, not per block
+    gap = [PlanPiece(src_rank=0, layer_start=0, layer_stop=2, head_start=0, head_stop=4,
+                     offset=8, length=good)]
+    for name, req in cases.items():
+        reply = await ask(conn, req)
+        assert reply.status == Status.REJECTED and reply.reason.startswith(f"{name}:"), reply
+    for pieces in (bad_heads, bad_len, gap):
+        reply = await ask(conn, request(hs, pieces=pieces))
+        assert reply.status == Status.REJECTED and reply.reason.startswith("bad_piece:"), reply
+    assert conn.alive
+    reply, data = await pull(conn, request(hs))  # the same connection still serves
+    assert reply.status == Status.OK and len(data) == 4 * good
+
+    # a malformed frame kills only its own connection
+    async with ConnectionPool(connect_timeout=10) as other:
+        bad = await other.get(HOST, tp1["ucx_ports"]["0"])
+        await bad.send_bytes(b"NOPE" + bytes(16), CONTROL_TAG, timeout=5)
+        with pytest.raises(TransportError):
+            await bad.recv_msg(tag_for(1, Lane.REPLY), timeout=5)
+    reply, _ = await pull(conn, request(hs))
+    assert reply.status == Status.OK
+    await wait_released(http, tp1)
+    text = await (await http.get(f"http://{HOST}:{tp1['http_port']}/metrics")).text()
+    assert 'kvkern_source_requests_total{status="rejected"}' in text
+
+
+# ------------------------------------------------------------------ unpin on every path
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def faults(tp1, http):
+    async def set_faults(**kw):
+        return await post_json(http, tp1, "/test/faults", kw)
+    try:
+        yield set_faults
+    finally:
+        await set_faults(slow_send_ms=0, freeze_after_reply=False)
+
+
+@aio
+async def test_disconnect_mid_stream_releases_pins(tp1, http, faults):
+    await faults(slow_send_ms=150)
+    hs = tp1["sequences"][0]
+    async with ConnectionPool(connect_timeout=10) as own:
+        conn = await own.get(HOST, tp1["ucx_ports"]["0"])
+        req = request(hs, chunk_bytes=2048)  # 16 chunks, 150 ms each
+        reply = await ask(conn, req)
+        assert reply.status == Status.OK and reply.n_chunks == 16
+        buf = np.empty(2048, np.uint8)
+        await conn.recv_bytes(buf, tag_for(req.transfer_id, Lane.DATA, 0), timeout=5)
+        st = await wait_pinned(http, tp1)
+        assert st["active_sends"] == 1 and st["pool"]["pinned"] == 16
+        conn.abort("test_disconnect")
+    await wait_released(http, tp1)
+
+
+@aio
+async def test_cancel_releases_pins(tp1, http, faults):
+    await faults(slow_send_ms=150)
+    hs = tp1["sequences"][0]
+    async with ConnectionPool(connect_timeout=10) as own:
+        conn = await own.get(HOST, tp1["ucx_ports"]["0"])
+        req = request(hs, chunk_bytes=2048)
+        reply = await ask(conn, req)
+        assert reply.status == Status.OK
+        await wait_pinned(http, tp1)
+        await conn.send_msg(Cancel(transfer_id=req.transfer_id, reason="test"), timeout=5)
+        await wait_released(http, tp1)
+        # the source broke its promise of 16 chunks, so it aborted the connection
+        with pytest.raises(TransportError):
+            await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY, 1), timeout=5)
+    text = await (await http.get(f"http://{HOST}:{tp1['http_port']}/metrics")).text()
+    assert 'kvkern_source_send_failures_total{reason="cancelled"}' in text
+
+
+@aio
+async def test_deadline_releases_pins(tp1, http, faults):
+    await faults(freeze_after_reply=True)
+    hs = tp1["sequences"][0]
+    async with ConnectionPool(connect_timeout=10) as own:
+        conn = await own.get(HOST, tp1["ucx_ports"]["0"])
+        req = request(hs, deadline_ms=400)
+        t0 = time.monotonic()
+        reply = await ask(conn, req)
+        assert reply.status == Status.OK
+        with pytest.raises(TransportError) as info:  # aborted at the source's deadline
+            await conn.recv_bytes(np.empty(reply.chunk_sizes[0], np.uint8),
+                                  tag_for(req.transfer_id, Lane.DATA, 0), timeout=5)
+        assert info.value.reason == "peer_closed"
+        assert time.monotonic() - t0 < 4
+    await wait_released(http, tp1)
+    text = await (await http.get(f"http://{HOST}:{tp1['http_port']}/metrics")).text()
+    assert 'kvkern_source_send_failures_total{reason="deadline"}' in text
+
+
+# ---------------------------------------------------------------- in-process: busy, close
+
+
+class _Frozen(SourceService):
+    async def _after_reply(self, req, reply) -> None:
+        await asyncio.Event().wait()
+
+
+def _group(tp: int = 1, num_blocks: int = 16) -> tuple[KVGroup, list[int]]:
+    topo = Topology(model=ModelKVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
+                                      block_size=BLOCK, dtype="float16"),
+                    parallel=Parallelism(tp_size=tp))
+    bp = BlockPool(num_blocks, block_size=BLOCK)
+    ranks = {}
+    for r in topo.ranks_of_dp(0):
+        layout = topo.local_layout(r, num_blocks)
+        ranks[r] = RankKV(r, layout, layout.allocate(fill="random"))
+    hs = sequence_hashes(list(range(32)), BLOCK)
+    ids = bp.allocate(len(hs))
+    bp.commit(ids, hs)
+    bp.release(ids)
+    return KVGroup(topo, 0, bp, ranks), hs
+
+
+@aio
+async def test_busy_then_close_leaves_nothing_running(http):
+    group, hs = _group()
+    svc = _Frozen([group], worker_id="inproc", max_concurrent_sends=1)
+    await svc.start()
+    port, ucx_port = svc.http_port, svc.ucx_ports[0]
+    try:
+        async with ConnectionPool(connect_timeout=10) as own:
+            conn = await own.get(HOST, ucx_port)
+            first = await ask(conn, request(hs))
+            assert first.status == Status.OK
+            assert svc.pins_outstanding == 1 and svc.active_sends == 1
+            assert group.manager.num_pinned == 8
+            busy = await ask(conn, request(hs))
+            assert busy.status == Status.BUSY and busy.reason.startswith("busy:")
+            assert svc.metrics.value("kvkern_source_requests_total", status="busy") == 1
+            assert svc.metrics.value("kvkern_source_pinned_blocks") == 8
+            await svc.close()
+            assert svc.listeners_open == 0 and svc.pins_outstanding == 0
+            assert svc.active_sends == 0 and group.manager.num_pinned == 0
+            assert svc.metrics.value("kvkern_source_pinned_blocks") == 0
+            assert group.manager.stats()["pins"] == 0
+            group.manager.check_invariants()
+            with pytest.raises(aiohttp.ClientError):
+                await http.get(f"http://{HOST}:{port}/healthz")
+            with pytest.raises(TransportError):
+                await conn.recv_msg(tag_for(1, Lane.REPLY), timeout=5)
+    finally:
+        await svc.close()
+
+
+@aio
+async def test_sigterm_closes_a_real_source_with_a_frozen_send():
+    """close() in the peer process: a send frozen after its reply holds 16 pins; SIGTERM makes
+    the peer close its service (cancelling the send) and report what was left."""
+    [(proc, ready)] = start_peers([["--seq", "0:64", "--freeze-after-reply",
+                                    "--lifetime-s", "60"]])
+    try:
+        async with ConnectionPool(connect_timeout=10) as own:
+            conn = await own.get(HOST, ready["ucx_ports"]["0"])
+            reply = await ask(conn, request(ready["sequences"][0]))
+            assert reply.status == Status.OK and reply.served_blocks == 16
+            proc.send_signal(signal.SIGTERM)
+            with pytest.raises(TransportError):  # the source's close aborts the connection
+                await conn.recv_bytes(np.empty(reply.chunk_sizes[0], np.uint8),
+                                      tag_for(reply.transfer_id, Lane.DATA, 0), timeout=15)
+        out, _ = await asyncio.to_thread(proc.communicate, timeout=20)
+        assert proc.returncode == 0
+        closed = json.loads(next(line for line in out.splitlines()
+                                 if line.startswith(CLOSED))[len(CLOSED):])
+        assert closed["pins_outstanding"] == 0 and closed["active_sends"] == 0
+        assert closed["listeners_open"] == 0
+        assert closed["pool"]["pinned"] == 0 and closed["pool"]["pins"] == 0
+    finally:
+        stop_peer(proc)
+
+
+# ----------------------------------------------------------------------- pure parts
+
+
+@pytest.mark.parametrize("lengths,n,limit", [
+    ([2048], 16, 5000), ([1024, 512], 5, 700), ([100], 1, 100), ([4096, 8, 300], 7, 256),
+    ([64], 0, 64),
+], ids=["whole-blocks", "sub-block", "exact", "mixed", "empty"])
+def test_plan_chunks_tiles_the_stream(lengths, n, limit):
+    chunks = plan_chunks(lengths, n, limit)
+    assert len(chunks) == count_chunks(lengths, n, limit)
+    assert all(0 < c.nbytes <= limit for c in chunks)
+    assert sum(c.nbytes for c in chunks) == sum(lengths) * n
+    pos = {p: 0 for p in range(len(lengths))}  # each piece covered in order, no gap
+    for c in chunks:
+        start = c.b0 * lengths[c.piece] + c.lo
+        assert start == pos[c.piece]
+        pos[c.piece] = start + c.nbytes
+    assert [c.piece for c in chunks] == sorted(c.piece for c in chunks)
+
+
+def test_metrics_names_labels_and_render():
+    m, other = XferMetrics(), XferMetrics()
+    m.hint_received()
+    m.hint_ignored("source_not_allowed")
+    m.fallback("source_miss")
+    m.transferred(3, 300)
+    for ph in PHASES:
+        m.observe_phase(ph, 0.002)
+    with m.pull_in_flight():
+        assert m.value("kvkern_pulls_in_flight") == 1
+    assert m.value("kvkern_hints_received_total") == 1
+    assert other.value("kvkern_hints_received_total") == 0  # registries are separate
+    assert m.value("kvkern_hints_ignored_total", reason="source_not_allowed") == 1
+    assert m.value("kvkern_phase_seconds_count", phase="total") == 1
+    assert m.value("kvkern_phase_seconds_bucket", phase="total", le="0.0001") == 0
+    assert m.value("kvkern_phase_seconds_bucket", phase="total", le="60.0") == 1
+    with pytest.raises(ValueError, match="not a metric label"):
+        m.fallback("Timeout after 3 s")
+    with pytest.raises(ValueError, match="phase 'prefill'"):
+        m.observe_phase("prefill", 1.0)
+    text = m.render().decode()
+    for name in ("kvkern_bytes_transferred_total 300.0", "kvkern_blocks_skipped_total",
+                 "kvkern_metadata_fetch_failures_total", "kvkern_transfer_failures_total",
+                 "kvkern_pulls_total", "kvkern_source_bytes_sent_total",
+                 "kvkern_source_pinned_blocks"):
+        assert name in text
+
+
+def test_kvgroup_checks_layouts_against_the_topology():
+    group, _ = _group(tp=2)
+    assert group.num_blocks == 16 and list(group.ranks) == [0, 1]
+    topo = group.topology
+    wrong = topo.local_layout(0, 16).with_sizes(num_heads=HEADS)
+    with pytest.raises(ValueError, match="num_heads 4, the topology gives that rank num_heads 2"):
+        KVGroup(topo, 0, group.manager, {0: RankKV(0, wrong, wrong.allocate())})
+    with pytest.raises(ValueError, match="manager block size 8"):
+        KVGroup(topo, 0, BlockPool(16, block_size=8), group.ranks)
+    small = topo.local_layout(1, 8)
+    with pytest.raises(ValueError, match="rank 1 has 8 blocks"):
+        KVGroup(topo, 0, group.manager,
+                {0: group.ranks[0], 1: RankKV(1, small, small.allocate())})
+    with pytest.raises(ValueError, match="not in DP group"):
+        lay = topo.local_layout(0, 16)
+        KVGroup(topo.replace(tp_size=1), 0, group.manager, {1: RankKV(1, lay, lay.allocate())})
+    with pytest.raises(TypeError, match="dtype torch.float32"):
+        RankKV(0, topo.local_layout(0, 16), torch.empty(3))
+    with pytest.raises(ValueError, match="shape"):
+        RankKV(0, topo.local_layout(0, 16), torch.empty(3, dtype=torch.float16))
+
+
+def test_event_loop_thread_runs_times_out_and_closes():
+    rt = EventLoopThread("test-rt")
+    try:
+        async def double(x):
+            await asyncio.sleep(0.01)
+            return 2 * x
+
+        assert rt.run(double(21), 5) == 42
+        with pytest.raises(TimeoutError):
+            rt.run(asyncio.sleep(10), 0.1)
+        hit = []
+        rt.call_soon(hit.append, 1)
+        rt.run(asyncio.sleep(0.01), 5)
+        assert hit == [1]
+        fut = rt.submit(asyncio.sleep(60))
+    finally:
+        t0 = time.monotonic()
+        rt.close(5)
+    assert time.monotonic() - t0 < 5 and fut.cancelled()
+    assert not rt._thread.is_alive()
+    with pytest.raises(RuntimeError, match="closed"):
+        rt.run(double(1), 1)
+    rt.close()  # idempotent
+
+
+def test_import_kvkern_stays_light():
+    code = ("import sys, kvkern; bad = [m for m in ('ucxx', 'aiohttp', 'prometheus_client') "
+            "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**os.environ})
+    assert r.returncode == 0, r.stdout + r.stderr
