@@ -1,0 +1,414 @@
+"""``kvkern worker``: one serving worker — model, paged KV pool with a prefix index, the source
+service that lets peers pull its blocks, and the puller that pulls from a hinted peer.
+
+Threads::
+
+    main thread        parses flags, starts everything, prints KVKERN_READY, waits for a signal
+    kvkern-xfer        asyncio loop: HTTP (API + state + metrics), UCXX listeners, the puller
+    kvkern-pull-wait   waits (bounded) for a hinted request's pull, claims its blocks
+    kvkern-engine      one forward at a time (Engine.generate)
+
+HTTP API (one port: the source service's app, the worker's routes mounted on it)::
+
+    POST /v1/generate   {"token_ids": [int, ...],            required, ids < vocab_size
+                         "max_new_tokens": 16,               0 = prefill only (fills the cache)
+                         "use_cache": true,                  false: no prefix reuse, no commit,
+                                                             hint ignored (a cold recompute)
+                         "return_logits": false,             first token's logits, base64 fp32
+                         "request_id": "...",                optional
+                         ...plus a hint in any dialect of kvkern.xfer.hints (kv_hint, kv_hints,
+                         kv_transfer_params.router_hint / remote_kv_source, or under
+                         extra_args)}
+                     -> {"request_id", "tokens", "prompt_tokens", "cached_tokens" (prefix read
+                         from the pool: local + pulled), "local_tokens" (held here before any
+                         pull), "pulled_tokens", "prefill_tokens", "ttft_s", "prefill_s",
+                         "pull_wait_s", "total_s", "logits_sha256", ["logits"],
+                         "hint": null | {"dialect", "source"} | {"rejected": reason},
+                         "pull": null | PullOutcome.to_dict(),
+                         "fallback": null | reason    (a hint that led to no used pull)}
+    GET  /v1/blocks     router report: {"worker_id", "hash_scheme": "public-xxh3-v1",
+                         "block_size", "num_blocks", "blocks": [{"hash", "parent", "local"}]}
+                         (chained router-domain hashes of the blocks cached here)
+    GET  /v1/info       model, layout, device, threads, pool stats, config
+    GET  /kvkern/v1/state, /metrics, /healthz     the source service's
+
+Start-up prints exactly one line ``KVKERN_READY {json}`` on stdout (url, port, worker_id,
+pid, device, ...) once every server is listening; everything else goes to stderr (UCX may
+still write to stdout, so parse only that line).
+
+Threads and bit identity: torch is pinned to ``--threads`` intra-op threads (default 1) and
+one inter-op thread. CPU kernels split work by thread count, so two workers agree bit for bit
+only with the same ``--threads``; run every worker of a deployment with the same value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from typing import Any
+
+__all__ = ["Worker", "WorkerOptions", "main"]
+
+log = logging.getLogger("kvkern.worker")
+
+READY_PREFIX = "KVKERN_READY "
+MAX_BODY_BYTES = 16 << 20
+
+
+class WorkerOptions(argparse.Namespace):
+    """Parsed flags (see :func:`build_parser`)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvkern worker",
+        description="One kvkern worker: model + paged KV pool + source service + puller, "
+                    "with an HTTP API (POST /v1/generate, GET /v1/blocks).")
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1",
+                     help="address the HTTP API binds (default loopback; 0.0.0.0 for other "
+                          "machines, with --advertise-host)")
+    net.add_argument("--port", type=int, default=0, help="HTTP port (0: the OS picks)")
+    net.add_argument("--advertise-host", default=None,
+                     help="address peers reach this worker's UCX listener at (default --host; "
+                          "required when --host is 0.0.0.0)")
+    net.add_argument("--allow", action="append", default=[], metavar="SPEC",
+                     help="allowlist entry for hint sources (repeat; CIDR, host[:ports]). "
+                          "None: every hint is refused (fail closed). Loopback needs an "
+                          "explicit entry such as 127.0.0.0/8. Also KVKERN_ALLOWLIST.")
+    net.add_argument("--worker-id", default=None)
+    model = p.add_argument_group("model and pool")
+    model.add_argument("--model", choices=("tiny", "demo"), default="demo")
+    model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    model.add_argument("--layout", default="trtllm",
+                       choices=("trtllm", "vllm_flash", "vllm_nhd", "vllm_hnd", "cross_layer"))
+    model.add_argument("--num-blocks", type=int, default=1024)
+    model.add_argument("--hash-scheme", default="public-xxh3-v1",
+                       choices=("public-xxh3-v1", "trtllm-v1"))
+    model.add_argument("--threads", type=int, default=1,
+                       help="torch intra-op threads; equal on every worker for bit identity")
+    model.add_argument("--prefill-chunk", type=int, default=None)
+    model.add_argument("--max-new-tokens", type=int, default=256, help="cap per request")
+    pull = p.add_argument_group("pull policy and bounds")
+    pull.add_argument("--policy", choices=("strict", "best_effort"), default="strict")
+    pull.add_argument("--metadata-timeout-s", type=float, default=2.0)
+    pull.add_argument("--transfer-timeout-s", type=float, default=10.0)
+    pull.add_argument("--deadline-s", type=float, default=15.0)
+    pull.add_argument("--lease-s", type=float, default=30.0)
+    pull.add_argument("--cost-guard", choices=("on", "off"), default="on",
+                      help="skip pulls estimated slower than recompute (not_worth_it)")
+    pull.add_argument("--max-inflight-pulls", type=int, default=4)
+    pull.add_argument("--chunk-mib", type=int, default=16)
+    p.add_argument("--log-level", default="WARNING")
+    p.add_argument("--debug-send-delay-s", type=float, default=0.0,
+                   help=argparse.SUPPRESS)  # fault tests: the source stalls before each chunk
+    return p
+
+
+def _pin_threads(threads: int) -> None:
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # only settable before the first parallel op
+        torch.set_num_interop_threads(1)
+
+
+def _device(name: str) -> str:
+    import torch  # noqa: PLC0415
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+class Worker:
+    """Everything of one worker, started by :meth:`start` and stopped by :meth:`close`."""
+
+    def __init__(self, opts: argparse.Namespace) -> None:
+        from kvkern.serve.engine import MODELS, Engine  # noqa: PLC0415
+
+        self.opts = opts
+        self.worker_id = opts.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.device = _device(opts.device)
+        config = MODELS[opts.model]()
+        self.engine = Engine(config, device=self.device, layout_name=opts.layout,
+                             num_blocks=opts.num_blocks, hash_scheme=opts.hash_scheme,
+                             prefill_chunk=opts.prefill_chunk)
+        self.runtime = None
+        self.source = None
+        self.puller = None
+        self.metrics = None
+        self._engine_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="kvkern-engine")
+        self._wait_pool = concurrent.futures.ThreadPoolExecutor(
+            max(1, opts.max_inflight_pulls), thread_name_prefix="kvkern-pull-wait")
+        self.url: str | None = None
+
+    # ---------------------------------------------------------------------- lifecycle
+
+    def _xfer_config(self):
+        from kvkern.xfer.config import XferConfig  # noqa: PLC0415
+
+        o = self.opts
+        allow = list(o.allow)
+        env = os.environ.get("KVKERN_ALLOWLIST", "")
+        allow += [s for s in env.replace(",", " ").split() if s]
+        return XferConfig(
+            metadata_timeout_s=o.metadata_timeout_s,
+            transfer_timeout_s=o.transfer_timeout_s,
+            deadline_s=o.deadline_s,
+            max_metadata_timeout_s=max(10.0, o.metadata_timeout_s),
+            max_transfer_timeout_s=max(60.0, o.transfer_timeout_s),
+            max_deadline_s=max(120.0, o.deadline_s),
+            lease_s=o.lease_s, default_policy=o.policy, cost_guard=o.cost_guard == "on",
+            max_inflight_pulls=o.max_inflight_pulls, chunk_bytes=o.chunk_mib << 20,
+            allowlist=allow,
+        )
+
+    def _group(self):
+        from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
+        from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
+
+        c = self.engine.config
+        topo = Topology(model=ModelKVSpec(num_layers=c.n_layers, num_kv_heads=c.n_kv_heads,
+                                          head_dim=c.head_dim, block_size=c.block_size,
+                                          dtype=c.dtype),
+                        parallel=Parallelism())
+        return KVGroup(topology=topo, dp_rank=0, manager=self.engine.pool,
+                       ranks={0: RankKV(0, self.engine.layout, self.engine.kv)})
+
+    def start(self, timeout: float = 60.0) -> Worker:
+        from aiohttp import web  # noqa: PLC0415
+
+        from kvkern.xfer.metrics import XferMetrics  # noqa: PLC0415
+        from kvkern.xfer.runtime import EventLoopThread  # noqa: PLC0415
+        from kvkern.xfer.source import SourceService  # noqa: PLC0415
+
+        o = self.opts
+        self.metrics = XferMetrics()
+        self.runtime = EventLoopThread()
+        group = self._group()
+        config = self._xfer_config()
+        routes = [web.post("/v1/generate", self._http_generate),
+                  web.get("/v1/blocks", self._http_blocks),
+                  web.get("/v1/info", self._http_info)]
+        source_cls = SourceService
+        if o.debug_send_delay_s > 0:
+            source_cls = _stalling_source(SourceService, o.debug_send_delay_s)
+        self.source = source_cls(
+            [group], worker_id=self.worker_id, host=o.host, http_port=o.port,
+            advertise_host=o.advertise_host or (None if o.host in ("0.0.0.0", "::") else o.host),
+            chunk_bytes=o.chunk_mib << 20, metrics=self.metrics, extra_routes=routes)
+        if o.host in ("0.0.0.0", "::") and not o.advertise_host:
+            raise SystemExit("kvkern worker: --host 0.0.0.0 needs --advertise-host")
+        from kvkern.xfer.hints import HintLimits  # noqa: PLC0415
+
+        self._limits = HintLimits(max_metadata_timeout_s=config.max_metadata_timeout_s,
+                                  max_transfer_timeout_s=config.max_transfer_timeout_s,
+                                  max_deadline_s=config.max_deadline_s,
+                                  default_policy=config.default_policy)
+        self.runtime.run(self.source.start(), timeout)
+        try:
+            from kvkern.xfer.puller import Puller  # noqa: PLC0415
+        except ImportError as exc:  # the puller lands separately; run without it meanwhile
+            log.warning("no puller (%s): hints will fall back", exc)
+        else:
+            self.puller = Puller(group, config=config, metrics=self.metrics,
+                                 loop=self.runtime)
+        host = o.advertise_host or o.host
+        self.url = f"http://{_fmt_host(host)}:{self.source.http_port}"
+        return self
+
+    def close(self) -> None:
+        if self.puller is not None:
+            with contextlib.suppress(Exception):
+                close = getattr(self.puller, "close", None)
+                if close is not None:
+                    res = close()
+                    if asyncio.iscoroutine(res):
+                        self.runtime.run(res, 10.0)
+        if self.source is not None and self.runtime is not None:
+            with contextlib.suppress(Exception):
+                self.runtime.run(self.source.close(), 15.0)
+        if self.runtime is not None:
+            self.runtime.close()
+        self._wait_pool.shutdown(wait=False, cancel_futures=True)
+        self._engine_pool.shutdown(wait=False, cancel_futures=True)
+
+    def ready_info(self) -> dict[str, Any]:
+        import torch  # noqa: PLC0415
+
+        return {"url": self.url, "port": self.source.http_port, "worker_id": self.worker_id,
+                "pid": os.getpid(), "device": self.device, "model": self.opts.model,
+                "layout": self.opts.layout, "block_size": self.engine.block_size,
+                "num_blocks": self.opts.num_blocks, "threads": torch.get_num_threads(),
+                "ucx_ports": {str(k): v for k, v in self.source.ucx_ports.items()},
+                "puller": self.puller is not None}
+
+    # ---------------------------------------------------------------------- requests
+
+    def handle_generate(self, body: dict[str, Any], arrival: float) -> tuple[int, dict]:
+        """Validate, pull if hinted, generate. Runs on a pull-wait thread (never the loop).
+        Returns (HTTP status, JSON)."""
+        from kvkern.xfer.hints import KvHint, decode_hint  # noqa: PLC0415
+
+        cfg = self.engine.config
+        tokens = body.get("token_ids")
+        if (not isinstance(tokens, list) or not tokens
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            return 400, {"error": "token_ids must be a non-empty list of ints"}
+        if not all(0 <= t < cfg.vocab_size for t in tokens):
+            return 400, {"error": f"token ids must lie in [0, {cfg.vocab_size})"}
+        max_new = body.get("max_new_tokens", 16)
+        if isinstance(max_new, bool) or not isinstance(max_new, int) or not (
+                0 <= max_new <= self.opts.max_new_tokens):
+            return 400, {"error": f"max_new_tokens must be an int in [0, "
+                                  f"{self.opts.max_new_tokens}], got {max_new!r}"}
+        if len(tokens) + max_new > cfg.max_seq_len:
+            return 400, {"error": f"{len(tokens)} + {max_new} tokens exceed max_seq_len "
+                                  f"{cfg.max_seq_len}"}
+        use_cache = body.get("use_cache", True) is not False
+        return_logits = body.get("return_logits", False) is True
+        request_id = str(body.get("request_id") or uuid.uuid4().hex)
+
+        out: dict[str, Any] = {"request_id": request_id, "hint": None, "pull": None,
+                               "fallback": None, "pulled_tokens": 0, "pull_wait_s": 0.0}
+        local_tokens = self.engine.cached_prefix_tokens(tokens) if use_cache else 0
+        out["local_tokens"] = local_tokens
+        held: list[int] = []
+        hint = decode_hint(body, limits=self._limits) if use_cache else None
+        if isinstance(hint, KvHint):
+            out["hint"] = {"dialect": hint.dialect, "source": hint.source}
+            if self.puller is None:
+                out["fallback"] = "closed"
+            else:
+                t0 = time.perf_counter()
+                held, outcome = self._pull(request_id, tokens, hint)
+                out["pull_wait_s"] = time.perf_counter() - t0
+                out["pull"] = outcome.to_dict()
+                if not outcome.used or not held:
+                    out["fallback"] = outcome.reason.value if not outcome.used else "lease_expired"
+                else:
+                    out["pulled_tokens"] = outcome.blocks_transferred * cfg.block_size
+        elif hint is not None and hint.reason != "no_hint":
+            out["hint"] = {"rejected": hint.reason, "detail": hint.detail}
+            out["fallback"] = hint.reason
+
+        on_prefill = getattr(self.puller, "observe_prefill", None)
+        fut = self._engine_pool.submit(self.engine.generate, tokens, max_new, arrival=arrival,
+                                       use_cache=use_cache, held=held, on_prefill=on_prefill)
+        try:
+            res = fut.result()
+        except RuntimeError as exc:  # pool exhausted (the model's allocator message)
+            return 503, {**out, "error": str(exc)}
+        out.update(res.to_json(return_logits=return_logits))
+        return 200, out
+
+    def _pull(self, request_id: str, tokens: list[int], hint) -> tuple[list[int], Any]:
+        """Submit the pull, wait for its outcome (bounded), claim its blocks. Returns the
+        claimed block ids (empty when the pull was not used) and the outcome."""
+        p = self.puller
+        bound = self.opts.deadline_s + self.opts.metadata_timeout_s + 5.0
+        p.submit(request_id, tokens, hint)
+        try:
+            outcome = p.result(request_id, timeout=bound)
+        except Exception:
+            with contextlib.suppress(Exception):
+                p.cancel(request_id)
+            outcome = p.result(request_id, timeout=10.0)
+        held: list[int] = []
+        if outcome.used:
+            claimed = p.claim(request_id)
+            held = list(claimed or [])
+        return held, outcome
+
+    # ---------------------------------------------------------------------- HTTP
+
+    async def _http_generate(self, request):
+        from aiohttp import web  # noqa: PLC0415
+
+        arrival = time.perf_counter()
+        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
+            return web.json_response({"error": "body too large"}, status=413)
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError as exc:
+            return web.json_response({"error": f"body is not JSON: {exc}"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "body must be a JSON object"}, status=400)
+        loop = asyncio.get_running_loop()
+        try:
+            status, out = await loop.run_in_executor(self._wait_pool, self.handle_generate,
+                                                     body, arrival)
+        except Exception as exc:  # noqa: BLE001 (report, keep serving)
+            log.exception("generate failed")
+            status, out = 500, {"error": f"{type(exc).__name__}: {exc}"}
+        return web.json_response(out, status=status)
+
+    async def _http_blocks(self, request):
+        from aiohttp import web  # noqa: PLC0415
+
+        return web.json_response(self.engine.report(self.worker_id))
+
+    async def _http_info(self, request):
+        from aiohttp import web  # noqa: PLC0415
+
+        c = self.engine.config
+        return web.json_response({
+            **self.ready_info(), "pool": self.engine.pool.stats(),
+            "model_config": {"vocab_size": c.vocab_size, "hidden": c.hidden,
+                             "n_layers": c.n_layers, "n_kv_heads": c.n_kv_heads,
+                             "head_dim": c.head_dim, "block_size": c.block_size,
+                             "kv_bytes_per_token": c.kv_bytes_per_token,
+                             "max_seq_len": c.max_seq_len},
+            "policy": self.opts.policy, "cost_guard": self.opts.cost_guard,
+        })
+
+
+def _stalling_source(base: type, delay_s: float) -> type:
+    """A source that sleeps before every chunk (fault tests: a window in which to kill it
+    mid-transfer)."""
+
+    class StallingSource(base):
+        async def _before_chunk(self, transfer_id: int, index: int) -> None:
+            await asyncio.sleep(delay_s)
+
+    return StallingSource
+
+
+def _fmt_host(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts = build_parser().parse_args(argv)
+    logging.basicConfig(level=opts.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    _pin_threads(opts.threads)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    worker = Worker(opts)
+    try:
+        worker.start()
+        print(READY_PREFIX + json.dumps(worker.ready_info()), flush=True)
+        while not stop.wait(1.0):
+            pass
+    finally:
+        worker.close()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
