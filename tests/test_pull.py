@@ -1,0 +1,721 @@
+"""The destination puller against real source processes on 127.0.0.1.
+
+Sources are child processes (tests/peers/source_peer.py, tests/peers/dp_source_peer.py); the
+puller runs in the test process on one shared EventLoopThread. One TP1 source serves most
+tests (each test commits its own token range there); tests that kill a source, or need
+another topology, start their own. Every test checks the received bytes against the source's
+block checksums and that nothing is left behind on either side: destination pool back to
+no pins / leases / private / referenced blocks, source pins 0.
+
+The model everywhere: 2 layers, 4 KV heads, head_dim 16, block size 4, float16 (2 KiB per
+block on a TP1 rank).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvkern.cache.hashing import local_block_hashes, sequence_hashes
+from kvkern.cache.pool import BlockPool
+from kvkern.kernels.pack import pack
+from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+from kvkern.xfer.config import XferConfig
+from kvkern.xfer.kvgroup import KVGroup, RankKV
+from kvkern.xfer.metrics import XferMetrics
+from kvkern.xfer.outcome import Reason, RequestState
+from kvkern.xfer.puller import Puller
+from kvkern.xfer.runtime import EventLoopThread
+
+pytestmark = pytest.mark.timeout(60)
+
+PEERS = Path(__file__).parent / "peers"
+HOST = "127.0.0.1"
+BS = 4
+MODEL = ModelKVSpec(num_layers=2, num_kv_heads=4, head_dim=16, block_size=BS, dtype="float16")
+ALLOW = "127.0.0.1/32"
+
+
+# ------------------------------------------------------------------------------ processes
+
+
+class Source:
+    """A source peer child process and its test routes."""
+
+    def __init__(self, script: str, *args: str, tp: int = 1, dp: int = 1) -> None:
+        self.tp, self.dp = tp, dp
+        self.proc = subprocess.Popen([sys.executable, str(PEERS / script), *args],
+                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        self.ready: dict | None = None
+
+    def wait_ready(self, timeout: float = 40.0) -> Source:
+        deadline = time.monotonic() + timeout
+        while self.ready is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                self.kill()
+                raise RuntimeError(f"source peer did not start (exit {self.proc.poll()})")
+            r, _, _ = select.select([self.proc.stdout], [], [], min(left, 0.5))
+            if r:
+                line = self.proc.stdout.readline()
+                if line.startswith("KVKERN_READY "):
+                    self.ready = json.loads(line[len("KVKERN_READY "):])
+        return self
+
+    @property
+    def endpoint(self) -> str:
+        return f"{HOST}:{self.ready['http_port']}"
+
+    @property
+    def topology(self) -> Topology:
+        return Topology(model=MODEL, parallel=Parallelism(tp_size=self.tp, dp_size=self.dp,
+                                                          attention_dp=self.dp > 1))
+
+    def http(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://{self.endpoint}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
+
+    def commit(self, tokens: list[int]) -> list[int]:
+        return self.http("POST", "/test/commit", {"tokens": tokens})["hashes"]
+
+    def evict(self, hashes: list[int]) -> dict:
+        return self.http("POST", "/test/evict", {"hashes": hashes})
+
+    def faults(self, **kw) -> dict:
+        return self.http("POST", "/test/faults", kw)
+
+    def blocks(self, hashes: list[int], *, dp: int = 0, heads=None) -> dict:
+        q = "hashes=" + ",".join(str(h) for h in hashes) + f"&dp={dp}"
+        if heads is not None:
+            q += f"&heads={heads[0]}:{heads[1]}"
+        return self.http("GET", f"/test/blocks?{q}")
+
+    def wait_no_pins(self, timeout: float = 10.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            st = self.http("GET", "/test/stats")
+            pools = st["pools"].values() if "pools" in st else [st["pool"]]
+            if st["pins_outstanding"] == 0 and st["active_sends"] == 0 and all(
+                    p["pinned"] == 0 and p["pins"] == 0 for p in pools):
+                return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"source still holds pins: {st}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL ends a SIGSTOPped process too
+        try:
+            self.proc.wait(timeout=10)
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def rt():
+    loop = EventLoopThread("test-pull")
+    try:
+        yield loop
+    finally:
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def src():
+    s = Source("source_peer.py", "--num-blocks", "256", "--chunk-bytes", str(8 << 10))
+    try:
+        yield s.wait_ready()
+    finally:
+        s.kill()
+
+
+_seq_base = [100_000]
+
+
+def fresh_tokens(n_tokens: int) -> list[int]:
+    """Token ids no other test uses (so prefixes never collide across tests)."""
+    base = _seq_base[0]
+    _seq_base[0] += 10_000
+    return list(range(base, base + n_tokens))
+
+
+# ---------------------------------------------------------------------------- destination
+
+
+def make_group(tp: int = 1, *, num_blocks: int = 64, scheme: str = "public-xxh3-v1",
+               layout: str = "trtllm") -> KVGroup:
+    topo = Topology(model=MODEL, parallel=Parallelism(tp_size=tp))
+    pool = BlockPool(num_blocks, block_size=BS, hash_scheme=scheme)
+    gen = torch.Generator().manual_seed(7)
+    ranks = {}
+    for r in topo.ranks_of_dp(0):
+        lay = topo.local_layout(r, num_blocks, layout)
+        ranks[r] = RankKV(r, lay, lay.allocate(fill="random", generator=gen))
+    return KVGroup(topo, 0, pool, ranks)
+
+
+def snapshot(group: KVGroup) -> dict[int, torch.Tensor]:
+    return {r: rkv.pool.clone() for r, rkv in group.ranks.items()}
+
+
+def block_bytes(group: KVGroup, rank: int, block_id: int, heads=None) -> bytes:
+    rkv = group.ranks[rank]
+    staged = pack(rkv.pool, rkv.layout, [block_id], heads=heads)
+    return staged.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def sha(b: bytes) -> str:
+    return hashlib.sha256(b).hexdigest()
+
+
+def check_bytes(src: Source, group: KVGroup, hashes: list[int], block_ids: list[int], *,
+                dp: int = 0) -> None:
+    """Destination blocks ``block_ids`` hold exactly the source's blocks ``hashes``."""
+    assert len(hashes) == len(block_ids)
+    dtopo = group.topology
+    stopo = src.topology
+    if stopo.parallel.attn_tp_size == 1:
+        # every destination rank's (global) heads are a local head range of the source rank
+        for d in group.ranks:
+            want = src.blocks(hashes, dp=dp, heads=dtopo.head_range(d))
+            (r,) = {k for v in want.values() for k in v["sha256"]}
+            for h, bid in zip(hashes, block_ids, strict=True):
+                assert want[str(h)] is not None, f"source lost block {h}"
+                assert sha(block_bytes(group, d, bid)) == want[str(h)]["sha256"][r], \
+                    f"dst rank {d} block {bid} (hash {h}) differs from source rank {r}"
+    else:
+        assert dtopo.parallel.tp_size == 1
+        want = src.blocks(hashes, dp=dp)
+        for h, bid in zip(hashes, block_ids, strict=True):
+            for r, digest in want[str(h)]["sha256"].items():
+                heads = stopo.head_range(int(r))
+                assert sha(block_bytes(group, 0, bid, heads=heads)) == digest, \
+                    f"block {bid} heads {heads} differ from source rank {r}"
+
+
+def assert_clean(group: KVGroup) -> None:
+    st = group.manager.stats()
+    for k in ("pinned", "pins", "leased", "leases", "private", "referenced"):
+        assert st[k] == 0, f"destination leaks {k}: {st}"
+    assert st["free"] == st["blocks"], st
+    group.manager.check_invariants()
+
+
+def assert_only_changed(group: KVGroup, before: dict, changed: set[int]) -> None:
+    """Every block not in ``changed`` kept its bytes, on every rank."""
+    for r, rkv in group.ranks.items():
+        n = rkv.layout.num_blocks
+        for b in range(n):
+            if b in changed:
+                continue
+            same = torch.equal(pack(before[r], rkv.layout, [b]).view(-1).view(torch.uint8),
+                               pack(rkv.pool, rkv.layout, [b]).view(-1).view(torch.uint8))
+            assert same, f"rank {r} block {b} was written but is not a received block"
+
+
+def hint_for(src: Source, tokens: list[int], n_blocks: int | None = None, **extra) -> dict:
+    hs = local_block_hashes(tokens, BS)
+    if n_blocks is not None:
+        hs = hs[:n_blocks]
+    return {"kv_hint": {"source": src.endpoint, "block_hashes": hs, **extra}}
+
+
+@pytest.fixture
+def make_puller(rt):
+    made: list[Puller] = []
+
+    def make(group: KVGroup, **cfg) -> Puller:
+        cfg.setdefault("allowlist", ALLOW)
+        p = Puller(group, config=XferConfig(**cfg), metrics=XferMetrics(), loop=rt)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def pull(puller: Puller, rid: str, tokens, hint, timeout: float = 30.0):
+    puller.submit(rid, tokens, hint)
+    return puller.result(rid, timeout)
+
+
+def claim_check_release(puller, group, src, rid, hashes, *, dp: int = 0) -> list[int]:
+    ids = puller.claim(rid)
+    assert ids is not None and len(ids) == len(hashes)
+    assert puller.state(rid) is RequestState.CONTEXT_INIT
+    check_bytes(src, group, hashes, ids, dp=dp)
+    group.manager.release(ids)
+    return ids
+
+
+# ---------------------------------------------------------------------------------- tests
+
+
+def test_full_prefix_pull(src, make_puller):
+    tokens = fresh_tokens(16 * BS + 2)  # 16 full blocks + a partial one (never pulled)
+    hashes = src.commit(tokens)
+    assert len(hashes) == 16
+    group = make_group()
+    before = snapshot(group)
+    p = make_puller(group)
+    state = p.submit("full", tokens, hint_for(src, tokens))
+    assert state in (RequestState.CONTEXT_PREFETCH_INIT,
+                     RequestState.CONTEXT_PREFETCH_IN_PROGRESS)
+    assert not p.is_schedulable("full")
+    o = p.result("full", 30)
+    assert o.used and o.reason is Reason.OK, o
+    assert (o.blocks_hinted, o.blocks_local, o.blocks_requested, o.blocks_transferred) == \
+        (16, 0, 16, 16)
+    assert o.bytes_transferred == 16 * group.ranks[0].layout.bytes_per_block
+    assert o.messages >= 3 and o.pairs == 1
+    assert p.state("full") is RequestState.CONTEXT_PREFETCH_COMPLETE and p.is_schedulable("full")
+    json.loads(o.to_log())
+    assert p.metrics.value("kvkern_pulls_total", outcome="ok") == 1
+    assert p.metrics.value("kvkern_blocks_transferred_total") == 16
+    ids = claim_check_release(p, group, src, "full", hashes)
+    assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 16
+    assert p.claim("full") is None  # claimed once
+    assert_only_changed(group, before, set(ids))
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_local_prefix_and_remote_tail(src, make_puller):
+    tokens = fresh_tokens(12 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    mgr = group.manager
+    local_ids = mgr.allocate(5)  # the destination computed the first 5 blocks itself
+    mgr.commit(local_ids, hashes[:5])
+    mgr.release(local_ids)
+    before = snapshot(group)
+    p = make_puller(group)
+    o = pull(p, "tail", tokens, hint_for(src, tokens))
+    assert o.used and (o.blocks_local, o.blocks_requested, o.blocks_transferred) == (5, 7, 7), o
+    assert o.bytes_transferred == 7 * group.ranks[0].layout.bytes_per_block
+    ids = claim_check_release(p, group, src, "tail", hashes[5:])
+    assert not set(ids) & set(local_ids)
+    assert_only_changed(group, before, set(ids))  # local blocks untouched
+    assert mgr.longest_prefix(hashes) == 12
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_partial_local_leaf_is_never_overwritten(src, make_puller):
+    tokens = fresh_tokens(10 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    mgr = group.manager
+    # The destination holds blocks 0..2 committed and block 3 as a partially filled leaf
+    # (2 of 4 tokens) owned by a running request: never committed, never a pull target.
+    full = mgr.allocate(3)
+    mgr.commit(full, hashes[:3])
+    leaf = mgr.allocate(1)
+    leaf_before = block_bytes(group, 0, leaf[0])
+    before = snapshot(group)
+    p = make_puller(group)
+    o = pull(p, "leaf", tokens, hint_for(src, tokens))
+    assert o.used and (o.blocks_local, o.blocks_transferred) == (3, 7), o
+    ids = p.claim("leaf")
+    assert leaf[0] not in ids
+    assert block_bytes(group, 0, leaf[0]) == leaf_before
+    check_bytes(src, group, hashes[3:], ids)
+    assert_only_changed(group, before, set(ids))
+    mgr.release(ids)
+    mgr.release(full)
+    mgr.release(leaf)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_strict_falls_back_on_source_miss(src, make_puller):
+    tokens = fresh_tokens(10 * BS)
+    hashes = src.commit(tokens)
+    assert src.evict(hashes[6:])["evicted"] == hashes[6:]
+    group = make_group()
+    before = snapshot(group)
+    p = make_puller(group)
+    o = pull(p, "strict", tokens, hint_for(src, tokens, policy="strict"))
+    assert not o.used and o.reason is Reason.SOURCE_MISS, o
+    assert o.blocks_transferred == 0 and "6 of 10" in o.detail
+    assert p.state("strict") is RequestState.CONTEXT_INIT
+    assert p.claim("strict") is None
+    assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 0
+    assert_only_changed(group, before, set())  # received blocks freed, none committed
+    assert_clean(group)
+    assert p.metrics.value("kvkern_fallbacks_total", reason="source_miss") == 1
+    src.wait_no_pins()
+
+
+def test_best_effort_keeps_the_served_prefix(src, make_puller):
+    tokens = fresh_tokens(10 * BS)
+    hashes = src.commit(tokens)
+    src.evict(hashes[6:])
+    group = make_group()
+    p = make_puller(group)
+    o = pull(p, "be", tokens, hint_for(src, tokens, policy="best_effort"))
+    assert o.used and o.reason is Reason.PARTIAL, o
+    assert (o.blocks_requested, o.blocks_transferred, o.blocks_skipped) == (10, 6, 4)
+    claim_check_release(p, group, src, "be", hashes[:6])
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_stale_hint_after_source_eviction(src, make_puller):
+    tokens = fresh_tokens(8 * BS)
+    hashes = src.commit(tokens)
+    src.evict(hashes)  # the router saw them; the source evicted them since
+    group = make_group()
+    p = make_puller(group)
+    for policy in ("strict", "best_effort"):
+        o = pull(p, f"stale-{policy}", tokens, hint_for(src, tokens, policy=policy))
+        assert not o.used and o.reason is Reason.SOURCE_MISS, o
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_hint_problems_fall_back_without_a_pull(src, make_puller):
+    tokens = fresh_tokens(8 * BS)
+    src.commit(tokens)
+    group = make_group()
+    p = make_puller(group)
+    # hashes of another prompt
+    other = fresh_tokens(8 * BS)
+    o = pull(p, "mismatch", tokens, {"kv_hint": {"source": src.endpoint,
+                                                 "block_hashes": local_block_hashes(other, BS)}})
+    assert o.reason is Reason.HASH_MISMATCH and "hint hash 0" in o.detail
+    # more hashes than the prompt has full blocks
+    o = pull(p, "toolong", tokens[:5 * BS], hint_for(src, tokens))
+    assert o.reason is Reason.HASH_MISMATCH
+    # malformed hint, no hint, rejected hint object
+    assert pull(p, "bad", tokens, {"kv_hint": {"source": 5}}).reason is Reason.HINT_INVALID
+    assert pull(p, "none", tokens, None).reason is Reason.NO_HINT
+    assert pull(p, "nohint", tokens, {"prompt": "x"}).reason is Reason.NO_HINT
+    o = pull(p, "scheme", tokens, {"kv_hint": {"source": src.endpoint, "block_hashes": [1],
+                                               "hash_scheme": "sha256-v9"}})
+    assert o.reason in (Reason.HASH_SCHEME_MISMATCH, Reason.HINT_INVALID)
+    # chained (sequence) hashes are accepted as well as per-block ones
+    o = pull(p, "chained", tokens, {"kv_hint": {"source": src.endpoint,
+                                                "block_hashes": sequence_hashes(tokens, BS)}})
+    assert o.used, o
+    p.release("chained")
+    for rid in ("mismatch", "toolong", "bad", "none", "nohint"):
+        assert p.state(rid) is RequestState.CONTEXT_INIT
+    assert_clean(group)
+
+
+def test_source_not_allowed(src, make_puller):
+    tokens = fresh_tokens(4 * BS)
+    src.commit(tokens)
+    group = make_group()
+    for allow, why in (((), "empty_allowlist"), ("10.0.0.0/8", "loopback"),
+                       (f"127.0.0.1:{src.ready['http_port'] + 1}", "port_not_allowed")):
+        p = make_puller(group, allowlist=allow)
+        o = pull(p, "na", tokens, hint_for(src, tokens))
+        assert o.reason is Reason.SOURCE_NOT_ALLOWED and why in o.detail, o
+    # the state endpoint allowed by port, the UCX port not: the UCX address is checked too
+    p = make_puller(group, allowlist=f"127.0.0.1:{src.ready['http_port']}")
+    o = pull(p, "ucx", tokens, hint_for(src, tokens))
+    assert o.reason is Reason.SOURCE_NOT_ALLOWED and "UCX" in o.detail, o
+    assert_clean(group)
+
+
+def test_hash_scheme_mismatch(src, make_puller):
+    tokens = fresh_tokens(4 * BS)
+    src.commit(tokens)
+    group = make_group(scheme="trtllm-v1")  # the worker hashes with another scheme
+    p = make_puller(group)
+    o = pull(p, "scheme", tokens, hint_for(src, tokens))
+    assert not o.used and o.reason is Reason.HASH_SCHEME_MISMATCH, o
+    assert "public-xxh3-v1" in o.detail and "trtllm-v1" in o.detail
+    assert_clean(group)
+
+
+def test_not_worth_it(src, make_puller):
+    tokens = fresh_tokens(4 * BS)
+    src.commit(tokens)
+    group = make_group()
+    p = make_puller(group, prefill_s_per_token=1e-12)
+    o = pull(p, "nwi", tokens, hint_for(src, tokens))
+    assert o.reason is Reason.NOT_WORTH_IT and "recompute" in o.detail
+    p2 = make_puller(group)
+    p2.observe_prefill(1000, 1e-9)  # learned: prefill is nearly free
+    assert pull(p2, "nwi2", tokens, hint_for(src, tokens)).reason is Reason.NOT_WORTH_IT
+    assert p.metrics.value("kvkern_hints_ignored_total", reason="not_worth_it") == 1
+    assert_clean(group)
+
+
+class _StateStub(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if self.path.startswith("/slow"):
+            time.sleep(1.5)
+            body, code = b"{}", 200
+        elif self.path.startswith("/500"):
+            body, code = b"oops", 500
+        else:
+            body, code = b"<html>not state</html>", 200
+        try:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except OSError:
+            pass
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def stub_server():
+    srv = http.server.ThreadingHTTPServer((HOST, 0), _StateStub)
+    srv.daemon_threads = True
+    th = threading.Thread(target=srv.serve_forever, daemon=True)
+    th.start()
+    try:
+        yield srv.server_address[1]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_metadata_fetch_failures(make_puller, stub_server):
+    import socket
+
+    s = socket.socket()
+    s.bind((HOST, 0))
+    closed_port = s.getsockname()[1]
+    s.close()  # nothing listens there: connection refused
+    tokens = fresh_tokens(4 * BS)
+    hs = local_block_hashes(tokens, BS)
+    group = make_group()
+    p = make_puller(group, metadata_timeout_s=0.5)
+    cases = [(f"{HOST}:{closed_port}", Reason.METADATA_FETCH_FAILED),
+             (f"http://{HOST}:{stub_server}/500", Reason.METADATA_FETCH_FAILED),
+             (f"http://{HOST}:{stub_server}/garbage", Reason.METADATA_INVALID),
+             (f"http://{HOST}:{stub_server}/slow", Reason.METADATA_TIMEOUT)]
+    for i, (source, reason) in enumerate(cases):
+        t0 = time.monotonic()
+        o = pull(p, f"md{i}", tokens, {"kv_hint": {"source": source, "block_hashes": hs}})
+        assert o.reason is reason, (source, o)
+        assert time.monotonic() - t0 < 1.4  # bounded by metadata_timeout_s, not the server
+        assert not o.used and p.state(f"md{i}") is RequestState.CONTEXT_INIT
+    assert p.metrics.value("kvkern_metadata_fetch_failures_total",
+                           reason="metadata_timeout") == 1
+    assert_clean(group)
+
+
+def test_transfer_timeout_when_source_stops_responding(src, make_puller):
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    p = make_puller(group, transfer_timeout_s=0.5)
+    src.faults(freeze_after_reply=True)
+    try:
+        t0 = time.monotonic()
+        o = pull(p, "frozen", tokens, hint_for(src, tokens))
+        assert o.reason is Reason.TRANSFER_TIMEOUT, o
+        assert time.monotonic() - t0 < 5
+    finally:
+        src.faults(freeze_after_reply=False)
+    assert_clean(group)
+    src.wait_no_pins()
+    # the pool reconnects after the aborted connection: the next pull works
+    o = pull(p, "after", tokens, hint_for(src, tokens))
+    assert o.used, o
+    claim_check_release(p, group, src, "after", hashes)
+    assert_clean(group)
+
+
+def test_deadline_and_cancel(src, make_puller):
+    tokens = fresh_tokens(6 * BS)
+    src.commit(tokens)
+    group = make_group()
+    p = make_puller(group, deadline_s=0.6, transfer_timeout_s=5.0)
+    src.faults(freeze_after_reply=True)
+    try:
+        o = pull(p, "late", tokens, hint_for(src, tokens))
+        assert o.reason is Reason.DEADLINE_EXCEEDED, o
+        p2 = make_puller(group)
+        p2.submit("cx", tokens, hint_for(src, tokens))
+        deadline = time.monotonic() + 5
+        while p2.state("cx") is not RequestState.CONTEXT_PREFETCH_IN_PROGRESS:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert p2.cancel("cx")
+        o = p2.result("cx", 10)
+        assert o.reason is Reason.CANCELLED and p2.state("cx") is RequestState.CONTEXT_INIT
+        assert not p2.cancel("cx")
+    finally:
+        src.faults(freeze_after_reply=False)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_source_killed_mid_transfer(make_puller):
+    tokens = list(range(7, 7 + 16 * BS))
+    s = Source("source_peer.py", "--seq", f"7:{7 + 16 * BS}", "--chunk-bytes", "2048",
+               "--slow-send-ms", "150", "--chunks-in-flight", "1").wait_ready()
+    try:
+        group = make_group()
+        p = make_puller(group)
+        p.submit("killed", tokens, hint_for(s, tokens))
+        deadline = time.monotonic() + 10
+        while p.outcome("killed") is None and time.monotonic() < deadline:
+            st = s.http("GET", "/test/stats")
+            if st["active_sends"]:
+                break
+            time.sleep(0.02)
+        time.sleep(0.3)  # a few chunks in
+        s.proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        o = p.result("killed", 10)
+        assert o.reason is Reason.TRANSFER_FAILED, o
+        assert time.monotonic() - t0 < 2  # a killed peer surfaces at once
+        assert 0 < o.bytes_transferred < 16 * 2048
+        assert_clean(group)
+    finally:
+        s.kill()
+
+
+def test_tp2_source_to_tp1_destination(make_puller):
+    tokens = list(range(3, 3 + 8 * BS))
+    s = Source("source_peer.py", "--tp", "2", "--seq", f"3:{3 + 8 * BS}", tp=2).wait_ready()
+    try:
+        hashes = sequence_hashes(tokens, BS)
+        group = make_group(tp=1)
+        before = snapshot(group)
+        p = make_puller(group)
+        o = pull(p, "tp21", tokens, hint_for(s, tokens))
+        assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
+        ids = claim_check_release(p, group, s, "tp21", hashes)
+        assert_only_changed(group, before, set(ids))
+        assert_clean(group)
+        # and a TP2 destination (both ranks hosted here) from the same TP2 source
+        g2 = make_group(tp=2)
+        p2 = make_puller(g2)
+        o = pull(p2, "tp22", tokens, hint_for(s, tokens))
+        assert o.used and o.pairs == 2, o
+        ids = p2.claim("tp22")
+        want = s.blocks(hashes)
+        for h, bid in zip(hashes, ids, strict=True):
+            for r in (0, 1):
+                assert sha(block_bytes(g2, r, bid)) == want[str(h)]["sha256"][str(r)]
+        g2.manager.release(ids)
+        assert_clean(g2)
+        s.wait_no_pins()
+    finally:
+        s.kill()
+
+
+def test_tp1_source_to_tp2_destination(src, make_puller):
+    tokens = fresh_tokens(8 * BS)
+    hashes = src.commit(tokens)
+    group = make_group(tp=2)
+    before = snapshot(group)
+    p = make_puller(group)
+    o = pull(p, "tp12", tokens, hint_for(src, tokens))
+    assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
+    assert o.bytes_transferred == 8 * 2048  # each rank gets its half of the heads
+    ids = claim_check_release(p, group, src, "tp12", hashes)
+    assert_only_changed(group, before, set(ids))
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_attention_dp_source_rank(make_puller):
+    tokens = list(range(11, 11 + 6 * BS))
+    s = Source("dp_source_peer.py", "--dp", "2", "--tp", "2", "--seq",
+               f"1:11:{11 + 6 * BS}", tp=2, dp=2).wait_ready()
+    try:
+        hashes = sequence_hashes(tokens, BS)
+        group = make_group()
+        p = make_puller(group)
+        o = pull(p, "dp0", tokens, hint_for(s, tokens, source_dp_rank=0))
+        assert o.reason is Reason.SOURCE_MISS, o  # group 0 never held them
+        o = pull(p, "dp5", tokens, hint_for(s, tokens, source_dp_rank=5))
+        assert o.reason is Reason.INCOMPATIBLE_TOPOLOGY, o
+        o = pull(p, "dp1", tokens, hint_for(s, tokens, source_dp_rank=1))
+        assert o.used and o.source_dp_rank == 1 and o.blocks_transferred == 6, o
+        claim_check_release(p, group, s, "dp1", hashes, dp=1)
+        assert_clean(group)
+        s.wait_no_pins()
+    finally:
+        s.kill()
+
+
+def test_concurrent_pulls_dedup_and_cap(src, make_puller):
+    seqs = [fresh_tokens(6 * BS) for _ in range(5)]
+    hashes = [src.commit(t) for t in seqs]
+    group = make_group(num_blocks=128)
+    p = make_puller(group, max_inflight_pulls=4)
+    src.faults(slow_send_ms=60)  # keep the first four in flight while the rest arrive
+    try:
+        # 0-3 lead; 4 is a fifth distinct pull (busy); 5-7 duplicate 0-2 (attach)
+        plan = [(f"c{i}", seqs[i]) for i in range(5)] + [(f"c{5 + i}", seqs[i])
+                                                        for i in range(3)]
+        threads = []
+        for rid, toks in plan:
+            th = threading.Thread(target=p.submit, args=(rid, toks, hint_for(src, toks)))
+            threads.append(th)
+        for i, th in enumerate(threads):  # leaders first, then the rest, all within ms
+            th.start()
+            if i < 4:
+                th.join()
+        for th in threads:
+            th.join()
+        outs = {rid: p.result(rid, 30) for rid, _ in plan}
+    finally:
+        src.faults(slow_send_ms=0)
+    reasons = {rid: o.reason for rid, o in outs.items()}
+    assert [reasons[f"c{i}"] for i in range(4)] == [Reason.OK] * 4, outs
+    assert reasons["c4"] is Reason.BUSY
+    for i in range(3):
+        o = outs[f"c{5 + i}"]
+        assert o.reason is Reason.DUPLICATE and not o.used, o
+        assert o.blocks_local == 6  # the leader's committed blocks, found locally
+    assert p.inflight == 0
+    for i in range(4):
+        claim_check_release(p, group, src, f"c{i}", hashes[i])
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_lease_release_and_close(src, make_puller):
+    tokens = fresh_tokens(4 * BS)
+    src.commit(tokens)
+    group = make_group()
+    p = make_puller(group)
+    assert pull(p, "rel", tokens, hint_for(src, tokens)).used
+    assert group.manager.stats()["leases"] == 1
+    assert p.release("rel") and not p.release("rel")
+    assert p.state("rel") is RequestState.CONTEXT_INIT
+    assert_clean(group)
+    tokens2 = fresh_tokens(4 * BS)
+    src.commit(tokens2)
+    assert pull(p, "unclaimed", tokens2, hint_for(src, tokens2, no_retain=False)).used
+    p.close()  # releases unclaimed leases
+    assert_clean(group)
+    st = p.submit("after-close", tokens2, hint_for(src, tokens2))
+    assert st is RequestState.CONTEXT_INIT
+    with pytest.raises(KeyError):
+        p.result("never-submitted", 0.1)
+
