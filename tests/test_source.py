@@ -33,7 +33,13 @@ from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import Cancel, Codec, PlanPiece, PullReply, PullRequest, Status
 from kvkern.xfer.metrics import PHASES, XferMetrics
 from kvkern.xfer.runtime import EventLoopThread
-from kvkern.xfer.source import STATE_PATH, SourceService, count_chunks, plan_chunks
+from kvkern.xfer.source import (
+    STATE_PATH,
+    SourceService,
+    StagingPool,
+    count_chunks,
+    plan_chunks,
+)
 from kvkern.xfer.transport import (
     CONTROL_TAG,
     MAX_TRANSFER_ID,
@@ -107,7 +113,10 @@ def stop_peer(proc: subprocess.Popen) -> None:
 def peers():
     common = ["--lifetime-s", "90", "--chunk-bytes", "5000"]
     started = start_peers([[*common, "--seq", "0:64", "--worker-id", "src-tp1"],
-                           [*common, "--tp", "2", "--seq", "0:32", "--worker-id", "src-tp2"]])
+                           [*common, "--tp", "2", "--layout", "vllm_nhd", "--seq", "0:32",
+                            "--worker-id", "src-tp2"],
+                           # the SIGTERM test's own, started with the others to save time
+                           [*common, "--seq", "0:64", "--freeze-after-reply"]])
     try:
         yield started
     finally:
@@ -123,6 +132,11 @@ def tp1(peers):
 @pytest.fixture(scope="module")
 def tp2(peers):
     return peers[1][1]
+
+
+@pytest.fixture(scope="module")
+def frozen_peer(peers):
+    return peers[2]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -520,11 +534,10 @@ async def test_busy_then_close_leaves_nothing_running(http):
 
 
 @aio
-async def test_sigterm_closes_a_real_source_with_a_frozen_send():
+async def test_sigterm_closes_a_real_source_with_a_frozen_send(frozen_peer):
     """close() in the peer process: a send frozen after its reply holds 16 pins; SIGTERM makes
     the peer close its service (cancelling the send) and report what was left."""
-    [(proc, ready)] = start_peers([["--seq", "0:64", "--freeze-after-reply",
-                                    "--lifetime-s", "60"]])
+    proc, ready = frozen_peer
     try:
         async with ConnectionPool(connect_timeout=10) as own:
             conn = await own.get(HOST, ready["ucx_ports"]["0"])
@@ -563,6 +576,20 @@ def test_plan_chunks_tiles_the_stream(lengths, n, limit):
         assert start == pos[c.piece]
         pos[c.piece] = start + c.nbytes
     assert [c.piece for c in chunks] == sorted(c.piece for c in chunks)
+
+
+def test_staging_pool_reuses_by_size_class_and_caps_idle_bytes():
+    sp = StagingPool(max_bytes=3 * 4096 - 1)
+    assert [sp.size_class(n) for n in (1, 2, 3, 4096, 4097)] == [2, 2, 4, 4096, 8192]
+    a, b = sp.take(torch.device("cpu"), 3000), sp.take(torch.device("cpu"), 4096)
+    assert a.numel() == b.numel() == 4096 and a.data_ptr() != b.data_ptr()
+    sp.give([a, b])
+    assert sp.idle_bytes == 8192
+    assert sp.take(torch.device("cpu"), 2049).data_ptr() in (a.data_ptr(), b.data_ptr())
+    sp.give([torch.empty(8192, dtype=torch.uint8)])  # over the cap: dropped
+    assert sp.idle_bytes == 4096
+    sp.clear()
+    assert sp.idle_bytes == 0
 
 
 def test_metrics_names_labels_and_render():

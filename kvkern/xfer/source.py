@@ -73,7 +73,8 @@ is cut into ``ceil(length / limit)`` byte slices. So chunks are at most ``limit`
 **not all equal**: the destination sizes its buffers from ``PullReply.chunk_sizes``. Chunk
 ``k + 1`` is packed (on a small packing thread pool, so the event loop stays free) into a ring
 of ``chunks_in_flight`` staging buffers while earlier chunks are on the wire
-(:meth:`Connection.send_stream` guarantees the slot is free before reuse).
+(:meth:`Connection.send_stream` guarantees the slot is free before reuse). Ring slots come from
+a :class:`StagingPool` shared by all sends and go back to it when the send has ended.
 
 Unpin exactly once
 ------------------
@@ -136,7 +137,7 @@ from kvkern.xfer.transport import (
 )
 
 __all__ = ["CAPABILITIES", "PROTOCOL", "STATE_PATH", "ChunkSpec", "SourceService",
-           "plan_chunks"]
+           "StagingPool", "count_chunks", "plan_chunks"]
 
 log = logging.getLogger(__name__)
 
@@ -213,6 +214,49 @@ class _Rejected(Exception):
         self.code = code
 
 
+class StagingPool:
+    """Reusable staging buffers, by (device, size class); sizes are powers of two.
+
+    Reusing send buffers saves page faults on the host (measured: a fresh 16 MiB buffer costs
+    ~2-4 ms of first-touch faults on this 2-core machine) and, on GPUs and RDMA NICs, UCX
+    memory registrations (its registration cache keys on addresses). At most ``max_bytes``
+    are kept idle; a buffer is given back only when no send or pack can still touch it.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._idle_bytes = 0
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return 1 << max(nbytes - 1, 1).bit_length()
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def take(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        size = self.size_class(nbytes)
+        free = self._free.get((str(device), size))
+        if free:
+            self._idle_bytes -= size
+            return free.pop()
+        return torch.empty(size, dtype=torch.uint8, device=device)
+
+    def give(self, bufs: Iterable[torch.Tensor]) -> None:
+        for b in bufs:
+            size = b.numel()
+            if self._idle_bytes + size > self.max_bytes:
+                continue  # dropped: the allocator gets it back
+            self._free.setdefault((str(b.device), size), []).append(b)
+            self._idle_bytes += size
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._idle_bytes = 0
+
+
 # ------------------------------------------------------------------------------ one send
 
 
@@ -231,7 +275,7 @@ class _Send:
 
     __slots__ = ("req", "conn", "ctx", "conn_sends", "deadline", "admitted", "handle",
                  "released", "replied", "completed", "cancel_reason", "task", "pack_cf",
-                 "started")
+                 "started", "staging")
 
     def __init__(self, req: PullRequest, conn: Connection, ctx: _RankCtx,
                  conn_sends: dict[int, _Send], deadline: float, admitted: bool) -> None:
@@ -249,6 +293,7 @@ class _Send:
         self.task: asyncio.Task | None = None
         self.pack_cf: concurrent.futures.Future | None = None
         self.started = time.monotonic()
+        self.staging: list[torch.Tensor] = []  # ring slots taken from the StagingPool
 
 
 # ------------------------------------------------------------------------------- service
@@ -281,6 +326,7 @@ class SourceService:
         max_send_s: float = DEFAULT_MAX_SEND_S,
         progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
         pack_threads: int = 2,
+        staging_cache_bytes: int = 256 << 20,
     ) -> None:
         if not groups:
             raise ValueError("SourceService needs at least one KVGroup")
@@ -301,6 +347,10 @@ class SourceService:
                             ("pack_threads", pack_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if isinstance(staging_cache_bytes, bool) or not isinstance(staging_cache_bytes, int) \
+                or staging_cache_bytes < 0:
+            raise ValueError(f"staging_cache_bytes must be an int >= 0, got "
+                             f"{staging_cache_bytes!r}")
         for name, value in (("max_send_s", max_send_s),
                             ("progress_timeout_s", progress_timeout_s)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -322,6 +372,7 @@ class SourceService:
         self._extra_routes = list(extra_routes or ())
         self._ucx_ports = dict(ucx_ports or {})
         self._pack_threads = pack_threads
+        self._staging = StagingPool(staging_cache_bytes)
         self._ctx: dict[int, _RankCtx] = {
             r: _RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
         self._listeners: dict[int, Listener] = {}
@@ -453,6 +504,7 @@ class SourceService:
         executor, self._executor = self._executor, None
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
+        self._staging.clear()
 
     async def __aenter__(self) -> SourceService:
         return await self.start()
@@ -612,6 +664,11 @@ class SourceService:
                 with contextlib.suppress(BaseException):
                     await asyncio.wait({asyncio.wrap_future(cf)}, timeout=_PACK_WAIT_S)
             self._release(s)
+            # Every posted send has completed or its endpoint was aborted (the transport's
+            # rule), so UCX holds none of the slots; a pack still running keeps them.
+            if (cf is None or cf.done()) and not self._closing:
+                self._staging.give(s.staging)
+            s.staging = []
 
     def _failed(self, s: _Send, reason: str) -> None:
         """A send that will not complete: count it; if a reply promised chunks that will not
@@ -704,7 +761,7 @@ class SourceService:
         device = rkv.device
         ring = min(self.chunks_in_flight, len(chunks))
         slot_bytes = max(c.nbytes for c in chunks)
-        slots: list[torch.Tensor | None] = [None] * ring
+        slots: list[torch.Tensor | None] = [None] * ring  # taken from the pool on first use
         big: dict[str, Any] = {"key": None, "buf": None}  # one oversized block, sliced
         loop = asyncio.get_running_loop()
         tid = s.req.transfer_id
@@ -733,7 +790,8 @@ class SourceService:
             if c.lo == 0 and c.hi == (c.b1 - c.b0) * p.length:
                 k = i % ring
                 if slots[k] is None:
-                    slots[k] = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
+                    slots[k] = self._staging.take(device, slot_bytes)
+                    s.staging.append(slots[k])
                 return await run(pack_slab, p, c.b0, c.b1, slots[k][:c.nbytes])
             key = (c.piece, c.b0)
             if big["key"] != key:  # a new oversized block: pack it whole into a fresh buffer
