@@ -26,6 +26,7 @@ Source side (:class:`kvkern.xfer.source.SourceService`)::
     kvkern_source_bytes_sent_total                   counter
     kvkern_source_send_failures_total{reason}        counter   sends that did not complete
     kvkern_source_pinned_blocks                      gauge     blocks pinned by running sends
+                                                               (a block two sends pin counts 2)
     kvkern_source_sends_in_flight                    gauge
     kvkern_source_send_seconds                       histogram pin -> last chunk sent
 
@@ -123,7 +124,8 @@ class XferMetrics:
                                             "Source sends that did not complete, by reason.",
                                             ("reason",))
         self.source_pinned_blocks = Gauge(p + "source_pinned_blocks",
-                                          "Blocks pinned by running source sends.", registry=r)
+                                          "Blocks pinned by running source sends (counted per send).",
+                                          registry=r)
         self.source_sends_in_flight = Gauge(p + "source_sends_in_flight",
                                             "Source sends in progress.", registry=r)
         self.source_send_seconds = Histogram(p + "source_send_seconds",

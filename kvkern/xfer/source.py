@@ -360,6 +360,9 @@ class SourceService:
         self.worker_id = worker_id
         self.host = host
         self.advertise_host = advertise_host or host
+        if self.advertise_host in ("0.0.0.0", "::", "", "[::]"):
+            raise ValueError(f"host {host!r} binds every interface; pass the address peers "
+                             f"should dial as advertise_host (got {advertise_host!r})")
         self.chunk_bytes = chunk_bytes
         self.chunks_in_flight = chunks_in_flight
         self.max_concurrent_sends = max_concurrent_sends
