@@ -87,8 +87,10 @@ class _Base(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 
 class PlanPiece(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One piece of the staging stream a destination rank receives: source rank ``src_rank``
-    packs layers ``[layer_start, layer_stop)`` × heads ``[head_start, head_stop)`` of every
-    served block into bytes ``[offset, offset + length)`` of the stream."""
+    packs layers ``[layer_start, layer_stop)`` × heads ``[head_start, head_stop)`` (source-local
+    ranges) of every served block. ``offset`` and ``length`` are PER BLOCK: for ``n`` served
+    blocks the piece occupies bytes ``[offset * n, (offset + length) * n)`` of the stream
+    (the layout of ``kvkern.kernels.sharded.pack_for_peer``)."""
 
     src_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
     layer_start: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
@@ -110,7 +112,7 @@ class PullRequest(_Base, tag="pull_request"):
 
     ``deadline_ms`` is relative (milliseconds the source may spend, counted from receipt), so
     clock skew between hosts does not matter. ``chunk_bytes`` is the largest chunk the source
-    may send; every chunk but the last of a stream has exactly that size.
+    may send; the reply's ``chunk_sizes`` give the actual sizes.
     """
 
     transfer_id: TransferId
@@ -183,10 +185,19 @@ Message = Union[PullRequest, PullReply, Cancel]  # noqa: UP007 (msgspec needs a 
 MESSAGE_TYPES: tuple[type, ...] = (PullRequest, PullReply, Cancel)
 
 
+def _strip_prose(node):
+    """The schema without titles and descriptions: docstrings are not wire format."""
+    if isinstance(node, dict):
+        return {k: _strip_prose(v) for k, v in node.items() if k not in ("title", "description")}
+    if isinstance(node, list):
+        return [_strip_prose(v) for v in node]
+    return node
+
+
 def schema_fingerprint(compat: bytes = b"") -> int:
     """u64 over the JSON schema of every message (field names, types, constraints, tags),
     the protocol version and ``compat``. Any schema change changes it."""
-    schema = msgspec.json.encode(msgspec.json.schema(Message), order="sorted")
+    schema = msgspec.json.encode(_strip_prose(msgspec.json.schema(Message)), order="sorted")
     h = hashlib.blake2b(digest_size=8)
     h.update(MAGIC + PROTOCOL_VERSION.to_bytes(2, "little") + schema + b"\0" + compat)
     return int.from_bytes(h.digest(), "little")
