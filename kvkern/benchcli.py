@@ -8,6 +8,15 @@ process (the *destination*) and measures, per size:
 * ``chunked``  the same N bytes as a stream of ``--chunk`` byte chunks, ``--in-flight`` posted
 * ``messages`` per-message cost: a control round trip (PullRequest -> PullReply, no data),
                and 64 KiB chunks received one at a time vs 32 in flight
+* ``pull``     the real path: the peer also runs a :class:`~kvkern.xfer.source.SourceService`
+               over a pool of 512 KiB blocks (8 layers x 8 KV heads x 128 dims x 16 tokens,
+               bf16); this process pulls N blocks (N x 512 KiB = each size) with a
+               :class:`~kvkern.xfer.puller.Puller` (hint -> state from cache -> plan ->
+               private blocks -> PullRequest -> chunks packed, sent, unpacked into the pool ->
+               commit), each repeat paired with a raw one-buffer fetch of the same bytes on
+               the same peer. Reports ``pull_gbps`` (bytes / hint-to-commit time),
+               ``raw_gbps``, ``ratio``, ``messages`` per pull (control + chunks) and the
+               hint-to-first-byte median of 1-block pulls on the warm connection.
 
 Every case is a function ``case_<name>(bench, settings) -> dict`` over one shared
 :class:`Bench` connection, and both processes run with the same :class:`Settings` (UCX
@@ -75,7 +84,7 @@ class Settings:
     chunk_bytes: int = 16 * MiB
     in_flight: int = 4
     repeats: int = 5
-    cases: tuple[str, ...] = ("raw", "chunked", "messages")
+    cases: tuple[str, ...] = ("raw", "chunked", "messages", "pull")
     peer_timeout_s: float = 60.0
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
@@ -101,8 +110,52 @@ def _chunk_sizes(total: int, chunk: int) -> list[int]:
     return sizes
 
 
+# The pull case's model: 8 layers x 2 x 8 KV heads x 16 tokens x 128 dims x 2 B = 512 KiB
+# per block on one TP1 rank (a mid-size model's per-rank block).
+PULL_MODEL = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "block_size": 16,
+              "dtype": "bfloat16"}
+
+
+def _pull_topology() -> Any:
+    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
+
+    return Topology(model=ModelKVSpec(**PULL_MODEL), parallel=Parallelism())
+
+
+def _block_value(i: int) -> int:
+    """The byte every byte of the source's block ``i`` (in request order) holds."""
+    return i % 251 + 1
+
+
+async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int) -> Any:
+    """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``."""
+    import torch  # noqa: PLC0415
+
+    from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
+    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
+    from kvkern.xfer.source import SourceService  # noqa: PLC0415
+
+    topo = _pull_topology()
+    bs = topo.model.block_size
+    layout = topo.local_layout(0, n_blocks)
+    kv = layout.allocate(fill="zeros")
+    pool = BlockPool(n_blocks, block_size=bs)
+    hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
+    ids = pool.allocate(n_blocks)
+    u8 = kv.view(torch.uint8).view(n_blocks, -1)
+    for i, b in enumerate(ids):
+        u8[b].fill_(_block_value(i))
+    pool.commit(ids, hashes)
+    pool.release(ids)
+    group = KVGroup(topo, 0, pool, {0: RankKV(0, layout, kv)})
+    return await SourceService([group], worker_id="bench-source", chunk_bytes=chunk_bytes,
+                               chunks_in_flight=in_flight).start()
+
+
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
-                     in_flight: int) -> None:
+                     in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB
+                     ) -> None:
     from kvkern.xfer.messages import Cancel, PullReply, Status  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
@@ -134,13 +187,20 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                                    len(sizes), timeout=10, max_in_flight=in_flight)
 
     listener = await Listener(serve, host="127.0.0.1").start()
+    source = None
+    info: dict[str, Any] = {"port": listener.port}
+    if pull_blocks:
+        source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight)
+        info["http_port"] = source.http_port
     tmp = port_file + ".tmp"
     with open(tmp, "w") as f:
-        f.write(str(listener.port))
+        f.write(json.dumps(info))
     os.replace(tmp, port_file)
     deadline = time.monotonic() + max_seconds
     while time.monotonic() < deadline and os.getppid() == parent_pid:
         await asyncio.sleep(0.2)
+    if source is not None:
+        await source.close()
     await listener.close()
 
 
@@ -151,8 +211,11 @@ class Bench:
     """The destination side: one connection to the peer, and the pull primitive every case
     uses (request ``total`` bytes in ``chunk`` byte chunks, receive with ``in_flight``)."""
 
-    def __init__(self, conn: Any) -> None:
+    def __init__(self, conn: Any, *, pull_http_port: int | None = None,
+                 loop: Any = None) -> None:
         self.conn = conn
+        self.pull_http_port = pull_http_port
+        self.loop = loop  # the EventLoopThread the cases run on (the puller shares it)
         self._next_tid = 1
         self._dst: dict[int, np.ndarray] = {}
 
@@ -236,7 +299,91 @@ async def case_messages(bench: Bench, s: Settings) -> dict[str, Any]:
             "in_flight_32_gbps": round(n * size / piped / 1e9, 3)}
 
 
-CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages}
+def _pull_blocks_for(s: Settings) -> int:
+    per_block = _pull_topology().local_layout(0, 1).bytes_per_block
+    return max(1, max(s.sizes) // per_block)
+
+
+async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
+    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
+    from kvkern.xfer.config import XferConfig  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
+    from kvkern.xfer.puller import Puller  # noqa: PLC0415
+
+    class _ColdPool(BlockPool):
+        """Never reports a local prefix, so the same blocks can be pulled again (a commit
+        of an already cached hash keeps the old block and frees the received one)."""
+
+        def longest_prefix(self, hashes: Any) -> int:
+            return 0
+
+    topo = _pull_topology()
+    bs = topo.model.block_size
+    n_max = _pull_blocks_for(s)
+    layout = topo.local_layout(0, n_max + 8)
+    kv = layout.allocate(fill="zeros")  # pages faulted in outside the timed region
+    group = KVGroup(topo, 0, _ColdPool(n_max + 8, block_size=bs), {0: RankKV(0, layout, kv)})
+    cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False, chunk_bytes=s.chunk_bytes,
+                     chunks_in_flight=s.in_flight, deadline_s=60.0, transfer_timeout_s=20.0)
+    puller = Puller(group, config=cfg, loop=bench.loop)
+    per_block = layout.bytes_per_block
+    rid = iter(range(1 << 30))
+
+    async def pull(n: int) -> Any:
+        r = f"bench-{next(rid)}"
+        hint = {"kv_hint": {"source": f"127.0.0.1:{bench.pull_http_port}", "no_retain": True}}
+        puller.submit(r, list(range(n * bs)), hint)
+        o = await puller.wait(r, 60)
+        if not o.used:
+            raise RuntimeError(f"bench pull of {n} blocks fell back: {o.reason.value}: "
+                               f"{o.detail}")
+        return o
+
+    try:
+        out: dict[str, Any] = {"block_bytes": per_block}
+        o = await pull(n_max)  # warm-up (connection, state cache) and a correctness check
+        ids = group.manager.match_prefix(sequence_hashes(list(range(n_max * bs)), bs))
+        u8 = kv.view(torch.uint8).view(n_max + 8, -1)
+        for i in sorted({0, n_max // 2, n_max - 1}):
+            row = u8[ids[i]]
+            if not (int(row[0]) == int(row[-1]) == _block_value(i)):
+                raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
+        for size in s.sizes:
+            n = max(1, size // per_block)
+            nbytes = n * per_block
+            await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
+            pull_t, raw_t, msgs = [], [], []
+            for _ in range(s.repeats):  # paired: each pull next to a raw fetch
+                raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
+                o = await pull(n)
+                pull_t.append(o.total_s)
+                msgs.append(o.messages)
+            ps, rs = _summary(nbytes, pull_t), _summary(nbytes, raw_t)
+            out[str(size)] = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
+                              "pull_gbps_p20": ps["gbps_p20"], "pull_gbps_p80": ps["gbps_p80"],
+                              "raw_gbps": rs["gbps"], "ratio": round(ps["gbps"] / rs["gbps"], 3),
+                              "pull_ms": ps["ms"], "raw_ms": rs["ms"],
+                              "messages": statistics.median(msgs),
+                              "chunk_bytes": s.chunk_bytes,
+                              "phases_ms": {k: round(v * 1e3, 3) for k, v in o.phases.items()}}
+        fb = []
+        for _ in range(max(20, s.repeats)):
+            o = await pull(1)
+            fb.append(o.phases["first_byte"])
+        out["hint_to_first_byte_ms"] = round(statistics.median(fb) * 1e3, 3)
+        out["hint_to_first_byte_p80_ms"] = round(
+            statistics.quantiles(fb, n=5)[3] * 1e3, 3)
+        out["one_block_total_ms"] = round(o.total_s * 1e3, 3)
+        return out
+    finally:
+        await asyncio.get_running_loop().run_in_executor(None, puller.close)
+
+
+CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages,
+         "pull": case_pull}
 
 
 def _environment(s: Settings) -> dict[str, Any]:
@@ -256,14 +403,14 @@ def _environment(s: Settings) -> dict[str, Any]:
     return env
 
 
-async def _run_cases(port: int, s: Settings) -> dict[str, Any]:
+async def _run_cases(info: dict, s: Settings, loop: Any) -> dict[str, Any]:
     from kvkern.xfer.transport import ConnectionPool  # noqa: PLC0415
 
     async with ConnectionPool(connect_timeout=10) as pool:
         t0 = time.perf_counter()
-        conn = await pool.get("127.0.0.1", port)
+        conn = await pool.get("127.0.0.1", info["port"])
         result: dict[str, Any] = {"connect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
-        bench = Bench(conn)
+        bench = Bench(conn, pull_http_port=info.get("http_port"), loop=loop)
         for name in s.cases:
             result[name] = await CASES[name](bench, s)
     return result
@@ -276,7 +423,8 @@ def run_xfer(s: Settings) -> dict[str, Any]:
         port_file = os.path.join(tmp, "port")
         cmd = [sys.executable, "-m", "kvkern.benchcli", "_peer", "--port-file", port_file,
                "--max-seconds", str(s.peer_timeout_s), "--parent-pid", str(os.getpid()),
-               "--in-flight", str(s.in_flight)]
+               "--in-flight", str(s.in_flight), "--chunk-bytes", str(s.chunk_bytes),
+               "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0)]
         peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
                                 stdin=subprocess.DEVNULL)
         try:
@@ -289,18 +437,35 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                     raise RuntimeError("bench peer did not listen within 30 s")
                 time.sleep(0.02)
             with open(port_file) as f:
-                port = int(f.read())
-            result = asyncio.run(asyncio.wait_for(_run_cases(port, s), s.peer_timeout_s))
+                info = json.loads(f.read())
+            from kvkern.xfer.runtime import EventLoopThread  # noqa: PLC0415
+
+            # One loop for everything (ucxx binds progress to a loop; the puller shares it).
+            rt = EventLoopThread("kvkern-bench")
+            try:
+                result = rt.run(_run_cases(info, s, rt), s.peer_timeout_s)
+            finally:
+                rt.close()
         finally:
             peer.kill()
             peer.wait(timeout=10)
     biggest = str(max(s.sizes))
     out: dict[str, Any] = {"bench": "xfer", "bytes": max(s.sizes)}
-    if "raw" in result:
+    if "pull" in result:  # the headline: pull vs a raw one-buffer send of the same bytes
+        pr = result["pull"][biggest]
+        out |= {"bytes": pr["bytes"], "blocks": pr["blocks"], "pull_gbps": pr["pull_gbps"],
+                "raw_gbps": pr["raw_gbps"], "ratio": pr["ratio"],
+                "messages": pr["messages"],
+                "hint_to_first_byte_ms": result["pull"]["hint_to_first_byte_ms"],
+                "by_size": {size: {k: r[k] for k in ("bytes", "blocks", "pull_gbps",
+                                                     "raw_gbps", "ratio", "messages")}
+                            for size, r in result["pull"].items() if isinstance(r, dict)}}
+    elif "raw" in result:
         out["raw_gbps"] = result["raw"][biggest]["gbps"]
     if "chunked" in result:
         out["chunked_gbps"] = result["chunked"][biggest]["gbps"]
-    out |= result
+    out["connect_ms"] = result.pop("connect_ms")
+    out["cases"] = result
     out["env"] = _environment(s)
     return out
 
@@ -309,12 +474,22 @@ def _print_human(res: dict[str, Any]) -> None:
     env = res["env"]
     print(f"kvkern bench xfer: progress={env['progress_mode']} "
           f"ucx={env.get('libucx')} ucxx={env.get('ucxx')} connect={res['connect_ms']} ms")
+    cases = res["cases"]
     for case in ("raw", "chunked"):
-        for size, r in res.get(case, {}).items():
+        for size, r in cases.get(case, {}).items():
             print(f"  {case:8s} {int(size) // MiB:5d} MiB  {r['gbps']:7.2f} GB/s "
                   f"[p20 {r['gbps_p20']:.2f}, p80 {r['gbps_p80']:.2f}]  {r['ms']:.2f} ms")
-    if "messages" in res:
-        m = res["messages"]
+    for size, r in cases.get("pull", {}).items():
+        if isinstance(r, dict):
+            print(f"  pull     {int(size) // MiB:5d} MiB  {r['pull_gbps']:7.2f} GB/s "
+                  f"[p20 {r['pull_gbps_p20']:.2f}, p80 {r['pull_gbps_p80']:.2f}]  "
+                  f"raw {r['raw_gbps']:.2f} GB/s  ratio {r['ratio']:.2f}  {r['blocks']} blocks "
+                  f"{r['messages']} messages")
+    if "pull" in cases:
+        print(f"  pull     hint-to-first-byte median {cases['pull']['hint_to_first_byte_ms']} ms "
+              f"(1 block, warm connection)")
+    if "messages" in cases:
+        m = cases["messages"]
         print(f"  messages control rtt {m['control_rtt_us']} us; {m['n']} x 64 KiB: "
               f"serial {m['serial_us_per_msg']} us/msg ({m['serial_gbps']} GB/s), "
               f"32 in flight {m['in_flight_32_us_per_msg']} us/msg "
@@ -330,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--chunk", default="16MiB", help="chunk size of the chunked case")
     x.add_argument("--in-flight", type=int, default=4)
     x.add_argument("--repeats", type=int, default=5)
-    x.add_argument("--cases", default="raw,chunked,messages",
+    x.add_argument("--cases", default="raw,chunked,messages,pull",
                    help=f"comma list of {sorted(CASES)}")
     x.add_argument("--progress-mode", default=os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
                    choices=["thread", "thread-polling", "polling", "blocking"])
@@ -343,11 +518,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-seconds", type=float, default=60.0)
     p.add_argument("--parent-pid", type=int, default=0)
     p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--chunk-bytes", type=int, default=16 * MiB)
+    p.add_argument("--pull-blocks", type=int, default=0)
     ns = parser.parse_args(argv)
 
     if ns.what == "_peer":
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
-                               ns.in_flight))
+                               ns.in_flight, ns.pull_blocks, ns.chunk_bytes))
         return 0
     cases = tuple(c for c in ns.cases.split(",") if c)
     unknown = set(cases) - set(CASES)

@@ -170,8 +170,9 @@ def make_group(tp: int = 1, *, num_blocks: int = 64, scheme: str = "public-xxh3-
     return KVGroup(topo, 0, pool, ranks)
 
 
-def snapshot(group: KVGroup) -> dict[int, torch.Tensor]:
-    return {r: rkv.pool.clone() for r, rkv in group.ranks.items()}
+def snapshot(group: KVGroup) -> dict:
+    return {r: [t.clone() for t in rkv.layout.tensors(rkv.pool)] if rkv.layout.per_layer
+            else rkv.pool.clone() for r, rkv in group.ranks.items()}
 
 
 def block_bytes(group: KVGroup, rank: int, block_id: int, heads=None) -> bytes:
@@ -292,6 +293,27 @@ def test_full_prefix_pull(src, make_puller):
     ids = claim_check_release(p, group, src, "full", hashes)
     assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 16
     assert p.claim("full") is None  # claimed once
+    assert_only_changed(group, before, set(ids))
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+@pytest.mark.parametrize("layout,chunk_bytes", [("vllm_nhd", 16 << 20), ("vllm_hnd", 1500),
+                                                ("trtllm", 1500)])
+def test_other_engine_layouts_and_split_blocks(src, make_puller, layout, chunk_bytes):
+    # A per-layer NHD/HND pool has no contiguous canonical view: every chunk goes through
+    # the staging ring and the unpack kernel; 1500-byte chunks cut every 2 KiB block in two
+    # (the carry path).
+    tokens = fresh_tokens(5 * BS)
+    hashes = src.commit(tokens)
+    group = make_group(layout=layout)
+    before = snapshot(group)
+    p = make_puller(group, chunk_bytes=chunk_bytes)
+    o = pull(p, "lay", tokens, hint_for(src, tokens))
+    assert o.used and o.blocks_transferred == 5, o
+    if chunk_bytes < 2048:
+        assert o.messages == 2 + 5 * 2  # request, reply, two slices per block
+    ids = claim_check_release(p, group, src, "lay", hashes)
     assert_only_changed(group, before, set(ids))
     assert_clean(group)
     src.wait_no_pins()

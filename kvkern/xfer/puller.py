@@ -274,9 +274,33 @@ class _StreamUnpacker:
             off += k * bn
             self.pos += k * bn
 
+    def skip(self, nbytes: int) -> None:
+        """Bytes that landed in the blocks directly (zero-copy chunk): just advance."""
+        self.pos += nbytes
+
     @property
     def complete(self) -> bool:
         return self.pos == self.total
+
+
+def _direct_view(tr: Any, rkv: Any) -> Any:
+    """``[num_blocks, bytes_per_block]`` uint8 view of the pool when the pair's stream per
+    block is exactly a pool block's bytes (one piece covering every local layer and head of
+    a pool whose canonical view is contiguous, e.g. TRT-LLM's ``[NB, L, 2, H, T, D]``); then
+    whole-block chunks are received straight into consecutive private blocks. Else None."""
+    lay = rkv.layout
+    if len(tr.pieces) != 1 or lay.per_layer:
+        return None
+    p = tr.pieces[0]
+    if p.dst_layers != (0, lay.num_layers) or p.dst_heads != (0, lay.num_heads):
+        return None
+    cv = lay.canonical_view(lay.tensors(rkv.pool)[0])
+    if not cv.is_contiguous():
+        return None
+    import torch  # noqa: PLC0415
+
+    flat = cv.reshape(cv.shape[0], -1).view(torch.uint8)
+    return flat if flat.shape[1] == p.block_nbytes else None
 
 
 # --------------------------------------------------------------------------------- puller
@@ -316,6 +340,7 @@ class Puller:
         self._closed = False
         self._state_cache: dict[tuple, tuple[SourceState, float]] = {}
         self._state_fetches: dict[tuple, asyncio.Future] = {}
+        self._verdicts: dict[tuple, tuple[Any, float]] = {}  # allowed endpoints, with time
         self._tids = itertools.count(random.randrange(1, 1 << 29))
         self._bytes_per_block = sum(r.layout.bytes_per_block for r in group.ranks.values())
         self._bg: set[asyncio.Task] = set()
@@ -781,7 +806,7 @@ class Puller:
         ids = group.manager.allocate_private(job.count)
         if ids is None:
             raise _Fallback(Reason.NO_BLOCKS, f"{job.count} private blocks not available")
-        job.private = ids
+        job.private = sorted(ids)  # ascending: runs of consecutive ids receive zero-copy
         job.allocated = True
         job.phases["allocate"] = time.perf_counter() - t
 
@@ -846,7 +871,9 @@ class Puller:
             raise
         tid = self._next_tid()
         unit = tr.block_nbytes
-        chunk = max(1, cfg.chunk_bytes // unit) * unit
+        # Whole blocks per chunk (zero-copy landing, no carry); a block larger than
+        # chunk_bytes travels in chunk_bytes slices that the unpacker reassembles.
+        chunk = (cfg.chunk_bytes // unit) * unit or cfg.chunk_bytes
         pieces = [PlanPiece(src_rank=p.src_rank, layer_start=p.src_layers[0],
                             layer_stop=p.src_layers[1], head_start=p.src_heads[0],
                             head_stop=p.src_heads[1], offset=p.block_offset,
@@ -905,22 +932,40 @@ class Puller:
                             f"{reply.total_bytes} B in chunks {reply.chunk_sizes[:4]}..., "
                             f"expected {nbytes} B in chunks <= {chunk} B")
         ring_n = max(1, min(cfg.chunks_in_flight, reply.n_chunks))
-        ring = [torch.empty(min(chunk, nbytes), dtype=torch.uint8, device=rkv.device)
-                for _ in range(ring_n)]
+        ring: list[Any] = [None] * ring_n  # staging slots, allocated on first use
         sizes = reply.chunk_sizes
-        unpacker = _StreamUnpacker(tr, rkv, job.private[:served], served)
+        ids = job.private[:served]
+        unpacker = _StreamUnpacker(tr, rkv, ids, served)
+        direct = _direct_view(tr, rkv)
+        starts = list(itertools.accumulate(sizes, initial=0))
+        landed_direct: set[int] = set()
 
         def buffer_for(i: int) -> Any:
-            return ring[i % ring_n][:sizes[i]]
+            lo, hi = starts[i], starts[i + 1]
+            if direct is not None and lo % unit == 0 and hi % unit == 0:
+                b0, k = lo // unit, (hi - lo) // unit
+                first = ids[b0]
+                if all(ids[b0 + j] == first + j for j in range(k)):
+                    landed_direct.add(i)  # zero-copy: the chunk lands in the blocks
+                    return direct[first:first + k].reshape(-1)
+            slot = i % ring_n
+            if ring[slot] is None:
+                ring[slot] = torch.empty(min(chunk, nbytes), dtype=torch.uint8,
+                                         device=rkv.device)
+            return ring[slot][:sizes[i]]
 
         def on_chunk(i: int, buf: Any) -> None:
             if job.t_first_byte is None:
                 job.t_first_byte = time.perf_counter()
-            t = time.perf_counter()
-            unpacker.feed(buf)
-            job.unpack_s += time.perf_counter() - t
+            n = int(buf.numel())
+            if i in landed_direct:
+                unpacker.skip(n)
+            else:
+                t = time.perf_counter()
+                unpacker.feed(buf)
+                job.unpack_s += time.perf_counter() - t
             job.messages += 1
-            job.bytes += int(buf.numel())
+            job.bytes += n
 
         try:
             await conn.recv_stream(tid, buffer_for, reply.n_chunks, on_chunk=on_chunk,
@@ -943,10 +988,17 @@ class Puller:
         return allow if isinstance(allow, Allowlist) else Allowlist.parse(list(allow))
 
     async def _resolve(self, hint: KvHint, md_t: float) -> Any:
+        """Parse, resolve once and allowlist-check the hint's endpoint. Allowed verdicts are
+        cached for ``state_cache_ttl_s`` (refusals never are), so a warm pull skips the
+        resolver thread; the connection still goes to the address that was checked."""
         from kvkern.xfer.endpoint import resolve_endpoint_async  # noqa: PLC0415
 
         if self._endpoint_config is None:
             self._endpoint_config = self.config.endpoint_config()
+        key = (hint.source, hint.source_dp_rank)
+        hit = self._verdicts.get(key)
+        if hit is not None and time.monotonic() - hit[1] < self.config.state_cache_ttl_s:
+            return hit[0]
         try:
             verdict = await asyncio.wait_for(resolve_endpoint_async(
                 hint.source, self._allowlist(), dp_rank=hint.source_dp_rank,
@@ -957,6 +1009,9 @@ class Puller:
         if not verdict.allowed:
             raise _Fallback(Reason.SOURCE_NOT_ALLOWED, f"{hint.source!r}: {verdict.reason}: "
                             f"{verdict.detail}")
+        if len(self._verdicts) > 4096:
+            self._verdicts.clear()
+        self._verdicts[key] = (verdict.endpoint, time.monotonic())
         return verdict.endpoint
 
     @staticmethod
@@ -1010,6 +1065,7 @@ class Puller:
     async def _connect_failed(self, job: _Job, exc: Exception) -> None:
         """A connection to a source rank failed before any data: if its state came from the
         cache, drop it and re-check the incarnation (the source may have restarted)."""
+        self._verdicts.pop((job.hint.source, job.hint.source_dp_rank), None)
         if not job.state_cached or job.state is None:
             return
         for key, (st, _) in list(self._state_cache.items()):
