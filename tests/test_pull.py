@@ -741,3 +741,41 @@ def test_lease_release_and_close(src, make_puller):
     with pytest.raises(KeyError):
         p.result("never-submitted", 0.1)
 
+
+
+def test_source_restart_is_detected(make_puller):
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind((HOST, 0))
+        http_port = sk.getsockname()[1]
+    a = list(range(5, 5 + 4 * BS))
+    b = list(range(50_005, 50_005 + 4 * BS))
+    s1 = Source("source_peer.py", "--http-port", str(http_port), "--seq",
+                f"5:{5 + 4 * BS}").wait_ready()
+    s2 = None
+    try:
+        group = make_group()
+        p = make_puller(group)
+        assert pull(p, "first", a, hint_for(s1, a)).used  # caches s1's state
+        p.release("first")
+        s1.kill()
+        # same state endpoint, new incarnation and new UCX ports
+        s2 = Source("source_peer.py", "--http-port", str(http_port), "--seq",
+                    f"50005:{50_005 + 4 * BS}").wait_ready()
+        assert s2.ready["incarnation"] != s1.ready["incarnation"]
+        t0 = time.monotonic()
+        o = pull(p, "second", b, hint_for(s2, b))
+        if not o.used:  # the cached state named the dead incarnation's UCX address
+            assert o.reason is Reason.SOURCE_INCARNATION_CHANGED, o
+            assert s1.ready["incarnation"] in o.detail and s2.ready["incarnation"] in o.detail
+        assert time.monotonic() - t0 < 10
+        o = pull(p, "third", b, hint_for(s2, b))
+        assert o.used and o.incarnation == s2.ready["incarnation"], o
+        claim_check_release(p, group, s2, "third", sequence_hashes(b, BS))
+        assert_clean(group)
+        s2.wait_no_pins()
+    finally:
+        s1.kill()
+        if s2 is not None:
+            s2.kill()
