@@ -102,7 +102,7 @@ def workers():
                            "B": [*common, "--worker-id", "B", "--layout", "vllm_flash"],
                            # C: no allowlist, so every hint is refused (fail closed)
                            "C": ["--model", "tiny", "--num-blocks", "64", "--worker-id", "C",
-                                 "--log-level", "ERROR"]},
+                                 "--cost-guard", "off", "--log-level", "ERROR"]},
                           timeout=90)
     try:
         yield procs

@@ -195,6 +195,9 @@ class Worker:
         from kvkern.xfer.source import SourceService  # noqa: PLC0415
 
         o = self.opts
+        if o.host in ("0.0.0.0", "::") and not o.advertise_host:
+            raise SystemExit("kvkern worker: --host 0.0.0.0 needs --advertise-host (the "
+                             "address peers reach this machine at)")
         self.metrics = XferMetrics()
         self.runtime = EventLoopThread()
         group = self._group()
@@ -209,8 +212,6 @@ class Worker:
             [group], worker_id=self.worker_id, host=o.host, http_port=o.port,
             advertise_host=o.advertise_host or (None if o.host in ("0.0.0.0", "::") else o.host),
             chunk_bytes=o.chunk_mib << 20, metrics=self.metrics, extra_routes=routes)
-        if o.host in ("0.0.0.0", "::") and not o.advertise_host:
-            raise SystemExit("kvkern worker: --host 0.0.0.0 needs --advertise-host")
         from kvkern.xfer.hints import HintLimits  # noqa: PLC0415
 
         self._limits = HintLimits(max_metadata_timeout_s=config.max_metadata_timeout_s,
