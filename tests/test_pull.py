@@ -779,3 +779,24 @@ def test_source_restart_is_detected(make_puller):
         s1.kill()
         if s2 is not None:
             s2.kill()
+
+
+def test_wait_timeout_leaves_the_outcome_intact(src, make_puller, rt):
+    tokens = fresh_tokens(4 * BS)
+    src.commit(tokens)
+    group = make_group()
+    p = make_puller(group)
+    src.faults(slow_send_ms=300)
+    try:
+        p.submit("w", tokens, hint_for(src, tokens))
+        with pytest.raises(TimeoutError):
+            rt.run(p.wait("w", timeout=0.05), 5)
+        with pytest.raises(TimeoutError):
+            p.result("w", 0.01)
+        o = rt.run(p.wait("w", timeout=20), 25)
+    finally:
+        src.faults(slow_send_ms=0)
+    assert o.used and p.result("w", 0) is o
+    p.release("w")
+    assert_clean(group)
+    src.wait_no_pins()

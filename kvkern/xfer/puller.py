@@ -427,7 +427,8 @@ class Puller:
     async def wait(self, request_id: str, timeout: float | None = None) -> PullOutcome:
         """Await the outcome from any event loop."""
         rec = self._record(request_id)
-        return await asyncio.wait_for(asyncio.wrap_future(rec.done), timeout)
+        # shield: a timed-out or cancelled wait must not cancel the outcome future itself
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(rec.done)), timeout)
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a running pull (UCX operations cancelled, blocks freed, ``Cancel`` sent,
@@ -682,7 +683,8 @@ class Puller:
         t0 = time.perf_counter()
         reason, detail = Reason.DUPLICATE, ""
         try:
-            first = await asyncio.wait_for(asyncio.wrap_future(leader.done), job.timeouts[2])
+            first = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(leader.done)),
+                                           job.timeouts[2])
             detail = f"attached to {leader.request_id!r} ({first.reason.value})"
         except (asyncio.TimeoutError, TimeoutError):
             reason, detail = Reason.DEADLINE_EXCEEDED, (f"waited {job.timeouts[2]} s for the "
