@@ -1,0 +1,1 @@
+"""Reliability and security suite of the pull path (issue 7): faults, load, hostile input."""
