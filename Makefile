@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkern-installed
 
-.PHONY: demo test test-all bench bench-gpu reliability lint clean
+.PHONY: demo demo-kill test test-all bench bench-xfer bench-gpu reliability lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VPY) -m kvkern demo
 
+demo-kill: $(STAMP)
+	$(VPY) -m kvkern demo --kill-source --model tiny --prefix-tokens 64
+
 test: $(STAMP)
 	$(VPY) -m pytest -q
 
@@ -25,6 +28,9 @@ test-all: $(STAMP)
 
 bench: $(STAMP)
 	$(VPY) -m pytest -q bench --benchmark-enable --benchmark-only -p no:randomly
+
+bench-xfer: $(STAMP)
+	$(VPY) -m kvkern bench xfer
 
 bench-gpu:
 	PYTHONPATH=. $(PY) bench/gpu_kernels.py
