@@ -223,6 +223,21 @@ def test_out_of_range_ids():
         unpack(staging, pool, layout, [100, 1])
 
 
+@pytest.mark.interpreter
+def test_unvalidated_ids_never_leave_the_pool():
+    """validate=False trusts the caller, but the kernel still masks ids past the pool."""
+    layout, pool = make("trtllm", nb=8)
+    staging = poisoned(staging_shape(3, 3, 4, 4, 8), torch.bfloat16)
+    pack(pool, layout, [1, 8, 1000], staging, backend="triton", validate=False)
+    assert bits_equal(staging[0], layout.logical(pool)[1])
+    assert bool((staging[1:].view(torch.uint8) == POISON_BYTE).all())
+    before = layout.logical(pool)
+    unpack(staging[:1].clone(), pool, layout, [1 << 40], backend="triton", validate=False)
+    assert bits_equal(layout.logical(pool), before)
+    with pytest.raises(IndexError):
+        pack(pool, layout, [9], backend="torch", validate=False)
+
+
 def test_duplicate_destination_ids_rejected():
     layout, pool = make("vllm_nhd")
     staging = pack(pool, layout, [1, 2, 3])

@@ -61,7 +61,7 @@ if triton is not None:
         block_ids_ptr,   # [n_blocks] int64, negative = padding
         layer_off_ptr,   # [num_layers] int64 word offset of each layer from pool_ptr
         stride_block, stride_kv, stride_head, stride_token,  # pool word strides (int64)
-        layer_start, head_start, n_layers, n_heads, n_rows, n_groups,
+        layer_start, head_start, n_layers, n_heads, n_rows, n_groups, num_blocks,
         T: tl.constexpr, DW: tl.constexpr, LOFF_ALIGN: tl.constexpr,
         PACK: tl.constexpr,
         BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -82,7 +82,8 @@ if triton is not None:
             l = (r // (2 * n_heads)) % n_layers
             i = r // (2 * n_heads * n_layers)
             bid = tl.load(block_ids_ptr + i, mask=r_mask, other=-1).to(tl.int64)
-            r_mask = r_mask & (bid >= 0)  # padding rows: nothing read, nothing written
+            # padding rows (and, as a safety net, ids past the pool): nothing read or written
+            r_mask = r_mask & (bid >= 0) & (bid < num_blocks)
             loff = tl.load(layer_off_ptr + layer_start + l, mask=r_mask, other=0).to(tl.int64)
             # A loaded offset hides its alignment from the compiler; the launcher proved it,
             # and saying so keeps 16-byte vector loads (without it: 8-byte scalar loads).
@@ -188,6 +189,12 @@ def _as_words(t: torch.Tensor, word_bytes: int) -> torch.Tensor:
     return t.view(torch.uint8).view(_WORD_DTYPES[word_bytes])
 
 
+@functools.lru_cache(maxsize=64)
+def _layer_offsets_tensor(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Layer offsets on the device, cached per pool (an H2D copy per call cost ~10 us)."""
+    return torch.tensor(offsets, dtype=torch.int64, device=device)
+
+
 def _launch_triton(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Tensor,
                    l0: int, l1: int, h0: int, h1: int, pack_dir: bool,
                    max_programs: int | None) -> None:
@@ -210,7 +217,7 @@ def _launch_triton(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.
         layer_off = [(t.data_ptr() - base.data_ptr()) // wb for t in words]
     else:
         layer_off = [li * wstride("layer") for li in range(layout.num_layers)]
-    layer_off_t = torch.tensor(layer_off, dtype=torch.int64, device=staging.device)
+    layer_off_t = _layer_offsets_tensor(tuple(layer_off), staging.device)
     loff_align = 16
     while loff_align > 1 and any(o % loff_align for o in layer_off):
         loff_align //= 2
@@ -226,7 +233,7 @@ def _launch_triton(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.
     _kv_copy_kernel[(grid,)](
         base, _as_words(staging, wb), ids, layer_off_t,
         wstride("block"), wstride("kv"), wstride("head"), wstride("token"),
-        l0, h0, n_layers, n_heads, n_rows, n_groups,
+        l0, h0, n_layers, n_heads, n_rows, n_groups, layout.num_blocks,
         T=t, DW=dw, LOFF_ALIGN=loff_align, PACK=pack_dir,
         BLOCK_R=cfg["BLOCK_R"], BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"],
         num_warps=cfg["num_warps"],
@@ -309,14 +316,17 @@ def _torch_copy(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Ten
 # --------------------------------------------------------------------------------------
 
 
-def _ids_tensor(block_ids, layout: KVLayout, device: torch.device, unique: bool) -> torch.Tensor:
+def _ids_tensor(block_ids, layout: KVLayout, device: torch.device, unique: bool,
+                validate: bool) -> torch.Tensor:
+    """Block ids as int64 on ``device``, checked on the host before they are moved (no GPU
+    sync for ids given as lists or CPU tensors; one sync for ids already on a GPU)."""
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype.is_floating_point or block_ids.dtype == torch.bool \
                 or block_ids.dtype.is_complex:
             raise TypeError(f"block_ids must be an integer tensor, got dtype {block_ids.dtype}")
         if block_ids.dim() != 1:
             raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
-        ids = block_ids.to(device=device, dtype=torch.int64)
+        ids = block_ids.to(dtype=torch.int64)
     else:
         values = []
         for v in block_ids:
@@ -326,20 +336,25 @@ def _ids_tensor(block_ids, layout: KVLayout, device: torch.device, unique: bool)
                 values.append(operator.index(v))
             except TypeError:
                 raise TypeError(f"block id {v!r} is {type(v).__name__}, not an int") from None
-        ids = torch.tensor(values, dtype=torch.int64, device=device)
-    if ids.numel():
-        hi = int(ids.max())
-        if hi >= layout.num_blocks:
-            raise ValueError(
-                f"block id {hi} out of range for pool of {layout.num_blocks} blocks"
-            )
-        if unique:
-            valid = ids[ids >= 0]
-            if valid.numel() != torch.unique(valid).numel():
-                uniq, counts = torch.unique(valid, return_counts=True)
-                dup = int(uniq[counts > 1][0])
-                raise ValueError(f"duplicate destination block id {dup} in unpack block_ids")
-    return ids
+        ids = torch.tensor(values, dtype=torch.int64)
+    if validate and ids.numel():
+        _check_ids(ids, layout.num_blocks, unique)
+    return ids.to(device, non_blocking=ids.device.type == "cpu" and device.type == "cuda")
+
+
+def _check_ids(ids: torch.Tensor, num_blocks: int, unique: bool) -> None:
+    valid = ids[ids >= 0]
+    if valid.numel() == 0:
+        return
+    ordered = valid.sort().values
+    dup_mask = ordered[1:] == ordered[:-1]
+    # one host read for everything (a single sync when the ids live on a GPU)
+    hi, n_dup = torch.stack([ordered[-1], dup_mask.sum()]).tolist()
+    if hi >= num_blocks:
+        raise ValueError(f"block id {hi} out of range for pool of {num_blocks} blocks")
+    if unique and n_dup:
+        dup = int(ordered[1:][dup_mask][0])
+        raise ValueError(f"duplicate destination block id {dup} in unpack block_ids")
 
 
 def _range(name: str, rng, size: int) -> tuple[int, int]:
@@ -351,12 +366,13 @@ def _range(name: str, rng, size: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _prepare(pool, layout: KVLayout, block_ids, staging, layers, heads, unique: bool):
+def _prepare(pool, layout: KVLayout, block_ids, staging, layers, heads, unique: bool,
+             validate: bool = True):
     tensors = layout.check(pool)
     device = tensors[0].device
     l0, l1 = _range("layer", layers, layout.num_layers)
     h0, h1 = _range("head", heads, layout.num_heads)
-    ids = _ids_tensor(block_ids, layout, device, unique)
+    ids = _ids_tensor(block_ids, layout, device, unique, validate)
     shape = staging_shape(ids.numel(), l1 - l0, h1 - h0, layout.block_size, layout.head_dim)
     if staging is not None:
         if not isinstance(staging, torch.Tensor):
@@ -382,7 +398,8 @@ def _dispatch(backend: Backend, device: torch.device) -> str:
 
 def pack(pool, layout: KVLayout, block_ids, out: torch.Tensor | None = None, *,
          layers: tuple[int, int] | None = None, heads: tuple[int, int] | None = None,
-         max_programs: int | None = None, backend: Backend = "auto") -> torch.Tensor:
+         max_programs: int | None = None, backend: Backend = "auto",
+         validate: bool = True) -> torch.Tensor:
     """Gather ``block_ids`` of ``pool`` into canonical staging.
 
     Args:
@@ -394,12 +411,17 @@ def pack(pool, layout: KVLayout, block_ids, out: torch.Tensor | None = None, *,
         layers, heads: half-open local ranges ``(lo, hi)`` selecting a sub-slab.
         max_programs: cap on Triton programs (leave SMs to the forward pass).
         backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
+        validate: check ids on the host (range; duplicates for unpack) and raise
+            ``ValueError``. ``False`` skips the check for ids the caller already trusts
+            (engine block tables); a bad id still never addresses memory outside the
+            pool: the Triton kernel skips ids outside ``[0, num_blocks)`` and the torch
+            path raises ``IndexError``.
 
     Returns:
         the staging tensor.
     """
     tensors, device, ids, shape, (l0, l1, h0, h1) = _prepare(
-        pool, layout, block_ids, out, layers, heads, unique=False)
+        pool, layout, block_ids, out, layers, heads, unique=False, validate=validate)
     if out is None:
         out = torch.empty(shape, dtype=layout.dtype, device=device)
     if out.numel() == 0:
@@ -413,14 +435,15 @@ def pack(pool, layout: KVLayout, block_ids, out: torch.Tensor | None = None, *,
 
 def unpack(staging: torch.Tensor, pool, layout: KVLayout, block_ids, *,
            layers: tuple[int, int] | None = None, heads: tuple[int, int] | None = None,
-           max_programs: int | None = None, backend: Backend = "auto") -> None:
+           max_programs: int | None = None, backend: Backend = "auto",
+           validate: bool = True) -> None:
     """Scatter canonical ``staging`` into ``block_ids`` of ``pool`` (the inverse of
     :func:`pack`). Duplicate non-negative ids raise ``ValueError``: two rows racing for one
     destination block would leave it undefined."""
     if not isinstance(staging, torch.Tensor):
         raise TypeError(f"staging must be a torch.Tensor, got {type(staging).__name__}")
     tensors, device, ids, _shape, (l0, l1, h0, h1) = _prepare(
-        pool, layout, block_ids, staging, layers, heads, unique=True)
+        pool, layout, block_ids, staging, layers, heads, unique=True, validate=validate)
     if staging.numel() == 0:
         return
     if _dispatch(backend, device) == "triton":
