@@ -143,7 +143,7 @@ def parse_state(body: bytes | str | dict) -> SourceState:
         raise ValueError(f"state codec_fingerprint {fp_text!r} is not hex") from None
     try:
         topology = Topology.from_dict(get("topology", dict))
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. "model": null
         raise ValueError(f"state topology invalid: {type(exc).__name__}: {exc}") from None
     ranks: dict[tuple[int, int], tuple[str, int]] = {}
     for dp_text, group in get("dp_groups", dict).items():

@@ -28,7 +28,7 @@ VOCAB = 256
 SCHEME = "public-xxh3-v1"  # the workers' pool scheme (kvkern worker default)
 # Pool counters that must be back at their baseline (0) once every request has ended.
 LEAK_FIELDS = ("used", "referenced", "pinned", "pins", "leased", "leases", "private")
-COMMON = ["--model", "tiny", "--num-blocks", "2048", "--allow", "127.0.0.0/8",
+COMMON = ["--model", "tiny", "--num-blocks", "8192", "--allow", "127.0.0.0/8",
           "--cost-guard", "off", "--metadata-timeout-s", "2", "--transfer-timeout-s", "5",
           "--deadline-s", "8", "--max-inflight-pulls", "16", "--log-level", "ERROR"]
 
