@@ -257,6 +257,14 @@ class KVLayout:
                 nbytes = int(torch.Size(self.shape).numel()) * self.itemsize
                 raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
                 return raw.view(self.dtype).view(self.shape).to(device)
+            if fill in ("zeros", None) and torch.device(device).type == "cpu":
+                # Huge-page host memory: UCX's CMA reads it 2-5x faster than torch's 4 KiB
+                # pages (kvkern.cache.hostmem). "zeros" writes every page (faulted in now).
+                from kvkern.cache.hostmem import host_buffer  # noqa: PLC0415
+
+                nbytes = int(torch.Size(self.shape).numel()) * self.itemsize
+                t = host_buffer(nbytes).view(self.dtype).view(self.shape)
+                return t.zero_() if fill == "zeros" else t
             if fill == "zeros":
                 return torch.zeros(self.shape, dtype=self.dtype, device=device)
             if fill is None:

@@ -289,18 +289,13 @@ def _direct_view(tr: Any, rkv: Any) -> Any:
     a pool whose canonical view is contiguous, e.g. TRT-LLM's ``[NB, L, 2, H, T, D]``); then
     whole-block chunks are received straight into consecutive private blocks. Else None."""
     lay = rkv.layout
-    if len(tr.pieces) != 1 or lay.per_layer:
+    if len(tr.pieces) != 1:
         return None
     p = tr.pieces[0]
     if p.dst_layers != (0, lay.num_layers) or p.dst_heads != (0, lay.num_heads):
         return None
-    cv = lay.canonical_view(lay.tensors(rkv.pool)[0])
-    if not cv.is_contiguous():
-        return None
-    import torch  # noqa: PLC0415
-
-    flat = cv.reshape(cv.shape[0], -1).view(torch.uint8)
-    return flat if flat.shape[1] == p.block_nbytes else None
+    rows = rkv.block_rows()
+    return rows if rows is not None and rows.shape[1] == p.block_nbytes else None
 
 
 # --------------------------------------------------------------------------------- puller
@@ -344,6 +339,11 @@ class Puller:
         self._tids = itertools.count(random.randrange(1, 1 << 29))
         self._bytes_per_block = sum(r.layout.bytes_per_block for r in group.ranks.values())
         self._bg: set[asyncio.Task] = set()
+        from kvkern.xfer.source import StagingPool  # noqa: PLC0415
+
+        # Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot cost
+        # page faults and 4 KiB-page CMA writes on every pull (unpack path 5 ms per 64 MiB).
+        self._staging = StagingPool(4 * config.chunks_in_flight * config.chunk_bytes)
         # Heavy modules now, not on the first request's path (triton via the kernels: ~0.2 s).
         import kvkern.kernels.pack  # noqa: F401, PLC0415
         import kvkern.layout.plan  # noqa: F401, PLC0415
@@ -856,7 +856,6 @@ class Puller:
 
     async def _pull_pair(self, job: _Job, tr: Any, addr: tuple[str, int], xfer_t: float) -> int:
         """One (source rank, destination rank) pair; returns the validated served count."""
-        import torch  # noqa: PLC0415
 
         from kvkern.xfer.messages import PlanPiece, PullReply, PullRequest, Status  # noqa: PLC0415
         from kvkern.xfer.transport import CONTROL_TAG, Lane, TransportError, tag_for  # noqa: PLC0415
@@ -952,8 +951,7 @@ class Puller:
                     return direct[first:first + k].reshape(-1)
             slot = i % ring_n
             if ring[slot] is None:
-                ring[slot] = torch.empty(min(chunk, nbytes), dtype=torch.uint8,
-                                         device=rkv.device)
+                ring[slot] = self._staging.take(rkv.device, min(chunk, nbytes))
             return ring[slot][:sizes[i]]
 
         def on_chunk(i: int, buf: Any) -> None:
@@ -975,6 +973,10 @@ class Puller:
         except ValueError as exc:
             raise _Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
                             f"{tr.src_rank}: {exc}") from None
+        finally:
+            # recv_stream returns only with every posted receive completed, and raises
+            # only after aborting the connection, so UCX holds none of the slots now.
+            self._staging.give(b for b in ring if b is not None)
         job.open_transfers.remove(entry)
         if not unpacker.complete:
             raise _Fallback(Reason.TRANSFER_FAILED, f"stream from source rank {tr.src_rank} "

@@ -112,6 +112,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from kvkern.cache.hostmem import host_buffer
 from kvkern.kernels.pack import pack
 from kvkern.layout.kv_layout import KVLayout
 from kvkern.xfer.kvgroup import KVGroup, RankKV
@@ -203,6 +204,22 @@ def _piece_nbytes(layout: KVLayout, p: PlanPiece) -> int:
             * layout.block_size * layout.head_dim * layout.itemsize)
 
 
+def _direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | None:
+    """The pool's ``[num_blocks, bytes_per_block]`` byte rows when the stream of one block is
+    exactly that block's bytes (one piece of every local layer and head over a pool whose
+    canonical view is contiguous): a chunk of consecutive pinned blocks is then sent straight
+    from the pool. Else None (chunks are packed into staging)."""
+    lay = rkv.layout
+    if len(pieces) != 1 or rkv.device.type != "cpu":
+        return None
+    p = pieces[0]
+    if (p.layer_start, p.layer_stop, p.head_start, p.head_stop) != (
+            0, lay.num_layers, 0, lay.num_heads):
+        return None
+    rows = rkv.block_rows()
+    return rows if rows is not None and rows.shape[1] == p.length else None
+
+
 def _reason(code: str, detail: str) -> str:
     text = f"{code}: {detail}"
     return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 3] + "..."
@@ -242,6 +259,8 @@ class StagingPool:
         if free:
             self._idle_bytes -= size
             return free.pop()
+        if device.type == "cpu":  # huge pages: UCX's CMA reads them 2-5x faster (hostmem)
+            return host_buffer(size)
         return torch.empty(size, dtype=torch.uint8, device=device)
 
     def give(self, bufs: Iterable[torch.Tensor]) -> None:
@@ -786,10 +805,17 @@ class SourceService:
             s.pack_cf = self._executor.submit(fn, *args)
             return await asyncio.wrap_future(s.pack_cf, loop=loop)
 
+        rows = _direct_rows(rkv, pieces)
+
         async def produce(i: int) -> torch.Tensor:
             await self._before_chunk(tid, i)
             c = chunks[i]
             p = pieces[c.piece]
+            if rows is not None:
+                first = block_ids[c.b0]
+                if block_ids[c.b0:c.b1] == list(range(first, first + c.b1 - c.b0)):
+                    # zero-copy: the pinned blocks are the chunk (no pack, no staging)
+                    return rows[first:first + c.b1 - c.b0].reshape(-1)[c.lo:c.hi]
             if c.lo == 0 and c.hi == (c.b1 - c.b0) * p.length:
                 k = i % ring
                 if slots[k] is None:
