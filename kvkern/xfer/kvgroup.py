@@ -51,6 +51,22 @@ class RankKV:
     def device(self):
         return self.layout.tensors(self.pool)[0].device
 
+    def block_rows(self) -> Any:
+        """``[num_blocks, bytes_per_block]`` uint8 view of the pool when each block's
+        canonical ``[L, 2, H, T, D]`` bytes are one contiguous run in stream order (a single
+        contiguous tensor whose canonical view is contiguous, e.g. TRT-LLM's
+        ``[NB, L, 2, H, T, D]``), else None. A run of consecutive block ids is then one
+        contiguous buffer that UCX can send from or receive into without a pack or unpack."""
+        lay = self.layout
+        if lay.per_layer:
+            return None
+        cv = lay.canonical_view(lay.tensors(self.pool)[0])
+        if not cv.is_contiguous():
+            return None
+        import torch  # noqa: PLC0415
+
+        return cv.reshape(cv.shape[0], -1).view(torch.uint8)
+
 
 @dataclass(frozen=True)
 class KVGroup:
