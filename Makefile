@@ -32,6 +32,9 @@ bench: $(STAMP)
 bench-xfer: $(STAMP)
 	$(VPY) -m kvkern bench xfer
 
+reliability: $(STAMP)
+	$(VPY) -m pytest -q -m '' tests/reliability && $(VPY) -m kvkern.reliability --require-slow
+
 bench-gpu:
 	PYTHONPATH=. $(PY) bench/gpu_kernels.py
 
