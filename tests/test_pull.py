@@ -386,6 +386,38 @@ def test_strict_falls_back_on_source_miss(src, make_puller):
     src.wait_no_pins()
 
 
+def test_strict_miss_leaves_a_concurrent_pull_on_the_connection_alone(src, make_puller):
+    """A strict pull asks the source for all-or-nothing (``require_all``): its miss is a MISS
+    reply, not a PARTIAL it must cancel, so the connection (and the pull streaming on it)
+    is never aborted."""
+    full_tokens = fresh_tokens(8 * BS)
+    full_hashes = src.commit(full_tokens)
+    miss_tokens = fresh_tokens(10 * BS)
+    src.evict(src.commit(miss_tokens)[6:])
+    group = make_group()
+    p = make_puller(group)
+    src.faults(slow_send_ms=300)  # the full pull sits between its reply and its chunk
+    try:
+        p.submit("full", full_tokens, hint_for(src, full_tokens, policy="strict"))
+        deadline = time.monotonic() + 5
+        while p.state("full") is not RequestState.CONTEXT_PREFETCH_IN_PROGRESS:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(0.1)
+        o = pull(p, "miss", miss_tokens, hint_for(src, miss_tokens, policy="strict"))
+        assert not o.used and o.reason is Reason.SOURCE_MISS, o
+        assert "6 of 10" in o.detail and "require_all" in o.detail
+        assert p.state("full") is RequestState.CONTEXT_PREFETCH_IN_PROGRESS  # still streaming
+        full = p.result("full", 30)
+    finally:
+        src.faults(slow_send_ms=0)
+    assert full.used and full.reason is Reason.OK, full
+    assert p._pool.connects == 1  # never aborted, so never reconnected
+    claim_check_release(p, group, src, "full", full_hashes)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
 def test_best_effort_keeps_the_served_prefix(src, make_puller):
     tokens = fresh_tokens(10 * BS)
     hashes = src.commit(tokens)

@@ -196,12 +196,13 @@ def full_piece(src_rank: int = 0, heads: int = HEADS) -> list[PlanPiece]:
 
 def request(hashes: list[int], *, start: int = 0, count: int | None = None,
             pieces: list[PlanPiece] | None = None, chunk_bytes: int = 1 << 20,
-            deadline_ms: int = 10_000, scheme: str = SCHEME) -> PullRequest:
+            deadline_ms: int = 10_000, scheme: str = SCHEME,
+            require_all: bool = False) -> PullRequest:
     return PullRequest(transfer_id=next(_tids), request_id="test", hash_scheme=scheme,
                        block_hashes=hashes, start=start,
                        count=len(hashes) - start if count is None else count,
                        pieces=pieces or full_piece(), chunk_bytes=chunk_bytes,
-                       deadline_ms=deadline_ms)
+                       deadline_ms=deadline_ms, require_all=require_all)
 
 
 async def ask(conn, req: PullRequest) -> PullReply:
@@ -364,6 +365,33 @@ async def test_partial_and_miss(tp1, pool, http):
     for hashes in (hs, [12345, 67890]):
         reply = await ask(conn, request(hashes))
         assert reply.status == Status.MISS and reply.n_chunks == 0 and reply.served_blocks == 0
+    await wait_released(http, tp1)
+
+
+@aio
+async def test_require_all_misses_without_pinning_or_disturbing_the_connection(tp1, pool,
+                                                                             http):
+    committed = await post_json(http, tp1, "/test/commit", {"range": [2000, 2032]})
+    hs = committed["hashes"]
+    await post_json(http, tp1, "/test/evict", {"hashes": [hs[5]]})
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    connects = pool.connects
+    other = tp1["sequences"][0]
+    # a strict miss and a full pull of other blocks, concurrently on one connection
+    (miss, _), (full, data) = await asyncio.gather(
+        pull(conn, request(hs, require_all=True)), pull(conn, request(other)))
+    assert miss.status == Status.MISS and miss.n_chunks == 0 and miss.served_blocks == 0
+    assert miss.reason == "miss: 5 of 8 requested blocks cached (require_all)"
+    assert full.status == Status.OK and full.served_blocks == len(other)
+    assert [sha(b) for b in piece_blocks(data, full_piece(), len(other))[0]] == \
+        await digests(http, tp1, other)
+    assert conn.alive
+    # require_all with every block cached is an ordinary full pull
+    ok, data = await pull(conn, request(hs[:5], require_all=True))
+    assert ok.status == Status.OK and ok.served_blocks == 5
+    assert [sha(b) for b in piece_blocks(data, full_piece(), 5)[0]] == \
+        await digests(http, tp1, hs[:5])
+    assert conn.alive and pool.connects == connects  # never aborted, never reconnected
     await wait_released(http, tp1)
 
 

@@ -112,7 +112,10 @@ class PullRequest(_Base, tag="pull_request"):
 
     ``deadline_ms`` is relative (milliseconds the source may spend, counted from receipt), so
     clock skew between hosts does not matter. ``chunk_bytes`` is the largest chunk the source
-    may send; the reply's ``chunk_sizes`` give the actual sizes.
+    may send; the reply's ``chunk_sizes`` give the actual sizes. ``require_all`` (a strict
+    destination): a source that cannot serve all ``count`` blocks answers ``MISS`` without
+    pinning or sending anything, instead of a PARTIAL the destination would have to cancel
+    (which aborts the connection and every other transfer on it).
     """
 
     transfer_id: TransferId
@@ -124,6 +127,7 @@ class PullRequest(_Base, tag="pull_request"):
     pieces: Annotated[list[PlanPiece], msgspec.Meta(min_length=1, max_length=MAX_PIECES)]
     chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
     deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)]
+    require_all: bool = False
 
     def __post_init__(self) -> None:
         if self.start + self.count > len(self.block_hashes):

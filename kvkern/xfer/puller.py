@@ -24,7 +24,9 @@ exactly once, sends ``Cancel`` for every open transfer and ends with a reason)::
              keep the (source rank, destination rank) pairs whose destination is hosted here
     alloc    allocate_private(count): fresh blocks only, so no cached or partially filled
              block is ever written (a local partial leaf stays untouched)
-    pull     per pair, concurrently: PullRequest on CONTROL_TAG -> PullReply -> chunks into a
+    pull     per pair, concurrently: PullRequest on CONTROL_TAG (strict: ``require_all``,
+             so a source short of blocks answers MISS without pinning, and no Cancel has
+             to abort the shared connection) -> PullReply -> chunks into a
              ring of ``chunks_in_flight`` staging buffers, each unpacked into the private
              blocks as it lands (chunk size is a multiple of the pair's per-block bytes)
     policy   served hashes must equal the requested ones; strict: all or nothing;
@@ -883,7 +885,8 @@ class Puller:
         req = PullRequest(transfer_id=tid, request_id=job.rec.request_id[:256],
                           hash_scheme=self.group.hash_scheme, block_hashes=job.chained,
                           start=job.local, count=count, pieces=pieces, chunk_bytes=chunk,
-                          deadline_ms=max(1, int(remaining * 1000)))
+                          deadline_ms=max(1, int(remaining * 1000)),
+                          require_all=job.policy == "strict")
         entry = (conn, tid)
         t_req = time.perf_counter()
         job.open_transfers.append(entry)
@@ -903,7 +906,7 @@ class Puller:
                             f"{getattr(reply, 'transfer_id', None)}")
         if reply.status in (Status.MISS,):
             job.open_transfers.remove(entry)  # nothing follows
-            raise _Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} holds none of "
+            raise _Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} cannot serve "
                             f"the {count} requested blocks: {reply.reason}")
         if reply.status == Status.BUSY:
             job.open_transfers.remove(entry)

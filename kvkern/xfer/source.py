@@ -35,8 +35,9 @@ while it streams. For one request::
                                   layout; pieces tile the per-block stream (below); the chunk
                                   count fits the protocol          -> REJECTED "code: detail"
     admit                         active sends < max_concurrent_sends -> else BUSY
-    pin       manager.pin(block_hashes[start:start + count], require_all=False)
+    pin       manager.pin(block_hashes[start:start + count], require_all=req.require_all)
               served = the pinned leading run; none -> MISS; fewer than count -> PARTIAL
+              (require_all: fewer than count -> MISS, nothing pinned)
     reply     PullReply on tag_for(tid, REPLY): served blocks and hashes, total_bytes,
               n_chunks, chunk_sizes
     stream    chunks on tag_for(tid, DATA, i), packed into a ring of staging buffers
@@ -44,9 +45,11 @@ while it streams. For one request::
 
 A REJECTED / ERROR reply's ``reason`` is ``"<code>: <detail>"``; codes: ``hash_scheme_mismatch``,
 ``wrong_rank``, ``bad_piece``, ``too_many_chunks``, ``duplicate_transfer``, ``busy``,
-``internal``. The source never decides strictness (the request carries no policy): it serves
-the longest pinned leading run and says PARTIAL; a strict destination that does not want a
-partial prefix sends :class:`Cancel` (or drops the connection) and falls back.
+``internal``. By default the source serves the longest pinned leading run and says PARTIAL.
+A strict destination sets ``PullRequest.require_all``: then the source pins with
+``require_all=True`` and answers MISS (nothing pinned, nothing sent) unless every requested
+block is cached, so a strict miss never needs a :class:`Cancel` that would abort the
+connection under other transfers.
 
 Pieces and the byte stream
 --------------------------
@@ -739,15 +742,19 @@ class SourceService:
 
     async def _pin_and_send(self, s: _Send, pieces: list[PlanPiece]) -> None:
         req, ctx = s.req, s.ctx
-        handle = ctx.group.manager.pin(req.requested_hashes, require_all=False)
+        handle = ctx.group.manager.pin(req.requested_hashes, require_all=req.require_all)
         if handle is not None:
             s.handle = handle
             self._pins += 1
             self._pinned_blocks += len(handle.block_ids)
             self.metrics.source_pins_changed(len(handle.block_ids))
         if handle is None:
-            await self._reply_status(s, Status.MISS, _reason(
-                "miss", f"none of the {req.count} requested blocks is cached"))
+            if req.require_all:  # how many there are, for the destination's log line
+                have = ctx.group.manager.longest_prefix(req.requested_hashes)
+                detail = f"{have} of {req.count} requested blocks cached (require_all)"
+            else:
+                detail = f"none of the {req.count} requested blocks is cached"
+            await self._reply_status(s, Status.MISS, _reason("miss", detail))
             return
         block_ids = list(handle.block_ids)
         n = len(block_ids)
