@@ -34,6 +34,9 @@ class WorkerStartError(RuntimeError):
 class WorkerProcess:
     """One ``python -m kvkern worker`` child. Use as a context manager or call :meth:`stop`."""
 
+    #: the program before the worker's own flags; subclasses run other worker entry points
+    entry: tuple[str, ...] = (sys.executable, "-m", "kvkern", "worker")
+
     def __init__(self, name: str, args: list[str], *, threads: int = 1,
                  env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -46,7 +49,7 @@ class WorkerProcess:
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             child_env[var] = str(threads)
         child_env["PYTHONUNBUFFERED"] = "1"
-        cmd = [sys.executable, "-m", "kvkern", "worker", "--threads", str(threads), *self.args]
+        cmd = [*self.entry, "--threads", str(threads), *self.args]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
                                      stdin=subprocess.DEVNULL, env=child_env,
                                      start_new_session=True)

@@ -4,16 +4,11 @@ leak checks and small statistics. Every process is killed by whoever started it,
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import os
-import queue
 import random
 import signal
-import subprocess
 import sys
-import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,26 +32,7 @@ class FaultWorker(WorkerProcess):
     """``tests/reliability/peers/fault_worker.py`` (the real worker plus test routes) as a
     child process; the parent class reads its READY line, health-checks and stops it."""
 
-    def __init__(self, name: str, args: list[str], *, threads: int = 1,
-                 env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.args = list(args)
-        self.info: dict[str, Any] = {}
-        self._stdout_tail: collections.deque[str] = collections.deque(maxlen=50)
-        self._ready: queue.Queue[dict[str, Any]] = queue.Queue()
-        self._stderr = tempfile.TemporaryFile(mode="w+b")  # noqa: SIM115 (closed in stop)
-        child_env = {**os.environ, **(env or {})}
-        for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-            child_env[var] = str(threads)
-        child_env["PYTHONUNBUFFERED"] = "1"
-        cmd = [sys.executable, str(PEERS / "fault_worker.py"), "--threads", str(threads),
-               *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self._stderr,
-                                     stdin=subprocess.DEVNULL, env=child_env,
-                                     start_new_session=True)
-        self._reader = threading.Thread(target=self._read_stdout, name=f"{name}-stdout",
-                                        daemon=True)
-        self._reader.start()
+    entry = (sys.executable, str(PEERS / "fault_worker.py"))
 
     # ---- admin routes
 
