@@ -300,6 +300,29 @@ def _direct_view(tr: Any, rkv: Any) -> Any:
     return rows if rows is not None and rows.shape[1] == p.block_nbytes else None
 
 
+def _direct_order(ids: list[int], per: int) -> list[int]:
+    """Order sorted private ``ids`` for a stream of ``per``-block chunks so that every chunk
+    that can land zero-copy does, and the chunks that cannot (ids from the ends of short
+    runs) come first, where their unpack overlaps the later chunks' transfer instead of
+    trailing the last one (measured: 1.4-1.7 ms of unpack after the last byte of a 64 MiB
+    pull from a fragmented pool). The trailing ``len(ids) % per`` blocks stay last::
+
+        runs [0..119] [512..519], per 32  ->  [96..119, 512..519] [0..31] [32..63] [64..95]
+    """
+    direct: list[int] = []
+    rest: list[int] = []
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            run = ids[start:i]
+            k = len(run) // per * per
+            direct += run[:k]
+            rest += run[k:]
+            start = i
+    lead = len(rest) // per * per  # whole mixed chunks; the remainder is the short last one
+    return rest[:lead] + direct + rest[lead:]
+
+
 # --------------------------------------------------------------------------------- puller
 
 
@@ -811,6 +834,9 @@ class Puller:
         if ids is None:
             raise _Fallback(Reason.NO_BLOCKS, f"{job.count} private blocks not available")
         job.private = sorted(ids)  # ascending: runs of consecutive ids receive zero-copy
+        unit = pairs[0].block_nbytes
+        if len(pairs) == 1 and cfg.chunk_bytes >= unit:
+            job.private = _direct_order(job.private, cfg.chunk_bytes // unit)
         job.allocated = True
         job.phases["allocate"] = time.perf_counter() - t
 
