@@ -46,10 +46,10 @@ average 4-6 from other jobs on the 2 cores; pull / paired raw, median of 5)::
     64 MiB    128     6         0.9 - 2.8    3.3 - 9.1   0.27 - 0.55  3.5 - 6.4 ms median
     256 MiB   512     18        0.9 - 2.9    2.6 - 8.4   0.33 - 0.41  (1 block, warm)
 
-Messages grow with chunks (request + reply + one per chunk), never with blocks. The
-destination lands whole-block chunks directly in its (consecutive, private) blocks, so its
-side adds no copy; the rest of the gap to raw is the source's pack into staging (a second
-copy of every byte, done serially per chunk on these 2 shared cores).
+Messages grow with chunks (request + reply + one per chunk), never with blocks. That
+table predates huge-page host memory and the source's zero-copy sends; with both (commit
+7f28c4b, 6 runs, load 1.4) the ratio is 0.96 [0.61-1.53] at 64 MiB and 0.90 [0.82-1.04] at
+256 MiB, hint-to-first-byte 0.9 ms: see bench/RESULTS.md "Pull vs raw UCXX (loopback)".
 """
 
 from __future__ import annotations
