@@ -94,3 +94,33 @@ def test_logical_round_trip_and_staging():
     st = allocate_staging(layout, 5, layers=(1, 3), heads=(0, 1))
     assert st.shape == (5, 2, 2, 1, 16, 8) and st.is_contiguous()
     assert layout.describe()["order"] == ["kv", "block", "token", "head", "dim"]
+
+
+def test_host_buffer_is_aligned_zeroed_and_outlives_its_mapping_name():
+    import gc
+
+    from kvkern.cache.hostmem import HUGE_PAGE, host_buffer
+
+    for n in (0, 1, HUGE_PAGE - 1, HUGE_PAGE, 3 * HUGE_PAGE + 5):
+        t = host_buffer(n)
+        assert t.dtype == torch.uint8 and t.numel() == n and t.is_contiguous()
+        if n >= HUGE_PAGE:
+            assert t.data_ptr() % HUGE_PAGE == 0
+            assert int(t.count_nonzero()) == 0  # anonymous pages are born zeroed
+    view = host_buffer(4 * HUGE_PAGE)[10:20]
+    gc.collect()
+    view.fill_(7)  # the view keeps the mapping alive
+    assert view.tolist() == [7] * 10
+    with pytest.raises(ValueError):
+        host_buffer(-1)
+
+
+def test_cpu_pools_are_zeroed_huge_page_memory():
+    from kvkern.cache.hostmem import HUGE_PAGE
+
+    lay = KVLayout.trtllm(num_blocks=64, num_layers=4, num_heads=4, block_size=16, head_dim=128,
+                 dtype=torch.bfloat16)
+    pool = lay.allocate(fill="zeros")
+    assert pool.shape == lay.shape and pool.dtype == torch.bfloat16
+    assert pool.data_ptr() % HUGE_PAGE == 0 and not pool.any()
+    lay.check(pool)
