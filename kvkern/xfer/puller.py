@@ -326,6 +326,17 @@ def _direct_order(ids: list[int], per: int) -> list[int]:
 # --------------------------------------------------------------------------------- puller
 
 
+_MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
+
+
+def _bounded_put(cache: dict, key: Any, value: Any, limit: int = _MAX_CACHED_SOURCES) -> None:
+    """Insert as the newest entry, dropping the oldest ones beyond ``limit``."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > limit:
+        del cache[next(iter(cache))]
+
+
 class Puller:
     """Destination side of the pull path for one DP group (see the module docstring)."""
 
@@ -1042,9 +1053,7 @@ class Puller:
         if not verdict.allowed:
             raise _Fallback(Reason.SOURCE_NOT_ALLOWED, f"{hint.source!r}: {verdict.reason}: "
                             f"{verdict.detail}")
-        if len(self._verdicts) > 4096:
-            self._verdicts.clear()
-        self._verdicts[key] = (verdict.endpoint, time.monotonic())
+        _bounded_put(self._verdicts, key, (verdict.endpoint, time.monotonic()))
         return verdict.endpoint
 
     @staticmethod
@@ -1077,7 +1086,7 @@ class Puller:
         if old is not None and old[0].incarnation != fut.result().incarnation:
             log.info("source %s restarted: incarnation %s -> %s", key[1],
                      old[0].incarnation, fut.result().incarnation)
-        self._state_cache[key] = (fut.result(), time.monotonic())
+        _bounded_put(self._state_cache, key, (fut.result(), time.monotonic()))
 
     async def _fetch_state(self, resolved: Any, md_t: float) -> SourceState:
         from kvkern.xfer.endpoint import FetchError, fetch_state  # noqa: PLC0415
