@@ -139,8 +139,11 @@ def _block_value(i: int) -> int:
     return i % 251 + 1
 
 
-async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int) -> Any:
-    """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``."""
+async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
+                             scattered: bool = False) -> Any:
+    """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
+    ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
+    so every chunk goes through the pack kernel instead of the zero-copy send."""
     import torch  # noqa: PLC0415
 
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
@@ -155,6 +158,9 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int) ->
     pool = BlockPool(n_blocks, block_size=bs)
     hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
     ids = pool.allocate(n_blocks)
+    if scattered:
+        order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        ids = [ids[k] for k in order]
     u8 = kv.view(torch.uint8).view(n_blocks, -1)
     for i, b in enumerate(ids):
         u8[b].fill_(_block_value(i))
@@ -203,7 +209,10 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
     info: dict[str, Any] = {"port": listener.port}
     if pull_blocks:
         source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight)
+        scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
+                                             scattered=True)
         info["http_port"] = source.http_port
+        info["scattered_http_port"] = scattered.http_port
     tmp = port_file + ".tmp"
     with open(tmp, "w") as f:
         f.write(json.dumps(info))
@@ -213,6 +222,7 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
         await asyncio.sleep(0.2)
     if source is not None:
         await source.close()
+        await scattered.close()
     await listener.close()
 
 
@@ -224,9 +234,11 @@ class Bench:
     uses (request ``total`` bytes in ``chunk`` byte chunks, receive with ``in_flight``)."""
 
     def __init__(self, conn: Any, *, pull_http_port: int | None = None,
+                 scattered_http_port: int | None = None,
                  loop: Any = None) -> None:
         self.conn = conn
         self.pull_http_port = pull_http_port
+        self.scattered_http_port = scattered_http_port
         self.loop = loop  # the EventLoopThread the cases run on (the puller shares it)
         self._next_tid = 1
         self._dst: dict[int, np.ndarray] = {}
@@ -344,9 +356,10 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     per_block = layout.bytes_per_block
     rid = iter(range(1 << 30))
 
-    async def pull(n: int) -> Any:
+    async def pull(n: int, port: int | None = None) -> Any:
         r = f"bench-{next(rid)}"
-        hint = {"kv_hint": {"source": f"127.0.0.1:{bench.pull_http_port}", "no_retain": True}}
+        hint = {"kv_hint": {"source": f"127.0.0.1:{port or bench.pull_http_port}",
+                            "no_retain": True}}
         puller.submit(r, list(range(n * bs)), hint)
         o = await puller.wait(r, 60)
         if not o.used:
@@ -367,13 +380,16 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
             n = max(1, size // per_block)
             nbytes = n * per_block
             await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
-            pull_t, raw_t, msgs = [], [], []
+            pull_t, raw_t, msgs, scat_t = [], [], [], []
             for _ in range(s.repeats):  # paired: each pull next to a raw fetch
                 raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
                 o = await pull(n)
                 pull_t.append(o.total_s)
                 msgs.append(o.messages)
+                if bench.scattered_http_port:
+                    scat_t.append((await pull(n, bench.scattered_http_port)).total_s)
             ps, rs = _summary(nbytes, pull_t), _summary(nbytes, raw_t)
+            ss = _summary(nbytes, scat_t) if scat_t else None
             out[str(size)] = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
                               "pull_gbps_p20": ps["gbps_p20"], "pull_gbps_p80": ps["gbps_p80"],
                               "raw_gbps": rs["gbps"], "ratio": round(ps["gbps"] / rs["gbps"], 3),
@@ -381,6 +397,9 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
                               "messages": statistics.median(msgs),
                               "chunk_bytes": s.chunk_bytes,
                               "phases_ms": {k: round(v * 1e3, 3) for k, v in o.phases.items()}}
+            if ss is not None:  # source blocks at shuffled ids: packed, never zero-copy
+                out[str(size)].update(scattered_pull_gbps=ss["gbps"],
+                                      scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
         fb = []
         for _ in range(max(20, s.repeats)):
             o = await pull(1)
@@ -422,7 +441,8 @@ async def _run_cases(info: dict, s: Settings, loop: Any) -> dict[str, Any]:
         t0 = time.perf_counter()
         conn = await pool.get("127.0.0.1", info["port"])
         result: dict[str, Any] = {"connect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
-        bench = Bench(conn, pull_http_port=info.get("http_port"), loop=loop)
+        bench = Bench(conn, pull_http_port=info.get("http_port"),
+                      scattered_http_port=info.get("scattered_http_port"), loop=loop)
         for name in s.cases:
             result[name] = await CASES[name](bench, s)
     return result
@@ -469,8 +489,11 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                 "raw_gbps": pr["raw_gbps"], "ratio": pr["ratio"],
                 "messages": pr["messages"],
                 "hint_to_first_byte_ms": result["pull"]["hint_to_first_byte_ms"],
+                "scattered_ratio": pr.get("scattered_ratio"),
                 "by_size": {size: {k: r[k] for k in ("bytes", "blocks", "pull_gbps",
-                                                     "raw_gbps", "ratio", "messages")}
+                                                     "raw_gbps", "ratio", "messages",
+                                                     "scattered_pull_gbps", "scattered_ratio")
+                                   if k in r}
                             for size, r in result["pull"].items() if isinstance(r, dict)}}
     elif "raw" in result:
         out["raw_gbps"] = result["raw"][biggest]["gbps"]
