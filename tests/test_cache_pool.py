@@ -638,3 +638,19 @@ def test_threads_leave_no_leaks():
         t.join(timeout=60)
     assert not errors, errors
     assert_leak_free(pool)
+
+
+def test_evict_named_hashes_spares_held_blocks():
+    pool = BlockPool(8, block_size=4)
+    hs = sequence_hashes(list(range(12)), 4)
+    ids = pool.acquire_prefix(hs) or pool.allocate(3)
+    pool.commit(ids, hs)
+    pool.release(ids[1:])  # block 0 still referenced; 1 and 2 cached and free
+    handle = pool.pin(hs[1:2])
+    out = pool.evict([hs[0], hs[1], hs[2], 12345])
+    assert out == {"evicted": [hs[2]], "held": [hs[0], hs[1]], "absent": [12345]}
+    assert pool.longest_prefix(hs) == 2 and pool.match_prefix(hs[2:]) == []
+    pool.unpin(handle)
+    pool.release(ids[:1])
+    pool.check_invariants()
+    assert pool.num_free == 8

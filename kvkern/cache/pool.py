@@ -370,6 +370,27 @@ class BlockPool:
                 b.ref_cnt -= 1
                 self._maybe_free_locked(b)
 
+    def evict(self, hashes: Sequence[int]) -> dict[str, list[int]]:
+        """Drop the named cached blocks from the index now, as LRU eviction would (an
+        operator flush, or a test making hints stale). Held blocks (referenced, pinned,
+        leased) stay. Returns the hashes ``evicted``, ``held`` and ``absent``."""
+        out: dict[str, list[int]] = {"evicted": [], "held": [], "absent": []}
+        with self._lock:
+            for h in normalize_hashes(hashes):
+                b = self._index.get(h)
+                if b is None:
+                    out["absent"].append(h)
+                elif b.held():
+                    out["held"].append(h)
+                else:
+                    self._free.remove(b)
+                    del self._index[h]
+                    b.block_hash = None
+                    self._free.appendleft(b)
+                    self._counters["evictions"] += 1
+                    out["evicted"].append(h)
+        return out
+
     # ------------------------------------------------------------------ transfer protocol
 
     def allocate_private(self, n: int) -> list[int] | None:

@@ -165,25 +165,9 @@ class Peer:
         return {"hashes": hs, "block_ids": ids}
 
     def evict(self, hashes: list[int]) -> dict:
-        """Test-only: drop cached, unheld blocks from the index (BlockPool has no public
-        per-hash eviction; this uses its internals under its lock)."""
-        out = {"evicted": [], "held": [], "absent": []}
-        pool = self.pool
-        with pool._lock:
-            for h in hashes:
-                b = pool._index.get(h)
-                if b is None:
-                    out["absent"].append(h)
-                elif b.held():
-                    out["held"].append(h)
-                else:
-                    pool._free.remove(b)
-                    del pool._index[h]
-                    b.block_hash = None
-                    pool._free.appendleft(b)
-                    pool._counters["evictions"] += 1
-                    out["evicted"].append(h)
-        pool.check_invariants()
+        """Drop cached, unheld blocks from the index (BlockPool.evict), then check the pool."""
+        out = self.pool.evict(hashes)
+        self.pool.check_invariants()
         return out
 
     def block_digests(self, hashes: list[int], layers, heads) -> dict:

@@ -88,25 +88,9 @@ class FaultSource(_BaseSource):
         return [int(h) for h in body.get("hashes", [])]
 
     def evict(self, hashes: list[int]) -> dict:
-        """Drop cached, unheld blocks from the index (BlockPool has no public per-hash
-        eviction: its internals, under its lock, as tests/peers/source_peer.py does)."""
-        out: dict[str, list[int]] = {"evicted": [], "held": [], "absent": []}
-        pool = self.pool
-        with pool._lock:
-            for h in hashes:
-                b = pool._index.get(h)
-                if b is None:
-                    out["absent"].append(h)
-                elif b.held():
-                    out["held"].append(h)
-                else:
-                    pool._free.remove(b)
-                    del pool._index[h]
-                    b.block_hash = None
-                    pool._free.appendleft(b)
-                    pool._counters["evictions"] += 1
-                    out["evicted"].append(h)
-        pool.check_invariants()
+        """Drop cached, unheld blocks from the index (BlockPool.evict), then check the pool."""
+        out = self.pool.evict(hashes)
+        self.pool.check_invariants()
         return out
 
     def knobs(self) -> dict:
