@@ -328,6 +328,23 @@ class Connection:
 
     # ---- chunk streams
 
+    @contextlib.contextmanager
+    def _aborting_streams(self, inflight: collections.deque, what: str):
+        """Any failure of a stream aborts the connection (cancelling every posted operation
+        in ``inflight``) before it propagates; transport failures become TransportError."""
+        try:
+            yield
+        except ValueError:
+            self._abort_streams(inflight, "bad_buffer")
+            raise
+        except asyncio.CancelledError:
+            self._abort_streams(inflight, "cancelled")
+            raise
+        except Exception as exc:
+            err = self._fail(exc, what)
+            self._abort_streams(inflight, err.reason)
+            raise err from exc
+
     async def send_stream(
         self,
         transfer_id: int,
@@ -350,7 +367,7 @@ class Connection:
         _check_stream_args(transfer_id, n_chunks, max_in_flight, first_index)
         inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
         total = 0
-        try:
+        with self._aborting_streams(inflight, f"send of transfer {transfer_id}"):
             for i in range(n_chunks):
                 while len(inflight) >= max_in_flight:
                     await self._retire_oldest(inflight, timeout, "send")
@@ -364,16 +381,6 @@ class Connection:
             while inflight:
                 await self._retire_oldest(inflight, timeout, "send")
             return total
-        except ValueError:
-            self._abort_streams(inflight, "bad_buffer")
-            raise
-        except asyncio.CancelledError:
-            self._abort_streams(inflight, "cancelled")
-            raise
-        except Exception as exc:
-            err = self._fail(exc, f"send of transfer {transfer_id}")
-            self._abort_streams(inflight, err.reason)
-            raise err from exc
 
     async def send_chunks(self, transfer_id: int, buffers: Sequence[Any], *,
                           timeout: float = DEFAULT_TIMEOUT_S,
@@ -408,7 +415,7 @@ class Connection:
         inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
         bufs: dict[int, Any] = {}
         total = 0
-        try:
+        with self._aborting_streams(inflight, f"receive of transfer {transfer_id}"):
             for i in range(n_chunks):
                 while len(inflight) >= max_in_flight:
                     j = await self._retire_oldest(inflight, timeout, "receive")
@@ -423,16 +430,6 @@ class Connection:
                 j = await self._retire_oldest(inflight, timeout, "receive")
                 await _call_maybe_async(on_chunk, j, bufs.pop(j))
             return total
-        except ValueError:
-            self._abort_streams(inflight, "bad_buffer")
-            raise
-        except asyncio.CancelledError:
-            self._abort_streams(inflight, "cancelled")
-            raise
-        except Exception as exc:
-            err = self._fail(exc, f"receive of transfer {transfer_id}")
-            self._abort_streams(inflight, err.reason)
-            raise err from exc
 
     async def recv_chunks(self, transfer_id: int, buffers: Sequence[Any], *,
                           timeout: float = DEFAULT_TIMEOUT_S,
