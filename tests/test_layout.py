@@ -99,7 +99,7 @@ def test_logical_round_trip_and_staging():
 def test_host_buffer_is_aligned_zeroed_and_outlives_its_mapping_name():
     import gc
 
-    from kvkern.cache.hostmem import HUGE_PAGE, host_buffer
+    from kvkern.layout.hostmem import HUGE_PAGE, host_buffer
 
     for n in (0, 1, HUGE_PAGE - 1, HUGE_PAGE, 3 * HUGE_PAGE + 5):
         t = host_buffer(n)
@@ -116,7 +116,7 @@ def test_host_buffer_is_aligned_zeroed_and_outlives_its_mapping_name():
 
 
 def test_cpu_pools_are_zeroed_huge_page_memory():
-    from kvkern.cache.hostmem import HUGE_PAGE
+    from kvkern.layout.hostmem import HUGE_PAGE
 
     lay = KVLayout.trtllm(num_blocks=64, num_layers=4, num_heads=4, block_size=16, head_dim=128,
                  dtype=torch.bfloat16)

@@ -259,8 +259,8 @@ class KVLayout:
                 return raw.view(self.dtype).view(self.shape).to(device)
             if fill in ("zeros", None) and torch.device(device).type == "cpu":
                 # Huge-page host memory: UCX's CMA reads it 2-5x faster than torch's 4 KiB
-                # pages (kvkern.cache.hostmem). "zeros" writes every page (faulted in now).
-                from kvkern.cache.hostmem import host_buffer  # noqa: PLC0415
+                # pages (kvkern.layout.hostmem). "zeros" writes every page (faulted in now).
+                from kvkern.layout.hostmem import host_buffer  # noqa: PLC0415
 
                 nbytes = int(torch.Size(self.shape).numel()) * self.itemsize
                 t = host_buffer(nbytes).view(self.dtype).view(self.shape)

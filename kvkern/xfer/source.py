@@ -115,7 +115,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kvkern.cache.hostmem import host_buffer
+from kvkern.layout.hostmem import host_buffer
 from kvkern.kernels.pack import pack
 from kvkern.layout.kv_layout import KVLayout
 from kvkern.xfer.kvgroup import KVGroup, RankKV
