@@ -297,3 +297,19 @@ def test_cuda_matches_torch_path(name):
     cpu_pool = [t.cpu() for t in layout.tensors(pool)]
     cpu_pool = cpu_pool if layout.per_layer else cpu_pool[0]
     assert bits_equal(staging.cpu(), pack(cpu_pool, layout, ids))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name,t,d,dtype", [
+    ("vllm_hnd", 256, 128, torch.bfloat16),   # a row spans several token tiles
+    ("trtllm", 1, 32, torch.bfloat16),        # many rows per tile
+    ("vllm_nhd", 16, 128, torch.float8_e4m3fn),
+    ("cross_layer", 128, 64, torch.float32),
+], ids=["hnd-256-tokens", "trt-1-token", "nhd-fp8", "cross-fp32"])
+def test_kernel_tiling_shapes(name, t, d, dtype):
+    layout, pool = make(name, nb=5, nl=2, nh=2, t=t, d=d, dtype=dtype)
+    staging = check_pack(layout, pool, [3, -1, 0], "triton")
+    check_unpack(layout, pool, [3, -1, 0], staging.flip(0).contiguous(), "triton")
+    capped = layout.allocate(DEVICE, fill="zeros")
+    unpack(staging, capped, layout, [3, -1, 0], backend="triton", max_programs=2)
+    assert bits_equal(pack(capped, layout, [3, 0]), staging[[0, 2]])
