@@ -633,6 +633,18 @@ def test_staging_pool_reuses_by_size_class_and_caps_idle_bytes():
     assert sp.idle_bytes == 0
 
 
+def test_staging_pool_prewarm_keeps_faulted_slots_ready():
+    sp = StagingPool(max_bytes=1 << 24)
+    cpu = torch.device("cpu")
+    sp.prewarm(cpu, 3 << 20, 3)  # size class 4 MiB
+    assert sp.idle_bytes == 3 * (4 << 20)
+    ready = [sp.take(cpu, 4 << 20) for _ in range(3)]
+    assert all(bool((b == 0).all()) for b in ready)  # written, so faulted in
+    sp.give(ready)
+    sp.prewarm(cpu, 4 << 20, 2)  # already enough idle: nothing new
+    assert sp.idle_bytes == 3 * (4 << 20)
+
+
 def test_metrics_names_labels_and_render():
     m, other = XferMetrics(), XferMetrics()
     m.hint_received()

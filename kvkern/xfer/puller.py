@@ -380,6 +380,9 @@ class Puller:
         # Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot cost
         # page faults and 4 KiB-page CMA writes on every pull (unpack path 5 ms per 64 MiB).
         self._staging = StagingPool(4 * config.chunks_in_flight * config.chunk_bytes)
+        devices = collections.Counter(r.device for r in group.ranks.values())
+        for device, n_ranks in devices.items():  # one ring per hosted rank, faulted in now
+            self._staging.prewarm(device, config.chunk_bytes, config.chunks_in_flight * n_ranks)
         # Heavy modules now, not on the first request's path (triton via the kernels: ~0.2 s).
         import kvkern.kernels.pack  # noqa: F401, PLC0415
         import kvkern.layout.plan  # noqa: F401, PLC0415
@@ -991,7 +994,7 @@ class Puller:
                     return direct[first:first + k].reshape(-1)
             slot = i % ring_n
             if ring[slot] is None:
-                ring[slot] = self._staging.take(rkv.device, min(chunk, nbytes))
+                ring[slot] = self._staging.take(rkv.device, max(chunk, cfg.chunk_bytes))
             return ring[slot][:sizes[i]]
 
         def on_chunk(i: int, buf: Any) -> None:

@@ -115,8 +115,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kvkern.layout.hostmem import host_buffer
 from kvkern.kernels.pack import pack
+from kvkern.layout.hostmem import host_buffer
 from kvkern.layout.kv_layout import KVLayout
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import (
@@ -265,6 +265,17 @@ class StagingPool:
         if device.type == "cpu":  # huge pages: UCX's CMA reads them 2-5x faster (hostmem)
             return host_buffer(size)
         return torch.empty(size, dtype=torch.uint8, device=device)
+
+    def prewarm(self, device: torch.device, nbytes: int, count: int) -> None:
+        """Keep ``count`` buffers of ``nbytes``'s size class ready, their pages faulted in
+        now: a pull's first touch of fresh huge-page memory stalled 50-150 ms on this
+        machine (THP compaction), once per new size class, on the first pulls of a worker."""
+        size = self.size_class(nbytes)
+        have = len(self._free.get((str(device), size), []))
+        fresh = [self.take(device, size) for _ in range(max(0, count - have))]
+        for b in fresh:
+            b.zero_()
+        self.give(fresh)
 
     def give(self, bufs: Iterable[torch.Tensor]) -> None:
         for b in bufs:
@@ -478,6 +489,8 @@ class SourceService:
         self._executor = concurrent.futures.ThreadPoolExecutor(
             self._pack_threads, thread_name_prefix="kvkern-pack")
         try:
+            for device in {ctx.rkv.device for ctx in self._ctx.values()}:
+                self._staging.prewarm(device, self.chunk_bytes, self.chunks_in_flight)
             for rank, ctx in self._ctx.items():
                 lst = Listener(self._handler_for(ctx), host=self.advertise_host,
                                port=self._ucx_ports.get(rank, 0), codec=self.codec)
@@ -789,7 +802,8 @@ class SourceService:
         layout = rkv.layout
         device = rkv.device
         ring = min(self.chunks_in_flight, len(chunks))
-        slot_bytes = max(c.nbytes for c in chunks)
+        # one size class for every send, so the prewarmed slots serve small pulls too
+        slot_bytes = max(max(c.nbytes for c in chunks), self.chunk_bytes)
         slots: list[torch.Tensor | None] = [None] * ring  # taken from the pool on first use
         big: dict[str, Any] = {"key": None, "buf": None}  # one oversized block, sliced
         loop = asyncio.get_running_loop()
