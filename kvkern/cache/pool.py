@@ -313,15 +313,7 @@ class BlockPool:
     def allocate(self, n: int) -> list[int] | None:
         """``n`` fresh blocks with one reference each, evicting LRU cached blocks if needed;
         ``None`` (nothing taken) if fewer than ``n`` blocks are free."""
-        self._check_count(n)
-        with self._lock:
-            self._expire_locked()
-            blocks = self._pop_free_locked(n)
-            if blocks is None:
-                return None
-            for b in blocks:
-                b.ref_cnt = 1
-            return [b.block_id for b in blocks]
+        return self._allocate(n, private=False)
 
     def commit(self, block_ids: Sequence[int], hashes: Sequence[int]) -> list[bool]:
         """Publish full blocks a request holds (``ref_cnt > 0``) under their chained hashes.
@@ -396,6 +388,11 @@ class BlockPool:
     def allocate_private(self, n: int) -> list[int] | None:
         """``n`` private receive blocks, invisible to lookups until :meth:`commit_private`;
         ``None`` (nothing taken) if fewer than ``n`` blocks are free."""
+        return self._allocate(n, private=True)
+
+    def _allocate(self, n: int, *, private: bool) -> list[int] | None:
+        """Pop ``n`` free blocks (evicting LRU cached ones) as request blocks with one
+        reference each, or as private receive blocks; ``None`` and nothing taken if short."""
         self._check_count(n)
         with self._lock:
             self._expire_locked()
@@ -403,8 +400,12 @@ class BlockPool:
             if blocks is None:
                 return None
             for b in blocks:
-                b.private = True
-            self._num_private += n
+                if private:
+                    b.private = True
+                else:
+                    b.ref_cnt = 1
+            if private:
+                self._num_private += n
             return [b.block_id for b in blocks]
 
     def free_private(self, block_ids: Sequence[int]) -> None:
