@@ -15,7 +15,7 @@ from typing import Any
 
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.serve.httpjson import get_json, post_json
-from kvkern.serve.procs import WorkerProcess, WorkerStartError
+from kvkern.serve.procs import WorkerProcess, WorkerStartError, start_workers
 
 PEERS = Path(__file__).parent / "peers"
 T = 4  # ModelConfig.tiny().block_size
@@ -33,6 +33,12 @@ class FaultWorker(WorkerProcess):
     child process; the parent class reads its READY line, health-checks and stops it."""
 
     entry = (sys.executable, str(PEERS / "fault_worker.py"))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGCONT first: a frozen (SIGSTOPped) child cannot handle SIGTERM."""
+        with contextlib.suppress(ProcessLookupError, OSError):
+            os.kill(self.pid, signal.SIGCONT)
+        super().stop(timeout=timeout)
 
     # ---- admin routes
 
@@ -72,25 +78,14 @@ class FaultWorker(WorkerProcess):
 
 def start_fault_workers(specs: dict[str, list[str]], *, timeout: float = 150.0,
                         env: dict[str, str] | None = None) -> dict[str, FaultWorker]:
-    procs: dict[str, FaultWorker] = {}
-    try:
-        for name, args in specs.items():
-            procs[name] = FaultWorker(name, args, env=env)
-        deadline = time.monotonic() + timeout
-        for p in procs.values():
-            p.wait_ready(max(1.0, deadline - time.monotonic()))
-        return procs
-    except BaseException:
-        for p in procs.values():
-            stop_hard(p)
-        raise
+    return start_workers(specs, timeout=timeout, env=env, worker_cls=FaultWorker)
 
 
 def stop_hard(p: WorkerProcess) -> None:
     """SIGCONT (a frozen child cannot handle SIGTERM), then SIGTERM, then SIGKILL."""
     with contextlib.suppress(ProcessLookupError, OSError):
         os.kill(p.pid, signal.SIGCONT)
-    p.stop(timeout=10.0)
+    WorkerProcess.stop(p, timeout=10.0)
 
 
 def toks(n: int, rng: random.Random) -> list[int]:
