@@ -81,6 +81,9 @@ class XferConfig:
     lease_s: float = 30.0  # committed blocks are leased until claim/release or expiry
     chunk_bytes: int = 16 << 20  # multi-MiB chunks: per-message cost ~30-270 us (REFERENCE)
     chunks_in_flight: int = 4  # staging ring depth per (source rank, destination rank) pair
+    # read whole-block pieces one-sided from a source that offers it ("read/1"): one copy
+    # from the source's pool into the private blocks, no pack, staging or unpack
+    remote_read: bool = True
 
     # ---- policy
     default_policy: Policy = "strict"
@@ -138,7 +141,7 @@ class XferConfig:
         if not isinstance(self.state_path, str) or not self.state_path.startswith("/"):
             raise ValueError(f"XferConfig.state_path must start with '/', got "
                              f"{self.state_path!r}")
-        for flag in ("dedup", "cost_guard"):
+        for flag in ("dedup", "cost_guard", "remote_read"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         # Parse allowlist specs now so a bad entry fails at configuration, not per request.

@@ -8,7 +8,8 @@ Every frame is a fixed binary preamble followed by a msgpack body::
     6       2     flags (u16), must be 0
     8       8     compatibility fingerprint (u64)         == codec.fingerprint
     16      4     body length in bytes (u32)              <= codec.max_body_bytes
-    20      n     msgpack body: a map with a "kind" tag (PullRequest | PullReply | Cancel)
+    20      n     msgpack body: a map with a "kind" tag (PullRequest | PullReply | Cancel |
+                                                      ReadDone | ReadAck)
 
 The preamble is checked completely (magic, version, flags, fingerprint, length) before a
 single byte of the body is decoded, so an incompatible or hostile peer is rejected cheaply.
@@ -47,6 +48,8 @@ MAX_BLOCKS = 1 << 20
 MAX_PIECES = 4096
 MAX_CHUNKS = 1 << 20
 MAX_TEXT = 256
+READ_CAPABILITY = "read/1"  # a source whose state lists it answers PullRequest.read
+MAX_RKEY_BYTES = 1 << 16  # a packed UCX remote key (a few hundred bytes in practice)
 
 # msgpack integers stop at 2**64 - 1, so ge=0 is the whole u64 check (msgspec rejects an
 # upper bound beyond int64 in Meta).
@@ -115,7 +118,9 @@ class PullRequest(_Base, tag="pull_request"):
     may send; the reply's ``chunk_sizes`` give the actual sizes. ``require_all`` (a strict
     destination): a source that cannot serve all ``count`` blocks answers ``MISS`` without
     pinning or sending anything, instead of a PARTIAL the destination would have to cancel
-    (which aborts the connection and every other transfer on it).
+    (which aborts the connection and every other transfer on it). ``read``: the destination
+    can read the served blocks one-sided from the source's pool (``PullReply.read_*``)
+    instead of receiving a stream; the source decides, and streams when it cannot.
     """
 
     transfer_id: TransferId
@@ -128,6 +133,7 @@ class PullRequest(_Base, tag="pull_request"):
     chunk_bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 34)]
     deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)]
     require_all: bool = False
+    read: bool = False
 
     def __post_init__(self) -> None:
         if self.start + self.count > len(self.block_hashes):
@@ -151,6 +157,12 @@ class PullReply(_Base, tag="pull_reply"):
     ``n_chunks`` chunks follow with sizes ``chunk_sizes`` (sum ``total_bytes``) unless
     ``status`` is not ok/partial, in which case nothing follows and ``reason`` says why.
     ``block_hashes`` are the served blocks' hashes, a prefix of the requested ones.
+
+    A **read** reply (``read_rkey`` set, only to a request with ``read``) sends no chunks:
+    served block ``i`` is the ``total_bytes / served_blocks`` bytes at ``read_base +
+    read_blocks[i] * read_stride`` of the source's memory registered under the packed UCX
+    remote key ``read_rkey``. The source keeps the blocks pinned until it receives
+    :class:`ReadDone` (or its deadline passes, which aborts the connection).
     """
 
     transfer_id: TransferId
@@ -161,6 +173,10 @@ class PullReply(_Base, tag="pull_reply"):
     n_chunks: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHUNKS)] = 0
     chunk_sizes: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_CHUNKS)] = []
     reason: Text = ""
+    read_rkey: Annotated[bytes, msgspec.Meta(max_length=MAX_RKEY_BYTES)] = b""
+    read_base: U64 = 0
+    read_stride: NonNeg = 0
+    read_blocks: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_BLOCKS)] = []
 
     def __post_init__(self) -> None:
         if len(self.block_hashes) != self.served_blocks:
@@ -168,6 +184,16 @@ class PullReply(_Base, tag="pull_reply"):
                              f"{len(self.block_hashes)} block hashes")
         if len(self.chunk_sizes) != self.n_chunks:
             raise ValueError(f"n_chunks {self.n_chunks} but {len(self.chunk_sizes)} sizes")
+        if self.read_rkey:
+            if self.n_chunks or len(self.read_blocks) != self.served_blocks \
+                    or not self.read_stride:
+                raise ValueError(f"a read reply needs no chunks ({self.n_chunks}), one pool "
+                                 f"block per served block ({len(self.read_blocks)} for "
+                                 f"{self.served_blocks}) and a block stride "
+                                 f"({self.read_stride})")
+            return
+        if self.read_blocks:
+            raise ValueError("read_blocks without a read_rkey")
         if sum(self.chunk_sizes) != self.total_bytes:
             raise ValueError(f"chunk sizes sum to {sum(self.chunk_sizes)}, "
                              f"total_bytes is {self.total_bytes}")
@@ -185,8 +211,25 @@ class Cancel(_Base, tag="cancel"):
     reason: Text = ""
 
 
-Message = Union[PullRequest, PullReply, Cancel]  # noqa: UP007 (msgspec needs a runtime Union)
-MESSAGE_TYPES: tuple[type, ...] = (PullRequest, PullReply, Cancel)
+class ReadDone(_Base, tag="read_done"):
+    """Destination → source, on the control tag: every read of ``transfer_id`` completed;
+    release the pins and confirm with :class:`ReadAck`."""
+
+    transfer_id: TransferId
+
+
+class ReadAck(_Base, tag="read_ack"):
+    """Source → destination, on ``tag_for(transfer_id, REPLY, 1)``: ``held`` is True when the
+    served blocks stayed pinned from the reply until :class:`ReadDone` arrived, so what the
+    destination read is what the reply promised. Only then may it commit the blocks."""
+
+    transfer_id: TransferId
+    held: bool
+    reason: Text = ""
+
+
+Message = Union[PullRequest, PullReply, Cancel, ReadDone, ReadAck]  # noqa: UP007 (runtime Union)
+MESSAGE_TYPES: tuple[type, ...] = (PullRequest, PullReply, Cancel, ReadDone, ReadAck)
 
 
 def _strip_prose(node):

@@ -144,6 +144,7 @@ class PullOutcome:
     bytes_transferred: int = 0
     pairs: int = 0
     messages: int = 0  # control + data messages received and sent for this pull
+    reads: int = 0  # one-sided reads (runs of blocks read from the source's pool)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase
     detail: str = ""
 

@@ -73,6 +73,7 @@ from typing import Any
 from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.hints import HintLimits, HintRejected, KvHint, decode_hint
+from kvkern.xfer.messages import READ_CAPABILITY
 from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.policy import CostGuard, apply_policy
 
@@ -202,6 +203,7 @@ class _Job:
     open_transfers: list = field(default_factory=list)  # [(conn, tid)] awaiting completion
     phases: dict = field(default_factory=dict)
     messages: int = 0
+    reads: int = 0
     bytes: int = 0
     t_first_byte: float | None = None
     state: SourceState | None = None
@@ -209,6 +211,7 @@ class _Job:
     pairs: int = 0
     unpack_s: float = 0.0
     allocated: bool = False
+    quarantined: bool = False  # reads outlived their abort: never reuse the private blocks
 
     @property
     def count(self) -> int:
@@ -375,6 +378,7 @@ class Puller:
         self._tids = itertools.count(random.randrange(1, 1 << 29))
         self._bytes_per_block = sum(r.layout.bytes_per_block for r in group.ranks.values())
         self._bg: set[asyncio.Task] = set()
+        self.quarantined_blocks = 0  # private blocks never reused (see Connection.read)
         from kvkern.xfer.source import StagingPool  # noqa: PLC0415
 
         # Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot cost
@@ -769,6 +773,11 @@ class Puller:
             log.exception("pull %r failed unexpectedly", rec.request_id)
             reason, detail = Reason.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
         finally:
+            if job.private is not None and job.quarantined:
+                ids, job.private = job.private, None
+                self.quarantined_blocks += len(ids)
+                log.error("pull %r: %d private blocks quarantined (one-sided reads still "
+                          "running after their endpoint was aborted)", rec.request_id, len(ids))
             if job.private is not None:  # not committed: free every block exactly once
                 ids, job.private = job.private, None
                 self.group.manager.free_private(ids)
@@ -781,6 +790,7 @@ class Puller:
         if job.unpack_s:
             job.phases["unpack"] = job.unpack_s
         fields = dict(phases=dict(job.phases), pairs=job.pairs, messages=job.messages,
+                      reads=job.reads,
                       bytes_transferred=job.bytes,
                       blocks_requested=job.count if job.allocated else 0)
         fields.update(result)
@@ -926,7 +936,8 @@ class Puller:
                           hash_scheme=self.group.hash_scheme, block_hashes=job.chained,
                           start=job.local, count=count, pieces=pieces, chunk_bytes=chunk,
                           deadline_ms=max(1, int(remaining * 1000)),
-                          require_all=job.policy == "strict")
+                          require_all=job.policy == "strict",
+                          read=self._can_read(job, tr, rkv))
         entry = (conn, tid)
         t_req = time.perf_counter()
         job.open_transfers.append(entry)
@@ -970,6 +981,13 @@ class Puller:
         if served < count and job.policy == "strict":
             raise _Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} holds {served} "
                             f"of {count} requested blocks (strict)")
+        if reply.read_rkey:
+            if not req.read:
+                raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offered "
+                                f"a read to a request that did not ask for one")
+            await self._read_pair(job, tr, conn, reply, rkv, xfer_t)
+            job.open_transfers.remove(entry)
+            return served
         nbytes = tr.nbytes(served)
         if reply.total_bytes != nbytes or any(not 0 < s <= chunk for s in reply.chunk_sizes):
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} announces "
@@ -1025,6 +1043,51 @@ class Puller:
             raise _Fallback(Reason.TRANSFER_FAILED, f"stream from source rank {tr.src_rank} "
                             f"ended at byte {unpacker.pos} of {nbytes}")
         return served
+
+    def _can_read(self, job: _Job, tr: Any, rkv: Any) -> bool:
+        """Ask for a one-sided read: allowed here, offered by the source, and the pair moves
+        whole blocks between two pools of contiguous block rows in host memory."""
+        return (self.config.remote_read and job.state is not None
+                and READ_CAPABILITY in job.state.capabilities
+                and rkv.device.type == "cpu" and _direct_view(tr, rkv) is not None)
+
+    async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rkv: Any,
+                         xfer_t: float) -> None:
+        """Read the served blocks straight from the source's pool into the private blocks,
+        then ReadDone -> ReadAck: only a source that held the pins until our reads ended
+        (``held``) lets the blocks count. See :mod:`kvkern.xfer.ucp_rma`."""
+        from kvkern.xfer.messages import ReadAck, ReadDone  # noqa: PLC0415
+        from kvkern.xfer.transport import CONTROL_TAG, Lane, ReadsStuck, tag_for  # noqa: PLC0415
+        from kvkern.xfer.ucp_rma import coalesce  # noqa: PLC0415
+
+        served, unit, tid = reply.served_blocks, tr.block_nbytes, reply.transfer_id
+        base, stride = reply.read_base, reply.read_stride
+        if reply.total_bytes != served * unit or stride < unit or \
+                base + (max(reply.read_blocks) + 1) * stride > 1 << 64:
+            raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
+                            f"{reply.total_bytes} B of {served} blocks at stride {stride}, "
+                            f"expected {unit} B blocks")
+        rows = _direct_view(tr, rkv)
+        lbase, lstride = rows.data_ptr(), rows.stride(0) * rows.element_size()
+        ids = job.private[:served]
+        runs = coalesce([lbase + i * lstride for i in ids],
+                        [base + b * stride for b in reply.read_blocks], unit)
+        try:
+            first = await conn.read(reply.read_rkey, runs, timeout=xfer_t)
+        except ReadsStuck:
+            job.quarantined = True
+            raise
+        if job.t_first_byte is None:
+            job.t_first_byte = first or time.perf_counter()
+        job.reads += len(runs)
+        job.bytes += served * unit
+        await conn.send_msg(ReadDone(transfer_id=tid), CONTROL_TAG, timeout=xfer_t)
+        ack = await conn.recv_msg(tag_for(tid, Lane.REPLY, 1), timeout=xfer_t)
+        job.messages += 2
+        if not isinstance(ack, ReadAck) or ack.transfer_id != tid or not ack.held:
+            raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} did not "
+                            f"confirm it held the blocks during the read: "
+                            f"{getattr(ack, 'reason', type(ack).__name__)}")
 
     # ------------------------------------------------------------- endpoints and state
 

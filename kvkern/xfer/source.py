@@ -123,11 +123,14 @@ from kvkern.xfer.messages import (
     DEFAULT_CODEC,
     MAX_CHUNKS,
     MAX_TEXT,
+    READ_CAPABILITY,
     Cancel,
     Codec,
     PlanPiece,
     PullReply,
     PullRequest,
+    ReadAck,
+    ReadDone,
     Status,
 )
 from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
@@ -148,6 +151,7 @@ log = logging.getLogger(__name__)
 PROTOCOL = "kvkern/1"
 STATE_PATH = "/kvkern/v1/state"
 CAPABILITIES = ("pull/1", "strict", "best_effort", "sharded")
+REMOTE_READ_MODES = ("off", "host", "all")
 DEFAULT_MAX_SEND_S = 60.0  # TRT-LLM kv_transfer_timeout_ms (REFERENCE "Defaults")
 DEFAULT_PROGRESS_TIMEOUT_S = 10.0
 _PACK_WAIT_S = 5.0
@@ -207,13 +211,15 @@ def _piece_nbytes(layout: KVLayout, p: PlanPiece) -> int:
             * layout.block_size * layout.head_dim * layout.itemsize)
 
 
-def _direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | None:
+def _direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece], *,
+                 any_device: bool = False) -> torch.Tensor | None:
     """The pool's ``[num_blocks, bytes_per_block]`` byte rows when the stream of one block is
     exactly that block's bytes (one piece of every local layer and head over a pool whose
     canonical view is contiguous): a chunk of consecutive pinned blocks is then sent straight
-    from the pool. Else None (chunks are packed into staging)."""
+    from the pool, and a destination may read blocks straight out of it. Else None (chunks
+    are packed into staging). CPU pools only unless ``any_device``."""
     lay = rkv.layout
-    if len(pieces) != 1 or rkv.device.type != "cpu":
+    if len(pieces) != 1 or (rkv.device.type != "cpu" and not any_device):
         return None
     p = pieces[0]
     if (p.layer_start, p.layer_stop, p.head_start, p.head_stop) != (
@@ -308,7 +314,7 @@ class _Send:
 
     __slots__ = ("req", "conn", "ctx", "conn_sends", "deadline", "admitted", "handle",
                  "released", "replied", "completed", "cancel_reason", "task", "pack_cf",
-                 "started", "staging")
+                 "started", "staging", "read_done")
 
     def __init__(self, req: PullRequest, conn: Connection, ctx: _RankCtx,
                  conn_sends: dict[int, _Send], deadline: float, admitted: bool) -> None:
@@ -327,6 +333,7 @@ class _Send:
         self.pack_cf: concurrent.futures.Future | None = None
         self.started = time.monotonic()
         self.staging: list[torch.Tensor] = []  # ring slots taken from the StagingPool
+        self.read_done: asyncio.Event | None = None  # set by ReadDone (read replies only)
 
 
 # ------------------------------------------------------------------------------- service
@@ -360,6 +367,7 @@ class SourceService:
         progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
         pack_threads: int = 2,
         staging_cache_bytes: int = 256 << 20,
+        remote_read: str = "host",
     ) -> None:
         if not groups:
             raise ValueError("SourceService needs at least one KVGroup")
@@ -380,6 +388,9 @@ class SourceService:
                             ("pack_threads", pack_threads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if remote_read not in REMOTE_READ_MODES:
+            raise ValueError(f"remote_read must be one of {REMOTE_READ_MODES}, got "
+                             f"{remote_read!r}")
         if isinstance(staging_cache_bytes, bool) or not isinstance(staging_cache_bytes, int) \
                 or staging_cache_bytes < 0:
             raise ValueError(f"staging_cache_bytes must be an int >= 0, got "
@@ -409,6 +420,8 @@ class SourceService:
         self._ucx_ports = dict(ucx_ports or {})
         self._pack_threads = pack_threads
         self._staging = StagingPool(staging_cache_bytes)
+        self.remote_read = remote_read
+        self._regions: dict[int, Any] = {}  # rank -> ucp_rma.Region of its pool (read path)
         self._ctx: dict[int, _RankCtx] = {
             r: _RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
         self._listeners: dict[int, Listener] = {}
@@ -416,6 +429,7 @@ class SourceService:
         self._http_port: int | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._sends: set[_Send] = set()  # every request task not finished yet
+        self._bg: set[asyncio.Task] = set()  # fire-and-forget replies
         self._active = 0  # admitted sends (count toward max_concurrent_sends)
         self._pins = 0  # pin handles held
         self._pinned_blocks = 0
@@ -477,7 +491,7 @@ class SourceService:
             "codec_fingerprint": f"{self.codec.fingerprint:016x}",
             "topology": self.topology.to_dict(),
             "dp_groups": dp_groups,
-            "capabilities": list(CAPABILITIES),
+            "capabilities": list(CAPABILITIES) + ([READ_CAPABILITY] if self._regions else []),
         }
 
     # -------------------------------------------------------------------- start / close
@@ -491,6 +505,7 @@ class SourceService:
         try:
             for device in {ctx.rkv.device for ctx in self._ctx.values()}:
                 self._staging.prewarm(device, self.chunk_bytes, self.chunks_in_flight)
+            self._register_pools()
             for rank, ctx in self._ctx.items():
                 lst = Listener(self._handler_for(ctx), host=self.advertise_host,
                                port=self._ucx_ports.get(rank, 0), codec=self.codec)
@@ -543,6 +558,35 @@ class SourceService:
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
         self._staging.clear()
+        regions, self._regions = list(self._regions.values()), {}
+        for region in regions:  # every connection is aborted: nobody reads any more
+            region.close()
+
+    def _register_pools(self) -> None:
+        """Register each rank's pool for remote reads where ``remote_read`` allows it and
+        the pool's blocks are whole contiguous rows; a rank that cannot is served by the
+        stream (logged, not an error)."""
+        if self.remote_read == "off":
+            return
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        why = ucp_rma.rma_unavailable()
+        if why is not None:
+            log.warning("remote reads unavailable, streaming only: %s", why)
+            return
+        for rank, ctx in self._ctx.items():
+            rkv = ctx.rkv
+            if rkv.device.type != "cpu" and self.remote_read != "all":
+                continue
+            rows = rkv.block_rows()
+            if rows is None:
+                continue
+            try:
+                self._regions[rank] = ucp_rma.Region(
+                    rows.data_ptr(), rows.shape[0] * rows.stride(0),
+                    memory_type="host" if rkv.device.type == "cpu" else "cuda")
+            except (ucp_rma.RmaError, ValueError) as exc:
+                log.warning("rank %d pool not registered for remote reads: %s", rank, exc)
 
     async def __aenter__(self) -> SourceService:
         return await self.start()
@@ -584,6 +628,12 @@ class SourceService:
                         s.task.cancel()
                 elif isinstance(msg, PullRequest):
                     self._accept(conn, ctx, conn_sends, msg)
+                elif isinstance(msg, ReadDone):
+                    s = conn_sends.get(msg.transfer_id)
+                    if s is not None and s.read_done is not None:
+                        s.read_done.set()
+                    else:  # nothing pinned for it (any more): say so instead of silence
+                        self._ack_unknown(conn, msg.transfer_id)
                 else:  # a PullReply has no business on the control tag
                     log.debug("ignoring %s on the control tag of rank %d",
                               type(msg).__name__, ctx.rank)
@@ -593,6 +643,17 @@ class SourceService:
             for s in list(conn_sends.values()):
                 if s.task is not None:
                     s.task.cancel()
+
+    def _ack_unknown(self, conn: Connection, tid: int) -> None:
+        async def send() -> None:
+            with contextlib.suppress(TransportError):
+                await conn.send_msg(ReadAck(transfer_id=tid, held=False,
+                                            reason="no read of this transfer is pinned"),
+                                    tag_for(tid, Lane.REPLY, 1), timeout=5.0)
+
+        task = asyncio.ensure_future(send())
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     def _accept(self, conn: Connection, ctx: _RankCtx, conn_sends: dict[int, _Send],
                 req: PullRequest) -> None:
@@ -774,6 +835,11 @@ class SourceService:
         if max(block_ids) >= ctx.rkv.layout.num_blocks:
             raise RuntimeError(f"manager pinned block {max(block_ids)}, rank {ctx.rank}'s pool "
                                f"has {ctx.rkv.layout.num_blocks} blocks")
+        region = self._regions.get(ctx.rank)
+        if req.read and region is not None and _direct_rows(
+                ctx.rkv, pieces, any_device=True) is not None:
+            await self._serve_read(s, region, block_ids, handle.hashes, pieces[0].length)
+            return
         limit = min(req.chunk_bytes, self.chunk_bytes)
         lengths = [p.length for p in pieces]
         chunks = plan_chunks(lengths, n, limit)
@@ -794,6 +860,32 @@ class SourceService:
                                         max_in_flight=ring)
         s.completed = True
         self.metrics.source_served(n, sent)
+
+    async def _serve_read(self, s: _Send, region: Any, block_ids: list[int],
+                          hashes: Sequence[int], block_nbytes: int) -> None:
+        """Reply with where the pinned blocks are; the destination reads them one-sided.
+        The pins stay until its ReadDone (then ReadAck held=True) or the deadline (which
+        aborts the connection: the destination must not commit what it read)."""
+        req, n = s.req, len(block_ids)
+        rows = s.ctx.rkv.block_rows()
+        s.read_done = asyncio.Event()
+        reply = PullReply(transfer_id=req.transfer_id,
+                          status=Status.OK if n == req.count else Status.PARTIAL,
+                          served_blocks=n, block_hashes=list(hashes),
+                          total_bytes=n * block_nbytes, read_rkey=region.rkey,
+                          read_base=rows.data_ptr(), read_stride=rows.stride(0),
+                          read_blocks=block_ids,
+                          reason="" if n == req.count else _reason(
+                              "partial", f"{n} of {req.count} requested blocks cached"))
+        await self._reply(s, reply)
+        await self._after_reply(req, reply)
+        await s.read_done.wait()
+        await self._before_chunk(req.transfer_id, 0)
+        remaining = max(s.deadline - time.monotonic(), 0.001)
+        await s.conn.send_msg(ReadAck(transfer_id=req.transfer_id, held=True),
+                              tag_for(req.transfer_id, Lane.REPLY, 1), timeout=remaining)
+        s.completed = True
+        self.metrics.source_served(n, n * block_nbytes)
 
     def _producer(self, s: _Send, pieces: list[PlanPiece], block_ids: list[int],
                   chunks: list[ChunkSpec]):
@@ -858,5 +950,5 @@ class SourceService:
         peers override it to freeze a send."""
 
     async def _before_chunk(self, transfer_id: int, index: int) -> None:
-        """Called before chunk ``index`` is packed. No-op; test peers override it to slow a
-        send down."""
+        """Called before chunk ``index`` is packed, and for a read before it is confirmed
+        (index 0). No-op; test peers override it to slow a send down."""

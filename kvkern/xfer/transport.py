@@ -59,9 +59,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import inspect
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from enum import IntEnum
@@ -192,6 +194,7 @@ class Connection:
         self.failure: str | None = None  # reason of the failure that killed it
         self._peer_closed = False  # set from the UCX progress thread: a plain flag only
         self._send_lock = asyncio.Lock()
+        self._posting = threading.Lock()  # held while reads are posted on the endpoint
         ep.set_close_callback(self._on_peer_close)
 
     def _on_peer_close(self, *_: Any) -> None:
@@ -206,8 +209,10 @@ class Connection:
         return f"Connection(peer={self.peer}, {state})"
 
     def abort(self, reason: str = "closed") -> None:
-        """Close the endpoint now, cancelling every outstanding request. Idempotent."""
-        ep, self._ep = self._ep, None
+        """Close the endpoint now, cancelling every outstanding request. Idempotent. Waits
+        for a helper thread that is posting reads on the endpoint (see :meth:`read`)."""
+        with self._posting:
+            ep, self._ep = self._ep, None
         if self.failure is None:
             self.failure = reason
         if ep is not None:
@@ -457,6 +462,65 @@ class Connection:
         oldest.result()
         return oldest_i
 
+    # ---- one-sided reads
+
+    async def read(self, rkey: bytes, runs: Sequence[tuple[int, int, int]], *,
+                   timeout: float = DEFAULT_TIMEOUT_S) -> float | None:
+        """Read ``runs`` of ``(local_address, remote_address, nbytes)`` from the peer's memory
+        registered under the packed ``rkey`` (see :mod:`kvkern.xfer.ucp_rma`). Returns the
+        ``perf_counter`` time the first run was seen complete.
+
+        The reads are posted and waited for on a helper thread (posting can wait for UCX's
+        worker lock while the progress thread copies), so the event loop stays free; the
+        endpoint cannot be aborted while reads are being posted on it. Any failure, timeout
+        or cancellation aborts the connection, which cancels the reads still running, and
+        then waits up to :data:`READ_DRAIN_S` for them to end before raising: after the
+        raise, UCX writes to no local address of ``runs`` any more. Should a read outlive
+        even that (never seen), the error is :class:`ReadsStuck` and the caller must not
+        reuse the local memory.
+        """
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        ep = self._require()
+        loop = asyncio.get_running_loop()
+        batch = key = None
+        stop = threading.Event()
+
+        def post_and_wait() -> float | None:
+            with self._posting:
+                if self._ep is None:
+                    raise TransportError("closed", f"connection closed ({self.failure})")
+                batch.post(ep.ucp_endpoint)
+            return batch.wait(timeout, stop)
+
+        try:
+            key = ucp_rma.RemoteKey(ep.ucp_endpoint, rkey)
+            batch = ucp_rma.ReadBatch(key, runs)
+            wait = loop.run_in_executor(_read_waiters(), post_and_wait)
+            try:
+                return await asyncio.shield(wait)
+            except asyncio.CancelledError:
+                stop.set()
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
+                raise
+        except asyncio.CancelledError:
+            self.abort("cancelled")
+            raise
+        except Exception as exc:
+            if isinstance(exc, ucp_rma.RmaError):
+                exc = TransportError("transfer_failed", f"one-sided read: {exc}")
+            raise self._fail(exc, f"read of {len(runs)} runs") from exc
+        finally:
+            if batch is not None and batch.stuck:
+                self.abort(self.failure or "cancelled")  # cancels the reads still running
+                if not await _drain(batch):
+                    key = None  # reads may still use it: leak the key, not memory safety
+                    raise ReadsStuck(f"{len(runs)} reads still running "
+                                     f"{READ_DRAIN_S} s after the endpoint was aborted")
+            if key is not None:
+                key.destroy()
+
     def _abort_streams(self, inflight: collections.deque, reason: str) -> None:
         # Abort first: only an endpoint abort makes UCX let go of posted buffers.
         self.abort(reason)
@@ -486,10 +550,69 @@ async def _call_maybe_async(fn: Callable[..., Any] | None, *args: Any) -> None:
         await out
 
 
+READ_DRAIN_S = 5.0  # how long an aborted read may take to end before ReadsStuck
+_READ_WAITERS: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+class ReadsStuck(TransportError):
+    """One-sided reads outlived the abort of their endpoint: the local memory they target
+    must not be reused (the caller quarantines it)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("transfer_failed", detail)
+
+
+def _read_waiters() -> concurrent.futures.ThreadPoolExecutor:
+    global _READ_WAITERS
+    if _READ_WAITERS is None:
+        _READ_WAITERS = concurrent.futures.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="kvkern-read")
+    return _READ_WAITERS
+
+
+async def _drain(batch: Any) -> bool:
+    """Poll an aborted read batch until every request ended; False after READ_DRAIN_S."""
+    deadline = time.monotonic() + READ_DRAIN_S
+    while not batch.poll():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.001)
+    return True
+
+
 def _check_config() -> None:
     problem = ucx_tls_problem()
     if problem is not None:
         raise TransportError("connect_failed", problem)
+    bind_ucxx_loop()
+
+
+_NOTIFIER_LOOP: asyncio.AbstractEventLoop | None = None
+
+
+def bind_ucxx_loop() -> None:
+    """Make ucxx complete requests on the running event loop.
+
+    With ``UCXPY_ENABLE_PYTHON_FUTURE=1`` (kvkern's default, see :mod:`kvkern.xfer.ucx_env`)
+    ucxx's notifier thread resolves request futures on the loop it was started for, which is
+    whatever loop was current when ucxx's context was created. A process runs kvkern's UCX
+    work on one loop (:class:`kvkern.xfer.runtime.EventLoopThread`); when that loop changes
+    (a new runtime, a test module), the notifier is restarted for it. Requests still
+    pending on the old loop are not served any more. Called by :class:`Listener` and
+    :class:`ConnectionPool` before they touch UCX.
+    """
+    global _NOTIFIER_LOOP
+    loop = asyncio.get_running_loop()
+    if _NOTIFIER_LOOP is loop:
+        return
+    ucxx = import_ucxx()
+    ctx = ucxx.core._get_ctx()  # created here (and bound to this loop) on first use
+    if ctx.enable_python_future and ctx.notifier_thread is not None:
+        args = getattr(ctx.notifier_thread, "_args", ())
+        if not args or args[0] is not loop:
+            ctx.stop_notifier_thread()
+            ctx.start_notifier_thread()
+    _NOTIFIER_LOOP = loop
 
 
 # --------------------------------------------------------------------------------- listener

@@ -1,0 +1,358 @@
+"""One-sided UCX reads (``ucp_get_nbx``) for the pull path, through the libucp ucxx loaded.
+
+ucxx 0.52's Python API has tags, streams and active messages but no RMA, while its UCX
+context is created with ``UCP_FEATURE_RMA`` and its worker is thread-safe
+(``UCS_THREAD_MODE_MULTI``). This module binds the few libucp calls a remote read needs with
+:mod:`ctypes`, on the handles ucxx already owns::
+
+    source                                         destination
+    Region(pool address, length)   rkey bytes ->   RemoteKey(conn, rkey bytes)
+      ucp_mem_map (remote read only)                 ucp_ep_rkey_unpack
+      ucp_rkey_pack                                ReadBatch(conn, key, runs)
+                                                     ucp_get_nbx per run, into local memory
+                                                     ucp_request_check_status until done
+
+Why: a source whose blocks are scattered in its pool must otherwise pack them into staging
+before a tag send, and on one host that is a second full copy through memory. With a read the
+destination's UCX copies each block once, straight from the source's pool into its own
+private blocks (CMA's ``process_vm_readv`` on loopback, RDMA reads across hosts): no pack, no
+staging, no unpack, on either side. Measured in ``kvkern bench xfer`` (``bench/RESULTS.md``).
+
+Safety rules the callers keep (and the tests check):
+
+* A :class:`Region` grants **remote read** only (no remote write) and lives until the source
+  service closes; the source keeps the served blocks pinned until the destination says it
+  has finished reading, and the destination commits nothing the source did not confirm.
+* Local addresses are always computed by the caller from its own block ids, never taken
+  from the wire; remote addresses are checked against the advertised region.
+* Every request is polled to completion (or to an error) before its local memory is reused;
+  an aborted endpoint completes its requests with ``UCS_ERR_CANCELED``. A batch that does not
+  finish in its bound reports ``stuck`` so the caller can quarantine the local blocks rather
+  than risk a late write into reused memory.
+* A :class:`RemoteKey` is destroyed only after every read through it has completed or been
+  cancelled (UCX's rule). UCX also asks for it to go before its endpoint; after a failure
+  the endpoint is aborted first (only that cancels the reads), and the key is destroyed
+  once they drained: libucp 1.21 releases a key through its worker, not the endpoint.
+
+Host memory only by default: device memory would work the same way through UCX's CUDA
+transports (``memory_type`` below), but no GPU has run this code yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "rma_unavailable", "MEMORY_TYPES"]
+
+UCS_OK = 0
+UCS_INPROGRESS = 1
+_UCS_ERR_LAST = -100
+
+_MAP_FIELD_ADDRESS, _MAP_FIELD_LENGTH, _MAP_FIELD_PROT, _MAP_FIELD_MEMORY_TYPE = 1, 2, 8, 16
+_PROT_LOCAL_READ, _PROT_LOCAL_WRITE, _PROT_REMOTE_READ = 1, 2, 1 << 8
+_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+MEMORY_TYPES = {"host": 0, "cuda": 1}  # ucs_memory_type_t
+_UCP_FEATURE_RMA = 1 << 1
+
+# names of the UCS status codes (ucs/type/status.h: -1 .. -25 in this order)
+_ERR_NAMES = ("NO_MESSAGE", "NO_RESOURCE", "IO_ERROR", "NO_MEMORY", "INVALID_PARAM",
+              "UNREACHABLE", "INVALID_ADDR", "NOT_IMPLEMENTED", "MESSAGE_TRUNCATED",
+              "NO_PROGRESS", "BUFFER_TOO_SMALL", "NO_ELEM", "SOME_CONNECTS_FAILED", "NO_DEVICE",
+              "BUSY", "CANCELED", "SHMEM_SEGMENT", "ALREADY_EXISTS", "OUT_OF_RANGE", "TIMED_OUT",
+              "EXCEEDS_LIMIT", "UNSUPPORTED", "REJECTED", "NOT_CONNECTED", "CONNECTION_RESET")
+_STATUS_NAMES = {0: "UCS_OK", -80: "UCS_ERR_ENDPOINT_TIMEOUT",
+                 **{-1 - i: f"UCS_ERR_{n}" for i, n in enumerate(_ERR_NAMES)}}
+UCS_ERR_CANCELED = -16
+
+
+class RmaError(Exception):
+    """A failed libucp call; ``status`` is the (negative) ``ucs_status_t``."""
+
+    def __init__(self, what: str, status: int) -> None:
+        name = _STATUS_NAMES.get(status, f"status {status}")
+        super().__init__(f"{what}: {name}")
+        self.status = status
+
+
+class _MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t (ucp/api/ucp.h)
+    _fields_ = [("field_mask", ctypes.c_uint64), ("address", ctypes.c_void_p),
+                ("length", ctypes.c_size_t), ("flags", ctypes.c_uint),
+                ("prot", ctypes.c_uint), ("memory_type", ctypes.c_int),
+                ("exported_memh_buffer", ctypes.c_void_p)]
+
+
+class _RequestParam(ctypes.Structure):  # ucp_request_param_t (ucp/api/ucp.h)
+    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("request", ctypes.c_void_p), ("cb", ctypes.c_void_p),
+                ("datatype", ctypes.c_uint64), ("user_data", ctypes.c_void_p),
+                ("reply_buffer", ctypes.c_void_p), ("memory_type", ctypes.c_int),
+                ("recv_info", ctypes.c_void_p), ("memh", ctypes.c_void_p)]
+
+
+_lib: Any = None
+_lib_lock = threading.Lock()
+_V = ctypes.c_void_p
+
+
+def _loaded_libucp() -> str | None:
+    """Path of the libucp this process already mapped (the one ucxx uses), if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "/libucp.so" in path and os.path.exists(path):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def _ucp() -> Any:
+    """libucp with the signatures used here, bound to the copy ucxx loaded."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+
+        import_ucxx()
+        path = _loaded_libucp() or "libucp.so.0"
+        lib = ctypes.CDLL(path)
+        sig = {
+            "ucp_mem_map": (ctypes.c_int, [_V, ctypes.POINTER(_MemMapParams),
+                                           ctypes.POINTER(_V)]),
+            "ucp_mem_unmap": (ctypes.c_int, [_V, _V]),
+            "ucp_rkey_pack": (ctypes.c_int, [_V, _V, ctypes.POINTER(_V),
+                                             ctypes.POINTER(ctypes.c_size_t)]),
+            "ucp_rkey_buffer_release": (None, [_V]),
+            "ucp_ep_rkey_unpack": (ctypes.c_int, [_V, ctypes.c_char_p, ctypes.POINTER(_V)]),
+            "ucp_rkey_destroy": (None, [_V]),
+            "ucp_get_nbx": (_V, [_V, _V, ctypes.c_size_t, ctypes.c_uint64, _V,
+                                 ctypes.POINTER(_RequestParam)]),
+            "ucp_request_check_status": (ctypes.c_int, [_V]),
+            "ucp_request_free": (None, [_V]),
+        }
+        for name, (res, args) in sig.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        _lib = lib
+        return lib
+
+
+def _context_handle() -> int:
+    """The ``ucp_context_h`` of ucxx's application context (created on first use)."""
+    from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+
+    ucxx = import_ucxx()
+    ctx = ucxx.core._get_ctx()  # ucxx exposes the worker handle publicly, not the context's
+    return int(ctx.context.handle)
+
+
+def rma_unavailable() -> str | None:
+    """Why one-sided reads cannot be used in this process, or None when they can."""
+    try:
+        _ucp()
+        from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+
+        ctx = import_ucxx().core._get_ctx()
+        if not int(ctx.context.feature_flags) & _UCP_FEATURE_RMA:
+            return "the UCX context was created without UCP_FEATURE_RMA"
+        _context_handle()
+    except Exception as exc:  # noqa: BLE001 (any binding failure means: use the stream)
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _ptr_status(ptr: int | None) -> int | None:
+    """``ucs_status_ptr_t`` -> status when it is one (NULL = UCS_OK), None for a request."""
+    if not ptr:
+        return UCS_OK
+    signed = ptr - (1 << 64) if ptr >= 1 << 63 else ptr
+    if _UCS_ERR_LAST <= signed < 0:
+        return signed
+    return None
+
+
+class Region:
+    """``length`` bytes at ``address`` registered with ucxx's UCX context for **remote read**;
+    ``rkey`` is the packed remote key a peer unpacks with :class:`RemoteKey`. ``close()``
+    unmaps it (idempotent); the memory must stay alive until then."""
+
+    def __init__(self, address: int, length: int, *, memory_type: str = "host") -> None:
+        if address <= 0 or length <= 0:
+            raise ValueError(f"cannot register {length} bytes at {address:#x}")
+        if memory_type not in MEMORY_TYPES:
+            raise ValueError(f"memory_type {memory_type!r} not in {sorted(MEMORY_TYPES)}")
+        lib = _ucp()
+        self._ctx = _context_handle()
+        self.address = int(address)
+        self.length = int(length)
+        self.memory_type = memory_type
+        params = _MemMapParams(
+            field_mask=_MAP_FIELD_ADDRESS | _MAP_FIELD_LENGTH | _MAP_FIELD_PROT
+            | _MAP_FIELD_MEMORY_TYPE,
+            address=self.address, length=self.length,
+            prot=_PROT_LOCAL_READ | _PROT_LOCAL_WRITE | _PROT_REMOTE_READ,
+            memory_type=MEMORY_TYPES[memory_type])
+        memh = _V()
+        st = lib.ucp_mem_map(self._ctx, ctypes.byref(params), ctypes.byref(memh))
+        if st != UCS_OK:
+            raise RmaError(f"ucp_mem_map of {length} B at {address:#x}", st)
+        self._memh: int | None = memh.value
+        buf, size = _V(), ctypes.c_size_t()
+        st = lib.ucp_rkey_pack(self._ctx, self._memh, ctypes.byref(buf), ctypes.byref(size))
+        if st != UCS_OK:
+            self.close()
+            raise RmaError("ucp_rkey_pack", st)
+        self.rkey = ctypes.string_at(buf, size.value)
+        lib.ucp_rkey_buffer_release(buf)
+
+    def contains(self, address: int, nbytes: int) -> bool:
+        return self.address <= address and address + nbytes <= self.address + self.length
+
+    def close(self) -> None:
+        memh, self._memh = self._memh, None
+        if memh is not None:
+            _ucp().ucp_mem_unmap(self._ctx, memh)
+
+    def __repr__(self) -> str:
+        state = "mapped" if self._memh is not None else "closed"
+        return f"Region({self.length} B at {self.address:#x}, {self.memory_type}, {state})"
+
+
+class RemoteKey:
+    """A peer's packed rkey unpacked on one endpoint (``ucp_ep_h`` as an int).
+    ``destroy()`` is idempotent and must run before that endpoint is destroyed."""
+
+    def __init__(self, ep_handle: int, packed: bytes) -> None:
+        if not packed:
+            raise ValueError("empty remote key")
+        rkey = _V()
+        st = _ucp().ucp_ep_rkey_unpack(ep_handle, packed, ctypes.byref(rkey))
+        if st != UCS_OK:
+            raise RmaError("ucp_ep_rkey_unpack", st)
+        self.ep_handle = ep_handle
+        self.handle: int | None = rkey.value
+
+    def destroy(self) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            _ucp().ucp_rkey_destroy(handle)
+
+
+class ReadBatch:
+    """Reads ``runs`` of ``(local_address, remote_address, nbytes)`` through ``key``.
+
+    :meth:`post` issues every read (``ucp_get_nbx``; ucxx's progress thread moves the
+    bytes); a read that cannot be posted stops the posting and is reported by :meth:`wait`.
+    :meth:`wait` blocks (call both off the event loop: a post can wait for the worker lock
+    while the progress thread copies) until every posted read has completed, polling with a
+    short sleep; it returns the time the first run completed and raises :class:`RmaError`
+    for the first failed read. Requests are freed only once complete; :attr:`stuck` says
+    some were still running when ``wait`` gave up."""
+
+    _POLL_MIN_S = 10e-6
+    _POLL_MAX_S = 200e-6
+
+    def __init__(self, key: RemoteKey, runs: Sequence[tuple[int, int, int]], *,
+                 memory_type: str = "host") -> None:
+        self._lib = _ucp()
+        self._key = key
+        self._runs = runs
+        self._param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE,
+                                    memory_type=MEMORY_TYPES[memory_type])
+        self._reqs: list[int | None] = []  # None: completed (at post time or retired)
+        self._failed: tuple[int, int] | None = None  # (run index, status)
+        self._next = 0  # reads before this index are complete and freed
+        self.nbytes = 0
+
+    def post(self, ep_handle: int) -> None:
+        """Issue the reads on ``ep_handle`` (the caller keeps the endpoint alive meanwhile)."""
+        if self._key.handle is None:
+            raise ValueError("remote key already destroyed")
+        get, pref, rkey = self._lib.ucp_get_nbx, ctypes.byref(self._param), self._key.handle
+        for i, (local, remote, n) in enumerate(self._runs):
+            ptr = get(ep_handle, local, n, remote, rkey, pref)
+            st = _ptr_status(ptr)
+            if st is None:
+                self._reqs.append(ptr)
+            elif st == UCS_OK:
+                self._reqs.append(None)
+            else:
+                self._failed = (i, st)
+                break
+            self.nbytes += n
+
+    @property
+    def posted(self) -> int:
+        return len(self._reqs)
+
+    @property
+    def stuck(self) -> bool:
+        return self._next < len(self._reqs)
+
+    def poll(self) -> bool:
+        """Retire completed reads in order; True when all are done (no blocking)."""
+        check, free = self._lib.ucp_request_check_status, self._lib.ucp_request_free
+        reqs = self._reqs
+        while self._next < len(reqs):
+            req = reqs[self._next]
+            if req is not None:
+                st = check(req)
+                if st == UCS_INPROGRESS:
+                    return False
+                free(req)
+                reqs[self._next] = None
+                if st != UCS_OK and self._failed is None:
+                    self._failed = (self._next, st)
+            self._next += 1
+        return True
+
+    def wait(self, timeout: float, cancelled: threading.Event | None = None) -> float | None:
+        """Block until every posted read completed; raise RmaError for a failed one,
+        TimeoutError when ``timeout`` passes first (or ``cancelled`` is set). Returns the
+        ``perf_counter`` time the first run was seen complete (None for no runs)."""
+        deadline = time.perf_counter() + timeout
+        first = None
+        delay = self._POLL_MIN_S
+        while True:
+            progressed = self._next
+            done = self.poll()
+            if first is None and self._next > 0:
+                first = time.perf_counter()
+            if done:
+                break
+            now = time.perf_counter()
+            if now >= deadline:
+                raise TimeoutError(f"{len(self._reqs) - self._next} of {len(self._reqs)} "
+                                   f"reads still running after {timeout} s")
+            if cancelled is not None and cancelled.is_set():
+                raise TimeoutError("read cancelled")
+            delay = self._POLL_MIN_S if self._next > progressed else min(
+                delay * 2, self._POLL_MAX_S)
+            time.sleep(delay)
+        if self._failed is not None:
+            i, st = self._failed
+            raise RmaError(f"read {i} of {len(self._reqs)}", st)
+        return first
+
+
+def coalesce(local: Sequence[int], remote: Sequence[int], nbytes: int) -> list[tuple[int, int, int]]:
+    """Runs for ``len(local)`` blocks of ``nbytes`` at the given local and remote addresses,
+    merging neighbours that are consecutive on both sides into one read."""
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local vs {len(remote)} remote addresses")
+    runs: list[list[int]] = []
+    for lo, re in zip(local, remote, strict=True):
+        if runs and runs[-1][0] + runs[-1][2] == lo and runs[-1][1] + runs[-1][2] == re:
+            runs[-1][2] += nbytes
+        else:
+            runs.append([lo, re, nbytes])
+    return [tuple(r) for r in runs]
