@@ -98,6 +98,7 @@ class Settings:
     repeats: int = 5
     cases: tuple[str, ...] = ("raw", "chunked", "messages", "pull")
     peer_timeout_s: float = 60.0
+    data_path: str = "both"  # pull case: "read", "stream" or both (read is the headline)
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
         if self.ucx_env == "off":
@@ -351,43 +352,59 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     kv = layout.allocate(fill="zeros")  # pages faulted in outside the timed region
     group = KVGroup(topo, 0, _ColdPool(n_max + 8, block_size=bs), {0: RankKV(0, layout, kv)})
     cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False, chunk_bytes=s.chunk_bytes,
-                     chunks_in_flight=s.in_flight, deadline_s=60.0, transfer_timeout_s=20.0)
+                     chunks_in_flight=s.in_flight, deadline_s=60.0, transfer_timeout_s=20.0,
+                     remote_read=s.data_path != "stream")
     puller = Puller(group, config=cfg, loop=bench.loop)
+    # "both": a second puller on the same pool that always streams, measured in the same run
+    streamer = (Puller(group, config=cfg.replace(remote_read=False), loop=bench.loop)
+                if s.data_path == "both" else None)
     per_block = layout.bytes_per_block
     rid = iter(range(1 << 30))
 
-    async def pull(n: int, port: int | None = None) -> Any:
+    async def pull(n: int, port: int | None = None, via: Any = None) -> Any:
+        via = via or puller
         r = f"bench-{next(rid)}"
         hint = {"kv_hint": {"source": f"127.0.0.1:{port or bench.pull_http_port}",
                             "no_retain": True}}
-        puller.submit(r, list(range(n * bs)), hint)
-        o = await puller.wait(r, 60)
+        via.submit(r, list(range(n * bs)), hint)
+        o = await via.wait(r, 60)
         if not o.used:
             raise RuntimeError(f"bench pull of {n} blocks fell back: {o.reason.value}: "
                                f"{o.detail}")
         return o
 
     try:
-        out: dict[str, Any] = {"block_bytes": per_block}
-        o = await pull(n_max)  # warm-up (connection, state cache) and a correctness check
-        ids = group.manager.match_prefix(sequence_hashes(list(range(n_max * bs)), bs))
+        out: dict[str, Any] = {"block_bytes": per_block, "data_path": s.data_path}
         u8 = kv.view(torch.uint8).view(n_max + 8, -1)
-        for i in sorted({0, n_max // 2, n_max - 1}):
-            row = u8[ids[i]]
-            if not (int(row[0]) == int(row[-1]) == _block_value(i)):
-                raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
+        all_hashes = sequence_hashes(list(range(n_max * bs)), bs)
+        ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
+        for via in [p for p in (puller, streamer) if p is not None]:
+            for port in ports:  # warm-up (connection, state cache) and a correctness check
+                await pull(n_max, port, via)
+                ids = group.manager.match_prefix(all_hashes)
+                for i in sorted({0, n_max // 2, n_max - 1}):
+                    row = u8[ids[i]]
+                    if not (int(row[0]) == int(row[-1]) == _block_value(i)):
+                        raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
+                group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
         for size in s.sizes:
             n = max(1, size // per_block)
             nbytes = n * per_block
             await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
-            pull_t, raw_t, msgs, scat_t = [], [], [], []
+            pull_t, raw_t, msgs, reads, scat_t, st_t, st_scat_t = [], [], [], [], [], [], []
             for _ in range(s.repeats):  # paired: each pull next to a raw fetch
                 raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
                 o = await pull(n)
                 pull_t.append(o.total_s)
                 msgs.append(o.messages)
+                reads.append(o.reads)
                 if bench.scattered_http_port:
                     scat_t.append((await pull(n, bench.scattered_http_port)).total_s)
+                if streamer is not None:
+                    st_t.append((await pull(n, None, streamer)).total_s)
+                    if bench.scattered_http_port:
+                        st_scat_t.append(
+                            (await pull(n, bench.scattered_http_port, streamer)).total_s)
             ps, rs = _summary(nbytes, pull_t), _summary(nbytes, raw_t)
             ss = _summary(nbytes, scat_t) if scat_t else None
             out[str(size)] = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
@@ -397,9 +414,15 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
                               "messages": statistics.median(msgs),
                               "chunk_bytes": s.chunk_bytes,
                               "phases_ms": {k: round(v * 1e3, 3) for k, v in o.phases.items()}}
-            if ss is not None:  # source blocks at shuffled ids: packed, never zero-copy
+            out[str(size)]["reads"] = statistics.median(reads)
+            if ss is not None:  # source blocks at shuffled ids: one read (or pack) per block
                 out[str(size)].update(scattered_pull_gbps=ss["gbps"],
                                       scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
+            for key, times in (("stream", st_t), ("stream_scattered", st_scat_t)):
+                if times:  # the stream path in the same run, for comparison
+                    t = _summary(nbytes, times)
+                    out[str(size)].update({f"{key}_pull_gbps": t["gbps"],
+                                           f"{key}_ratio": round(t["gbps"] / rs["gbps"], 3)})
         fb = []
         for _ in range(max(20, s.repeats)):
             o = await pull(1)
@@ -410,7 +433,9 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         out["one_block_total_ms"] = round(o.total_s * 1e3, 3)
         return out
     finally:
-        await asyncio.get_running_loop().run_in_executor(None, puller.close)
+        for p in (puller, streamer):
+            if p is not None:
+                await asyncio.get_running_loop().run_in_executor(None, p.close)
 
 
 CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages,
@@ -490,9 +515,11 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                 "messages": pr["messages"],
                 "hint_to_first_byte_ms": result["pull"]["hint_to_first_byte_ms"],
                 "scattered_ratio": pr.get("scattered_ratio"),
+                "data_path": result["pull"]["data_path"],
                 "by_size": {size: {k: r[k] for k in ("bytes", "blocks", "pull_gbps",
-                                                     "raw_gbps", "ratio", "messages",
-                                                     "scattered_pull_gbps", "scattered_ratio")
+                                                     "raw_gbps", "ratio", "messages", "reads",
+                                                     "scattered_pull_gbps", "scattered_ratio",
+                                                     "stream_ratio", "stream_scattered_ratio")
                                    if k in r}
                             for size, r in result["pull"].items() if isinstance(r, dict)}}
     elif "raw" in result:
@@ -519,7 +546,11 @@ def _print_human(res: dict[str, Any]) -> None:
             print(f"  pull     {int(size) // MiB:5d} MiB  {r['pull_gbps']:7.2f} GB/s "
                   f"[p20 {r['pull_gbps_p20']:.2f}, p80 {r['pull_gbps_p80']:.2f}]  "
                   f"raw {r['raw_gbps']:.2f} GB/s  ratio {r['ratio']:.2f}  {r['blocks']} blocks "
-                  f"{r['messages']} messages")
+                  f"{r['messages']} messages {r['reads']} reads")
+            extra = [f"{k} {r[k]:.2f}" for k in ("scattered_ratio", "stream_ratio",
+                                                 "stream_scattered_ratio") if k in r]
+            if extra:
+                print(f"  pull     {int(size) // MiB:5d} MiB  " + "  ".join(extra))
     if "pull" in cases:
         print(f"  pull     hint-to-first-byte median {cases['pull']['hint_to_first_byte_ms']} ms "
               f"(1 block, warm connection)")
@@ -547,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--ucx-env", default="kvkern", choices=["kvkern", "off"],
                    help="'off' measures UCX's default error handling (TCP on loopback)")
     x.add_argument("--timeout", type=float, default=60.0, help="hard limit for the run (s)")
+    x.add_argument("--data-path", default="both", choices=["read", "stream", "both"],
+                   help="pull case: one-sided reads (the default path), the chunk stream, "
+                        "or both in the same run (read is the headline)")
     x.add_argument("--json", action="store_true", help="print one JSON object, last line")
     p = sub.add_parser("_peer", help=argparse.SUPPRESS)
     p.add_argument("--port-file", required=True)
@@ -568,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings(ucx_env=ns.ucx_env, progress_mode=ns.progress_mode,
                  sizes=tuple(_parse_size(t) for t in ns.sizes.split(",") if t),
                  chunk_bytes=_parse_size(ns.chunk), in_flight=ns.in_flight,
-                 repeats=ns.repeats, cases=cases, peer_timeout_s=ns.timeout)
+                 repeats=ns.repeats, cases=cases, peer_timeout_s=ns.timeout,
+                 data_path=ns.data_path)
     res = run_xfer(s)
     if ns.json:
         sys.stdout.flush()

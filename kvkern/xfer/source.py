@@ -41,7 +41,19 @@ while it streams. For one request::
     reply     PullReply on tag_for(tid, REPLY): served blocks and hashes, total_bytes,
               n_chunks, chunk_sizes
     stream    chunks on tag_for(tid, DATA, i), packed into a ring of staging buffers
+      or read   (request.read, this rank's pool registered, one whole-block piece) the reply
+              carries read_rkey/base/stride and the pool ids; the destination reads the
+              blocks one-sided, then ReadDone on CONTROL_TAG -> ReadAck(held=True) on
+              tag_for(tid, REPLY, 1); the pins are held until ReadDone
     unpin     exactly once (see below)
+
+Remote reads: with ``remote_read="host"`` (default) ``start()`` registers every host pool
+whose blocks are contiguous rows (:meth:`RankKV.block_rows`) with UCX for remote read only
+(:class:`kvkern.xfer.ucp_rma.Region`; ``"all"`` also device pools, untested without a GPU;
+``"off"`` none) and lists ``read/1`` in the state. The registration lasts until ``close()``,
+so a peer holding the key can read any block of that pool while connected, like any
+RDMA-registered KV pool (NIXL, Mooncake); it can never write. Use ``"off"`` where
+destinations are not trusted to read the whole pool.
 
 A REJECTED / ERROR reply's ``reason`` is ``"<code>: <detail>"``; codes: ``hash_scheme_mismatch``,
 ``wrong_rank``, ``bad_piece``, ``too_many_chunks``, ``duplicate_transfer``, ``busy``,
@@ -83,7 +95,8 @@ Unpin exactly once
 ------------------
 Each admitted request is a task that pins inside its body and releases in ``finally``; a
 done-callback releases again as a backstop (release is idempotent, the manager's ``unpin``
-is called once). Whatever ends the task — the last chunk sent, a send failure, the peer
+is called once). Whatever ends the task — the last chunk sent (for a read, ReadDone
+answered), a send failure, the peer
 vanishing (``peer_closed``), the deadline (``deadline_ms`` from receipt, 0 = the source cap,
 capped by ``max_send_s``), a :class:`Cancel` for its transfer id, or :meth:`close` — the pins
 are released once and ``pins_outstanding`` / ``kvkern_source_pinned_blocks`` drop. If a packing
