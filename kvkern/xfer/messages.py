@@ -37,7 +37,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: one-message control frames, reads (ReadDone/ReadAck)
 MAGIC = b"KVKX"
 _PREAMBLE = struct.Struct("<4sHHQI")
 PREAMBLE_BYTES = _PREAMBLE.size  # 20

@@ -865,18 +865,10 @@ class Puller:
         job.phases["allocate"] = time.perf_counter() - t
 
         t = time.perf_counter()
-        tasks = [asyncio.ensure_future(self._pull_pair(job, tr, addrs[tr.src_rank], xfer_t))
-                 for tr in pairs]
-        try:
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for tk in tasks:
-                if tk.done() and not tk.cancelled() and tk.exception() is not None:
-                    raise tk.exception()
-            served = [tk.result() for tk in tasks]
-        finally:
-            for tk in tasks:
-                tk.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        if len(pairs) == 1:  # one pair: no task to spawn and wait for (a loop hop less)
+            served = [await self._pull_pair(job, pairs[0], addrs[pairs[0].src_rank], xfer_t)]
+        else:
+            served = await self._pull_pairs(job, pairs, addrs, xfer_t)
         xfer_s = time.perf_counter() - t
         job.phases["transfer"] = xfer_s
 
@@ -905,6 +897,21 @@ class Puller:
         return lease, decision.reason, detail, {"blocks_transferred": keep,
                                                 "blocks_skipped": decision.skipped,
                                                 "blocks_requested": job.count}
+
+    async def _pull_pairs(self, job: _Job, pairs: list, addrs: dict, xfer_t: float) -> list[int]:
+        """Every pair concurrently; the first failure cancels the others (awaited)."""
+        tasks = [asyncio.ensure_future(self._pull_pair(job, tr, addrs[tr.src_rank], xfer_t))
+                 for tr in pairs]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for tk in tasks:
+                if tk.done() and not tk.cancelled() and tk.exception() is not None:
+                    raise tk.exception()
+            return [tk.result() for tk in tasks]
+        finally:
+            for tk in tasks:
+                tk.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _pull_pair(self, job: _Job, tr: Any, addr: tuple[str, int], xfer_t: float) -> int:
         """One (source rank, destination rank) pair; returns the validated served count."""
@@ -1072,6 +1079,7 @@ class Puller:
         ids = job.private[:served]
         runs = coalesce([lbase + i * lstride for i in ids],
                         [base + b * stride for b in reply.read_blocks], unit)
+        t = time.perf_counter()
         try:
             first = await conn.read(reply.read_rkey, runs, timeout=xfer_t)
         except ReadsStuck:
@@ -1081,9 +1089,12 @@ class Puller:
             job.t_first_byte = first or time.perf_counter()
         job.reads += len(runs)
         job.bytes += served * unit
+        t_ack = time.perf_counter()
+        job.phases["read"] = job.phases.get("read", 0.0) + (t_ack - t)
         await conn.send_msg(ReadDone(transfer_id=tid), CONTROL_TAG, timeout=xfer_t)
         ack = await conn.recv_msg(tag_for(tid, Lane.REPLY, 1), timeout=xfer_t)
         job.messages += 2
+        job.phases["ack"] = job.phases.get("ack", 0.0) + (time.perf_counter() - t_ack)
         if not isinstance(ack, ReadAck) or ack.transfer_id != tid or not ack.held:
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} did not "
                             f"confirm it held the blocks during the read: "

@@ -752,7 +752,8 @@ class SourceService:
             remaining = s.deadline - time.monotonic()
             if remaining <= 0:
                 raise asyncio.TimeoutError
-            await asyncio.wait_for(self._pin_and_send(s, pieces), remaining)
+            async with asyncio.timeout(remaining):  # no extra task: one loop hop less
+                await self._pin_and_send(s, pieces)
         except asyncio.TimeoutError:
             self._failed(s, "deadline")
         except asyncio.CancelledError:
