@@ -526,10 +526,14 @@ class Connection:
         finally:
             if batch is not None and batch.stuck:
                 self.abort(self.failure or "cancelled")  # cancels the reads still running
-                if not await _drain(batch):
+                try:
+                    drained = await _drain(batch)
+                except asyncio.CancelledError:  # cancelled again while draining: unknown
+                    drained = False
+                if not drained:
                     key = None  # reads may still use it: leak the key, not memory safety
-                    raise ReadsStuck(f"{len(runs)} reads still running "
-                                     f"{READ_DRAIN_S} s after the endpoint was aborted")
+                    raise ReadsStuck(f"{len(runs)} reads still running after the endpoint "
+                                     f"was aborted (waited up to {READ_DRAIN_S} s)")
             if key is not None:
                 key.destroy()
 
