@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import typing
 
 import msgspec
 import pytest
@@ -21,6 +22,8 @@ from kvkern.xfer.messages import (
     ProtocolError,
     PullReply,
     PullRequest,
+    ReadAck,
+    ReadDone,
     Status,
     decode,
     encode,
@@ -66,7 +69,15 @@ def reason_of(data) -> str:
     PullReply(transfer_id=9, status=Status.MISS, reason="evicted"),
     PullReply(transfer_id=1, status=Status.OK),
     Cancel(transfer_id=2**30 - 1, reason="deadline"),
-], ids=["request", "reply-ok", "reply-miss", "reply-empty", "cancel"])
+    pull_request(read=True, require_all=True),
+    PullReply(transfer_id=9, status=Status.PARTIAL, served_blocks=2, block_hashes=[3, 4],
+              total_bytes=8192, read_rkey=bytes(range(256)) * 3, read_base=2**64 - 1,
+              read_stride=4096, read_blocks=[17, 0]),
+    ReadDone(transfer_id=7),
+    ReadAck(transfer_id=7, held=True),
+    ReadAck(transfer_id=2**30 - 1, held=False, reason="deadline passed before ReadDone"),
+], ids=["request", "reply-ok", "reply-miss", "reply-empty", "cancel", "request-read",
+        "reply-read", "read-done", "read-ack-held", "read-ack-lost"])
 def test_round_trip(msg):
     data = encode(msg)
     assert data[:4] == MAGIC and len(data) > PREAMBLE_BYTES
@@ -89,7 +100,8 @@ def test_round_trip_property(hashes, data):
                        start=start, count=count,
                        pieces=[piece(o, n, src_rank=i) for i, (o, n) in
                                enumerate(zip(offs, lengths, strict=True))],
-                       request_id=data.draw(st.text(max_size=40)))
+                       request_id=data.draw(st.text(max_size=40)),
+                       require_all=data.draw(st.booleans()), read=data.draw(st.booleans()))
     assert decode(encode(req)) == req
 
 
@@ -109,12 +121,18 @@ def test_random_body_behind_valid_preamble_never_crashes(body):
         assert exc.reason in ("invalid", "unknown_kind")
 
 
-@settings(max_examples=200, deadline=None)
+KINDS = ["pull_request", "pull_reply", "cancel", "read_done", "read_ack"]
+
+
+@settings(max_examples=300, deadline=None)
 @given(st.dictionaries(st.sampled_from(["kind", "transfer_id", "status", "reason", "start",
-                                        "count", "pieces", "block_hashes", "chunk_sizes"]),
+                                        "count", "pieces", "block_hashes", "chunk_sizes",
+                                        "served_blocks", "total_bytes", "n_chunks", "read",
+                                        "read_rkey", "read_base", "read_stride", "read_blocks",
+                                        "held"]),
                        st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=8),
-                                 st.sampled_from(["pull_request", "pull_reply", "cancel"]),
-                                 st.lists(st.integers(-5, 5), max_size=3)), max_size=9))
+                                 st.sampled_from(KINDS), st.booleans(), st.binary(max_size=8),
+                                 st.lists(st.integers(-5, 5), max_size=3)), max_size=12))
 def test_random_maps_never_crash(body):
     try:
         decode(frame(body))
@@ -177,6 +195,217 @@ def test_invalid_request_rejected_on_decode(kw, match):
     with pytest.raises(ProtocolError, match=match) as info:
         decode(frame({"kind": "pull_request", **bad}))
     assert info.value.reason == "invalid"
+
+
+# ------------------------------------------------------------------ every message kind
+
+TIDS = st.integers(1, 2**30 - 1)
+TEXT = st.text(max_size=30)
+
+
+@st.composite
+def requests(draw) -> PullRequest:
+    hashes = draw(st.lists(U64, min_size=1, max_size=8))
+    start = draw(st.integers(0, len(hashes) - 1))
+    return pull_request(transfer_id=draw(TIDS), block_hashes=hashes, start=start,
+                        count=draw(st.integers(1, len(hashes) - start)),
+                        require_all=draw(st.booleans()), read=draw(st.booleans()),
+                        deadline_ms=draw(st.integers(0, 24 * 3600 * 1000)))
+
+
+@st.composite
+def stream_replies(draw) -> PullReply:
+    status = draw(st.sampled_from(list(Status)))
+    if status not in (Status.OK, Status.PARTIAL):
+        return PullReply(transfer_id=draw(TIDS), status=status, reason=draw(TEXT))
+    served = draw(st.integers(0, 6))
+    sizes = draw(st.lists(st.integers(0, 2**40), max_size=6))
+    return PullReply(transfer_id=draw(TIDS), status=status, served_blocks=served,
+                     block_hashes=draw(st.lists(U64, min_size=served, max_size=served)),
+                     total_bytes=sum(sizes), n_chunks=len(sizes), chunk_sizes=sizes)
+
+
+@st.composite
+def read_replies(draw) -> PullReply:
+    served = draw(st.integers(0, 6))
+    return PullReply(transfer_id=draw(TIDS), status=draw(st.sampled_from([Status.OK,
+                                                                          Status.PARTIAL])),
+                     served_blocks=served,
+                     block_hashes=draw(st.lists(U64, min_size=served, max_size=served)),
+                     total_bytes=draw(st.integers(0, 2**40)),
+                     read_rkey=draw(st.binary(min_size=1, max_size=700)), read_base=draw(U64),
+                     read_stride=draw(st.integers(1, 2**63 - 1)),
+                     read_blocks=draw(st.lists(st.integers(0, 2**63 - 1), min_size=served,
+                                               max_size=served)))
+
+
+MESSAGES = st.one_of(
+    requests(), stream_replies(), read_replies(),
+    st.builds(Cancel, transfer_id=TIDS, reason=TEXT),
+    st.builds(ReadDone, transfer_id=TIDS),
+    st.builds(ReadAck, transfer_id=TIDS, held=st.booleans(), reason=TEXT))
+
+
+def test_message_types_cover_every_kind():
+    assert set(m.MESSAGE_TYPES) == set(typing.get_args(m.Message))
+    assert {t.__struct_config__.tag for t in m.MESSAGE_TYPES} == set(KINDS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(MESSAGES)
+def test_every_kind_round_trips(msg):
+    assert decode(encode(msg)) == msg
+
+
+@settings(max_examples=300, deadline=None)
+@given(MESSAGES, st.data())
+def test_mutated_frames_of_every_kind_never_crash(msg, data):
+    """A valid frame of any kind with body bytes overwritten, cut or appended: decoding
+    yields a message or a ProtocolError, nothing else."""
+    frame_ = bytearray(encode(msg))
+    body = frame_[PREAMBLE_BYTES:]
+    edit = data.draw(st.sampled_from(["overwrite", "cut", "append"]))
+    if edit == "overwrite":
+        for _ in range(data.draw(st.integers(1, 4))):
+            body[data.draw(st.integers(0, len(body) - 1))] = data.draw(st.integers(0, 255))
+    elif edit == "cut":
+        body = body[:data.draw(st.integers(0, len(body) - 1))]
+    else:
+        body += data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        out = decode(frame(bytes(body)))
+    except ProtocolError as exc:
+        assert exc.reason in ("invalid", "unknown_kind")
+    else:
+        assert isinstance(out, m.MESSAGE_TYPES)
+
+
+READ_REPLY = dict(transfer_id=5, status="ok", served_blocks=2, block_hashes=[7, 8],
+                  total_bytes=8192, read_rkey=b"rk", read_base=4096, read_stride=4096,
+                  read_blocks=[3, 1])
+
+
+def test_read_reply_defaults_and_old_bodies():
+    """A request or reply body without the read fields (what a peer of the same schema
+    may omit: they have defaults) decodes as a stream request / reply."""
+    body = msgspec.structs.asdict(pull_request())
+    body["pieces"] = [msgspec.structs.asdict(p) for p in body["pieces"]]
+    del body["read"], body["require_all"]
+    req = decode(frame({"kind": "pull_request", **body}))
+    assert req.read is False and req == pull_request()
+    reply = decode(frame({"kind": "pull_reply", "transfer_id": 1, "status": "ok"}))
+    assert reply.read_rkey == b"" and reply.read_blocks == [] and reply.read_stride == 0
+    assert decode(frame({"kind": "pull_reply", **READ_REPLY})) == PullReply(
+        **(READ_REPLY | {"status": Status.OK}))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n_chunks=1, chunk_sizes=[8192]), "a read reply needs"),
+    (dict(read_blocks=[3]), "a read reply needs"),
+    (dict(read_blocks=[3, 1, 2]), "a read reply needs"),
+    (dict(read_stride=0), "a read reply needs"),
+    (dict(read_rkey=b""), "read_blocks without a read_rkey"),
+    (dict(read_rkey=b"", total_bytes=0, served_blocks=0, block_hashes=[]),
+     "read_blocks without a read_rkey"),
+], ids=["chunks-with-rkey", "too-few-read-blocks", "too-many-read-blocks", "zero-stride",
+        "read-blocks-without-rkey", "read-blocks-only"])
+def test_invalid_read_reply_rejected(kw, match):
+    bad = READ_REPLY | kw
+    with pytest.raises(ValueError, match=match):
+        PullReply(**(bad | {"status": Status(bad["status"])}))
+    with pytest.raises(ProtocolError, match=match) as info:
+        decode(frame({"kind": "pull_reply", **bad}))
+    assert info.value.reason == "invalid"
+
+
+@pytest.mark.parametrize("kw", [
+    dict(read_rkey=b"k" * (m.MAX_RKEY_BYTES + 1)),
+    dict(read_rkey="rk"),  # text, not bytes
+    dict(read_base=-1),
+    dict(read_stride=-4096),
+    dict(read_stride=2**63),
+    dict(read_blocks=[3, -1]),
+    dict(read_blocks=[3, "1"]),
+], ids=["oversize-rkey", "rkey-as-text", "negative-base", "negative-stride", "stride-past-i64",
+        "negative-block", "block-as-text"])
+def test_read_reply_field_types_checked_on_decode(kw):
+    """Type and range constraints are msgspec's: checked when decoding (construction does
+    not check msgspec.Meta constraints, for these fields as for every other)."""
+    body = {"kind": "pull_reply", **(READ_REPLY | kw)}
+    assert reason_of(frame(body)) == "invalid"
+
+
+def test_rkey_size_limit_is_inclusive():
+    ok = PullReply(**(READ_REPLY | {"status": Status.OK,
+                                    "read_rkey": b"k" * m.MAX_RKEY_BYTES}))
+    assert decode(encode(ok)) == ok
+    assert m.READ_CAPABILITY == "read/1"
+
+
+@pytest.mark.parametrize("body", [
+    {"kind": "read_done", "transfer_id": 0},
+    {"kind": "read_done", "transfer_id": 1, "held": True},
+    {"kind": "read_done"},
+    {"kind": "read_ack", "transfer_id": 1},
+    {"kind": "read_ack", "transfer_id": 1, "held": 1},
+    {"kind": "read_ack", "transfer_id": 1, "held": True, "reason": "x" * (m.MAX_TEXT + 1)},
+    {"kind": "pull_request", **{k: v for k, v in msgspec.structs.asdict(
+        pull_request()).items() if k != "pieces"}, "pieces": [PIECE], "read": "yes"},
+], ids=["done-tid-0", "done-extra-field", "done-no-tid", "ack-no-held", "ack-held-int",
+        "ack-reason-too-long", "request-read-not-bool"])
+def test_read_messages_rejected_on_decode(body):
+    assert reason_of(frame(body)) == "invalid"
+
+
+def _rebuilt(cls, drop=()):
+    """``cls`` redefined from its fields (minus ``drop``) under the same name and tag."""
+    fields = []
+    for f in msgspec.structs.fields(cls):
+        if f.name in drop:
+            continue
+        if f.default is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, f.default))
+        elif f.default_factory is not msgspec.NODEFAULT:
+            fields.append((f.name, f.type, msgspec.field(default_factory=f.default_factory)))
+        else:
+            fields.append((f.name, f.type))
+    return msgspec.defstruct(cls.__name__, fields, bases=(m._Base,),
+                             tag=cls.__struct_config__.tag)
+
+
+def test_fingerprint_follows_the_schema(monkeypatch):
+    """The read path's schema change (PullRequest.read, PullReply.read_*, ReadDone, ReadAck)
+    changes the fingerprint, so a peer built before it is refused at the preamble."""
+    current = m.schema_fingerprint()
+    assert current == m.DEFAULT_CODEC.fingerprint
+
+    def fingerprint_with(*types) -> int:
+        monkeypatch.setattr(m, "Message", typing.Union[types])  # noqa: UP007 (runtime Union)
+        return m.schema_fingerprint()
+
+    kinds = (m.PullRequest, m.PullReply, m.Cancel, m.ReadDone, m.ReadAck)
+    assert fingerprint_with(*kinds) == current
+    assert fingerprint_with(_rebuilt(m.PullRequest), *kinds[1:]) == current  # same fields
+    seen = {current}
+    variants = [
+        (_rebuilt(m.PullRequest, drop=("read",)), *kinds[1:]),
+        (m.PullRequest, _rebuilt(m.PullReply, drop=("read_rkey",)), *kinds[2:]),
+        (m.PullRequest, _rebuilt(m.PullReply, drop=("read_base", "read_stride",
+                                                   "read_blocks")), *kinds[2:]),
+        (*kinds[:3], m.ReadDone),
+        (*kinds[:3], m.ReadAck),
+        kinds[:3],
+        (*kinds[:4], _rebuilt(m.ReadAck, drop=("reason",))),
+    ]
+    for types in variants:
+        fp = fingerprint_with(*types)
+        assert fp not in seen, [t.__name__ for t in types]
+        seen.add(fp)
+    monkeypatch.undo()
+    monkeypatch.setattr(m, "PROTOCOL_VERSION", m.PROTOCOL_VERSION + 1)
+    assert m.schema_fingerprint() not in seen
+    monkeypatch.undo()
+    assert m.schema_fingerprint() == current
 
 
 def test_list_caps():

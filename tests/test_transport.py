@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -21,10 +22,12 @@ import pytest
 import pytest_asyncio
 import torch
 
-from kvkern.xfer.messages import PlanPiece, PullReply, PullRequest, Status
+from kvkern.xfer import transport
+from kvkern.xfer.messages import DEFAULT_CODEC, Cancel, PlanPiece, PullReply, PullRequest, Status
 from kvkern.xfer.transport import (
     CONTROL_TAG,
     MAX_TRANSFER_ID,
+    Connection,
     ConnectionPool,
     Lane,
     Listener,
@@ -33,6 +36,7 @@ from kvkern.xfer.transport import (
     as_send_buffer,
     tag_for,
 )
+from kvkern.xfer.ucx_env import import_ucxx
 
 PEER = Path(__file__).parent / "peers" / "ucx_peer.py"
 sys.path.insert(0, str(PEER.parent))
@@ -361,3 +365,107 @@ async def test_garbage_control_frame_is_protocol_error():
                 break
             await asyncio.sleep(0.01)
     assert seen == [("protocol_error", "bad_magic")]
+
+
+# -------------------------------------------------- ucxx loop binding and read posting
+
+
+@aio
+async def test_bind_ucxx_loop_is_idempotent_on_one_loop(monkeypatch):
+    """Binding twice (or again after forgetting the cached loop) keeps the notifier thread
+    that already serves this loop, and UCX requests still complete on it afterwards."""
+    loop = asyncio.get_running_loop()
+    transport.bind_ucxx_loop()
+    ctx = import_ucxx().core._get_ctx()
+    thread = ctx.notifier_thread
+    assert transport._NOTIFIER_LOOP is loop
+    transport.bind_ucxx_loop()
+    assert ctx.notifier_thread is thread and transport._NOTIFIER_LOOP is loop
+    monkeypatch.setattr(transport, "_register_exit_hook", lambda: None, raising=False)
+    monkeypatch.setattr(transport, "_NOTIFIER_LOOP", None)
+    transport.bind_ucxx_loop()
+    transport.bind_ucxx_loop()
+    assert ctx.notifier_thread is thread and transport._NOTIFIER_LOOP is loop
+    if ctx.enable_python_future:
+        assert thread is not None and thread.is_alive() and thread._args[0] is loop
+
+    async def echo(conn):
+        msg = await conn.recv_msg(timeout=5)
+        await conn.send_msg(msg, tag_for(msg.transfer_id, Lane.REPLY), timeout=5)
+
+    async with Listener(echo) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        await conn.send_msg(Cancel(transfer_id=5, reason="ping"), timeout=5)
+        assert await conn.recv_msg(tag_for(5, Lane.REPLY), timeout=5) == Cancel(
+            transfer_id=5, reason="ping")
+    assert ctx.notifier_thread is thread
+
+
+class _FakeEndpoint:
+    closed = False
+
+    def __init__(self) -> None:
+        self.aborted_at: float | None = None
+
+    def set_close_callback(self, cb) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.aborted_at = time.monotonic()
+
+
+def test_abort_waits_for_a_concurrent_poster():
+    """A helper thread posting reads holds ``_posting``: abort returns only after it let
+    go, and the endpoint stays in place (not aborted) for as long as it posts."""
+    ep = _FakeEndpoint()
+    conn = Connection(ep, peer=None, codec=DEFAULT_CODEC)
+    holding, seen = threading.Event(), {}
+
+    def poster():
+        with conn._posting:
+            holding.set()
+            time.sleep(0.05)
+            seen["ep_while_posting"] = conn._ep
+            seen["aborted_while_posting"] = ep.aborted_at
+            seen["released"] = time.monotonic()
+
+    t = threading.Thread(target=poster)
+    t.start()
+    assert holding.wait(5)
+    t0 = time.monotonic()
+    conn.abort("cancelled")
+    returned = time.monotonic()
+    t.join(5)
+    assert seen["ep_while_posting"] is ep and seen["aborted_while_posting"] is None
+    assert ep.aborted_at is not None and ep.aborted_at >= seen["released"]
+    assert returned >= seen["released"] and returned - t0 >= 0.03
+    assert not conn.alive and conn.failure == "cancelled"
+    conn.abort("later")  # idempotent: first reason kept, no second endpoint abort
+    assert conn.failure == "cancelled" and not conn._posting.locked()
+
+
+@aio
+async def test_abort_of_a_real_connection_waits_for_a_poster():
+    async def hold(conn):
+        await conn.recv_msg(timeout=None)
+
+    async with Listener(hold) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        holding, released = threading.Event(), []
+
+        def poster():
+            with conn._posting:
+                holding.set()
+                time.sleep(0.05)
+                released.append(time.monotonic())
+
+        t = threading.Thread(target=poster)
+        t.start()
+        assert holding.wait(5)
+        conn.abort("cancelled")
+        done = time.monotonic()
+        t.join(5)
+        assert released and done >= released[0]
+        assert not conn.alive and len(pool) == 0
+        again = await pool.get(HOST, listener.port)
+        assert again.alive
