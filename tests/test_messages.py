@@ -227,12 +227,12 @@ def stream_replies(draw) -> PullReply:
 
 @st.composite
 def read_replies(draw) -> PullReply:
-    served = draw(st.integers(0, 6))
+    served = draw(st.integers(1, 6))
     return PullReply(transfer_id=draw(TIDS), status=draw(st.sampled_from([Status.OK,
                                                                           Status.PARTIAL])),
                      served_blocks=served,
                      block_hashes=draw(st.lists(U64, min_size=served, max_size=served)),
-                     total_bytes=draw(st.integers(0, 2**40)),
+                     total_bytes=served * draw(st.integers(0, 2**34)),
                      read_rkey=draw(st.binary(min_size=1, max_size=700)), read_base=draw(U64),
                      read_stride=draw(st.integers(1, 2**63 - 1)),
                      read_blocks=draw(st.lists(st.integers(0, 2**63 - 1), min_size=served,
@@ -307,8 +307,13 @@ def test_read_reply_defaults_and_old_bodies():
     (dict(read_rkey=b""), "read_blocks without a read_rkey"),
     (dict(read_rkey=b"", total_bytes=0, served_blocks=0, block_hashes=[]),
      "read_blocks without a read_rkey"),
+    (dict(status="miss", reason="x"), "status ok/partial"),
+    (dict(served_blocks=0, block_hashes=[], read_blocks=[], total_bytes=0),
+     "status ok/partial and served blocks"),
+    (dict(total_bytes=READ_REPLY["total_bytes"] + 1), "whole blocks"),
 ], ids=["chunks-with-rkey", "too-few-read-blocks", "too-many-read-blocks", "zero-stride",
-        "read-blocks-without-rkey", "read-blocks-only"])
+        "read-blocks-without-rkey", "read-blocks-only", "miss-with-rkey", "no-served-blocks",
+        "partial-block-bytes"])
 def test_invalid_read_reply_rejected(kw, match):
     bad = READ_REPLY | kw
     with pytest.raises(ValueError, match=match):

@@ -14,9 +14,9 @@ Observed on this machine (ucxx 0.52, libucx 1.21, reads over ``cma/memory``, i.e
 * CMA does not look at the remote key's bounds: a read past the end of a registered region
   into mapped memory of the peer returns those bytes, and an all-zero "rkey" unpacks and
   reads fine. Only an unmapped remote address fails (UCS_ERR_IO_ERROR);
-* ``ucs_status_t`` is a 1-byte packed enum, while the binding reads it as a C int:
-  ``ucp_request_check_status`` zero-extends, so a failed read reports ``status 253``
-  instead of ``UCS_ERR_IO_ERROR`` (see the xfail tests).
+* ``ucs_status_t`` is a 1-byte packed enum (``ucp_request_check_status`` zero-extends it
+  in a register): the binding must read it as a signed byte, else a failed read reports
+  ``status 253`` instead of ``UCS_ERR_IO_ERROR`` (``test_status_return_type_matches_header``).
 """
 
 from __future__ import annotations
@@ -169,15 +169,10 @@ def test_argument_types_match_header(header_facts):
             assert f.restype is None, fn
         elif ret == "ucs_status_ptr_t":
             assert f.restype is ctypes.c_void_p, fn  # _ptr_status decodes it
-        elif ret != "ucs_status_t":  # see the xfail below
+        else:
             assert ctypes.sizeof(f.restype) == c_ret, fn
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG kvkern/xfer/ucp_rma.py _ucp() sig table (ucp_mem_map, ucp_mem_unmap, ucp_rkey_pack, "
-    "ucp_ep_rkey_unpack, ucp_request_check_status): ucs_status_t is UCS_S_PACKED (1 signed "
-    "byte) but is bound as restype c_int; libucp's ucp_request_check_status returns it with "
-    "movzbl, so UCS_ERR_IO_ERROR (-3) reads as 253. Fix: restype ctypes.c_int8"))
 def test_status_return_type_matches_header(header_facts):
     lib = ucp_rma._ucp()
     for fn, (ret, _) in SIGNATURES.items():
@@ -562,10 +557,10 @@ async def test_read_past_region_end_on_loopback(listener, pool, source):
 @aio
 async def test_read_from_unmapped_address_fails_cleanly(listener, pool, source):
     """Remote address 4096 (below mmap_min_addr: never mapped). Observed: the read's request
-    completes with an error (UCS_ERR_IO_ERROR, reported as "status 253", see the xfail
-    below): TransportError('transfer_failed'), the connection aborted, our memory untouched,
-    no ReadsStuck, and the pool reconnects. (This relies on UCX reading over CMA, as
-    UCX_PROTO_INFO=y shows here; a memcpy transport would fault the process instead.)"""
+    completes with an error (UCS_ERR_IO_ERROR): TransportError('transfer_failed'), the
+    connection aborted, our memory untouched, no ReadsStuck, and the pool reconnects. (This
+    relies on UCX reading over CMA, as UCX_PROTO_INFO=y shows here; a memcpy transport would
+    fault the process instead.)"""
     src, region = source
     conn = await connect(pool, listener)
     connects = pool.connects
@@ -584,10 +579,6 @@ async def test_read_from_unmapped_address_fails_cleanly(listener, pool, source):
     assert torch.equal(dst[:4096], src[:4096])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG kvkern/xfer/ucp_rma.py _ucp(): ucp_request_check_status bound with restype c_int for "
-    "the 1-byte ucs_status_t: the failed read reports 'status 253' instead of "
-    "UCS_ERR_IO_ERROR, and RmaError.status is positive"))
 @aio
 async def test_failed_read_names_its_ucs_status(listener, pool, source):
     _, region = source
@@ -598,11 +589,6 @@ async def test_failed_read_names_its_ucs_status(listener, pool, source):
     assert "UCS_ERR_" in str(info.value), str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG kvkern/xfer/transport.py Connection.read, 'except Exception' block: an RmaError is "
-    "replaced by a new TransportError, then 'raise self._fail(exc, ...) from exc' raises that "
-    "TransportError from itself: __cause__ is the error itself and the RmaError (its status) "
-    "only survives in the suppressed __context__"))
 @aio
 async def test_failed_read_keeps_the_rma_error_as_cause(listener, pool, source):
     _, region = source

@@ -185,12 +185,15 @@ class PullReply(_Base, tag="pull_reply"):
         if len(self.chunk_sizes) != self.n_chunks:
             raise ValueError(f"n_chunks {self.n_chunks} but {len(self.chunk_sizes)} sizes")
         if self.read_rkey:
+            if self.status not in (Status.OK, Status.PARTIAL) or not self.served_blocks:
+                raise ValueError(f"a read reply needs status ok/partial and served blocks, "
+                                 f"got {self.status.value} with {self.served_blocks}")
             if self.n_chunks or len(self.read_blocks) != self.served_blocks \
-                    or not self.read_stride:
+                    or not self.read_stride or self.total_bytes % self.served_blocks:
                 raise ValueError(f"a read reply needs no chunks ({self.n_chunks}), one pool "
                                  f"block per served block ({len(self.read_blocks)} for "
-                                 f"{self.served_blocks}) and a block stride "
-                                 f"({self.read_stride})")
+                                 f"{self.served_blocks}), a block stride ({self.read_stride}) "
+                                 f"and whole blocks ({self.total_bytes} B)")
             return
         if self.read_blocks:
             raise ValueError("read_blocks without a read_rkey")

@@ -520,9 +520,10 @@ class Connection:
             self.abort("cancelled")
             raise
         except Exception as exc:
+            err = exc
             if isinstance(exc, ucp_rma.RmaError):
-                exc = TransportError("transfer_failed", f"one-sided read: {exc}")
-            raise self._fail(exc, f"read of {len(runs)} runs") from exc
+                err = TransportError("transfer_failed", f"one-sided read: {exc}")
+            raise self._fail(err, f"read of {len(runs)} runs") from exc
         finally:
             if batch is not None and batch.stuck:
                 self.abort(self.failure or "cancelled")  # cancels the reads still running

@@ -97,6 +97,7 @@ class _RequestParam(ctypes.Structure):  # ucp_request_param_t (ucp/api/ucp.h)
 _lib: Any = None
 _lib_lock = threading.Lock()
 _V = ctypes.c_void_p
+_STATUS = ctypes.c_int8  # ucs_status_t is a packed (1-byte) signed enum in ucs/type/status.h
 
 
 def _loaded_libucp() -> str | None:
@@ -126,17 +127,17 @@ def _ucp() -> Any:
         path = _loaded_libucp() or "libucp.so.0"
         lib = ctypes.CDLL(path)
         sig = {
-            "ucp_mem_map": (ctypes.c_int, [_V, ctypes.POINTER(_MemMapParams),
+            "ucp_mem_map": (_STATUS, [_V, ctypes.POINTER(_MemMapParams),
                                            ctypes.POINTER(_V)]),
-            "ucp_mem_unmap": (ctypes.c_int, [_V, _V]),
-            "ucp_rkey_pack": (ctypes.c_int, [_V, _V, ctypes.POINTER(_V),
+            "ucp_mem_unmap": (_STATUS, [_V, _V]),
+            "ucp_rkey_pack": (_STATUS, [_V, _V, ctypes.POINTER(_V),
                                              ctypes.POINTER(ctypes.c_size_t)]),
             "ucp_rkey_buffer_release": (None, [_V]),
-            "ucp_ep_rkey_unpack": (ctypes.c_int, [_V, ctypes.c_char_p, ctypes.POINTER(_V)]),
+            "ucp_ep_rkey_unpack": (_STATUS, [_V, ctypes.c_char_p, ctypes.POINTER(_V)]),
             "ucp_rkey_destroy": (None, [_V]),
             "ucp_get_nbx": (_V, [_V, _V, ctypes.c_size_t, ctypes.c_uint64, _V,
                                  ctypes.POINTER(_RequestParam)]),
-            "ucp_request_check_status": (ctypes.c_int, [_V]),
+            "ucp_request_check_status": (_STATUS, [_V]),
             "ucp_request_free": (None, [_V]),
             "ucp_worker_progress": (ctypes.c_uint, [_V]),
         }
