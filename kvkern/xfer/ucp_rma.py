@@ -58,6 +58,7 @@ _PROT_LOCAL_READ, _PROT_LOCAL_WRITE, _PROT_REMOTE_READ = 1, 2, 1 << 8
 _OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 MEMORY_TYPES = {"host": 0, "cuda": 1}  # ucs_memory_type_t
 _UCP_FEATURE_RMA = 1 << 1
+_RKEY_PAD = 4096  # zero bytes after a received rkey (see RemoteKey)
 
 # names of the UCS status codes (ucs/type/status.h: -1 .. -25 in this order)
 _ERR_NAMES = ("NO_MESSAGE", "NO_RESOURCE", "IO_ERROR", "NO_MEMORY", "INVALID_PARAM",
@@ -236,8 +237,11 @@ class RemoteKey:
     def __init__(self, ep_handle: int, packed: bytes) -> None:
         if not packed:
             raise ValueError("empty remote key")
+        # ucp_ep_rkey_unpack takes no length: a truncated key from the wire would make UCX
+        # parse past its end. Zero padding keeps any over-read inside this buffer.
+        buf = ctypes.create_string_buffer(bytes(packed), len(packed) + _RKEY_PAD)
         rkey = _V()
-        st = _ucp().ucp_ep_rkey_unpack(ep_handle, packed, ctypes.byref(rkey))
+        st = _ucp().ucp_ep_rkey_unpack(ep_handle, buf, ctypes.byref(rkey))
         if st != UCS_OK:
             raise RmaError("ucp_ep_rkey_unpack", st)
         self.ep_handle = ep_handle
