@@ -9,6 +9,12 @@ no pins / leases / private / referenced blocks, source pins 0.
 
 The model everywhere: 2 layers, 4 KV heads, head_dim 16, block size 4, float16 (2 KiB per
 block on a TP1 rank).
+
+A pair between two trtllm pools (whole contiguous block rows) is read one-sided by default
+(``XferConfig.remote_read``, the source's "read/1"); tests about the stream's chunks ask for
+the stream explicitly (``remote_read=False``), the fault tests run both, and the tests at the
+end cover the read path itself. The source peer counts the replies it sent by kind
+(``/test/stats`` "replies"), so a test can tell which path a pull took.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from kvkern.xfer.metrics import XferMetrics
 from kvkern.xfer.outcome import Reason, RequestState
 from kvkern.xfer.puller import Puller
 from kvkern.xfer.runtime import EventLoopThread
+from kvkern.xfer.ucp_rma import coalesce
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -210,6 +217,12 @@ def check_bytes(src: Source, group: KVGroup, hashes: list[int], block_ids: list[
                     f"block {bid} heads {heads} differ from source rank {r}"
 
 
+def served_kinds(src: Source, before: dict) -> dict:
+    """Data-carrying replies the source sent since ``before`` (its /test/stats "replies")."""
+    now = src.http("GET", "/test/stats")["replies"]
+    return {k: now[k] - before[k] for k in now}
+
+
 def assert_clean(group: KVGroup) -> None:
     st = group.manager.stats()
     for k in ("pinned", "pins", "leased", "leases", "private", "referenced"):
@@ -304,13 +317,16 @@ def test_other_engine_layouts_and_split_blocks(src, make_puller, layout, chunk_b
     # A per-layer NHD/HND pool has no contiguous canonical view: every chunk goes through
     # the staging ring and the unpack kernel; 1500-byte chunks cut every 2 KiB block in two
     # (the carry path).
+    # The stream explicitly: a trtllm pool would otherwise be read one-sided (whole blocks,
+    # no chunks; see test_read_*).
     tokens = fresh_tokens(5 * BS)
     hashes = src.commit(tokens)
     group = make_group(layout=layout)
     before = snapshot(group)
-    p = make_puller(group, chunk_bytes=chunk_bytes)
+    p = make_puller(group, chunk_bytes=chunk_bytes, remote_read=False)
     o = pull(p, "lay", tokens, hint_for(src, tokens))
     assert o.used and o.blocks_transferred == 5, o
+    assert o.reads == 0, o
     if chunk_bytes < 2048:
         assert o.messages == 2 + 5 * 2  # request, reply, two slices per block
     ids = claim_check_release(p, group, src, "lay", hashes)
@@ -576,11 +592,15 @@ def test_metadata_fetch_failures(make_puller, stub_server):
     assert_clean(group)
 
 
-def test_transfer_timeout_when_source_stops_responding(src, make_puller):
+@pytest.mark.parametrize("remote_read", [True, False], ids=["read", "stream"])
+def test_transfer_timeout_when_source_stops_responding(src, make_puller, remote_read):
+    # read: the source replies, then never acks (the destination has read the blocks and
+    # sent ReadDone); stream: the source replies, then sends no chunk.
     tokens = fresh_tokens(6 * BS)
     hashes = src.commit(tokens)
     group = make_group()
-    p = make_puller(group, transfer_timeout_s=0.5)
+    p = make_puller(group, transfer_timeout_s=0.5, remote_read=remote_read)
+    sent = src.http("GET", "/test/stats")["replies"]
     src.faults(freeze_after_reply=True)
     try:
         t0 = time.monotonic()
@@ -589,25 +609,36 @@ def test_transfer_timeout_when_source_stops_responding(src, make_puller):
         assert time.monotonic() - t0 < 5
     finally:
         src.faults(freeze_after_reply=False)
+    assert served_kinds(src, sent) == ({"read": 1, "stream": 0} if remote_read
+                                       else {"read": 0, "stream": 1})
+    if remote_read:  # the reads ran, the ack never came: nothing committed
+        assert o.reads >= 1 and o.bytes_transferred == 6 * 2048, o
+    else:
+        assert o.reads == 0 and o.bytes_transferred == 0, o
+    assert group.manager.longest_prefix(hashes) == 0 and p.claim("frozen") is None
+    assert p.quarantined_blocks == 0
     assert_clean(group)
     src.wait_no_pins()
     # the pool reconnects after the aborted connection: the next pull works
     o = pull(p, "after", tokens, hint_for(src, tokens))
-    assert o.used, o
+    assert o.used and (o.reads >= 1) == remote_read, o
     claim_check_release(p, group, src, "after", hashes)
     assert_clean(group)
 
 
-def test_deadline_and_cancel(src, make_puller):
+@pytest.mark.parametrize("remote_read", [True, False], ids=["read", "stream"])
+def test_deadline_and_cancel(src, make_puller, remote_read):
     tokens = fresh_tokens(6 * BS)
     src.commit(tokens)
     group = make_group()
-    p = make_puller(group, deadline_s=0.6, transfer_timeout_s=5.0)
+    p = make_puller(group, deadline_s=0.6, transfer_timeout_s=5.0, remote_read=remote_read)
+    sent = src.http("GET", "/test/stats")["replies"]
     src.faults(freeze_after_reply=True)
     try:
         o = pull(p, "late", tokens, hint_for(src, tokens))
         assert o.reason is Reason.DEADLINE_EXCEEDED, o
-        p2 = make_puller(group)
+        assert (o.reads >= 1) == remote_read, o
+        p2 = make_puller(group, remote_read=remote_read)
         p2.submit("cx", tokens, hint_for(src, tokens))
         deadline = time.monotonic() + 5
         while p2.state("cx") is not RequestState.CONTEXT_PREFETCH_IN_PROGRESS:
@@ -620,17 +651,22 @@ def test_deadline_and_cancel(src, make_puller):
         assert not p2.cancel("cx")
     finally:
         src.faults(freeze_after_reply=False)
+    kind = "read" if remote_read else "stream"
+    assert served_kinds(src, sent) == {"read": 0, "stream": 0, kind: 2}
+    assert p.quarantined_blocks == p2.quarantined_blocks == 0
     assert_clean(group)
     src.wait_no_pins()
 
 
 def test_source_killed_mid_transfer(make_puller):
+    # The stream explicitly (chunks of one block, 150 ms apart); the read path's kill is
+    # test_source_killed_while_the_destination_waits_for_the_read_ack.
     tokens = list(range(7, 7 + 16 * BS))
     s = Source("source_peer.py", "--seq", f"7:{7 + 16 * BS}", "--chunk-bytes", "2048",
                "--slow-send-ms", "150", "--chunks-in-flight", "1").wait_ready()
     try:
         group = make_group()
-        p = make_puller(group)
+        p = make_puller(group, remote_read=False)
         p.submit("killed", tokens, hint_for(s, tokens))
         deadline = time.monotonic() + 10
         while p.outcome("killed") is None and time.monotonic() < deadline:
@@ -644,7 +680,7 @@ def test_source_killed_mid_transfer(make_puller):
         o = p.result("killed", 10)
         assert o.reason is Reason.TRANSFER_FAILED, o
         assert time.monotonic() - t0 < 2  # a killed peer surfaces at once
-        assert 0 < o.bytes_transferred < 16 * 2048
+        assert 0 < o.bytes_transferred < 16 * 2048 and o.reads == 0
         assert_clean(group)
     finally:
         s.kill()
@@ -832,3 +868,152 @@ def test_wait_timeout_leaves_the_outcome_intact(src, make_puller, rt):
     p.release("w")
     assert_clean(group)
     src.wait_no_pins()
+
+
+# ------------------------------------------------------------------------ one-sided reads
+#
+# A trtllm pool is whole contiguous block rows: by default the destination asks for a read
+# (PullRequest.read), the source replies where the pinned blocks are, the destination reads
+# them straight into its private blocks (one run per stretch of blocks consecutive on both
+# sides), then ReadDone -> ReadAck(held=True) and only then commits: 4 messages in all.
+
+
+def source_block_ids(src: Source, hashes: list[int]) -> list[int]:
+    got = src.blocks(hashes)
+    return [got[str(h)]["block_id"] for h in hashes]
+
+
+def commit_scattered(src: Source, tokens: list[int]) -> tuple[list[int], list[int]]:
+    """Commit ``tokens`` on the source so that no block's pool id is one above its
+    predecessor's (a read can then merge no two blocks into one run): commit, evict in a
+    chosen order (each evicted block goes to the free-queue head), commit again (allocation
+    pops the head, last evicted first). Returns (hashes, source block ids)."""
+    hashes = src.commit(tokens)
+    assert len(hashes) >= 3
+    ids = source_block_ids(src, hashes)
+    order = sorted(ids)
+    want = order[0::2] + order[1::2]  # ascending neighbours differ by >= 2
+    by_id = dict(zip(ids, hashes, strict=True))
+    ev = src.evict([by_id[b] for b in reversed(want)])
+    assert sorted(ev["evicted"]) == sorted(hashes), ev
+    assert src.commit(tokens) == hashes
+    got = source_block_ids(src, hashes)
+    assert got == want, (got, want)
+    assert all(b != a + 1 for a, b in zip(got, got[1:], strict=False)), got
+    return hashes, got
+
+
+def fragment(group: KVGroup) -> list[int]:
+    """Hold every even block of the destination pool, so its free blocks, hence a pull's
+    private blocks, are the odd ones: no two consecutive. Returns the held ids."""
+    mgr = group.manager
+    ids = mgr.allocate(group.num_blocks)
+    mgr.release(ids[1::2])
+    return ids[0::2]
+
+
+def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller):
+    n = 12
+    tokens = fresh_tokens(n * BS)
+    hashes, remote = commit_scattered(src, tokens)
+    group = make_group()
+    held = fragment(group)
+    before = snapshot(group)
+    p = make_puller(group)
+    sent = src.http("GET", "/test/stats")["replies"]
+    o = pull(p, "scattered", tokens, hint_for(src, tokens))
+    assert o.used and o.reason is Reason.OK and o.blocks_transferred == n, o
+    assert o.messages == 4, o  # request, reply, ReadDone, ReadAck: no data message
+    assert o.reads == n, o  # scattered on both sides: one run per block
+    assert o.bytes_transferred == n * 2048
+    assert served_kinds(src, sent) == {"read": 1, "stream": 0}
+    ids = p.claim("scattered")
+    assert ids is not None and len(ids) == n and not set(ids) & set(held), ids
+    assert all(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)), ids
+    check_bytes(src, group, hashes, ids)
+    assert source_block_ids(src, hashes) == remote  # what was read is still there
+    assert_only_changed(group, before, set(ids))  # the held blocks kept their bytes
+    group.manager.release(ids)
+    group.manager.release(held)
+    assert p.quarantined_blocks == 0
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_read_and_stream_commit_the_same_bytes(src, make_puller):
+    n = 12
+    tokens = fresh_tokens(n * BS)
+    hashes = src.commit(tokens)
+    remote = source_block_ids(src, hashes)
+    assert "read/1" in src.http("GET", "/kvkern/v1/state")["capabilities"]
+    got = {}
+    for remote_read in (True, False):
+        group = make_group()
+        p = make_puller(group, remote_read=remote_read)
+        sent = src.http("GET", "/test/stats")["replies"]
+        o = pull(p, "same", tokens, hint_for(src, tokens))
+        assert o.used and o.blocks_transferred == n and o.bytes_transferred == n * 2048, o
+        kinds = served_kinds(src, sent)
+        ids = p.claim("same")
+        check_bytes(src, group, hashes, ids)
+        got[remote_read] = (o, ids, [block_bytes(group, 0, b) for b in ids], kinds)
+        group.manager.release(ids)
+        assert p.quarantined_blocks == 0
+        assert_clean(group)
+    (ro, rids, rbytes, rkinds), (so, _, sbytes, skinds) = got[True], got[False]
+    assert rbytes == sbytes
+    assert rkinds == {"read": 1, "stream": 0} and ro.messages == 4, ro
+    # one read per stretch of blocks consecutive in both pools
+    assert ro.reads == len(coalesce(rids, remote, 1)), (ro, rids, remote)
+    # remote_read=False streams although the source offers reads: 24 KiB in 8 KiB chunks
+    assert skinds == {"read": 0, "stream": 1}
+    assert so.reads == 0 and so.messages == 2 + 3, so
+    src.wait_no_pins()
+
+
+def test_stream_from_a_source_without_reads(make_puller):
+    tokens = list(range(13, 13 + 8 * BS))
+    s = Source("source_peer.py", "--remote-read", "off", "--seq", f"13:{13 + 8 * BS}",
+               "--chunk-bytes", "8192").wait_ready()
+    try:
+        assert "read/1" not in s.http("GET", "/kvkern/v1/state")["capabilities"]
+        group = make_group()
+        p = make_puller(group)
+        assert p.config.remote_read  # it would read from a source offering it
+        o = pull(p, "off", tokens, hint_for(s, tokens))
+        assert o.used and o.blocks_transferred == 8, o
+        assert o.reads == 0 and o.messages == 2 + 2, o  # 16 KiB in two 8 KiB chunks
+        assert s.http("GET", "/test/stats")["replies"] == {"read": 0, "stream": 1}
+        claim_check_release(p, group, s, "off", sequence_hashes(tokens, BS))
+        assert_clean(group)
+        s.wait_no_pins()
+    finally:
+        s.kill()
+
+
+def test_source_killed_while_the_destination_waits_for_the_read_ack(make_puller):
+    n = 16
+    tokens = list(range(9, 9 + n * BS))
+    s = Source("source_peer.py", "--seq", f"9:{9 + n * BS}",
+               "--slow-send-ms", "5000").wait_ready()  # the ack would come 5 s after ReadDone
+    try:
+        group = make_group()
+        p = make_puller(group)
+        p.submit("killed-ack", tokens, hint_for(s, tokens))
+        deadline = time.monotonic() + 10
+        while s.http("GET", "/test/stats")["acks_delayed"] == 0:  # until ReadDone arrived
+            assert p.outcome("killed-ack") is None, p.outcome("killed-ack")
+            assert time.monotonic() < deadline, "the source never received ReadDone"
+            time.sleep(0.02)
+        s.proc.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        o = p.result("killed-ack", 10)
+        assert o.reason is Reason.TRANSFER_FAILED and not o.used, o
+        assert time.monotonic() - t0 < 2  # a killed peer surfaces at once
+        assert o.reads >= 1 and o.bytes_transferred == n * 2048, o  # read, never confirmed
+        assert p.claim("killed-ack") is None
+        assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 0
+        assert p.quarantined_blocks == 0
+        assert_clean(group)
+    finally:
+        s.kill()

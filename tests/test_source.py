@@ -5,6 +5,10 @@ module; the test process is the destination, driving them with a raw ConnectionP
 and recv_stream, and checking received bytes against the peers' own block checksums. Fault
 knobs are switched at run time through the peer's /test/faults route, so one peer serves every
 fault test. One in-process service covers busy admission and close().
+
+One-sided reads (``PullRequest.read``): the test process reads a read reply's blocks with
+``Connection.read`` as a destination would, then ReadDone -> ReadAck; in-process services
+cover a read whose ReadDone never comes (deadline) and a source with reads off.
 """
 
 from __future__ import annotations
@@ -27,9 +31,20 @@ import torch
 
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.cache.pool import BlockPool
+from kvkern.kernels.pack import pack
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.kvgroup import KVGroup, RankKV
-from kvkern.xfer.messages import Cancel, Codec, PlanPiece, PullReply, PullRequest, Status
+from kvkern.xfer.messages import (
+    READ_CAPABILITY,
+    Cancel,
+    Codec,
+    PlanPiece,
+    PullReply,
+    PullRequest,
+    ReadAck,
+    ReadDone,
+    Status,
+)
 from kvkern.xfer.metrics import PHASES, XferMetrics
 from kvkern.xfer.runtime import EventLoopThread
 from kvkern.xfer.source import (
@@ -47,6 +62,7 @@ from kvkern.xfer.transport import (
     TransportError,
     tag_for,
 )
+from kvkern.xfer.ucp_rma import coalesce
 
 PEER = Path(__file__).parent / "peers" / "source_peer.py"
 HOST = "127.0.0.1"
@@ -197,12 +213,12 @@ def full_piece(src_rank: int = 0, heads: int = HEADS) -> list[PlanPiece]:
 def request(hashes: list[int], *, start: int = 0, count: int | None = None,
             pieces: list[PlanPiece] | None = None, chunk_bytes: int = 1 << 20,
             deadline_ms: int = 10_000, scheme: str = SCHEME,
-            require_all: bool = False) -> PullRequest:
+            require_all: bool = False, read: bool = False) -> PullRequest:
     return PullRequest(transfer_id=next(_tids), request_id="test", hash_scheme=scheme,
                        block_hashes=hashes, start=start,
                        count=len(hashes) - start if count is None else count,
                        pieces=pieces or full_piece(), chunk_bytes=chunk_bytes,
-                       deadline_ms=deadline_ms, require_all=require_all)
+                       deadline_ms=deadline_ms, require_all=require_all, read=read)
 
 
 async def ask(conn, req: PullRequest) -> PullReply:
@@ -505,6 +521,126 @@ async def test_deadline_releases_pins(tp1, http, faults):
     assert 'kvkern_source_send_failures_total{reason="deadline"}' in text
 
 
+# ------------------------------------------------------------------- one-sided reads
+
+
+def metric(text: str, sample: str) -> float:
+    """The value of one exposition line ``sample`` (name and labels), 0 when absent."""
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def metrics_text(http, ready: dict) -> str:
+    async with http.get(f"http://{HOST}:{ready['http_port']}/metrics") as r:
+        return await r.text()
+
+
+async def read_blocks(conn, reply: PullReply) -> np.ndarray:
+    """Read a read reply's blocks one-sided, as a destination would, into one buffer."""
+    u = reply.total_bytes // reply.served_blocks
+    buf = np.full(reply.total_bytes, 0xA5, np.uint8)
+    runs = coalesce([buf.ctypes.data + i * u for i in range(reply.served_blocks)],
+                    [reply.read_base + b * reply.read_stride for b in reply.read_blocks], u)
+    await conn.read(reply.read_rkey, runs, timeout=10)
+    return buf
+
+
+@aio
+async def test_read_reply_read_done_ack_then_unpin(tp1, pool, http):
+    st = await get_json(http, tp1, STATE_PATH)
+    assert READ_CAPABILITY in st["capabilities"]
+    hs = tp1["sequences"][0]
+    n, u = len(hs), unit(LAYERS, HEADS)
+    held = await get_json(http, tp1, "/test/blocks?hashes=" + ",".join(map(str, hs)))
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    served_before = metric(await metrics_text(http, tp1), "kvkern_source_blocks_served_total")
+    req = request(hs, read=True)
+    reply = await ask(conn, req)
+    assert reply.status == Status.OK and reply.served_blocks == n and reply.block_hashes == hs
+    assert reply.read_rkey and reply.read_base and reply.read_stride == u
+    assert reply.read_blocks == [held[str(h)]["block_id"] for h in hs]  # the pinned blocks
+    assert reply.n_chunks == 0 and reply.chunk_sizes == [] and reply.total_bytes == n * u
+    st = await wait_pinned(http, tp1)
+    assert st["pool"]["pinned"] == n and st["active_sends"] == 1
+    data = await read_blocks(conn, reply)
+    assert [sha(data[i * u:(i + 1) * u].tobytes()) for i in range(n)] == \
+        await digests(http, tp1, hs)
+    st = await get_json(http, tp1, "/test/stats")
+    assert st["pins_outstanding"] == 1 and st["pool"]["pinned"] == n  # held until ReadDone
+    await conn.send_msg(ReadDone(transfer_id=req.transfer_id), timeout=5)
+    ack = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY, 1), timeout=5)
+    assert ack == ReadAck(transfer_id=req.transfer_id, held=True), ack
+    await wait_released(http, tp1)
+    assert metric(await metrics_text(http, tp1),
+                  "kvkern_source_blocks_served_total") == served_before + n
+    # a second ReadDone: nothing is pinned for it any more, and the source says so
+    await conn.send_msg(ReadDone(transfer_id=req.transfer_id), timeout=5)
+    again = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY, 1), timeout=5)
+    assert isinstance(again, ReadAck) and again.transfer_id == req.transfer_id
+    assert not again.held and again.reason
+    assert conn.alive
+
+
+@aio
+async def test_read_done_for_an_unknown_transfer_is_not_held(tp1, pool, http):
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    tid = next(_tids)
+    await conn.send_msg(ReadDone(transfer_id=tid), timeout=5)
+    ack = await conn.recv_msg(tag_for(tid, Lane.REPLY, 1), timeout=5)
+    assert isinstance(ack, ReadAck) and ack.transfer_id == tid and not ack.held, ack
+    assert "no read" in ack.reason
+    assert conn.alive
+    reply, data = await pull(conn, request(tp1["sequences"][0][:2]))  # still serving
+    assert reply.status == Status.OK and len(data) == 2 * unit(LAYERS, HEADS)
+    await wait_released(http, tp1)
+
+
+@aio
+async def test_read_requests_the_source_cannot_read_get_the_stream(tp1, tp2, pool, http):
+    """Reads need one piece of whole blocks over a pool of contiguous block rows: a sub-block
+    piece, or a pool that is not block rows (vllm_nhd: no region, no read/1), streams."""
+    hs = tp1["sequences"][0][:3]
+    a = PlanPiece(src_rank=0, layer_start=0, layer_stop=1, head_start=0, head_stop=4,
+                  offset=0, length=unit(1, 4))
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    req = request(hs, pieces=[a], read=True)
+    reply, data = await pull(conn, req)
+    assert reply.status == Status.OK and not reply.read_rkey and reply.n_chunks >= 1
+    assert [sha(b) for b in piece_blocks(data, [a], 3)[0]] == \
+        await digests(http, tp1, hs, layers=(0, 1), heads=(0, 4))
+    await wait_released(http, tp1)
+
+    assert READ_CAPABILITY not in (await get_json(http, tp2, STATE_PATH))["capabilities"]
+    hs2 = tp2["sequences"][0]
+    conn2 = await pool.get(HOST, tp2["ucx_ports"]["0"])
+    req = request(hs2, pieces=full_piece(0, heads=HEADS // 2), read=True)
+    reply, data = await pull(conn2, req)
+    assert reply.status == Status.OK and not reply.read_rkey and reply.n_chunks >= 1
+    assert [sha(b) for b in piece_blocks(data, req.pieces, len(hs2))[0]] == \
+        await digests(http, tp2, hs2, rank=0)
+    await wait_released(http, tp2)
+
+
+@aio
+async def test_cancel_during_a_read_releases_pins(tp1, http):
+    hs = tp1["sequences"][0]
+    cancelled = 'kvkern_source_send_failures_total{reason="cancelled"}'
+    before = metric(await metrics_text(http, tp1), cancelled)
+    async with ConnectionPool(connect_timeout=10) as own:
+        conn = await own.get(HOST, tp1["ucx_ports"]["0"])
+        req = request(hs, read=True)
+        reply = await ask(conn, req)
+        assert reply.status == Status.OK and reply.read_rkey
+        st = await wait_pinned(http, tp1)
+        assert st["pool"]["pinned"] == len(hs)
+        await read_blocks(conn, reply)  # the destination read, then changed its mind
+        await conn.send_msg(Cancel(transfer_id=req.transfer_id, reason="test"), timeout=5)
+        await wait_released(http, tp1)
+    assert metric(await metrics_text(http, tp1), cancelled) == before + 1
+
+
 # ---------------------------------------------------------------- in-process: busy, close
 
 
@@ -583,6 +719,80 @@ async def test_sigterm_closes_a_real_source_with_a_frozen_send(frozen_peer):
         assert closed["pool"]["pinned"] == 0 and closed["pool"]["pins"] == 0
     finally:
         stop_peer(proc)
+
+
+@aio
+async def test_read_without_read_done_is_released_once_at_the_deadline():
+    """The destination never sends ReadDone: at the request's deadline the source aborts the
+    connection (what was read must not count) and unpins exactly once."""
+    group, hs = _group()
+    mgr = group.manager
+    unpins = []
+    real_unpin = mgr.unpin
+
+    def counting_unpin(handle):
+        unpins.append(handle.pin_id)
+        return real_unpin(handle)
+
+    mgr.unpin = counting_unpin
+    svc = SourceService([group], worker_id="inproc-read")
+    await svc.start()
+    try:
+        assert READ_CAPABILITY in svc.state()["capabilities"]
+        async with ConnectionPool(connect_timeout=10) as own:
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            req = request(hs, read=True, deadline_ms=400)
+            t0 = time.monotonic()
+            reply = await ask(conn, req)
+            assert reply.status == Status.OK and reply.read_rkey and reply.served_blocks == 8
+            assert svc.pins_outstanding == 1 and mgr.num_pinned == 8 and unpins == []
+            with pytest.raises(TransportError) as info:  # no ack: the connection is aborted
+                await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY, 1), timeout=5)
+            assert info.value.reason == "peer_closed"
+            assert time.monotonic() - t0 < 4
+            deadline = time.monotonic() + 5
+            while svc.pins_outstanding or svc.active_sends:
+                assert time.monotonic() < deadline, "pins not released after the deadline"
+                await asyncio.sleep(0.02)
+            assert len(unpins) == 1 and mgr.num_pinned == 0 and mgr.stats()["pins"] == 0
+            assert svc.metrics.value("kvkern_source_send_failures_total",
+                                     reason="deadline") == 1
+            assert svc.metrics.value("kvkern_source_pinned_blocks") == 0
+            # a late ReadDone (on a new connection) finds nothing pinned
+            late = await own.get(HOST, svc.ucx_ports[0])
+            assert late is not conn
+            await late.send_msg(ReadDone(transfer_id=req.transfer_id), timeout=5)
+            ack = await late.recv_msg(tag_for(req.transfer_id, Lane.REPLY, 1), timeout=5)
+            assert isinstance(ack, ReadAck) and not ack.held, ack
+        mgr.check_invariants()
+    finally:
+        await svc.close()
+    assert len(unpins) == 1
+
+
+@aio
+async def test_read_request_to_a_source_with_reads_off_gets_the_stream():
+    group, hs = _group()
+    svc = SourceService([group], worker_id="inproc-noread", remote_read="off")
+    await svc.start()
+    try:
+        assert READ_CAPABILITY not in svc.state()["capabilities"]
+        async with ConnectionPool(connect_timeout=10) as own:
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            req = request(hs, read=True, chunk_bytes=5000)
+            reply, data = await pull(conn, req)
+        assert reply.status == Status.OK and reply.served_blocks == 8
+        assert not reply.read_rkey and reply.read_blocks == [] and reply.n_chunks == 4
+        rkv = group.ranks[0]
+        want = pack(rkv.pool, rkv.layout, group.manager.match_prefix(hs))
+        assert data.tobytes() == want.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        deadline = time.monotonic() + 5
+        while svc.pins_outstanding or svc.active_sends:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert group.manager.num_pinned == 0
+    finally:
+        await svc.close()
 
 
 # ----------------------------------------------------------------------- pure parts

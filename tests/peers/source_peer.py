@@ -28,9 +28,13 @@ Flags
 ``--seed N``                  KV random seed (default 0)
 ``--chunk-bytes N --chunks-in-flight N --max-concurrent-sends N --max-send-s S``
                               SourceService settings (defaults 16 MiB, 4, 8, 60)
-``--slow-send-ms MS``         sleep before packing each chunk (fault tests)
-``--freeze-after-reply``      after a data-carrying reply, send nothing until the deadline,
-                              a Cancel or the connection's end (fault tests)
+``--remote-read MODE``        SourceService remote_read: host (default; offer one-sided reads
+                              of CPU pools of whole block rows, capability "read/1") | off
+                              (stream only) | all
+``--slow-send-ms MS``         sleep before packing each chunk, and before confirming a read
+                              (ReadAck) (fault tests)
+``--freeze-after-reply``      after a data-carrying reply (stream or read), send nothing until
+                              the deadline, a Cancel or the connection's end (fault tests)
 ``--http-port N``             default 0 (the OS picks)
 ``--worker-id ID``            default "source-peer"
 ``--lifetime-s S``            exit after S seconds (default 120)
@@ -38,7 +42,10 @@ Flags
 Test-only HTTP routes (``extra_routes``)
 ----------------------------------------
 ``GET  /test/stats``      ``{"pool": BlockPool.stats(), "pins_outstanding", "pinned_blocks",
-                          "active_sends", "listeners_open"}``
+                          "active_sends", "listeners_open", "replies": {"read": n,
+                          "stream": n} (data-carrying replies sent, by kind), "acks_delayed":
+                          reads whose ReadDone arrived and whose ReadAck is about to be sent
+                          (after ``slow_send_ms``)}``
 ``POST /test/evict``      body ``{"hashes": [...]}``: evict those cached, unheld blocks;
                           answers ``{"evicted": [...], "held": [...], "absent": [...]}``
 ``POST /test/commit``     body ``{"tokens": [...]}`` or ``{"range": [A, B]}``: commit the full
@@ -73,27 +80,43 @@ from kvkern.kernels.pack import pack, unpack
 from kvkern.layout.kv_layout import allocate_staging
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.kvgroup import KVGroup, RankKV
+from kvkern.xfer.messages import Status
 from kvkern.xfer.runtime import EventLoopThread
-from kvkern.xfer.source import SourceService
+from kvkern.xfer.source import REMOTE_READ_MODES, SourceService
 
 READY_PREFIX = "KVKERN_READY "
 CLOSED_PREFIX = "KVKERN_CLOSED "
 
 
 class FaultySource(SourceService):
-    """SourceService with run-time fault knobs for tests."""
+    """SourceService with run-time fault knobs for tests, counting the replies it sends by
+    kind (one-sided read or stream) and the read acks it is about to send."""
 
     def __init__(self, *args, slow_send_ms: float = 0.0, freeze_after_reply: bool = False,
                  **kw) -> None:
         super().__init__(*args, **kw)
         self.slow_send_ms = slow_send_ms
         self.freeze_after_reply = freeze_after_reply
+        self.replies = {"read": 0, "stream": 0}
+        self.acks_delayed = 0
+        self._read_tids: set[int] = set()  # read replies whose ReadAck is not sent yet
+
+    async def _reply(self, s, reply) -> None:
+        await super()._reply(s, reply)
+        if reply.status in (Status.OK, Status.PARTIAL):
+            kind = "read" if reply.read_rkey else "stream"
+            self.replies[kind] += 1
+            if reply.read_rkey:
+                self._read_tids.add(reply.transfer_id)
 
     async def _after_reply(self, req, reply) -> None:
         if self.freeze_after_reply:
             await asyncio.Event().wait()  # until the deadline, a Cancel or close cancels us
 
     async def _before_chunk(self, transfer_id: int, index: int) -> None:
+        if transfer_id in self._read_tids:  # a read: ReadDone arrived, the ack comes next
+            self._read_tids.discard(transfer_id)
+            self.acks_delayed += 1
         if self.slow_send_ms > 0:
             await asyncio.sleep(self.slow_send_ms / 1000)
 
@@ -133,6 +156,7 @@ class Peer:
             chunk_bytes=args.chunk_bytes, chunks_in_flight=args.chunks_in_flight,
             max_concurrent_sends=args.max_concurrent_sends, max_send_s=args.max_send_s,
             slow_send_ms=args.slow_send_ms, freeze_after_reply=args.freeze_after_reply,
+            remote_read=args.remote_read,
             extra_routes=[web.get("/test/stats", self.h_stats),
                           web.post("/test/evict", self.h_evict),
                           web.post("/test/commit", self.h_commit),
@@ -194,7 +218,9 @@ class Peer:
         return web.json_response({"pool": self.pool.stats(), "pins_outstanding":
                                   s.pins_outstanding, "pinned_blocks": s.pinned_blocks,
                                   "active_sends": s.active_sends,
-                                  "listeners_open": s.listeners_open})
+                                  "listeners_open": s.listeners_open,
+                                  "replies": dict(s.replies),
+                                  "acks_delayed": s.acks_delayed})
 
     async def h_evict(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -239,6 +265,7 @@ def main() -> int:
     ap.add_argument("--chunks-in-flight", type=int, default=4)
     ap.add_argument("--max-concurrent-sends", type=int, default=8)
     ap.add_argument("--max-send-s", type=float, default=60.0)
+    ap.add_argument("--remote-read", choices=REMOTE_READ_MODES, default="host")
     ap.add_argument("--slow-send-ms", type=float, default=0.0)
     ap.add_argument("--freeze-after-reply", action="store_true")
     ap.add_argument("--http-port", type=int, default=0)

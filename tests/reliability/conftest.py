@@ -66,10 +66,12 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def cluster():
-    """S: the source; K: a second source that one fault case kills; D1..D4: destinations.
-    All are fault workers (the real ``kvkern worker`` plus test routes) on 127.0.0.1."""
+    """S: the source; K, K2: two more sources, which the stream and the read kill cases
+    kill; D1..D4: destinations. All are fault workers (the real ``kvkern worker`` plus test
+    routes) on 127.0.0.1."""
     t0 = time.monotonic()
-    specs = {"S": [*COMMON, "--worker-id", "S"], "K": [*COMMON, "--worker-id", "K"]}
+    specs = {"S": [*COMMON, "--worker-id", "S"], "K": [*COMMON, "--worker-id", "K"],
+             "K2": [*COMMON, "--worker-id", "K2"]}
     for i in range(1, 5):
         specs[f"D{i}"] = [*COMMON, "--worker-id", f"D{i}",
                           "--layout", ("trtllm", "vllm_flash", "vllm_nhd", "trtllm")[i - 1]]

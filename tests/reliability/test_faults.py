@@ -12,6 +12,15 @@ routes, ``peers/fault_worker.py``). For every case:
    source pins and active sends, puller pulls in flight) must return to 0;
 5. the next hinted pull from the (living) source must succeed, its blocks equal to the
    source's by checksum and its tokens equal to the source's.
+
+Data-path cases name their transport. D1's pool (trtllm) is whole block rows, so by default
+the source answers with a one-sided **read** (reply -> the destination reads -> ReadDone ->
+ReadAck); a ``stream`` case first switches the source's reads off (``remote_read`` knob: no
+"read/1" in its state, so the destination asks for chunks). Either way the case checks which
+kind of reply the source really sent, whether the destination had read the blocks before it
+fell back, and (where the outcome reason alone could hide another failure) a phrase of the
+outcome's detail. The ``read_*`` cases act once the source holds the ReadAck (after the
+destination's reads and ReadDone): the source sleeps ``slow_send_ms`` there.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from tests.reliability.harness import T, pool_hashes, toks
 pytestmark = pytest.mark.timeout(120)
 
 HINT_T = {"metadata_timeout_s": 1.0, "transfer_timeout_s": 2.0, "deadline_s": 3.0}
+BLOCK_BYTES = 2048  # one block of the tiny model's pool (a read reply's stride)
 SLACK_S = 1.5  # CPU contention on 2 shared cores
 
 
@@ -45,6 +55,9 @@ class Case:
     hint: dict = field(default_factory=dict)  # hint timeout overrides
     policy: str = "strict"
     source: str = "S"
+    transport: str | None = None  # "stream" | "read": the reply the source must send
+    read_first: bool | None = None  # the destination read the blocks before falling back
+    detail: str | None = None  # a phrase of the outcome's detail that names the fault
 
     @property
     def timeouts(self) -> dict:
@@ -63,14 +76,16 @@ class Case:
 
 CASES = [
     Case("source_killed_mid_transfer", "transfer_failed",
-         "source SIGKILLed after pinning and replying, before its first chunk",
-         action="kill", source="K"),
+         "stream: source SIGKILLed after pinning and replying, before its first chunk",
+         action="kill", source="K", transport="stream"),
     Case("source_frozen_mid_transfer_deadline", "deadline_exceeded",
-         "source SIGSTOPped mid-transfer until the pull deadline (2 s)",
-         action="stop_mid", hint={"deadline_s": 2.0, "transfer_timeout_s": 5.0}),
+         "stream: source SIGSTOPped mid-transfer until the pull deadline (2 s)",
+         action="stop_mid", hint={"deadline_s": 2.0, "transfer_timeout_s": 5.0},
+         transport="stream"),
     Case("source_frozen_mid_transfer_no_progress", "transfer_timeout",
-         "source SIGSTOPped mid-transfer; no progress for transfer_timeout (1 s)",
-         action="stop_mid", hint={"deadline_s": 5.0, "transfer_timeout_s": 1.0}),
+         "stream: source SIGSTOPped mid-transfer; no progress for transfer_timeout (1 s)",
+         action="stop_mid", hint={"deadline_s": 5.0, "transfer_timeout_s": 1.0},
+         transport="stream"),
     Case("source_frozen_at_state", "metadata_timeout",
          "source SIGSTOPped before the state GET (metadata_timeout 1 s)", action="stop_state"),
     Case("evicted_between_state_and_pull", "source_miss",
@@ -107,25 +122,60 @@ CASES = [
     Case("connection_refused", "metadata_fetch_failed", "nothing listens at the hinted port",
          action="refused"),
     Case("destination_cancels_mid_pull", "cancelled",
-         "the destination cancels the request while the source streams (frozen after reply)",
-         action="cancel"),
+         "stream: the destination cancels the request while the source streams (frozen after "
+         "reply)", action="cancel", transport="stream"),
     Case("reply_served_over_range", "hash_mismatch",
-         "reply claims 2 more blocks than requested, with hashes outside the range",
-         reply_fault="served_over"),
+         "stream: reply claims 2 more blocks than requested, with hashes outside the range",
+         reply_fault="served_over", transport="stream",
+         detail="hashes that are not the requested"),
     Case("reply_wrong_hashes", "hash_mismatch", "reply names other block hashes",
-         reply_fault="wrong_hashes"),
+         reply_fault="wrong_hashes", detail="hashes that are not the requested"),
     Case("reply_chunk_over_limit", "transfer_failed",
-         "reply announces a chunk larger than the agreed chunk_bytes",
-         reply_fault="chunk_oversize"),
+         "stream: reply announces a chunk larger than the agreed chunk_bytes",
+         reply_fault="chunk_oversize", transport="stream", detail="in chunks <="),
     Case("reply_bytes_over_blocks", "transfer_failed",
-         "reply announces 4 KiB more than the served blocks hold", reply_fault="total_mismatch"),
+         "stream: reply announces 4 KiB more than the served blocks hold",
+         reply_fault="total_mismatch", transport="stream", detail="in chunks <="),
     Case("reply_wrong_transfer_id", "transfer_failed",
-         "reply on this transfer's tag names another transfer id", reply_fault="wrong_tid"),
+         "reply on this transfer's tag names another transfer id", reply_fault="wrong_tid",
+         detail="expected PullReply for transfer"),
     Case("reply_status_error", "transfer_failed", "source answers ERROR",
-         reply_fault="status_error"),
+         reply_fault="status_error", detail="internal: injected"),
     Case("chunk_longer_than_announced", "transfer_failed",
-         "first data chunk carries 4 KiB more than the reply announced",
-         reply_fault="chunk_overrun"),
+         "stream: first data chunk carries 4 KiB more than the reply announced",
+         reply_fault="chunk_overrun", transport="stream", detail="Message truncated"),
+    # ---- the one-sided read path
+    Case("read_source_killed_before_ack", "transfer_failed",
+         "read: source SIGKILLed after the destination read the blocks and sent ReadDone, "
+         "before its ReadAck", action="kill", source="K2", transport="read", read_first=True),
+    Case("read_source_frozen_before_ack_deadline", "deadline_exceeded",
+         "read: source SIGSTOPped after ReadDone, before its ReadAck, until the pull deadline "
+         "(2 s)", action="stop_mid", hint={"deadline_s": 2.0, "transfer_timeout_s": 5.0},
+         transport="read", read_first=True),
+    Case("read_source_frozen_before_ack_no_progress", "transfer_timeout",
+         "read: source SIGSTOPped after ReadDone, before its ReadAck; no ack for "
+         "transfer_timeout (1 s)", action="stop_mid",
+         hint={"deadline_s": 5.0, "transfer_timeout_s": 1.0}, transport="read",
+         read_first=True),
+    Case("read_destination_cancels_before_ack", "cancelled",
+         "read: the destination cancels the request while it waits for the ReadAck",
+         action="cancel", transport="read", read_first=True),
+    Case("read_ack_not_held", "transfer_failed",
+         "read: the ReadAck says the source did not hold the blocks through the read",
+         reply_fault="ack_not_held", transport="read", read_first=True,
+         detail="did not confirm it held the blocks"),
+    Case("read_reply_served_over_range", "hash_mismatch",
+         "read: read reply claims 2 more blocks than requested (hashes outside the range, "
+         "2 more pool blocks to read)", reply_fault="served_over", transport="read",
+         read_first=False, detail="hashes that are not the requested"),
+    Case("read_reply_stride_short", "transfer_failed",
+         "read: read reply puts blocks half a block apart (stride below the block size)",
+         reply_fault="read_stride_short", transport="read", read_first=False,
+         detail="expected 2048 B blocks"),
+    Case("read_reply_bytes_over_blocks", "transfer_failed",
+         "read: read reply announces 4 KiB more than the served blocks hold",
+         reply_fault="read_bytes_over", transport="read", read_first=False,
+         detail="expected 2048 B blocks"),
 ]
 
 
@@ -190,12 +240,22 @@ def test_fault(cluster, record, rng, case: Case):
     if case.action in ("evict", "evict_tail"):
         hs = pool_hashes(prefix)
         src.faults(evict_armed=hs if case.action == "evict" else hs[4:])
+    if case.transport == "stream":
+        src.faults(remote_read=False)
     if case.reply_fault:
         src.faults(reply_fault=case.reply_fault)
-    if case.action in ("kill", "stop_mid"):
-        src.faults(slow_send_ms=3000)
-    if case.action == "cancel":
+    if case.action in ("kill", "stop_mid") or (case.action == "cancel"
+                                               and case.transport == "read"):
+        src.faults(slow_send_ms=3000)  # before each chunk; for a read, before its ReadAck
+    if case.action == "cancel" and case.transport != "read":
         src.faults(freeze_after_reply=True)
+    sent0 = src.stats()
+    seen = [sent0]  # the source's last stats (a killed source answers no more)
+
+    def source_reached(pred) -> bool:
+        st = src.stats(2.0)
+        seen[0] = st
+        return pred(st)
 
     result: dict = {}
 
@@ -216,8 +276,15 @@ def test_fault(cluster, record, rng, case: Case):
             stopped = True
         th.start()
         if case.action in ("kill", "stop_mid", "cancel"):
-            # mid-transfer: the source has pinned the blocks and replied
-            _wait(lambda: src.stats(2.0)["pins_outstanding"] > 0, 10, "the source to pin")
+            if case.transport == "read":  # the destination read and sent ReadDone
+                _wait(lambda: source_reached(
+                    lambda st: st["acks_delayed"] > sent0["acks_delayed"]), 10,
+                    "the source to receive ReadDone")
+            else:  # mid-transfer: the source has pinned the blocks and replied
+                _wait(lambda: source_reached(
+                    lambda st: st["pins_outstanding"] > 0
+                    and st["replies"]["stream"] > sent0["replies"]["stream"]), 10,
+                    "the source to pin and reply")
             if case.action == "kill":
                 src.signal(signal.SIGKILL)
             elif case.action == "stop_mid":
@@ -237,7 +304,8 @@ def test_fault(cluster, record, rng, case: Case):
             src.proc.wait(10)
         if src.proc.poll() is None:
             src.faults(slow_send_ms=0, freeze_after_reply=False, reply_fault=None,
-                       evict_armed=[])
+                       evict_armed=[], remote_read=True)
+            seen[0] = src.stats()
     assert "error" in result or "out" in result
     assert "error" not in result, result.get("error")
     out = result["out"]
@@ -248,9 +316,20 @@ def test_fault(cluster, record, rng, case: Case):
                fallback_s=round(fallback_s, 3), request_wall_s=round(result["wall_s"], 3),
                bound_s=case.bound_s, deadline_s=case.timeouts["deadline_s"],
                detail=pull["detail"][:200], used=pull["used"])
+    replies = {k: seen[0]["replies"][k] - sent0["replies"][k] for k in ("read", "stream")}
+    rec.update(transport=case.transport, replies=replies, reads=pull.get("reads"))
     try:
         assert observed == case.expect, pull
         assert fallback_s <= case.bound_s + SLACK_S, (fallback_s, case.bound_s)
+        if case.detail is not None:
+            assert case.detail in pull["detail"], pull["detail"]
+        if case.transport is not None:  # the source answered with that kind of reply, once
+            other = "stream" if case.transport == "read" else "read"
+            assert replies == {case.transport: 1, other: 0}, replies
+        if case.transport == "stream" or case.read_first is False:
+            assert pull["reads"] == 0, pull
+        if case.read_first:  # read in full, then refused: nothing of it was committed
+            assert pull["reads"] >= 1 and pull["bytes_transferred"] == 8 * BLOCK_BYTES, pull
         if case.expect == "partial":  # best effort kept the head: verify it, then continue
             assert out["fallback"] is None and out["pulled_tokens"] == 4 * T
             hs = pool_hashes(prefix)[:4]

@@ -21,13 +21,23 @@ Routes::
 
     GET  /test/stats       {"pool": BlockPool.stats(), "pins_outstanding", "pinned_blocks",
                             "active_sends", "listeners_open", "puller_inflight",
-                            "prefetching": requests not schedulable, "faults"}
-    POST /test/faults      {"slow_send_ms", "freeze_after_reply", "reply_fault",
-                            "evict_armed": [pool hashes]} (any subset); answers the knobs.
+                            "prefetching": requests not schedulable, "faults": the knobs,
+                            "replies": {"read": n, "stream": n} (data-carrying replies sent,
+                            by kind), "acks_delayed": reads whose ReadDone arrived and whose
+                            ReadAck comes next (after slow_send_ms)}
+    POST /test/faults      {"slow_send_ms" (also before a read's ReadAck),
+                            "freeze_after_reply", "reply_fault", "evict_armed": [pool
+                            hashes], "remote_read": bool} (any subset); answers the knobs.
+                           remote_read false: serve as a ``remote_read="off"`` source would
+                           (no "read/1" in the state, read requests streamed); true (the
+                           default): as configured.
                            reply_fault (one shot, the next data-carrying reply):
-                           served_over | wrong_hashes | chunk_oversize | total_mismatch |
-                           wrong_tid | status_error | chunk_overrun (chunk 0 longer than
-                           announced)
+                           served_over (a read reply's read_blocks grow with it) |
+                           wrong_hashes | chunk_oversize | total_mismatch | wrong_tid |
+                           status_error | chunk_overrun (chunk 0 longer than announced) |
+                           read_stride_short (a read reply's stride below the block size) |
+                           read_bytes_over (a read reply announces 4 KiB more than its blocks)
+                           | ack_not_held (a read's ReadAck says held=False)
     POST /test/evict       {"hashes": [...]} or {"tokens": [...]}: evict cached unheld blocks
     POST /test/cancel      {"request_id"}: puller.cancel(request_id) -> {"cancelled": bool}
     GET  /test/request     ?id=RID -> {"state": the puller's lifecycle state of RID}
@@ -51,12 +61,14 @@ import kvkern.xfer.source as source_mod
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.kernels.pack import pack
 from kvkern.serve import worker as worker_mod
-from kvkern.xfer.messages import PullReply, Status
+from kvkern.xfer.messages import READ_CAPABILITY, PullReply, ReadAck, Status
+from kvkern.xfer.transport import Lane, tag_for
 
 _BaseSource = source_mod.SourceService
 WORKER: dict[str, Any] = {}
 REPLY_FAULTS = ("served_over", "wrong_hashes", "chunk_oversize", "total_mismatch", "wrong_tid",
-                "status_error", "chunk_overrun")
+                "status_error", "chunk_overrun", "read_stride_short", "read_bytes_over",
+                "ack_not_held")
 
 
 class FaultSource(_BaseSource):
@@ -74,6 +86,13 @@ class FaultSource(_BaseSource):
         self.reply_fault: str | None = None
         self.evict_armed: list[int] = []
         self._overrun: set[int] = set()  # transfer ids whose chunk 0 is sent too long
+        # the remote_read knob (SourceService.remote_read is the configured mode, untouched):
+        # False serves as a remote_read="off" source would
+        self.reads_offered = True
+        self.replies = {"read": 0, "stream": 0}
+        self.acks_delayed = 0
+        self._reads: dict[int, Any] = {}  # read replies sent, ack not yet: tid -> _Send
+        self._ack_not_held: set[int] = set()
 
     # ---------------------------------------------------------------- helpers
 
@@ -95,7 +114,21 @@ class FaultSource(_BaseSource):
 
     def knobs(self) -> dict:
         return {"slow_send_ms": self.slow_send_ms, "freeze_after_reply": self.freeze_after_reply,
-                "reply_fault": self.reply_fault, "evict_armed": len(self.evict_armed)}
+                "reply_fault": self.reply_fault, "evict_armed": len(self.evict_armed),
+                "remote_read": self.reads_offered}
+
+    # ---------------------------------------------------------------- reads on / off
+
+    def state(self) -> dict:
+        st = super().state()
+        if not self.reads_offered:
+            st["capabilities"] = [c for c in st["capabilities"] if c != READ_CAPABILITY]
+        return st
+
+    def _accept(self, conn: Any, ctx: Any, conn_sends: Any, req: Any) -> None:
+        if req.read and not self.reads_offered:  # a destination with an older state asks
+            req = msgspec.structs.replace(req, read=False)
+        super()._accept(conn, ctx, conn_sends, req)
 
     # ---------------------------------------------------------------- fault hooks
 
@@ -104,21 +137,45 @@ class FaultSource(_BaseSource):
             await asyncio.Event().wait()  # until the deadline, a Cancel or close cancels us
 
     async def _before_chunk(self, transfer_id: int, index: int) -> None:
+        s = self._reads.pop(transfer_id, None)
+        if s is not None:  # a read: ReadDone arrived, the ReadAck comes next
+            self.acks_delayed += 1
+            if transfer_id in self._ack_not_held:
+                self._ack_not_held.discard(transfer_id)
+                await s.conn.send_msg(ReadAck(transfer_id=transfer_id, held=False,
+                                              reason="injected: pins not held"),
+                                      tag_for(transfer_id, Lane.REPLY, 1), timeout=5.0)
+                await asyncio.Event().wait()  # until the destination's Cancel or deadline
         if self.slow_send_ms > 0:
             await asyncio.sleep(self.slow_send_ms / 1000)
+
+    def _finished(self, s: Any, task: Any) -> None:
+        super()._finished(s, task)
+        tid = s.req.transfer_id
+        if self._reads.get(tid) is s:  # a read that ended before its ack
+            del self._reads[tid]
+            self._ack_not_held.discard(tid)
 
     async def _reply(self, s: Any, reply: PullReply) -> None:
         fault = self.reply_fault
         if fault and reply.status in (Status.OK, Status.PARTIAL):
             self.reply_fault = None  # one shot
             reply = self._corrupt(fault, s.req, reply)
+        if reply.read_rkey:
+            self._reads[s.req.transfer_id] = s
         await super()._reply(s, reply)
+        if reply.status in (Status.OK, Status.PARTIAL):
+            self.replies["read" if reply.read_rkey else "stream"] += 1
 
     def _corrupt(self, fault: str, req: Any, r: PullReply) -> PullReply:
         rep = msgspec.structs.replace
         if fault == "served_over":  # more blocks than requested, hashes beyond the range
+            more = {}
+            if r.read_rkey:  # a consistent read reply: 2 more pool blocks of the same size
+                more = {"read_blocks": [*r.read_blocks, *r.read_blocks[:2]],
+                        "total_bytes": r.total_bytes + 2 * (r.total_bytes // r.served_blocks)}
             return rep(r, served_blocks=r.served_blocks + 2,
-                       block_hashes=[*r.block_hashes, 12345, 67890])
+                       block_hashes=[*r.block_hashes, 12345, 67890], **more)
         if fault == "wrong_hashes":
             return rep(r, block_hashes=[(h + 1) % (1 << 64) for h in r.block_hashes])
         if fault == "chunk_oversize":  # one chunk above the agreed chunk_bytes
@@ -135,6 +192,17 @@ class FaultSource(_BaseSource):
                              reason="internal: injected")
         if fault == "chunk_overrun":
             self._overrun.add(req.transfer_id)
+            return r
+        if fault in ("read_stride_short", "read_bytes_over", "ack_not_held") \
+                and not r.read_rkey:
+            raise ValueError(f"reply fault {fault!r} needs a read reply (remote_read on, a "
+                             f"destination asking for a read)")
+        if fault == "read_stride_short":  # blocks would overlap: half a block apart
+            return rep(r, read_stride=r.read_stride // 2)
+        if fault == "read_bytes_over":
+            return rep(r, total_bytes=r.total_bytes + 4096)
+        if fault == "ack_not_held":
+            self._ack_not_held.add(req.transfer_id)
             return r
         raise ValueError(f"unknown reply fault {fault!r}")
 
@@ -214,7 +282,8 @@ class FaultSource(_BaseSource):
             "pinned_blocks": self.pinned_blocks, "active_sends": self.active_sends,
             "listeners_open": self.listeners_open,
             "puller_inflight": puller.inflight if puller is not None else 0,
-            "prefetching": prefetching, "faults": self.knobs()})
+            "prefetching": prefetching, "faults": self.knobs(), "replies": dict(self.replies),
+            "acks_delayed": self.acks_delayed})
 
     async def h_faults(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -229,6 +298,8 @@ class FaultSource(_BaseSource):
             self.reply_fault = fault
         if "evict_armed" in body:
             self.evict_armed = [int(h) for h in body["evict_armed"]]
+        if "remote_read" in body:
+            self.reads_offered = bool(body["remote_read"])
         return web.json_response(self.knobs())
 
     async def h_evict(self, request: web.Request) -> web.Response:
