@@ -105,7 +105,10 @@ thread is still reading the pool, the release waits for it (bounded).
 Broken promises abort: if the task ends after the reply promised chunks but before all were
 sent, the connection is aborted (UCX can withdraw posted sends only that way, and the
 destination then fails fast with ``peer_closed`` instead of waiting). Other transfers on that
-connection fail too; the destination's :class:`ConnectionPool` reconnects.
+connection fail too; the destination's :class:`ConnectionPool` reconnects. A read reply
+promises no chunks: a read that ends early (deadline, Cancel) just releases the pins, and
+the destination's ReadDone then gets ``ReadAck(held=False)``, so it commits nothing it read
+after the release; the connection keeps serving.
 
 A malformed frame aborts its connection (the transport's rule); a well-formed but invalid
 request gets a REJECTED reply and the connection keeps serving. Nothing a peer sends stops the
@@ -788,8 +791,8 @@ class SourceService:
         all arrive, abort the connection (see the module docstring)."""
         if s.handle is not None or s.replied:
             self.metrics.source_send_failed(reason)
-        if s.replied and not s.completed and s.handle is not None:
-            s.conn.abort(f"send_{reason}")
+        if s.replied and not s.completed and s.handle is not None and s.read_done is None:
+            s.conn.abort(f"send_{reason}")  # chunks promised: only an abort withdraws them
         log.info("transfer %d on rank %d ended without completing: %s", s.req.transfer_id,
                  s.ctx.rank, reason)
 
