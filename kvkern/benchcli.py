@@ -61,6 +61,7 @@ import dataclasses
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -391,20 +392,32 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
             n = max(1, size // per_block)
             nbytes = n * per_block
             await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
-            pull_t, raw_t, msgs, reads, scat_t, st_t, st_scat_t = [], [], [], [], [], [], []
-            for _ in range(s.repeats):  # paired: each pull next to a raw fetch
-                raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
-                o = await pull(n)
-                pull_t.append(o.total_s)
-                msgs.append(o.messages)
-                reads.append(o.reads)
-                if bench.scattered_http_port:
-                    scat_t.append((await pull(n, bench.scattered_http_port)).total_s)
-                if streamer is not None:
-                    st_t.append((await pull(n, None, streamer)).total_s)
-                    if bench.scattered_http_port:
-                        st_scat_t.append(
-                            (await pull(n, bench.scattered_http_port, streamer)).total_s)
+            raw_t, msgs, reads = [], [], []
+            times: dict[str, list[float]] = {"pull": [], "scattered": [], "stream": [],
+                                             "stream_scattered": []}
+            scat = bench.scattered_http_port
+            variants = [("raw", None, None), ("pull", None, puller)]
+            if scat:
+                variants.append(("scattered", scat, puller))
+            if streamer is not None:
+                variants.append(("stream", None, streamer))
+                if scat:
+                    variants.append(("stream_scattered", scat, streamer))
+            order = random.Random(size)
+            for _ in range(s.repeats):  # every variant once per repeat, in a shuffled order
+                order.shuffle(variants)  # (a fixed order favoured whichever ran after raw)
+                for kind, port, via in variants:
+                    if kind == "raw":
+                        raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
+                        continue
+                    o = await pull(n, port, via)
+                    times[kind].append(o.total_s)
+                    if kind == "pull":
+                        msgs.append(o.messages)
+                        reads.append(o.reads)
+                        last = o
+            pull_t, scat_t = times["pull"], times["scattered"]
+            st_t, st_scat_t = times["stream"], times["stream_scattered"]
             ps, rs = _summary(nbytes, pull_t), _summary(nbytes, raw_t)
             ss = _summary(nbytes, scat_t) if scat_t else None
             out[str(size)] = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
@@ -413,7 +426,8 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
                               "pull_ms": ps["ms"], "raw_ms": rs["ms"],
                               "messages": statistics.median(msgs),
                               "chunk_bytes": s.chunk_bytes,
-                              "phases_ms": {k: round(v * 1e3, 3) for k, v in o.phases.items()}}
+                              "phases_ms": {k: round(v * 1e3, 3)
+                                            for k, v in last.phases.items()}}
             out[str(size)]["reads"] = statistics.median(reads)
             if ss is not None:  # source blocks at shuffled ids: one read (or pack) per block
                 out[str(size)].update(scattered_pull_gbps=ss["gbps"],
