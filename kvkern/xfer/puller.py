@@ -922,8 +922,9 @@ class Puller:
         count, cfg = job.count, self.config
         rkv = self.group.ranks[tr.dst_rank]
         try:
-            conn = await asyncio.wait_for(self._pool.get(*addr), xfer_t)
-        except (asyncio.TimeoutError, TimeoutError):
+            async with asyncio.timeout(xfer_t):  # not wait_for: no task per pull
+                conn = await self._pool.get(*addr)
+        except TimeoutError:
             raise _Fallback(Reason.TRANSFER_TIMEOUT, f"connect to {addr[0]}:{addr[1]} took "
                             f"over {xfer_t} s") from None
         except TransportError as exc:
