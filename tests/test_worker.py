@@ -102,7 +102,8 @@ def workers():
                            "B": [*common, "--worker-id", "B", "--layout", "vllm_flash"],
                            # C: no allowlist, so every hint is refused (fail closed)
                            "C": ["--model", "tiny", "--num-blocks", "64", "--worker-id", "C",
-                                 "--cost-guard", "off", "--log-level", "ERROR"]},
+                                 "--cost-guard", "off", "--log-level", "ERROR",
+                                 "--remote-read", "off"]},
                           timeout=90)
     try:
         yield procs
@@ -123,6 +124,11 @@ def test_ready_line_and_info(workers):
     assert info["layout"] == "trtllm" and info["block_size"] == T
     state = get_json(f"{a.url}/kvkern/v1/state", timeout=10)
     assert state["protocol"] == "kvkern/1" and state["worker_id"] == "A"
+    # A's TRT-LLM host pool is offered for one-sided reads; B's per-layer vLLM pool cannot
+    # be (its blocks are not contiguous rows); C was started with --remote-read off
+    offered = {n: "read/1" in get_json(f"{w.url}/kvkern/v1/state", timeout=10)["capabilities"]
+               for n, w in workers.items()}
+    assert offered == {"A": True, "B": False, "C": False}
 
 
 def test_generate_commits_and_reports(workers):

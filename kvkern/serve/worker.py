@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip pulls estimated slower than recompute (not_worth_it)")
     pull.add_argument("--max-inflight-pulls", type=int, default=4)
     pull.add_argument("--chunk-mib", type=int, default=16)
+    pull.add_argument("--remote-read", choices=("host", "off"), default="host",
+                      help="one-sided reads of whole blocks: 'host' offers this worker's host "
+                           "pool for remote read (read-only, to connected peers) and reads "
+                           "from sources that offer it; 'off' streams both ways")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--debug-send-delay-s", type=float, default=0.0,
                    help=argparse.SUPPRESS)  # fault tests: the source stalls before each chunk
@@ -172,7 +176,7 @@ class Worker:
             max_deadline_s=max(120.0, o.deadline_s),
             lease_s=o.lease_s, default_policy=o.policy, cost_guard=o.cost_guard == "on",
             max_inflight_pulls=o.max_inflight_pulls, chunk_bytes=o.chunk_mib << 20,
-            allowlist=allow,
+            allowlist=allow, remote_read=o.remote_read != "off",
         )
 
     def _group(self):
@@ -211,7 +215,8 @@ class Worker:
         self.source = source_cls(
             [group], worker_id=self.worker_id, host=o.host, http_port=o.port,
             advertise_host=o.advertise_host or (None if o.host in ("0.0.0.0", "::") else o.host),
-            chunk_bytes=o.chunk_mib << 20, metrics=self.metrics, extra_routes=routes)
+            chunk_bytes=o.chunk_mib << 20, metrics=self.metrics, extra_routes=routes,
+            remote_read=o.remote_read)
         from kvkern.xfer.hints import HintLimits  # noqa: PLC0415
 
         self._limits = HintLimits(max_metadata_timeout_s=config.max_metadata_timeout_s,
