@@ -236,7 +236,8 @@ def read_replies(draw) -> PullReply:
                      read_rkey=draw(st.binary(min_size=1, max_size=700)), read_base=draw(U64),
                      read_stride=draw(st.integers(1, 2**63 - 1)),
                      read_blocks=draw(st.lists(st.integers(0, 2**63 - 1), min_size=served,
-                                               max_size=served)))
+                                               max_size=served)),
+                     read_hold_ms=draw(st.integers(0, 24 * 3600 * 1000)))
 
 
 MESSAGES = st.one_of(
@@ -331,8 +332,10 @@ def test_invalid_read_reply_rejected(kw, match):
     dict(read_stride=2**63),
     dict(read_blocks=[3, -1]),
     dict(read_blocks=[3, "1"]),
+    dict(read_hold_ms=-1),
+    dict(read_hold_ms=24 * 3600 * 1000 + 1),
 ], ids=["oversize-rkey", "rkey-as-text", "negative-base", "negative-stride", "stride-past-i64",
-        "negative-block", "block-as-text"])
+        "negative-block", "block-as-text", "negative-hold", "hold-past-a-day"])
 def test_read_reply_field_types_checked_on_decode(kw):
     """Type and range constraints are msgspec's: checked when decoding (construction does
     not check msgspec.Meta constraints, for these fields as for every other)."""

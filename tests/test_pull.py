@@ -412,7 +412,9 @@ def test_strict_miss_leaves_a_concurrent_pull_on_the_connection_alone(src, make_
     src.evict(src.commit(miss_tokens)[6:])
     group = make_group()
     p = make_puller(group)
-    src.faults(slow_send_ms=300)  # the full pull sits between its reply and its chunk
+    # the full pull sits between its reply and its chunk (stream) or its ReadAck (a read
+    # granted no hold waits for the ack)
+    src.faults(slow_send_ms=300, read_hold_s=0)
     try:
         p.submit("full", full_tokens, hint_for(src, full_tokens, policy="strict"))
         deadline = time.monotonic() + 5
@@ -426,7 +428,7 @@ def test_strict_miss_leaves_a_concurrent_pull_on_the_connection_alone(src, make_
         assert p.state("full") is RequestState.CONTEXT_PREFETCH_IN_PROGRESS  # still streaming
         full = p.result("full", 30)
     finally:
-        src.faults(slow_send_ms=0)
+        src.faults(slow_send_ms=0, read_hold_s=5.0)
     assert full.used and full.reason is Reason.OK, full
     assert p._pool.connects == 1  # never aborted, so never reconnected
     claim_check_release(p, group, src, "full", full_hashes)
@@ -601,14 +603,14 @@ def test_transfer_timeout_when_source_stops_responding(src, make_puller, remote_
     group = make_group()
     p = make_puller(group, transfer_timeout_s=0.5, remote_read=remote_read)
     sent = src.http("GET", "/test/stats")["replies"]
-    src.faults(freeze_after_reply=True)
+    src.faults(freeze_after_reply=True, read_hold_s=0)  # no hold: reads count on the ack only
     try:
         t0 = time.monotonic()
         o = pull(p, "frozen", tokens, hint_for(src, tokens))
         assert o.reason is Reason.TRANSFER_TIMEOUT, o
         assert time.monotonic() - t0 < 5
     finally:
-        src.faults(freeze_after_reply=False)
+        src.faults(freeze_after_reply=False, read_hold_s=5.0)
     assert served_kinds(src, sent) == ({"read": 1, "stream": 0} if remote_read
                                        else {"read": 0, "stream": 1})
     if remote_read:  # the reads ran, the ack never came: nothing committed
@@ -633,7 +635,7 @@ def test_deadline_and_cancel(src, make_puller, remote_read):
     group = make_group()
     p = make_puller(group, deadline_s=0.6, transfer_timeout_s=5.0, remote_read=remote_read)
     sent = src.http("GET", "/test/stats")["replies"]
-    src.faults(freeze_after_reply=True)
+    src.faults(freeze_after_reply=True, read_hold_s=0)  # no hold: reads count on the ack only
     try:
         o = pull(p, "late", tokens, hint_for(src, tokens))
         assert o.reason is Reason.DEADLINE_EXCEEDED, o
@@ -650,12 +652,36 @@ def test_deadline_and_cancel(src, make_puller, remote_read):
         assert o.reason is Reason.CANCELLED and p2.state("cx") is RequestState.CONTEXT_INIT
         assert not p2.cancel("cx")
     finally:
-        src.faults(freeze_after_reply=False)
+        src.faults(freeze_after_reply=False, read_hold_s=5.0)
     kind = "read" if remote_read else "stream"
     assert served_kinds(src, sent) == {"read": 0, "stream": 0, kind: 2}
     assert p.quarantined_blocks == p2.quarantined_blocks == 0
     assert_clean(group)
     src.wait_no_pins()
+
+
+def test_reads_inside_the_granted_hold_count_without_the_ack(src, make_puller):
+    """The source grants a hold (default 5 s, capped by the deadline) and stops right after
+    its reply: the reads still complete (one-sided) inside the hold, so the pull commits
+    without waiting for the ReadAck that never comes, bit for bit the source's blocks. The
+    source keeps its pins until its deadline (the frozen task ends there)."""
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    p = make_puller(group, deadline_s=1.5, transfer_timeout_s=1.0)
+    sent = src.http("GET", "/test/stats")["replies"]
+    src.faults(freeze_after_reply=True)
+    try:
+        o = pull(p, "held", tokens, hint_for(src, tokens))
+        assert o.used and o.reason is Reason.OK and o.reads >= 1, o
+        assert "ack" not in o.phases and o.total_s < 1.0, o  # did not wait for the ack
+        assert src.http("GET", "/test/stats")["pins_outstanding"] == 1  # still held
+    finally:
+        src.faults(freeze_after_reply=False)
+    assert served_kinds(src, sent) == {"read": 1, "stream": 0}
+    claim_check_release(p, group, src, "held", hashes)
+    assert_clean(group)
+    src.wait_no_pins()  # released at the source's deadline (ReadDone found it frozen)
 
 
 def test_source_killed_mid_transfer(make_puller):
@@ -854,7 +880,7 @@ def test_wait_timeout_leaves_the_outcome_intact(src, make_puller, rt):
     src.commit(tokens)
     group = make_group()
     p = make_puller(group)
-    src.faults(slow_send_ms=300)
+    src.faults(slow_send_ms=300, read_hold_s=0)  # a read without a hold waits for its ack
     try:
         p.submit("w", tokens, hint_for(src, tokens))
         with pytest.raises(TimeoutError):
@@ -863,7 +889,7 @@ def test_wait_timeout_leaves_the_outcome_intact(src, make_puller, rt):
             p.result("w", 0.01)
         o = rt.run(p.wait("w", timeout=20), 25)
     finally:
-        src.faults(slow_send_ms=0)
+        src.faults(slow_send_ms=0, read_hold_s=5.0)
     assert o.used and p.result("w", 0) is o
     p.release("w")
     assert_clean(group)
@@ -994,7 +1020,7 @@ def test_stream_from_a_source_without_reads(make_puller):
 def test_source_killed_while_the_destination_waits_for_the_read_ack(make_puller):
     n = 16
     tokens = list(range(9, 9 + n * BS))
-    s = Source("source_peer.py", "--seq", f"9:{9 + n * BS}",
+    s = Source("source_peer.py", "--seq", f"9:{9 + n * BS}", "--read-hold-s", "0",
                "--slow-send-ms", "5000").wait_ready()  # the ack would come 5 s after ReadDone
     try:
         group = make_group()

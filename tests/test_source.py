@@ -936,3 +936,53 @@ def test_event_loop_thread_runs_times_out_and_closes():
     with pytest.raises(RuntimeError, match="closed"):
         rt.run(double(1), 1)
     rt.close()  # idempotent
+
+
+@aio
+async def test_a_granted_read_hold_outlasts_a_lost_connection_and_close():
+    """A read reply grants ``read_hold_ms`` (the service's read_hold_s, capped by the
+    request's deadline): the destination may commit whatever it read within it without a
+    ReadAck, so neither a lost connection nor close() may release the pins earlier; a
+    Cancel (the destination gave up) releases them at once."""
+    group, hs = _group()
+    mgr = group.manager
+    svc = SourceService([group], worker_id="inproc-hold", read_hold_s=0.8)
+    await svc.start()
+    try:
+        async with ConnectionPool(connect_timeout=10) as own:
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            capped = await ask(conn, request(hs, read=True, deadline_ms=300))
+            assert capped.read_rkey and 0 < capped.read_hold_ms <= 300  # the deadline caps it
+            await conn.send_msg(ReadDone(transfer_id=capped.transfer_id), timeout=5)
+            assert (await conn.recv_msg(tag_for(capped.transfer_id, Lane.REPLY, 1),
+                                        timeout=5)).held
+            # Cancel: released at once despite the hold
+            req = request(hs, read=True)
+            reply = await ask(conn, req)
+            assert 700 <= reply.read_hold_ms <= 800 and svc.pins_outstanding == 1
+            await conn.send_msg(Cancel(transfer_id=req.transfer_id, reason="test"), timeout=5)
+            t0 = time.monotonic()
+            while svc.pins_outstanding:
+                assert time.monotonic() - t0 < 0.3, "a Cancel must not wait for the hold"
+                await asyncio.sleep(0.01)
+            # lost connection: pinned until the hold ends, then released once
+            req = request(hs, read=True)
+            t0 = time.monotonic()
+            reply = await ask(conn, req)
+            conn.abort("test")
+            await asyncio.sleep(0.3)
+            assert svc.pins_outstanding == 1 and mgr.num_pinned == 8, "released early"
+            while svc.pins_outstanding:
+                assert time.monotonic() - t0 < 2.0, "not released after the hold"
+                await asyncio.sleep(0.02)
+            assert time.monotonic() - t0 >= reply.read_hold_ms / 1000 - 0.01
+            # close(): waits for a hold still running
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            reply = await ask(conn, request(hs, read=True))
+            t0 = time.monotonic()
+            await svc.close()
+            assert time.monotonic() - t0 >= reply.read_hold_ms / 1000 - 0.1
+            assert svc.pins_outstanding == 0 and mgr.num_pinned == 0
+        mgr.check_invariants()
+    finally:
+        await svc.close()

@@ -162,7 +162,10 @@ class PullReply(_Base, tag="pull_reply"):
     served block ``i`` is the ``total_bytes / served_blocks`` bytes at ``read_base +
     read_blocks[i] * read_stride`` of the source's memory registered under the packed UCX
     remote key ``read_rkey``. The source keeps the blocks pinned until it receives
-    :class:`ReadDone` (or its deadline passes, which aborts the connection).
+    :class:`ReadDone` or :class:`Cancel`, and in any case for ``read_hold_ms`` counted from
+    its receipt of the request: a destination whose reads all completed within
+    ``read_hold_ms`` of sending the request may commit them without waiting for
+    :class:`ReadAck`; otherwise only ``ReadAck(held=True)`` makes them count.
     """
 
     transfer_id: TransferId
@@ -177,6 +180,7 @@ class PullReply(_Base, tag="pull_reply"):
     read_base: U64 = 0
     read_stride: NonNeg = 0
     read_blocks: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_BLOCKS)] = []
+    read_hold_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)] = 0
 
     def __post_init__(self) -> None:
         if len(self.block_hashes) != self.served_blocks:

@@ -329,6 +329,8 @@ def _direct_order(ids: list[int], per: int) -> list[int]:
 # --------------------------------------------------------------------------------- puller
 
 
+_HOLD_RATE_SLACK = 1e-3  # clock-rate difference allowed between the two hosts' clocks
+_HOLD_MARGIN_S = 1e-3  # and a fixed margin, both taken off the source's granted read hold
 _MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
 
 
@@ -993,7 +995,7 @@ class Puller:
             if not req.read:
                 raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offered "
                                 f"a read to a request that did not ask for one")
-            await self._read_pair(job, tr, conn, reply, rkv, xfer_t)
+            await self._read_pair(job, tr, conn, reply, rkv, xfer_t, t_req)
             job.open_transfers.remove(entry)
             return served
         nbytes = tr.nbytes(served)
@@ -1060,10 +1062,12 @@ class Puller:
                 and rkv.device.type == "cpu" and _direct_view(tr, rkv) is not None)
 
     async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rkv: Any,
-                         xfer_t: float) -> None:
-        """Read the served blocks straight from the source's pool into the private blocks,
-        then ReadDone -> ReadAck: only a source that held the pins until our reads ended
-        (``held``) lets the blocks count. See :mod:`kvkern.xfer.ucp_rma`."""
+                         xfer_t: float, t_req: float) -> None:
+        """Read the served blocks straight from the source's pool into the private blocks.
+        They count when every read completed inside the source's granted hold, measured
+        from ``t_req`` (before the request was sent; the source counts from its receipt, so
+        our window closes first); else only ``ReadAck(held=True)`` after our ReadDone
+        makes them count. See :mod:`kvkern.xfer.ucp_rma`."""
         from kvkern.xfer.messages import ReadAck, ReadDone  # noqa: PLC0415
         from kvkern.xfer.transport import CONTROL_TAG, Lane, ReadsStuck, tag_for  # noqa: PLC0415
         from kvkern.xfer.ucp_rma import coalesce  # noqa: PLC0415
@@ -1092,6 +1096,13 @@ class Puller:
         job.bytes += served * unit
         t_ack = time.perf_counter()
         job.phases["read"] = job.phases.get("read", 0.0) + (t_ack - t)
+        hold_s = reply.read_hold_ms / 1000
+        if hold_s and t_ack < t_req + hold_s * (1 - _HOLD_RATE_SLACK) - _HOLD_MARGIN_S:
+            # Read inside the hold: the bytes are the pinned blocks'. Release them now in
+            # the background (the ack is drained, not awaited).
+            self._spawn(self._release_read(conn, tid, xfer_t))
+            job.messages += 2
+            return
         await conn.send_msg(ReadDone(transfer_id=tid), CONTROL_TAG, timeout=xfer_t)
         ack = await conn.recv_msg(tag_for(tid, Lane.REPLY, 1), timeout=xfer_t)
         job.messages += 2
@@ -1100,6 +1111,21 @@ class Puller:
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} did not "
                             f"confirm it held the blocks during the read: "
                             f"{getattr(ack, 'reason', type(ack).__name__)}")
+
+    async def _release_read(self, conn: Any, tid: int, xfer_t: float) -> None:
+        """ReadDone for a read that already counts, and drain its ReadAck (a message left
+        unreceived would sit in UCX's unexpected queue)."""
+        from kvkern.xfer.messages import ReadDone  # noqa: PLC0415
+        from kvkern.xfer.transport import CONTROL_TAG, Lane, tag_for  # noqa: PLC0415
+
+        with contextlib.suppress(Exception):
+            await conn.send_msg(ReadDone(transfer_id=tid), CONTROL_TAG, timeout=xfer_t)
+            await conn.recv_msg(tag_for(tid, Lane.REPLY, 1), timeout=xfer_t)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     # ------------------------------------------------------------- endpoints and state
 
@@ -1225,9 +1251,7 @@ class Puller:
                     await conn.send_msg(Cancel(transfer_id=tid, reason=reason.value),
                                         CONTROL_TAG, timeout=_CANCEL_SEND_TIMEOUT_S)
 
-            task = asyncio.ensure_future(send())
-            self._bg.add(task)
-            task.add_done_callback(self._bg.discard)
+            self._spawn(send())
 
 
 _METRIC_PHASES = frozenset({"metadata", "plan", "allocate", "transfer", "unpack", "validate",

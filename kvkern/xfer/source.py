@@ -42,9 +42,10 @@ while it streams. For one request::
               n_chunks, chunk_sizes
     stream    chunks on tag_for(tid, DATA, i), packed into a ring of staging buffers
       or read   (request.read, this rank's pool registered, one whole-block piece) the reply
-              carries read_rkey/base/stride and the pool ids; the destination reads the
-              blocks one-sided, then ReadDone on CONTROL_TAG -> ReadAck(held=True) on
-              tag_for(tid, REPLY, 1); the pins are held until ReadDone
+              carries read_rkey/base/stride, the pool ids and read_hold_ms; the destination
+              reads the blocks one-sided, then ReadDone on CONTROL_TAG -> ReadAck(held) on
+              tag_for(tid, REPLY, 1); the pins are held until ReadDone or Cancel, and for
+              at least read_hold_ms from receipt whatever happens (lost connection, close)
     unpin     exactly once (see below)
 
 Remote reads: with ``remote_read="host"`` (default) ``start()`` registers every host pool
@@ -110,6 +111,15 @@ promises no chunks: a read that ends early (deadline, Cancel) just releases the 
 the destination's ReadDone then gets ``ReadAck(held=False)``, so it commits nothing it read
 after the release; the connection keeps serving.
 
+Read holds: a read reply grants ``read_hold_ms`` = ``min(read_hold_s, the request's
+deadline)`` counted from receipt of the request, and a destination whose reads all
+completed within that time of *sending* the request commits them without waiting for the
+ReadAck (one round trip less: 0.78 -> 0.80-0.90 of raw at 64 MiB here). So, unlike a
+stream, a read's pins are not released before the hold ends by anything but ReadDone or a
+Cancel: a lost connection, a deadline, an internal error or :meth:`close` (which waits for
+running holds) keep them until then (:func:`_keep_hold`). ``read_hold_s=0`` grants none: every
+read then counts only on ``ReadAck(held=True)``.
+
 A malformed frame aborts its connection (the transport's rule); a well-formed but invalid
 request gets a REJECTED reply and the connection keeps serving. Nothing a peer sends stops the
 listener or the service.
@@ -170,6 +180,7 @@ CAPABILITIES = ("pull/1", "strict", "best_effort", "sharded")
 REMOTE_READ_MODES = ("off", "host", "all")
 DEFAULT_MAX_SEND_S = 60.0  # TRT-LLM kv_transfer_timeout_ms (REFERENCE "Defaults")
 DEFAULT_PROGRESS_TIMEOUT_S = 10.0
+DEFAULT_READ_HOLD_S = 5.0  # read pins are granted this long (capped by the request deadline)
 _PACK_WAIT_S = 5.0
 
 
@@ -243,6 +254,20 @@ def _direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece], *,
         return None
     rows = rkv.block_rows()
     return rows if rows is not None and rows.shape[1] == p.length else None
+
+
+async def _keep_hold(s: _Send) -> None:
+    """Sleep until ``s``'s granted read hold ends, unless the destination cancels it: no
+    deadline, lost connection, close() or repeated cancellation releases a read's pins
+    earlier (bounded by the hold, itself capped by the request's deadline)."""
+    while s.cancel_reason is None:
+        left = s.hold_until - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            await asyncio.sleep(left)
+        except asyncio.CancelledError:
+            continue
 
 
 def _reason(code: str, detail: str) -> str:
@@ -330,7 +355,7 @@ class _Send:
 
     __slots__ = ("req", "conn", "ctx", "conn_sends", "deadline", "admitted", "handle",
                  "released", "replied", "completed", "cancel_reason", "task", "pack_cf",
-                 "started", "staging", "read_done")
+                 "started", "staging", "read_done", "hold_until")
 
     def __init__(self, req: PullRequest, conn: Connection, ctx: _RankCtx,
                  conn_sends: dict[int, _Send], deadline: float, admitted: bool) -> None:
@@ -350,6 +375,7 @@ class _Send:
         self.started = time.monotonic()
         self.staging: list[torch.Tensor] = []  # ring slots taken from the StagingPool
         self.read_done: asyncio.Event | None = None  # set by ReadDone (read replies only)
+        self.hold_until: float | None = None  # read pins are kept at least until then
 
 
 # ------------------------------------------------------------------------------- service
@@ -384,6 +410,7 @@ class SourceService:
         pack_threads: int = 2,
         staging_cache_bytes: int = 256 << 20,
         remote_read: str = "host",
+        read_hold_s: float = DEFAULT_READ_HOLD_S,
     ) -> None:
         if not groups:
             raise ValueError("SourceService needs at least one KVGroup")
@@ -411,6 +438,10 @@ class SourceService:
                 or staging_cache_bytes < 0:
             raise ValueError(f"staging_cache_bytes must be an int >= 0, got "
                              f"{staging_cache_bytes!r}")
+        if not (isinstance(read_hold_s, (int, float)) and math.isfinite(read_hold_s)
+                and 0 <= read_hold_s <= max_send_s):
+            raise ValueError(f"read_hold_s must be a finite number in [0, max_send_s], got "
+                             f"{read_hold_s!r}")
         for name, value in (("max_send_s", max_send_s),
                             ("progress_timeout_s", progress_timeout_s)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -437,6 +468,7 @@ class SourceService:
         self._pack_threads = pack_threads
         self._staging = StagingPool(staging_cache_bytes)
         self.remote_read = remote_read
+        self.read_hold_s = float(read_hold_s)
         self._regions: dict[int, Any] = {}  # rank -> ucp_rma.Region of its pool (read path)
         self._ctx: dict[int, _RankCtx] = {
             r: _RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
@@ -564,6 +596,9 @@ class SourceService:
             if s.task is not None:
                 s.task.cancel()
         tasks = [s.task for s in sends if s.task is not None]
+        # a granted read hold outlasts close(): the destination may still be reading
+        held = [s.hold_until for s in sends if s.hold_until is not None and not s.completed]
+        deadline = max([deadline, *(h + 0.1 for h in held)])
         if tasks:
             await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0.1))
         for s in list(self._sends):  # a task that did not finish in time: release anyway
@@ -779,6 +814,8 @@ class SourceService:
             if cf is not None and not cf.done():  # the pool is still being read
                 with contextlib.suppress(BaseException):
                     await asyncio.wait({asyncio.wrap_future(cf)}, timeout=_PACK_WAIT_S)
+            if s.hold_until is not None and not s.completed:
+                await _keep_hold(s)  # a destination may commit what it reads until then
             self._release(s)
             # Every posted send has completed or its endpoint was aborted (the transport's
             # rule), so UCX holds none of the slots; a pack still running keeps them.
@@ -880,18 +917,23 @@ class SourceService:
 
     async def _serve_read(self, s: _Send, region: Any, block_ids: list[int],
                           hashes: Sequence[int], block_nbytes: int) -> None:
-        """Reply with where the pinned blocks are; the destination reads them one-sided.
-        The pins stay until its ReadDone (then ReadAck held=True) or the deadline (which
-        aborts the connection: the destination must not commit what it read)."""
+        """Reply with where the pinned blocks are and how long they stay pinned
+        (``read_hold_ms``); the destination reads them one-sided. The pins stay until its
+        ReadDone (answered ReadAck held=True) or Cancel, and whatever else ends this task
+        first, at least until the hold ends (see :func:`_keep_hold`)."""
         req, n = s.req, len(block_ids)
         rows = s.ctx.rkv.block_rows()
         s.read_done = asyncio.Event()
+        # The hold counts from receipt (s.started): the destination counts it from before
+        # it sent the request, so its window always ends first.
+        hold_s = max(min(self.read_hold_s, s.deadline - s.started), 0.0)
+        s.hold_until = s.started + hold_s
         reply = PullReply(transfer_id=req.transfer_id,
                           status=Status.OK if n == req.count else Status.PARTIAL,
                           served_blocks=n, block_hashes=list(hashes),
                           total_bytes=n * block_nbytes, read_rkey=region.rkey,
                           read_base=rows.data_ptr(), read_stride=rows.stride(0),
-                          read_blocks=block_ids,
+                          read_blocks=block_ids, read_hold_ms=int(hold_s * 1000),
                           reason="" if n == req.count else _reason(
                               "partial", f"{n} of {req.count} requested blocks cached"))
         await self._reply(s, reply)

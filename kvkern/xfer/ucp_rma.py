@@ -21,8 +21,10 @@ staging, no unpack, on either side. Measured in ``kvkern bench xfer`` (``bench/R
 Safety rules the callers keep (and the tests check):
 
 * A :class:`Region` grants **remote read** only (no remote write) and lives until the source
-  service closes; the source keeps the served blocks pinned until the destination says it
-  has finished reading, and the destination commits nothing the source did not confirm.
+  service closes. The source keeps the served blocks pinned until the destination says it
+  has finished reading (or gives up), and never less than the hold it granted in its
+  reply; the destination commits only reads that completed inside that hold (counted from
+  before it sent the request) or that the source confirmed with ``ReadAck(held=True)``.
 * Local addresses are always computed by the caller from its own block ids, never taken
   from the wire; remote addresses are checked against the advertised region.
 * Every request is polled to completion (or to an error) before its local memory is reused;

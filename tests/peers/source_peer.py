@@ -28,6 +28,8 @@ Flags
 ``--seed N``                  KV random seed (default 0)
 ``--chunk-bytes N --chunks-in-flight N --max-concurrent-sends N --max-send-s S``
                               SourceService settings (defaults 16 MiB, 4, 8, 60)
+``--read-hold-s S``           SourceService read_hold_s (default 5; 0: every read waits for the
+                              ReadAck)
 ``--remote-read MODE``        SourceService remote_read: host (default; offer one-sided reads
                               of CPU pools of whole block rows, capability "read/1") | off
                               (stream only) | all
@@ -55,7 +57,8 @@ Test-only HTTP routes (``extra_routes``)
                           and per rank the sha256 of the block's canonical staging bytes
                           ``[1, L', 2, H', T, D]`` (rank-local layer/head ranges; all by
                           default), or null when not cached
-``POST /test/faults``     body ``{"slow_send_ms": 0, "freeze_after_reply": false}``: change
+``POST /test/faults``     body ``{"slow_send_ms": 0, "freeze_after_reply": false,
+                          "read_hold_s": 5}``: change
                           the fault knobs at run time
 """
 
@@ -156,7 +159,7 @@ class Peer:
             chunk_bytes=args.chunk_bytes, chunks_in_flight=args.chunks_in_flight,
             max_concurrent_sends=args.max_concurrent_sends, max_send_s=args.max_send_s,
             slow_send_ms=args.slow_send_ms, freeze_after_reply=args.freeze_after_reply,
-            remote_read=args.remote_read,
+            remote_read=args.remote_read, read_hold_s=args.read_hold_s,
             extra_routes=[web.get("/test/stats", self.h_stats),
                           web.post("/test/evict", self.h_evict),
                           web.post("/test/commit", self.h_commit),
@@ -243,8 +246,11 @@ class Peer:
             self.service.slow_send_ms = float(body["slow_send_ms"])
         if "freeze_after_reply" in body:
             self.service.freeze_after_reply = bool(body["freeze_after_reply"])
+        if "read_hold_s" in body:
+            self.service.read_hold_s = float(body["read_hold_s"])
         return web.json_response({"slow_send_ms": self.service.slow_send_ms,
-                                  "freeze_after_reply": self.service.freeze_after_reply})
+                                  "freeze_after_reply": self.service.freeze_after_reply,
+                                  "read_hold_s": self.service.read_hold_s})
 
 
 def main() -> int:
@@ -266,6 +272,7 @@ def main() -> int:
     ap.add_argument("--max-concurrent-sends", type=int, default=8)
     ap.add_argument("--max-send-s", type=float, default=60.0)
     ap.add_argument("--remote-read", choices=REMOTE_READ_MODES, default="host")
+    ap.add_argument("--read-hold-s", type=float, default=5.0)
     ap.add_argument("--slow-send-ms", type=float, default=0.0)
     ap.add_argument("--freeze-after-reply", action="store_true")
     ap.add_argument("--http-port", type=int, default=0)

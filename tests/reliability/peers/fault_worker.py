@@ -115,7 +115,7 @@ class FaultSource(_BaseSource):
     def knobs(self) -> dict:
         return {"slow_send_ms": self.slow_send_ms, "freeze_after_reply": self.freeze_after_reply,
                 "reply_fault": self.reply_fault, "evict_armed": len(self.evict_armed),
-                "remote_read": self.reads_offered}
+                "remote_read": self.reads_offered, "read_hold_s": self.read_hold_s}
 
     # ---------------------------------------------------------------- reads on / off
 
@@ -300,6 +300,8 @@ class FaultSource(_BaseSource):
             self.evict_armed = [int(h) for h in body["evict_armed"]]
         if "remote_read" in body:
             self.reads_offered = bool(body["remote_read"])
+        if "read_hold_s" in body:
+            self.read_hold_s = float(body["read_hold_s"])
         return web.json_response(self.knobs())
 
     async def h_evict(self, request: web.Request) -> web.Response:
