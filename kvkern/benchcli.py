@@ -56,7 +56,7 @@ table predates huge-page host memory and the source's zero-copy sends; with both
 256 MiB, hint-to-first-byte 0.9 ms: see bench/RESULTS.md "Pull vs raw UCXX (loopback)".
 All the tables above predate python-future completions, which made raw 2x faster (12-15
 GB/s) and the control round trip 0.35-0.6 ms; the current figures (one-sided reads: 4
-messages per pull, 0.78 / 0.86 of raw at 64 / 256 MiB, 0.75 / 0.82 from a scattered source)
+messages per pull, 0.82 / 0.90 of raw at 64 / 256 MiB, 0.78 / 0.85 from a scattered source)
 are in bench/RESULTS.md.
 """
 
