@@ -633,6 +633,10 @@ def bind_ucxx_loop() -> None:
         args = getattr(ctx.notifier_thread, "_args", ())
         if not args or args[0] is not loop:
             ctx.stop_notifier_thread()
+            # Futures pooled for the old loop must not serve this one's requests: refill the
+            # pool from this thread (its running loop) before any request is created.
+            ctx.worker.clear_python_futures_pool()
+            ctx.worker.populate_python_futures_pool()
             ctx.start_notifier_thread()
         if _NOTIFIER_LOOP is None:
             _register_exit_hook()
