@@ -516,14 +516,21 @@ async def test_remote_key_garbage(listener, pool, source):
     assert conn.alive
 
 
-@aio
-async def test_read_with_garbage_key_fails_the_connection(listener, pool, source):
-    _, region = source
+async def failed_read(listener, pool, key: bytes, remote: int):
+    """(error, connection, poisoned destination) of a 4 KiB read of ``remote`` through
+    ``key``, which must fail with a TransportError."""
     conn = await connect(pool, listener)
     dst = poisoned(4096)
     with pytest.raises(TransportError) as info:
-        await conn.read(b"\xff" * 64, [(dst.data_ptr(), region.address, 4096)], timeout=2)
-    assert info.value.reason == "transfer_failed" and "ucp_ep_rkey_unpack" in str(info.value)
+        await conn.read(key, [(dst.data_ptr(), remote, 4096)], timeout=2)
+    return info.value, conn, dst
+
+
+@aio
+async def test_read_with_garbage_key_fails_the_connection(listener, pool, source):
+    _, region = source
+    err, conn, dst = await failed_read(listener, pool, b"\xff" * 64, region.address)
+    assert err.reason == "transfer_failed" and "ucp_ep_rkey_unpack" in str(err)
     assert not conn.alive and (dst == POISON).all()
 
 
@@ -582,12 +589,9 @@ async def test_read_from_unmapped_address_fails_cleanly(listener, pool, source):
 @aio
 async def test_failed_read_names_its_ucs_status_and_keeps_the_cause(listener, pool, source):
     _, region = source
-    conn = await connect(pool, listener)
-    dst = poisoned(4096)
-    with pytest.raises(TransportError) as info:
-        await conn.read(region.rkey, [(dst.data_ptr(), 4096, 4096)], timeout=2)
-    assert "UCS_ERR_" in str(info.value), str(info.value)
-    cause = info.value.__cause__
+    err, _, _ = await failed_read(listener, pool, region.rkey, 4096)  # 4096: never mapped
+    assert "UCS_ERR_" in str(err), str(err)
+    cause = err.__cause__
     assert isinstance(cause, RmaError) and cause.status < 0, repr(cause)
 
 
