@@ -923,6 +923,7 @@ class Puller:
 
         count, cfg = job.count, self.config
         rkv = self.group.ranks[tr.dst_rank]
+        direct = _direct_view(tr, rkv)  # block rows the pair lands in as is (read or stream)
         try:
             async with asyncio.timeout(xfer_t):  # not wait_for: no task per pull
                 conn = await self._pool.get(*addr)
@@ -947,7 +948,7 @@ class Puller:
                           start=job.local, count=count, pieces=pieces, chunk_bytes=chunk,
                           deadline_ms=max(1, int(remaining * 1000)),
                           require_all=job.policy == "strict",
-                          read=self._can_read(job, tr, rkv))
+                          read=self._can_read(job, rkv, direct))
         entry = (conn, tid)
         t_req = time.perf_counter()
         job.open_transfers.append(entry)
@@ -995,7 +996,7 @@ class Puller:
             if not req.read:
                 raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offered "
                                 f"a read to a request that did not ask for one")
-            await self._read_pair(job, tr, conn, reply, rkv, xfer_t, t_req)
+            await self._read_pair(job, tr, conn, reply, direct, xfer_t, t_req)
             job.open_transfers.remove(entry)
             return served
         nbytes = tr.nbytes(served)
@@ -1008,7 +1009,6 @@ class Puller:
         sizes = reply.chunk_sizes
         ids = job.private[:served]
         unpacker = _StreamUnpacker(tr, rkv, ids, served)
-        direct = _direct_view(tr, rkv)
         starts = list(itertools.accumulate(sizes, initial=0))
         landed_direct: set[int] = set()
 
@@ -1054,14 +1054,14 @@ class Puller:
                             f"ended at byte {unpacker.pos} of {nbytes}")
         return served
 
-    def _can_read(self, job: _Job, tr: Any, rkv: Any) -> bool:
+    def _can_read(self, job: _Job, rkv: Any, direct: Any) -> bool:
         """Ask for a one-sided read: allowed here, offered by the source, and the pair moves
         whole blocks between two pools of contiguous block rows in host memory."""
         return (self.config.remote_read and job.state is not None
                 and READ_CAPABILITY in job.state.capabilities
-                and rkv.device.type == "cpu" and _direct_view(tr, rkv) is not None)
+                and rkv.device.type == "cpu" and direct is not None)
 
-    async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rkv: Any,
+    async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rows: Any,
                          xfer_t: float, t_req: float) -> None:
         """Read the served blocks straight from the source's pool into the private blocks.
         They count when every read completed inside the source's granted hold, measured
@@ -1079,7 +1079,6 @@ class Puller:
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
                             f"{reply.total_bytes} B of {served} blocks at stride {stride}, "
                             f"expected {unit} B blocks")
-        rows = _direct_view(tr, rkv)
         lbase, lstride = rows.data_ptr(), rows.stride(0) * rows.element_size()
         ids = job.private[:served]
         runs = coalesce([lbase + i * lstride for i in ids],

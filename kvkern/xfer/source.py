@@ -890,9 +890,9 @@ class SourceService:
             raise RuntimeError(f"manager pinned block {max(block_ids)}, rank {ctx.rank}'s pool "
                                f"has {ctx.rkv.layout.num_blocks} blocks")
         region = self._regions.get(ctx.rank)
-        if req.read and region is not None and _direct_rows(
-                ctx.rkv, pieces, any_device=True) is not None:
-            await self._serve_read(s, region, block_ids, handle.hashes, pieces[0].length)
+        rows = _direct_rows(ctx.rkv, pieces, any_device=True) if req.read and region else None
+        if rows is not None:
+            await self._serve_read(s, region, rows, block_ids, handle.hashes)
             return
         limit = min(req.chunk_bytes, self.chunk_bytes)
         lengths = [p.length for p in pieces]
@@ -915,14 +915,14 @@ class SourceService:
         s.completed = True
         self.metrics.source_served(n, sent)
 
-    async def _serve_read(self, s: _Send, region: Any, block_ids: list[int],
-                          hashes: Sequence[int], block_nbytes: int) -> None:
+    async def _serve_read(self, s: _Send, region: Any, rows: torch.Tensor,
+                          block_ids: list[int], hashes: Sequence[int]) -> None:
         """Reply with where the pinned blocks are and how long they stay pinned
         (``read_hold_ms``); the destination reads them one-sided. The pins stay until its
         ReadDone (answered ReadAck held=True) or Cancel, and whatever else ends this task
         first, at least until the hold ends (see :func:`_keep_hold`)."""
         req, n = s.req, len(block_ids)
-        rows = s.ctx.rkv.block_rows()
+        block_nbytes = rows.shape[1]
         s.read_done = asyncio.Event()
         # The hold counts from receipt (s.started): the destination counts it from before
         # it sent the request, so its window always ends first.
