@@ -76,6 +76,7 @@ from kvkern.xfer.hints import HintLimits, HintRejected, KvHint, decode_hint
 from kvkern.xfer.messages import READ_CAPABILITY
 from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.policy import CostGuard, apply_policy
+from kvkern.xfer.runtime import spawn
 
 __all__ = ["PROTOCOL", "Puller", "SourceState", "parse_state"]
 
@@ -1122,9 +1123,7 @@ class Puller:
             await conn.recv_msg(tag_for(tid, Lane.REPLY, 1), timeout=xfer_t)
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.ensure_future(coro)
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        spawn(self._bg, coro)
 
     # ------------------------------------------------------------- endpoints and state
 

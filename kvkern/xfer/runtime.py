@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["EventLoopThread"]
+__all__ = ["EventLoopThread", "spawn"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -133,3 +133,12 @@ class EventLoopThread:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def spawn(tasks: set[asyncio.Task], coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+    """Run ``coro`` as a fire-and-forget task on the running loop, kept in ``tasks`` until it
+    ends (the loop holds tasks only weakly; the owner awaits or cancels ``tasks`` on close)."""
+    task = asyncio.ensure_future(coro)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)
+    return task

@@ -160,6 +160,7 @@ from kvkern.xfer.messages import (
     Status,
 )
 from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
+from kvkern.xfer.runtime import spawn
 from kvkern.xfer.transport import (
     CONTROL_TAG,
     Connection,
@@ -601,6 +602,8 @@ class SourceService:
         deadline = max([deadline, *(h + 0.1 for h in held)])
         if tasks:
             await asyncio.wait(tasks, timeout=max(deadline - time.monotonic(), 0.1))
+        for t in list(self._bg):  # ReadAck(held=False) replies on aborted connections
+            t.cancel()
         for s in list(self._sends):  # a task that did not finish in time: release anyway
             log.warning("send of transfer %d still running at close; releasing its pins",
                         s.req.transfer_id)
@@ -702,9 +705,7 @@ class SourceService:
                                             reason="no read of this transfer is pinned"),
                                     tag_for(tid, Lane.REPLY, 1), timeout=5.0)
 
-        task = asyncio.ensure_future(send())
-        self._bg.add(task)
-        task.add_done_callback(self._bg.discard)
+        spawn(self._bg, send())
 
     def _accept(self, conn: Connection, ctx: _RankCtx, conn_sends: dict[int, _Send],
                 req: PullRequest) -> None:
