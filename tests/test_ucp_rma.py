@@ -640,6 +640,51 @@ async def test_cancelled_read_aborts_drains_and_reconnects(listener, pool, sourc
     assert torch.equal(out, src[4096:8192])
 
 
+def spy_destroy(monkeypatch, destroyed: list) -> None:
+    """Record the handle of every RemoteKey destroyed (connections cache their keys, so
+    the key a read uses may predate the test)."""
+    real = ucp_rma.RemoteKey.destroy
+
+    def destroy(self):
+        destroyed.append(self.handle)
+        real(self)
+
+    monkeypatch.setattr(ucp_rma.RemoteKey, "destroy", destroy)
+
+
+@aio
+async def test_remote_key_is_unpacked_once_per_connection(listener, pool, source,
+                                                          monkeypatch):
+    """Reads on one connection share one unpacked key (it is the same for every pull from
+    that pool); closing the connection destroys it; a new connection unpacks its own."""
+    src, region = source
+    made, destroyed = [], []
+    real_init = ucp_rma.RemoteKey.__init__
+
+    def init(self, ep_handle, packed):
+        real_init(self, ep_handle, packed)
+        made.append(self.handle)
+
+    monkeypatch.setattr(ucp_rma.RemoteKey, "__init__", init)
+    spy_destroy(monkeypatch, destroyed)
+    conn = await connect(pool, listener)
+    pool.discard(conn)  # a connection of its own: earlier tests' cached keys stay out of it
+    destroyed.clear()  # (closing that one destroyed its cached key)
+    conn = await connect(pool, listener)
+    for i in range(3):
+        out = poisoned(4096)
+        await conn.read(region.rkey, [(out.data_ptr(), region.address + i * 4096, 4096)],
+                        timeout=2)
+        assert torch.equal(out, src[i * 4096:(i + 1) * 4096])
+    assert len(made) == 1 and destroyed == []
+    pool.discard(conn)
+    assert not conn.alive and destroyed == made  # closed: the cached key goes with it
+    again = await connect(pool, listener)
+    out = poisoned(4096)
+    await again.read(region.rkey, [(out.data_ptr(), region.address, 4096)], timeout=2)
+    assert torch.equal(out, src[:4096]) and len(made) == 2
+
+
 @aio
 async def test_timeout_is_transfer_timeout_and_drains(listener, pool, source, monkeypatch):
     """Real requests whose completion polling is held back until the read's own ``timeout``
@@ -663,13 +708,8 @@ async def test_timeout_is_transfer_timeout_and_drains(listener, pool, source, mo
             finally:
                 self.hold = False
 
-    class SpyKey(ucp_rma.RemoteKey):
-        def destroy(self):
-            destroyed.append(self.handle)
-            super().destroy()
-
+    spy_destroy(monkeypatch, destroyed)
     monkeypatch.setattr(ucp_rma, "ReadBatch", HeldBatch)
-    monkeypatch.setattr(ucp_rma, "RemoteKey", SpyKey)
     conn = await connect(pool, listener)
     connects = pool.connects
     dst = poisoned(64 * 128)
@@ -693,13 +733,6 @@ async def test_reads_that_outlive_the_abort_raise_reads_stuck(listener, pool, so
     _, region = source
     destroyed = []
 
-    class FakeKey:
-        def __init__(self, ep_handle, packed):
-            self.handle = 1
-
-        def destroy(self):
-            destroyed.append(self)
-
     class NeverDone:
         stuck = True
 
@@ -715,7 +748,7 @@ async def test_reads_that_outlive_the_abort_raise_reads_stuck(listener, pool, so
         def poll(self):
             return False
 
-    monkeypatch.setattr(ucp_rma, "RemoteKey", FakeKey)
+    spy_destroy(monkeypatch, destroyed)
     monkeypatch.setattr(ucp_rma, "ReadBatch", NeverDone)
     monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
     conn = await connect(pool, listener)
