@@ -205,7 +205,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def bytes_per_token_head(self) -> int:

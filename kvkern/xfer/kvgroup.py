@@ -17,6 +17,7 @@ group is built, so the source service can trust sizes afterwards.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +48,7 @@ class RankKV:
             raise ValueError(f"rank must be a non-negative int, got {self.rank!r}")
         self.layout.check(self.pool)
 
-    @property
+    @functools.cached_property
     def device(self):
         return self.layout.tensors(self.pool)[0].device
 
@@ -56,7 +57,12 @@ class RankKV:
         canonical ``[L, 2, H, T, D]`` bytes are one contiguous run in stream order (a single
         contiguous tensor whose canonical view is contiguous, e.g. TRT-LLM's
         ``[NB, L, 2, H, T, D]``), else None. A run of consecutive block ids is then one
-        contiguous buffer that UCX can send from or receive into without a pack or unpack."""
+        contiguous buffer that UCX can send from or receive into without a pack or unpack.
+        Computed once (every pull asks)."""
+        return self._block_rows
+
+    @functools.cached_property
+    def _block_rows(self) -> Any:
         lay = self.layout
         if lay.per_layer:
             return None
