@@ -584,6 +584,32 @@ async def test_read_reply_read_done_ack_then_unpin(tp1, pool, http):
 
 
 @aio
+async def test_read_done_without_ack_unpins_and_answers_nothing(tp1, pool, http):
+    """The destination's fast path: its reads ended inside the hold, so it commits at once
+    and sends ReadDone(ack=False); the source unpins, counts the blocks served and sends no
+    ReadAck (nor one for an unknown transfer)."""
+    hs = tp1["sequences"][0]
+    n = len(hs)
+    conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
+    served_before = metric(await metrics_text(http, tp1), "kvkern_source_blocks_served_total")
+    req = request(hs, read=True)
+    reply = await ask(conn, req)
+    assert reply.status == Status.OK and reply.read_rkey
+    data = await read_blocks(conn, reply)
+    u = reply.total_bytes // n
+    assert [sha(data[i * u:(i + 1) * u].tobytes()) for i in range(n)] == \
+        await digests(http, tp1, hs)
+    await conn.send_msg(ReadDone(transfer_id=req.transfer_id, ack=False), timeout=5)
+    await conn.send_msg(ReadDone(transfer_id=next(_tids), ack=False), timeout=5)  # unknown
+    await wait_released(http, tp1)
+    assert metric(await metrics_text(http, tp1),
+                  "kvkern_source_blocks_served_total") == served_before + n
+    with pytest.raises(TransportError) as ei:  # nothing on the ack tag
+        await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY, 1), timeout=0.5)
+    assert ei.value.reason == "transfer_timeout"
+
+
+@aio
 async def test_read_done_for_an_unknown_transfer_is_not_held(tp1, pool, http):
     conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
     tid = next(_tids)

@@ -37,7 +37,7 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 2  # 2: one-message control frames, reads (ReadDone/ReadAck)
+PROTOCOL_VERSION = 3  # 2: one-message control frames, reads (ReadDone/ReadAck); 3: ReadDone.ack
 MAGIC = b"KVKX"
 _PREAMBLE = struct.Struct("<4sHHQI")
 PREAMBLE_BYTES = _PREAMBLE.size  # 20
@@ -220,9 +220,12 @@ class Cancel(_Base, tag="cancel"):
 
 class ReadDone(_Base, tag="read_done"):
     """Destination → source, on the control tag: every read of ``transfer_id`` completed;
-    release the pins and confirm with :class:`ReadAck`."""
+    release the pins and, when ``ack``, confirm with :class:`ReadAck`. A destination whose
+    reads all completed inside the granted hold needs no confirmation and sends
+    ``ack=False`` (one message less per pull; the source then answers nothing)."""
 
     transfer_id: TransferId
+    ack: bool = True
 
 
 class ReadAck(_Base, tag="read_ack"):

@@ -356,7 +356,7 @@ class _Send:
 
     __slots__ = ("req", "conn", "ctx", "conn_sends", "deadline", "admitted", "handle",
                  "released", "replied", "completed", "cancel_reason", "task", "pack_cf",
-                 "started", "staging", "read_done", "hold_until")
+                 "started", "staging", "read_done", "hold_until", "ack_read")
 
     def __init__(self, req: PullRequest, conn: Connection, ctx: _RankCtx,
                  conn_sends: dict[int, _Send], deadline: float, admitted: bool) -> None:
@@ -377,6 +377,7 @@ class _Send:
         self.staging: list[torch.Tensor] = []  # ring slots taken from the StagingPool
         self.read_done: asyncio.Event | None = None  # set by ReadDone (read replies only)
         self.hold_until: float | None = None  # read pins are kept at least until then
+        self.ack_read = True  # the destination's ReadDone asked for a ReadAck
 
 
 # ------------------------------------------------------------------------------- service
@@ -685,8 +686,9 @@ class SourceService:
                 elif isinstance(msg, ReadDone):
                     s = conn_sends.get(msg.transfer_id)
                     if s is not None and s.read_done is not None:
+                        s.ack_read = msg.ack
                         s.read_done.set()
-                    else:  # nothing pinned for it (any more): say so instead of silence
+                    elif msg.ack:  # nothing pinned for it (any more): say so, not silence
                         self._ack_unknown(conn, msg.transfer_id)
                 else:  # a PullReply has no business on the control tag
                     log.debug("ignoring %s on the control tag of rank %d",
@@ -941,9 +943,10 @@ class SourceService:
         await self._after_reply(req, reply)
         await s.read_done.wait()
         await self._before_chunk(req.transfer_id, 0)
-        remaining = max(s.deadline - time.monotonic(), 0.001)
-        await s.conn.send_msg(ReadAck(transfer_id=req.transfer_id, held=True),
-                              tag_for(req.transfer_id, Lane.REPLY, 1), timeout=remaining)
+        if s.ack_read:
+            remaining = max(s.deadline - time.monotonic(), 0.001)
+            await s.conn.send_msg(ReadAck(transfer_id=req.transfer_id, held=True),
+                                  tag_for(req.transfer_id, Lane.REPLY, 1), timeout=remaining)
         s.completed = True
         self.metrics.source_served(n, n * block_nbytes)
 
