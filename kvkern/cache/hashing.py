@@ -73,6 +73,7 @@ U64_MASK = (1 << 64) - 1
 _U32_MASK = (1 << 32) - 1
 DEFAULT_SCHEME = "public-xxh3-v1"
 DYNAMO_SEED = 1337
+_PAIR = struct.Struct("<QQ")  # (parent, block) hash pair of the xxh3 chain
 
 
 def normalize_hash(value: int) -> int:
@@ -89,8 +90,14 @@ def normalize_hash(value: int) -> int:
 
 def normalize_hashes(values: Sequence[int]) -> list[int]:
     """:func:`normalize_hash` over a sequence; the error names the offending index."""
+    vals = list(values)
+    # Fast path, in C loops: plain ints already in u64 range (what every caller has once
+    # the wire decoder or a scheme produced them) come back as a new list, unchanged.
+    if not vals or (set(map(type, vals)) == {int} and min(vals) >= 0
+                    and max(vals) <= U64_MASK):
+        return vals
     out = []
-    for i, v in enumerate(values):
+    for i, v in enumerate(vals):
         try:
             out.append(normalize_hash(v))
         except ValueError as exc:
@@ -112,7 +119,7 @@ def _token_bytes(token_ids: Sequence[int], n: int) -> bytes:
         data = struct.pack(f"<{n}I", *toks)
     except struct.error:
         data = None
-    if data is not None and not any(isinstance(t, bool) for t in toks):
+    if data is not None and bool not in set(map(type, toks)):  # (C loops: ~4x a genexpr)
         return data
     for i, t in enumerate(toks):
         try:
@@ -137,21 +144,16 @@ def _xxh3_block_hashes(
     n_full = len(token_ids) // block_size
     data = _token_bytes(token_ids, n_full * block_size)
     step = 4 * block_size
-    view = memoryview(data)
-    return [
-        xxhash.xxh3_64_intdigest(view[i * step : (i + 1) * step], seed=DYNAMO_SEED)
-        for i in range(n_full)
-    ]
+    view, digest = memoryview(data), xxhash.xxh3_64_intdigest
+    return [digest(view[i : i + step], DYNAMO_SEED) for i in range(0, n_full * step, step)]
 
 
 def _xxh3_chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
     out = []
     prev = None if parent is None else normalize_hash(parent)
+    digest, pack = xxhash.xxh3_64_intdigest, _PAIR.pack
     for h in normalize_hashes(block_hashes):
-        if prev is None:
-            cur = h
-        else:
-            cur = xxhash.xxh3_64_intdigest(struct.pack("<QQ", prev, h), seed=DYNAMO_SEED)
+        cur = h if prev is None else digest(pack(prev, h), DYNAMO_SEED)
         out.append(cur)
         prev = cur
     return out

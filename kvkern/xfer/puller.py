@@ -591,6 +591,7 @@ class Puller:
         bs = self.group.block_size
         n_full = len(token_ids) // bs
         tokens = list(token_ids[:n_full * bs])
+        mine = None
         if hint.block_hashes is not None:
             scheme_name = hint.hash_scheme or DEFAULT_SCHEME
             try:
@@ -613,7 +614,10 @@ class Puller:
         if hinted == 0:
             raise _Fallback(Reason.LOCAL_PREFIX_SUFFICIENT,
                             f"prompt of {len(token_ids)} tokens has no full block of {bs}")
-        chained = sequence_hashes(tokens[:hinted * bs], bs, self.group.hash_scheme)
+        if mine is not None and scheme_name == self.group.hash_scheme:
+            chained = scheme.chain(mine)  # the tokens are hashed once
+        else:
+            chained = sequence_hashes(tokens[:hinted * bs], bs, self.group.hash_scheme)
         local = self.group.manager.longest_prefix(chained)
         base = dict(policy=hint.policy, source=hint.source, source_dp_rank=hint.source_dp_rank,
                     dialect=hint.dialect, blocks_hinted=hinted, blocks_local=local)
