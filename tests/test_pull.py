@@ -939,6 +939,18 @@ def fragment(group: KVGroup) -> list[int]:
     return ids[0::2]
 
 
+@pytest.mark.parametrize("layout,remote_read,rings", [("trtllm", True, 0),
+                                                       ("trtllm", False, 1),
+                                                       ("vllm_hnd", True, 1)])
+def test_receive_rings_are_prewarmed_only_for_ranks_that_stream(make_puller, layout,
+                                                                remote_read, rings):
+    """A rank of whole block rows in host memory reads (no ring faulted in at start); a rank
+    that streams (reads off, per-layer pool) gets its ring of chunks_in_flight slots."""
+    p = make_puller(make_group(layout=layout), remote_read=remote_read, chunk_bytes=1 << 20,
+                    chunks_in_flight=3)
+    assert p._staging.idle_bytes == rings * 3 * (1 << 20)
+
+
 def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller):
     n = 12
     tokens = fresh_tokens(n * BS)

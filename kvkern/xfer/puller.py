@@ -386,9 +386,15 @@ class Puller:
 
         # Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot cost
         # page faults and 4 KiB-page CMA writes on every pull (unpack path 5 ms per 64 MiB).
+        # Faulted in now, one ring per hosted rank that would stream: with remote_read a
+        # rank of whole block rows in host memory reads instead (a stream, from a source
+        # that offers no read, mostly lands zero-copy), so its ring is only made on demand.
         self._staging = StagingPool(4 * config.chunks_in_flight * config.chunk_bytes)
-        devices = collections.Counter(r.device for r in group.ranks.values())
-        for device, n_ranks in devices.items():  # one ring per hosted rank, faulted in now
+        streaming = [r for r in group.ranks.values()
+                     if not (config.remote_read and r.device.type == "cpu"
+                             and r.block_rows() is not None)]
+        devices = collections.Counter(r.device for r in streaming)
+        for device, n_ranks in devices.items():
             self._staging.prewarm(device, config.chunk_bytes, config.chunks_in_flight * n_ranks)
         # Heavy modules now, not on the first request's path (triton via the kernels: ~0.2 s).
         import kvkern.kernels.pack  # noqa: F401, PLC0415
