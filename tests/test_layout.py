@@ -124,3 +124,32 @@ def test_cpu_pools_are_zeroed_huge_page_memory():
     assert pool.shape == lay.shape and pool.dtype == torch.bfloat16
     assert pool.data_ptr() % HUGE_PAGE == 0 and not pool.any()
     lay.check(pool)
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_CONSTRUCTORS))
+def test_read_segments_address_the_canonical_block_bytes(name):
+    """RankKV.read_segments: segment j of block b, read from raw memory at
+    ``bases[j] + b * stride``, is bytes [j * nbytes, (j + 1) * nbytes) of the block's canonical
+    ``[L, 2, H, T, D]`` bytes; layouts whose blocks are not whole segments have none."""
+    import ctypes
+
+    from kvkern.kernels.reference import reference_pack
+    from kvkern.xfer.kvgroup import RankKV
+
+    lay = LAYOUT_CONSTRUCTORS[name](num_blocks=5, num_layers=3, num_heads=2, block_size=4,
+                                    head_dim=8, dtype=torch.float16)
+    rkv = RankKV(0, lay, lay.allocate(fill="random", generator=torch.Generator().manual_seed(3)))
+    segs = rkv.read_segments
+    if name not in ("trtllm", "vllm_hnd"):
+        assert segs is None
+        return
+    assert segs.block_nbytes == lay.bytes_per_block
+    assert len(segs.bases) == (lay.num_layers if lay.per_layer else 1)
+    for b in range(lay.num_blocks):
+        want = reference_pack(rkv.pool, lay, [b]).contiguous().view(torch.uint8).numpy()
+        got = b"".join(ctypes.string_at(base + b * segs.stride, segs.nbytes)
+                       for base in segs.bases)
+        assert got == want.tobytes()
+    for (addr, length), base in zip(segs.spans, segs.bases, strict=True):
+        assert addr <= base and base + (lay.num_blocks - 1) * segs.stride + segs.nbytes \
+            <= addr + length

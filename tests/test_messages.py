@@ -232,12 +232,25 @@ def read_replies(draw) -> PullReply:
                                                                           Status.PARTIAL])),
                      served_blocks=served,
                      block_hashes=draw(st.lists(U64, min_size=served, max_size=served)),
-                     total_bytes=served * draw(st.integers(0, 2**34)),
                      read_rkey=draw(st.binary(min_size=1, max_size=700)), read_base=draw(U64),
                      read_stride=draw(st.integers(1, 2**63 - 1)),
                      read_blocks=draw(st.lists(st.integers(0, 2**63 - 1), min_size=served,
                                                max_size=served)),
-                     read_hold_ms=draw(st.integers(0, 24 * 3600 * 1000)))
+                     read_hold_ms=draw(st.integers(0, 24 * 3600 * 1000)),
+                     **draw(segments(served)))
+
+
+@st.composite
+def segments(draw, served: int) -> dict:
+    """Segment fields of a read reply: none, or k >= 2 segments per block."""
+    k = draw(st.integers(1, 5))
+    if k == 1:
+        return {"total_bytes": served * draw(st.integers(0, 2**34))}
+    seg = draw(st.integers(0, 2**30))
+    return {"total_bytes": served * k * seg, "read_segment_bytes": seg,
+            "read_more_rkeys": draw(st.lists(st.binary(min_size=1, max_size=300),
+                                             min_size=k - 1, max_size=k - 1)),
+            "read_more_bases": draw(st.lists(U64, min_size=k - 1, max_size=k - 1))}
 
 
 MESSAGES = st.one_of(
@@ -286,6 +299,14 @@ READ_REPLY = dict(transfer_id=5, status="ok", served_blocks=2, block_hashes=[7, 
                   read_blocks=[3, 1])
 
 
+def test_segmented_read_reply_round_trips():
+    """A per-layer pool's read reply: each block is 1 + len(read_more_rkeys) segments."""
+    reply = PullReply(**(READ_REPLY | {"status": Status.OK, "read_segment_bytes": 1024,
+                                       "read_more_rkeys": [b"k1", b"k2", b"k3"],
+                                       "read_more_bases": [1 << 40, 0, 2**64 - 1]}))
+    assert decode(encode(reply)) == reply
+
+
 def test_read_reply_defaults_and_old_bodies():
     """A request or reply body without the read fields (what a peer of the same schema
     may omit: they have defaults) decodes as a stream request / reply."""
@@ -305,16 +326,24 @@ def test_read_reply_defaults_and_old_bodies():
     (dict(read_blocks=[3]), "a read reply needs"),
     (dict(read_blocks=[3, 1, 2]), "a read reply needs"),
     (dict(read_stride=0), "a read reply needs"),
-    (dict(read_rkey=b""), "read_blocks without a read_rkey"),
+    (dict(read_rkey=b""), "read fields without a read_rkey"),
     (dict(read_rkey=b"", total_bytes=0, served_blocks=0, block_hashes=[]),
-     "read_blocks without a read_rkey"),
+     "read fields without a read_rkey"),
     (dict(status="miss", reason="x"), "status ok/partial"),
     (dict(served_blocks=0, block_hashes=[], read_blocks=[], total_bytes=0),
      "status ok/partial and served blocks"),
     (dict(total_bytes=READ_REPLY["total_bytes"] + 1), "whole blocks"),
+    (dict(read_segment_bytes=1024, read_more_rkeys=[b"a"], read_more_bases=[0]),
+     "2 segments of 1024 B"),
+    (dict(read_segment_bytes=2048, read_more_rkeys=[b"a"], read_more_bases=[]),
+     "segments of 2048 B"),
+    (dict(read_segment_bytes=1024), "1 segments of 1024 B"),
+    (dict(read_rkey=b"", read_blocks=[], total_bytes=0, served_blocks=0, block_hashes=[],
+          read_more_rkeys=[b"a"]), "read fields without a read_rkey"),
 ], ids=["chunks-with-rkey", "too-few-read-blocks", "too-many-read-blocks", "zero-stride",
         "read-blocks-without-rkey", "read-blocks-only", "miss-with-rkey", "no-served-blocks",
-        "partial-block-bytes"])
+        "partial-block-bytes", "segments-short-of-the-block", "segment-bases-missing",
+        "one-segment-not-the-block", "segments-without-rkey"])
 def test_invalid_read_reply_rejected(kw, match):
     bad = READ_REPLY | kw
     with pytest.raises(ValueError, match=match):

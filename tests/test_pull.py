@@ -317,8 +317,8 @@ def test_other_engine_layouts_and_split_blocks(src, make_puller, layout, chunk_b
     # A per-layer NHD/HND pool has no contiguous canonical view: every chunk goes through
     # the staging ring and the unpack kernel; 1500-byte chunks cut every 2 KiB block in two
     # (the carry path).
-    # The stream explicitly: a trtllm pool would otherwise be read one-sided (whole blocks,
-    # no chunks; see test_read_*).
+    # The stream explicitly: trtllm and HND pools would otherwise be read one-sided (whole
+    # blocks, no chunks; see test_read_*).
     tokens = fresh_tokens(5 * BS)
     hashes = src.commit(tokens)
     group = make_group(layout=layout)
@@ -977,6 +977,57 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert p.quarantined_blocks == 0
     assert_clean(group)
     src.wait_no_pins()
+
+
+@pytest.fixture(scope="module")
+def src_hnd():
+    """A source whose pool is per-layer HND (vLLM/FlashInfer): one read segment per layer."""
+    s = Source("source_peer.py", "--layout", "vllm_hnd", "--num-blocks", "128",
+               "--chunk-bytes", str(8 << 10))
+    try:
+        yield s.wait_ready()
+    finally:
+        s.kill()
+
+
+@pytest.mark.parametrize("src_layout,dst_layout,scattered", [
+    ("trtllm", "vllm_hnd", True), ("vllm_hnd", "vllm_hnd", True),
+    ("vllm_hnd", "trtllm", True), ("vllm_hnd", "vllm_hnd", False)])
+def test_read_per_layer_pools(src, src_hnd, make_puller, src_layout, dst_layout, scattered):
+    """A per-layer HND pool reads too, one segment (its ``[2, H, T, D]``) per layer and
+    block, into or out of TRT-LLM's block rows or another HND pool; stretches of blocks
+    consecutive on both sides merge per layer between two HND pools."""
+    source = src if src_layout == "trtllm" else src_hnd
+    n, layers = 12, MODEL.num_layers
+    tokens = fresh_tokens(n * BS)
+    if scattered:
+        hashes, remote = commit_scattered(source, tokens)
+    else:
+        hashes = source.commit(tokens)
+        remote = source_block_ids(source, hashes)
+    group = make_group(layout=dst_layout)
+    held = fragment(group) if scattered else []
+    before = snapshot(group)
+    p = make_puller(group)
+    sent = source.http("GET", "/test/stats")["replies"]
+    o = pull(p, "per-layer", tokens, hint_for(source, tokens))
+    assert o.used and o.blocks_transferred == n and o.bytes_transferred == n * 2048, o
+    assert served_kinds(source, sent) == {"read": 1, "stream": 0}
+    assert o.messages == 3, o
+    ids = p.claim("per-layer")
+    if src_layout == dst_layout == "vllm_hnd":
+        assert o.reads == layers * len(coalesce(ids, remote, 1)), (o, ids, remote)
+        if not scattered:
+            assert o.reads < n * layers, (o, ids, remote)
+    else:  # a TRT-LLM row holds every layer of one block: nothing merges across blocks
+        assert o.reads == n * layers, o
+    check_bytes(source, group, hashes, ids)
+    assert_only_changed(group, before, set(ids))
+    group.manager.release(ids)
+    group.manager.release(held)
+    assert p.quarantined_blocks == 0
+    assert_clean(group)
+    source.wait_no_pins()
 
 
 def test_read_and_stream_commit_the_same_bytes(src, make_puller):

@@ -595,6 +595,34 @@ async def test_failed_read_names_its_ucs_status_and_keeps_the_cause(listener, po
     assert isinstance(cause, RmaError) and cause.status < 0, repr(cause)
 
 
+@aio
+async def test_read_parts_from_two_regions_interleave_into_one_buffer(listener, pool, source):
+    """One read over two registered regions (as from a per-layer pool: one key per layer):
+    each part's runs land where they say, the poison between them stays."""
+    src, region = source
+    other = host_buffer(1 << 20)
+    other.copy_(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8).flip(0))
+    second = ucp_rma.Region(other.data_ptr(), other.numel())
+    try:
+        conn = await connect(pool, listener)
+        dst = poisoned(8 * 4096 + 4096)
+        seg = 4096
+        a = [(dst.data_ptr() + 2 * i * seg, region.address + 3 * i * seg, seg) for i in range(4)]
+        b = [(dst.data_ptr() + (2 * i + 1) * seg, second.address + 5 * i * seg, seg)
+             for i in range(4)]
+        first = await conn.read_parts([(region.rkey, a), (second.rkey, b)], timeout=5)
+        assert first is not None
+        for i in range(4):
+            assert torch.equal(dst[2 * i * seg:(2 * i + 1) * seg],
+                               src[3 * i * seg:(3 * i + 1) * seg])
+            assert torch.equal(dst[(2 * i + 1) * seg:(2 * i + 2) * seg],
+                               other[5 * i * seg:(5 * i + 1) * seg])
+        assert bool((dst[8 * seg:] == POISON).all())
+        assert all(e[1] == 0 for e in conn._rkeys.values())  # (CMA packs equal keys)
+    finally:
+        second.close()
+
+
 def tiny_runs(dst: torch.Tensor, region, n: int) -> list:
     """``n`` reads of 64 B, 128 B apart on both sides: posting them takes ~3 us each."""
     return [(dst.data_ptr() + i * 128, region.address + i * 128, 64) for i in range(n)]

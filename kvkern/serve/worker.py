@@ -115,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "from sources that offer it; 'off' streams both ways")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--debug-send-delay-s", type=float, default=0.0,
-                   help=argparse.SUPPRESS)  # fault tests: the source stalls before each chunk
+                   help=argparse.SUPPRESS)  # fault tests: the source stalls each send
     return p
 
 
@@ -383,11 +383,14 @@ class Worker:
 
 
 def _stalling_source(base: type, delay_s: float) -> type:
-    """A source that sleeps before every chunk (fault tests: a window in which to kill it
-    mid-transfer)."""
+    """A source that sleeps before every chunk and before offering a read (fault tests: a
+    window in which to kill it mid-transfer)."""
 
     class StallingSource(base):
         async def _before_chunk(self, transfer_id: int, index: int) -> None:
+            await asyncio.sleep(delay_s)
+
+        async def _before_read_reply(self, transfer_id: int) -> None:
             await asyncio.sleep(delay_s)
 
     return StallingSource

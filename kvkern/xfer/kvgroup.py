@@ -26,7 +26,7 @@ from kvkern.cache.protocol import KVCacheManager
 from kvkern.layout.kv_layout import KVLayout, LayoutMismatchError
 from kvkern.layout.topology import Topology
 
-__all__ = ["KVGroup", "RankKV"]
+__all__ = ["BlockSegments", "KVGroup", "RankKV"]
 
 _SIZE_FIELDS = ("num_layers", "num_heads", "block_size", "head_dim", "dtype")
 
@@ -72,6 +72,55 @@ class RankKV:
         import torch  # noqa: PLC0415
 
         return cv.reshape(cv.shape[0], -1).view(torch.uint8)
+
+    @functools.cached_property
+    def read_segments(self) -> BlockSegments | None:
+        """The :class:`BlockSegments` of this rank's pool, or None when a block's canonical
+        bytes are not whole contiguous segments (NHD and ``[2, NB, ...]`` orders, where a
+        block's tokens or its K and V are apart: those pools stream)."""
+        rows = self.block_rows()
+        if rows is not None:
+            return BlockSegments(bases=(rows.data_ptr(),), stride=rows.stride(0),
+                                 nbytes=rows.shape[1], spans=(_span(rows),))
+        lay = self.layout
+        if not lay.per_layer:
+            return None
+        views = [lay.canonical_view(t) for t in lay.tensors(self.pool)]  # [NB, 2, H, T, D]
+        for cv in views:
+            inner = cv[0]
+            if not inner.is_contiguous() or cv.stride(0) < inner.numel() or cv.stride(0) != \
+                    views[0].stride(0):
+                return None
+        isz = views[0].element_size()
+        return BlockSegments(bases=tuple(cv.data_ptr() for cv in views),
+                             stride=views[0].stride(0) * isz,
+                             nbytes=views[0][0].numel() * isz,
+                             spans=tuple(_span(cv) for cv in views))
+
+
+@dataclass(frozen=True)
+class BlockSegments:
+    """Where a rank's blocks are in memory, for one-sided reads: the canonical bytes of a
+    block (its stream, ``[L, 2, H, T, D]``) are ``len(bases)`` equal segments of ``nbytes``;
+    segment ``j`` of block ``b`` is the ``nbytes`` at ``bases[j] + b * stride``. One segment
+    for a pool of whole block rows (TRT-LLM), one per layer for a per-layer pool whose
+    ``[2, H, T, D]`` per block is contiguous (vLLM/FlashInfer HND). ``spans`` are the
+    ``(address, length)`` of the memory each segment lives in (what a source registers)."""
+
+    bases: tuple[int, ...]
+    stride: int
+    nbytes: int
+    spans: tuple[tuple[int, int], ...]
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.nbytes * len(self.bases)
+
+
+def _span(t: Any) -> tuple[int, int]:
+    """``(lowest address, bytes)`` of the memory a strided tensor touches."""
+    n = sum((size - 1) * st for size, st in zip(t.shape, t.stride(), strict=True)) + 1
+    return t.data_ptr(), n * t.element_size()
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: one-message control frames, reads (ReadDone/ReadAck); 3: ReadDone.ack
+PROTOCOL_VERSION = 3  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
+# segmented read replies (per-layer pools)
 MAGIC = b"KVKX"
 _PREAMBLE = struct.Struct("<4sHHQI")
 PREAMBLE_BYTES = _PREAMBLE.size  # 20
@@ -50,6 +51,7 @@ MAX_CHUNKS = 1 << 20
 MAX_TEXT = 256
 READ_CAPABILITY = "read/1"  # a source whose state lists it answers PullRequest.read
 MAX_RKEY_BYTES = 1 << 16  # a packed UCX remote key (a few hundred bytes in practice)
+MAX_READ_SEGMENTS = 4096  # segments per block of a read reply (one per layer at most)
 
 # msgpack integers stop at 2**64 - 1, so ge=0 is the whole u64 check (msgspec rejects an
 # upper bound beyond int64 in Meta).
@@ -166,6 +168,12 @@ class PullReply(_Base, tag="pull_reply"):
     its receipt of the request: a destination whose reads all completed within
     ``read_hold_ms`` of sending the request may commit them without waiting for
     :class:`ReadAck`; otherwise only ``ReadAck(held=True)`` makes them count.
+
+    A block may be several **segments** (a per-layer pool: one per layer): with
+    ``read_more_rkeys``, segment ``0`` of a block is as above and segment ``j >= 1`` is the
+    ``read_segment_bytes`` at ``read_more_bases[j-1] + read_blocks[i] * read_stride`` under
+    ``read_more_rkeys[j-1]``; segment ``j`` holds the block's stream bytes ``[j * seg, (j +
+    1) * seg)``.
     """
 
     transfer_id: TransferId
@@ -181,6 +189,10 @@ class PullReply(_Base, tag="pull_reply"):
     read_stride: NonNeg = 0
     read_blocks: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_BLOCKS)] = []
     read_hold_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)] = 0
+    read_segment_bytes: NonNeg = 0
+    read_more_rkeys: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_RKEY_BYTES)]],
+                               msgspec.Meta(max_length=MAX_READ_SEGMENTS)] = []
+    read_more_bases: Annotated[list[U64], msgspec.Meta(max_length=MAX_READ_SEGMENTS)] = []
 
     def __post_init__(self) -> None:
         if len(self.block_hashes) != self.served_blocks:
@@ -198,9 +210,17 @@ class PullReply(_Base, tag="pull_reply"):
                                  f"block per served block ({len(self.read_blocks)} for "
                                  f"{self.served_blocks}), a block stride ({self.read_stride}) "
                                  f"and whole blocks ({self.total_bytes} B)")
+            segments = 1 + len(self.read_more_rkeys)
+            seg = self.read_segment_bytes or self.total_bytes // self.served_blocks
+            if len(self.read_more_bases) != len(self.read_more_rkeys) or \
+                    seg * segments * self.served_blocks != self.total_bytes:
+                raise ValueError(f"a read reply's blocks must be {segments} segments of "
+                                 f"{self.read_segment_bytes} B ({len(self.read_more_bases)} "
+                                 f"more bases) making up {self.total_bytes} B")
             return
-        if self.read_blocks:
-            raise ValueError("read_blocks without a read_rkey")
+        if self.read_blocks or self.read_more_rkeys or self.read_more_bases or \
+                self.read_segment_bytes:
+            raise ValueError("read fields without a read_rkey")
         if sum(self.chunk_sizes) != self.total_bytes:
             raise ValueError(f"chunk sizes sum to {sum(self.chunk_sizes)}, "
                              f"total_bytes is {self.total_bytes}")

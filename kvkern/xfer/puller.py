@@ -63,12 +63,15 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import random
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme
 from kvkern.xfer.config import XferConfig
@@ -935,7 +938,7 @@ class Puller:
 
         count, cfg = job.count, self.config
         rkv = self.group.ranks[tr.dst_rank]
-        direct = _direct_view(tr, rkv)  # block rows the pair lands in as is (read or stream)
+        direct = _direct_view(tr, rkv)  # block rows a stream's chunks land in as they are
         try:
             async with asyncio.timeout(xfer_t):  # not wait_for: no task per pull
                 conn = await self._pool.get(*addr)
@@ -960,7 +963,7 @@ class Puller:
                           start=job.local, count=count, pieces=pieces, chunk_bytes=chunk,
                           deadline_ms=max(1, int(remaining * 1000)),
                           require_all=job.policy == "strict",
-                          read=self._can_read(job, rkv, direct))
+                          read=self._can_read(job, tr, rkv))
         entry = (conn, tid)
         t_req = time.perf_counter()
         job.open_transfers.append(entry)
@@ -1008,7 +1011,7 @@ class Puller:
             if not req.read:
                 raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offered "
                                 f"a read to a request that did not ask for one")
-            await self._read_pair(job, tr, conn, reply, direct, xfer_t, t_req)
+            await self._read_pair(job, tr, conn, reply, rkv.read_segments, xfer_t, t_req)
             job.open_transfers.remove(entry)
             return served
         nbytes = tr.nbytes(served)
@@ -1066,51 +1069,69 @@ class Puller:
                             f"ended at byte {unpacker.pos} of {nbytes}")
         return served
 
-    def _can_read(self, job: _Job, rkv: Any, direct: Any) -> bool:
+    def _can_read(self, job: _Job, tr: Any, rkv: Any) -> bool:
         """Ask for a one-sided read: allowed here, offered by the source, and the pair moves
-        whole blocks between two pools of contiguous block rows in host memory."""
-        return (self.config.remote_read and job.state is not None
-                and READ_CAPABILITY in job.state.capabilities
-                and rkv.device.type == "cpu" and direct is not None)
+        whole blocks into a host pool whose blocks are whole contiguous segments (block rows,
+        or one segment per layer of a per-layer HND pool)."""
+        if not (self.config.remote_read and job.state is not None
+                and READ_CAPABILITY in job.state.capabilities and rkv.device.type == "cpu"):
+            return False
+        segs, lay = rkv.read_segments, rkv.layout
+        return (segs is not None and len(tr.pieces) == 1
+                and tr.pieces[0].dst_layers == (0, lay.num_layers)
+                and tr.pieces[0].dst_heads == (0, lay.num_heads)
+                and tr.pieces[0].block_nbytes == segs.block_nbytes)
 
-    async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rows: Any,
+    async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, segs: Any,
                          xfer_t: float, t_req: float) -> None:
-        """Read the served blocks straight from the source's pool into the private blocks.
-        They count when every read completed inside the source's granted hold, measured
-        from ``t_req`` (before the request was sent; the source counts from its receipt, so
-        our window closes first); else only ``ReadAck(held=True)`` after our ReadDone
-        makes them count. See :mod:`kvkern.xfer.ucp_rma`."""
+        """Read the served blocks straight from the source's pool into the private blocks
+        (``segs``: where they are here). They count when every read completed inside the
+        source's granted hold, measured from ``t_req`` (before the request was sent; the
+        source counts from its receipt, so our window closes first); else only
+        ``ReadAck(held=True)`` after our ReadDone makes them count. See
+        :mod:`kvkern.xfer.ucp_rma`."""
         from kvkern.xfer.messages import ReadAck, ReadDone  # noqa: PLC0415
         from kvkern.xfer.transport import CONTROL_TAG, Lane, ReadsStuck, tag_for  # noqa: PLC0415
-        from kvkern.xfer.ucp_rma import coalesce  # noqa: PLC0415
+        from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
 
         served, unit, tid = reply.served_blocks, tr.block_nbytes, reply.transfer_id
-        base, stride = reply.read_base, reply.read_stride
-        if reply.total_bytes != served * unit or stride < unit or \
-                base + (max(reply.read_blocks) + 1) * stride > 1 << 64:
+        keys = [reply.read_rkey, *reply.read_more_rkeys]
+        bases = [reply.read_base, *reply.read_more_bases]
+        seg, stride = reply.read_segment_bytes or unit, reply.read_stride
+        top = max(reply.read_blocks) * stride + seg
+        if reply.total_bytes != served * unit or seg * len(keys) != unit or stride < seg or \
+                max(bases) + top > 1 << 64:
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
-                            f"{reply.total_bytes} B of {served} blocks at stride {stride}, "
-                            f"expected {unit} B blocks")
-        lbase, lstride = rows.data_ptr(), rows.stride(0) * rows.element_size()
-        ids = job.private[:served]
-        runs = coalesce([lbase + i * lstride for i in ids],
-                        [base + b * stride for b in reply.read_blocks], unit)
+                            f"{reply.total_bytes} B of {served} blocks as {len(keys)} "
+                            f"segments of {seg} B at stride {stride}, expected {unit} B blocks")
+        # Both sides' segments divide the block: cut it where either side's segment ends;
+        # each piece is then contiguous on both sides (e.g. a layer into TRT-LLM's rows).
+        piece = math.gcd(seg, segs.nbytes)
+        here = np.asarray(job.private[:served], dtype=np.uint64) * np.uint64(segs.stride)
+        there = np.asarray(reply.read_blocks, dtype=np.uint64) * np.uint64(stride)
+        parts: dict[int, list] = {}
+        for off in range(0, unit, piece):
+            j, d = off // seg, off // segs.nbytes
+            local = here + np.uint64(segs.bases[d] + off - d * segs.nbytes)
+            remote = there + np.uint64(bases[j] + off - j * seg)
+            parts.setdefault(j, []).extend(coalesce_arrays(local, remote, piece))
         t = time.perf_counter()
         try:
-            first = await conn.read(reply.read_rkey, runs, timeout=xfer_t)
+            first = await conn.read_parts([(keys[j], runs) for j, runs in parts.items()],
+                                          timeout=xfer_t)
         except ReadsStuck:
             job.quarantined = True
             raise
         if job.t_first_byte is None:
             job.t_first_byte = first or time.perf_counter()
-        job.reads += len(runs)
+        job.reads += sum(len(runs) for runs in parts.values())
         job.bytes += served * unit
         t_ack = time.perf_counter()
         job.phases["read"] = job.phases.get("read", 0.0) + (t_ack - t)
         hold_s = reply.read_hold_ms / 1000
         if hold_s and t_ack < t_req + hold_s * (1 - _HOLD_RATE_SLACK) - _HOLD_MARGIN_S:
-            # Read inside the hold: the bytes are the pinned blocks'. Release them now in
-            # the background (the ack is drained, not awaited).
+            # Read inside the hold: the bytes are the pinned blocks'. Release them in the
+            # background, asking for no ack.
             self._spawn(self._release_read(conn, tid, xfer_t))
             job.messages += 1
             return

@@ -239,22 +239,23 @@ def _piece_nbytes(layout: KVLayout, p: PlanPiece) -> int:
             * layout.block_size * layout.head_dim * layout.itemsize)
 
 
-def _direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece], *,
-                 any_device: bool = False) -> torch.Tensor | None:
-    """The pool's ``[num_blocks, bytes_per_block]`` byte rows when the stream of one block is
-    exactly that block's bytes (one piece of every local layer and head over a pool whose
-    canonical view is contiguous): a chunk of consecutive pinned blocks is then sent straight
-    from the pool, and a destination may read blocks straight out of it. Else None (chunks
-    are packed into staging). CPU pools only unless ``any_device``."""
+def _whole_blocks(rkv: RankKV, pieces: Sequence[PlanPiece]) -> bool:
+    """The request moves whole blocks: one piece of every local layer and head."""
     lay = rkv.layout
-    if len(pieces) != 1 or (rkv.device.type != "cpu" and not any_device):
-        return None
-    p = pieces[0]
-    if (p.layer_start, p.layer_stop, p.head_start, p.head_stop) != (
-            0, lay.num_layers, 0, lay.num_heads):
+    return len(pieces) == 1 and (pieces[0].layer_start, pieces[0].layer_stop,
+                                 pieces[0].head_start, pieces[0].head_stop) == (
+        0, lay.num_layers, 0, lay.num_heads)
+
+
+def _direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | None:
+    """The pool's ``[num_blocks, bytes_per_block]`` byte rows when the stream of one block is
+    exactly that block's bytes (whole blocks of a CPU pool whose canonical view is
+    contiguous): a chunk of consecutive pinned blocks is then sent straight from the pool.
+    Else None (chunks are packed into staging)."""
+    if rkv.device.type != "cpu" or not _whole_blocks(rkv, pieces):
         return None
     rows = rkv.block_rows()
-    return rows if rows is not None and rows.shape[1] == p.length else None
+    return rows if rows is not None and rows.shape[1] == pieces[0].length else None
 
 
 async def _keep_hold(s: _Send) -> None:
@@ -471,7 +472,8 @@ class SourceService:
         self._staging = StagingPool(staging_cache_bytes)
         self.remote_read = remote_read
         self.read_hold_s = float(read_hold_s)
-        self._regions: dict[int, Any] = {}  # rank -> ucp_rma.Region of its pool (read path)
+        # rank -> its pool's BlockSegments and one ucp_rma.Region per segment (read path)
+        self._regions: dict[int, tuple[Any, list[Any]]] = {}
         self._ctx: dict[int, _RankCtx] = {
             r: _RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
         self._listeners: dict[int, Listener] = {}
@@ -614,13 +616,15 @@ class SourceService:
             executor.shutdown(wait=False, cancel_futures=True)
         self._staging.clear()
         regions, self._regions = list(self._regions.values()), {}
-        for region in regions:  # every connection is aborted: nobody reads any more
-            region.close()
+        for _, rank_regions in regions:  # every connection is aborted: nobody reads any more
+            for region in rank_regions:
+                region.close()
 
     def _register_pools(self) -> None:
         """Register each rank's pool for remote reads where ``remote_read`` allows it and
-        the pool's blocks are whole contiguous rows; a rank that cannot is served by the
-        stream (logged, not an error)."""
+        its blocks are whole contiguous segments (:attr:`RankKV.read_segments`: the pool
+        of block rows, or each layer of a per-layer HND pool); a rank that cannot is served
+        by the stream (logged, not an error)."""
         if self.remote_read == "off":
             return
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
@@ -633,15 +637,20 @@ class SourceService:
             rkv = ctx.rkv
             if rkv.device.type != "cpu" and self.remote_read != "all":
                 continue
-            rows = rkv.block_rows()
-            if rows is None:
+            segs = rkv.read_segments
+            if segs is None:
                 continue
+            mem = "host" if rkv.device.type == "cpu" else "cuda"
+            regions: list[Any] = []
             try:
-                self._regions[rank] = ucp_rma.Region(
-                    rows.data_ptr(), rows.shape[0] * rows.stride(0),
-                    memory_type="host" if rkv.device.type == "cpu" else "cuda")
+                for address, length in segs.spans:
+                    regions.append(ucp_rma.Region(address, length, memory_type=mem))
             except (ucp_rma.RmaError, ValueError) as exc:
                 log.warning("rank %d pool not registered for remote reads: %s", rank, exc)
+                for region in regions:
+                    region.close()
+                continue
+            self._regions[rank] = (segs, regions)
 
     async def __aenter__(self) -> SourceService:
         return await self.start()
@@ -892,10 +901,9 @@ class SourceService:
         if max(block_ids) >= ctx.rkv.layout.num_blocks:
             raise RuntimeError(f"manager pinned block {max(block_ids)}, rank {ctx.rank}'s pool "
                                f"has {ctx.rkv.layout.num_blocks} blocks")
-        region = self._regions.get(ctx.rank)
-        rows = _direct_rows(ctx.rkv, pieces, any_device=True) if req.read and region else None
-        if rows is not None:
-            await self._serve_read(s, region, rows, block_ids, handle.hashes)
+        registered = self._regions.get(ctx.rank) if req.read else None
+        if registered is not None and _whole_blocks(ctx.rkv, pieces):
+            await self._serve_read(s, *registered, block_ids, handle.hashes)
             return
         limit = min(req.chunk_bytes, self.chunk_bytes)
         lengths = [p.length for p in pieces]
@@ -918,14 +926,14 @@ class SourceService:
         s.completed = True
         self.metrics.source_served(n, sent)
 
-    async def _serve_read(self, s: _Send, region: Any, rows: torch.Tensor,
+    async def _serve_read(self, s: _Send, segs: Any, regions: list[Any],
                           block_ids: list[int], hashes: Sequence[int]) -> None:
         """Reply with where the pinned blocks are and how long they stay pinned
         (``read_hold_ms``); the destination reads them one-sided. The pins stay until its
         ReadDone (answered ReadAck held=True) or Cancel, and whatever else ends this task
         first, at least until the hold ends (see :func:`_keep_hold`)."""
         req, n = s.req, len(block_ids)
-        block_nbytes = rows.shape[1]
+        block_nbytes = segs.block_nbytes
         s.read_done = asyncio.Event()
         # The hold counts from receipt (s.started): the destination counts it from before
         # it sent the request, so its window always ends first.
@@ -934,11 +942,15 @@ class SourceService:
         reply = PullReply(transfer_id=req.transfer_id,
                           status=Status.OK if n == req.count else Status.PARTIAL,
                           served_blocks=n, block_hashes=list(hashes),
-                          total_bytes=n * block_nbytes, read_rkey=region.rkey,
-                          read_base=rows.data_ptr(), read_stride=rows.stride(0),
+                          total_bytes=n * block_nbytes, read_rkey=regions[0].rkey,
+                          read_base=segs.bases[0], read_stride=segs.stride,
                           read_blocks=block_ids, read_hold_ms=int(hold_s * 1000),
+                          read_segment_bytes=segs.nbytes if len(regions) > 1 else 0,
+                          read_more_rkeys=[r.rkey for r in regions[1:]],
+                          read_more_bases=list(segs.bases[1:]),
                           reason="" if n == req.count else _reason(
                               "partial", f"{n} of {req.count} requested blocks cached"))
+        await self._before_read_reply(req.transfer_id)
         await self._reply(s, reply)
         await self._after_reply(req, reply)
         await s.read_done.wait()
@@ -1015,3 +1027,7 @@ class SourceService:
     async def _before_chunk(self, transfer_id: int, index: int) -> None:
         """Called before chunk ``index`` is packed, and for a read before it is confirmed
         (index 0). No-op; test peers override it to slow a send down."""
+
+    async def _before_read_reply(self, transfer_id: int) -> None:
+        """Called when a read's blocks are pinned, before the reply that offers them.
+        No-op; test peers override it to hold a read pull at the source."""

@@ -508,35 +508,50 @@ class Connection:
     async def read(self, rkey: bytes, runs: Sequence[tuple[int, int, int]], *,
                    timeout: float = DEFAULT_TIMEOUT_S) -> float | None:
         """Read ``runs`` of ``(local_address, remote_address, nbytes)`` from the peer's memory
-        registered under the packed ``rkey`` (see :mod:`kvkern.xfer.ucp_rma`). Returns the
-        ``perf_counter`` time the first run was seen complete.
+        registered under the packed ``rkey``; see :meth:`read_parts`."""
+        return await self.read_parts([(rkey, runs)], timeout=timeout)
+
+    async def read_parts(self, parts: Sequence[tuple[bytes, Sequence[tuple[int, int, int]]]],
+                         *, timeout: float = DEFAULT_TIMEOUT_S) -> float | None:
+        """Read each part's runs of ``(local_address, remote_address, nbytes)`` from the
+        peer's memory registered under that part's packed rkey (one part per registered
+        region, e.g. per layer of a per-layer pool; see :mod:`kvkern.xfer.ucp_rma`). Returns
+        the ``perf_counter`` time the first run was seen complete.
 
         The reads are posted and waited for on a helper thread (posting can wait for UCX's
         worker lock while the progress thread copies), so the event loop stays free; the
-        endpoint cannot be aborted while reads are being posted on it. Any failure, timeout
-        or cancellation aborts the connection, which cancels the reads still running, and
-        then waits up to :data:`READ_DRAIN_S` for them to end before raising: after the
-        raise, UCX writes to no local address of ``runs`` any more. Should a read outlive
-        even that (never seen), the error is :class:`ReadsStuck` and the caller must not
-        reuse the local memory.
+        endpoint cannot be aborted while reads are being posted on it. ``timeout`` bounds
+        the whole read. Any failure, timeout or cancellation aborts the connection, which
+        cancels the reads still running, and then waits up to :data:`READ_DRAIN_S` for them
+        to end before raising: after the raise, UCX writes to no local address of any run
+        any more. Should a read outlive even that (never seen), the error is
+        :class:`ReadsStuck` and the caller must not reuse the local memory.
         """
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         ep = self._require()
         loop = asyncio.get_running_loop()
-        batch = entry = None
+        batches: list[Any] = []
+        entries: list[tuple[bytes, list]] = []
+        n_runs = sum(len(runs) for _, runs in parts)
         stop = threading.Event()
 
         def post_and_wait() -> float | None:
             with self._posting:
                 if self._ep is None:
                     raise TransportError("closed", f"connection closed ({self.failure})")
-                batch.post(ep.ucp_endpoint)
-            return batch.wait(timeout, stop)
+                for batch in batches:
+                    batch.post(ep.ucp_endpoint)
+            deadline = time.perf_counter() + timeout
+            firsts = [batch.wait(max(deadline - time.perf_counter(), 0.0), stop)
+                      for batch in batches]
+            return min((f for f in firsts if f is not None), default=None)
 
         try:
-            entry = self._acquire_rkey(rkey, ep)
-            batch = ucp_rma.ReadBatch(entry[0], runs, worker_handle=_worker_handle())
+            worker = _worker_handle()
+            for rkey, runs in parts:
+                entries.append((rkey, self._acquire_rkey(rkey, ep)))
+                batches.append(ucp_rma.ReadBatch(entries[-1][1][0], runs, worker_handle=worker))
             wait = loop.run_in_executor(_read_waiters(), post_and_wait)
             try:
                 return await asyncio.shield(wait)
@@ -552,19 +567,20 @@ class Connection:
             err = exc
             if isinstance(exc, ucp_rma.RmaError):
                 err = TransportError("transfer_failed", f"one-sided read: {exc}")
-            raise self._fail(err, f"read of {len(runs)} runs") from exc
+            raise self._fail(err, f"read of {n_runs} runs") from exc
         finally:
-            if batch is not None and batch.stuck:
+            stuck = [batch for batch in batches if batch.stuck]
+            if stuck:
                 self.abort(self.failure or "cancelled")  # cancels the reads still running
                 try:
-                    drained = await _drain(batch)
+                    drained = all([await _drain(batch) for batch in stuck])
                 except asyncio.CancelledError:  # cancelled again while draining: unknown
                     drained = False
                 if not drained:
-                    entry = None  # reads may still use it: leak the key, not memory safety
-                    raise ReadsStuck(f"{len(runs)} reads still running after the endpoint "
+                    entries = []  # reads may still use them: leak the keys, not memory safety
+                    raise ReadsStuck(f"{n_runs} reads still running after the endpoint "
                                      f"was aborted (waited up to {READ_DRAIN_S} s)")
-            if entry is not None:
+            for rkey, entry in entries:
                 self._release_rkey(rkey, entry)
 
     def _abort_streams(self, inflight: collections.deque, reason: str) -> None:

@@ -49,7 +49,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "rma_unavailable", "MEMORY_TYPES"]
+__all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "coalesce", "coalesce_arrays",
+           "rma_unavailable", "MEMORY_TYPES"]
 
 UCS_OK = 0
 UCS_INPROGRESS = 1
@@ -357,6 +358,23 @@ class ReadBatch:
             i, st = self._failed
             raise RmaError(f"read {i} of {len(self._reqs)}", st)
         return first
+
+
+def coalesce_arrays(local: Any, remote: Any, nbytes: int) -> list[tuple[int, int, int]]:
+    """:func:`coalesce` for numpy ``uint64`` arrays of addresses (vectorized: a per-layer
+    pool makes layers x blocks of them)."""
+    import numpy as np  # noqa: PLC0415
+
+    if len(local) != len(remote):
+        raise ValueError(f"{len(local)} local vs {len(remote)} remote addresses")
+    if not len(local):
+        return []
+    n = np.uint64(nbytes)
+    cut = np.flatnonzero((local[1:] != local[:-1] + n) | (remote[1:] != remote[:-1] + n)) + 1
+    starts = np.concatenate(([0], cut))
+    sizes = np.diff(np.concatenate((starts, [len(local)]))) * nbytes
+    return list(zip(local[starts].tolist(), remote[starts].tolist(), sizes.tolist(),
+                    strict=True))
 
 
 def coalesce(local: Sequence[int], remote: Sequence[int], nbytes: int) -> list[tuple[int, int, int]]:
