@@ -108,6 +108,7 @@ class Settings:
     cases: tuple[str, ...] = ("raw", "chunked", "messages", "pull")
     peer_timeout_s: float = 60.0
     data_path: str = "both"  # pull case: "read", "stream" or both (read is the headline)
+    pull_layout: str = "trtllm"  # pull case: the engine layout of both pools
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
         if self.ucx_env == "off":
@@ -145,12 +146,21 @@ def _pull_topology() -> Any:
 
 
 def _block_value(i: int) -> int:
-    """The byte every byte of the source's block ``i`` (in request order) holds."""
+    """The value every element of the source's block ``i`` (in request order) holds."""
     return i % 251 + 1
 
 
+def _fill_block(layout: Any, kv: Any, b: int, value: int) -> None:
+    for t in layout.tensors(kv):  # any layout: the block's slice of each canonical view
+        layout.canonical_view(t)[b].fill_(value)
+
+
+def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
+    return all(bool((layout.canonical_view(t)[b] == value).all()) for t in layout.tensors(kv))
+
+
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
-                             scattered: bool = False) -> Any:
+                             scattered: bool = False, layout_name: str = "trtllm") -> Any:
     """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
     ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
     so every chunk goes through the pack kernel instead of the zero-copy send."""
@@ -163,7 +173,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 
     topo = _pull_topology()
     bs = topo.model.block_size
-    layout = topo.local_layout(0, n_blocks)
+    layout = topo.local_layout(0, n_blocks, layout_name)
     kv = layout.allocate(fill="zeros")
     pool = BlockPool(n_blocks, block_size=bs)
     hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
@@ -171,9 +181,8 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
     if scattered:
         order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         ids = [ids[k] for k in order]
-    u8 = kv.view(torch.uint8).view(n_blocks, -1)
     for i, b in enumerate(ids):
-        u8[b].fill_(_block_value(i))
+        _fill_block(layout, kv, b, _block_value(i))
     pool.commit(ids, hashes)
     pool.release(ids)
     group = KVGroup(topo, 0, pool, {0: RankKV(0, layout, kv)})
@@ -182,8 +191,8 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 
 
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
-                     in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB
-                     ) -> None:
+                     in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
+                     pull_layout: str = "trtllm") -> None:
     from kvkern.xfer.messages import Cancel, PullReply, Status  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
@@ -218,8 +227,10 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
     source = None
     info: dict[str, Any] = {"port": listener.port}
     if pull_blocks:
-        source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight)
+        source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
+                                          layout_name=pull_layout)
         scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
+                                             layout_name=pull_layout,
                                              scattered=True)
         info["http_port"] = source.http_port
         info["scattered_http_port"] = scattered.http_port
@@ -339,8 +350,6 @@ def _pull_blocks_for(s: Settings) -> int:
 
 
 async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
-    import torch  # noqa: PLC0415
-
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
     from kvkern.cache.pool import BlockPool  # noqa: PLC0415
     from kvkern.xfer.config import XferConfig  # noqa: PLC0415
@@ -357,7 +366,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     topo = _pull_topology()
     bs = topo.model.block_size
     n_max = _pull_blocks_for(s)
-    layout = topo.local_layout(0, n_max + 8)
+    layout = topo.local_layout(0, n_max + 8, s.pull_layout)
     kv = layout.allocate(fill="zeros")  # pages faulted in outside the timed region
     group = KVGroup(topo, 0, _ColdPool(n_max + 8, block_size=bs), {0: RankKV(0, layout, kv)})
     cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False, chunk_bytes=s.chunk_bytes,
@@ -383,8 +392,8 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         return o
 
     try:
-        out: dict[str, Any] = {"block_bytes": per_block, "data_path": s.data_path}
-        u8 = kv.view(torch.uint8).view(n_max + 8, -1)
+        out: dict[str, Any] = {"block_bytes": per_block, "data_path": s.data_path,
+                               "layout": s.pull_layout}
         all_hashes = sequence_hashes(list(range(n_max * bs)), bs)
         ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
         for via in [p for p in (puller, streamer) if p is not None]:
@@ -392,8 +401,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
                 await pull(n_max, port, via)
                 ids = group.manager.match_prefix(all_hashes)
                 for i in sorted({0, n_max // 2, n_max - 1}):
-                    row = u8[ids[i]]
-                    if not (int(row[0]) == int(row[-1]) == _block_value(i)):
+                    if not _block_holds(layout, kv, ids[i], _block_value(i)):
                         raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
                 group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
         for size in s.sizes:
@@ -503,7 +511,8 @@ def run_xfer(s: Settings) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "kvkern.benchcli", "_peer", "--port-file", port_file,
                "--max-seconds", str(s.peer_timeout_s), "--parent-pid", str(os.getpid()),
                "--in-flight", str(s.in_flight), "--chunk-bytes", str(s.chunk_bytes),
-               "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0)]
+               "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0),
+               "--pull-layout", s.pull_layout]
         peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
                                 stdin=subprocess.DEVNULL)
         try:
@@ -585,6 +594,8 @@ def _print_human(res: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvkern.layout import LAYOUT_CONSTRUCTORS  # noqa: PLC0415
+
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvkern bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -603,6 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--data-path", default="both", choices=["read", "stream", "both"],
                    help="pull case: one-sided reads (the default path), the chunk stream, "
                         "or both in the same run (read is the headline)")
+    x.add_argument("--pull-layout", default="trtllm", choices=sorted(LAYOUT_CONSTRUCTORS),
+                   help="pull case: engine layout of both pools (trtllm: block rows, one "
+                        "read per run of blocks; vllm_hnd: per layer, one read per layer "
+                        "and run; the others stream)")
     x.add_argument("--json", action="store_true", help="print one JSON object, last line")
     p = sub.add_parser("_peer", help=argparse.SUPPRESS)
     p.add_argument("--port-file", required=True)
@@ -611,11 +626,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-flight", type=int, default=4)
     p.add_argument("--chunk-bytes", type=int, default=16 * MiB)
     p.add_argument("--pull-blocks", type=int, default=0)
+    p.add_argument("--pull-layout", default="trtllm")
     ns = parser.parse_args(argv)
 
     if ns.what == "_peer":
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
-                               ns.in_flight, ns.pull_blocks, ns.chunk_bytes))
+                               ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
+                               ns.pull_layout))
         return 0
     cases = tuple(c for c in ns.cases.split(",") if c)
     unknown = set(cases) - set(CASES)
@@ -625,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                  sizes=tuple(_parse_size(t) for t in ns.sizes.split(",") if t),
                  chunk_bytes=_parse_size(ns.chunk), in_flight=ns.in_flight,
                  repeats=ns.repeats, cases=cases, peer_timeout_s=ns.timeout,
-                 data_path=ns.data_path)
+                 data_path=ns.data_path, pull_layout=ns.pull_layout)
     res = run_xfer(s)
     if ns.json:
         sys.stdout.flush()

@@ -1,0 +1,37 @@
+"""``kvkern bench xfer`` end to end on tiny sizes: two real processes on 127.0.0.1, the
+pull case against its raw baseline, its JSON contract (the last stdout line) and the read
+path it claims to measure (3 messages, reads counted), for block rows and a per-layer pool.
+Bounded by the bench's own --timeout and the subprocess timeout."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvkern.xfer.ucp_rma import rma_unavailable
+
+
+@pytest.mark.parametrize("layout,reads", [("trtllm", 1), ("vllm_hnd", 8)])
+def test_bench_xfer_pull_json(layout, reads):
+    if rma_unavailable() is not None:
+        pytest.skip(f"one-sided reads unavailable: {rma_unavailable()}")
+    cmd = [sys.executable, "-m", "kvkern", "bench", "xfer", "--cases", "raw,pull",
+           "--sizes", "1MiB", "--repeats", "2", "--pull-layout", layout, "--timeout", "60",
+           "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("bytes", "blocks", "pull_gbps", "raw_gbps", "ratio", "messages"):
+        assert key in res, res
+    assert res["bytes"] == 1 << 20 and res["blocks"] == 2
+    assert res["pull_gbps"] > 0 and res["raw_gbps"] > 0
+    assert res["ratio"] == pytest.approx(res["pull_gbps"] / res["raw_gbps"], rel=0.01)
+    pull = res["cases"]["pull"]
+    assert pull["layout"] == layout and pull["data_path"] == "both"
+    one = pull[str(1 << 20)]
+    assert one["messages"] == 3 and one["reads"] == reads, one  # consecutive source blocks
+    assert one["stream_pull_gbps"] > 0 and one["scattered_pull_gbps"] > 0
+    assert pull["hint_to_first_byte_ms"] > 0
