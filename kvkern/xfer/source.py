@@ -930,8 +930,8 @@ class SourceService:
                           block_ids: list[int], hashes: Sequence[int]) -> None:
         """Reply with where the pinned blocks are and how long they stay pinned
         (``read_hold_ms``); the destination reads them one-sided. The pins stay until its
-        ReadDone (answered ReadAck held=True) or Cancel, and whatever else ends this task
-        first, at least until the hold ends (see :func:`_keep_hold`)."""
+        ReadDone (answered with ReadAck held=True when it asks) or Cancel, and whatever else
+        ends this task first, at least until the hold ends (see :func:`_keep_hold`)."""
         req, n = s.req, len(block_ids)
         block_nbytes = segs.block_nbytes
         s.read_done = asyncio.Event()
