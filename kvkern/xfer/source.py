@@ -692,6 +692,9 @@ class SourceService:
                         s.task.cancel()
                 elif isinstance(msg, PullRequest):
                     self._accept(conn, ctx, conn_sends, msg)
+                    # Let the request's task check, pin and post its reply before this loop
+                    # re-arms the receive (measured: its first step came ~55 us sooner).
+                    await asyncio.sleep(0)
                 elif isinstance(msg, ReadDone):
                     s = conn_sends.get(msg.transfer_id)
                     if s is not None and s.read_done is not None:
