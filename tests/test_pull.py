@@ -660,6 +660,47 @@ def test_deadline_and_cancel(src, make_puller, remote_read):
     src.wait_no_pins()
 
 
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_pull_cancelled_before_its_reply_keeps_the_connection(src, make_puller, how):
+    """Cancelled (or out of time) while the source holds its read reply back: the pull ends
+    cancelled (deadline_exceeded), the source releases the pins on the Cancel, and the next
+    pull from the same source uses the same connection (no reconnect): a cancel must not
+    fail the other pulls that share it."""
+    tokens, other = fresh_tokens(4 * BS), fresh_tokens(4 * BS)
+    src.commit(tokens)
+    hashes = src.commit(other)
+    group = make_group()
+    p = make_puller(group, deadline_s=0.5 if how == "deadline" else 15.0)
+    warm = fresh_tokens(BS)
+    src.commit(warm)
+    assert pull(p, "warm", warm, hint_for(src, warm)).used  # the connection exists
+    p.release("warm")
+    connects = p._pool.connects
+    src.faults(read_reply_delay_ms=1500)
+    try:
+        p.submit("held", tokens, hint_for(src, tokens))
+        deadline = time.monotonic() + 5
+        while src.http("GET", "/test/stats")["pins_outstanding"] == 0:
+            assert time.monotonic() < deadline, "the source never pinned the blocks"
+            time.sleep(0.01)
+        if how == "cancel":
+            assert p.cancel("held")
+        o = p.result("held", 10)
+        want = Reason.CANCELLED if how == "cancel" else Reason.DEADLINE_EXCEEDED
+        assert o.reason is want and not o.used, o
+    finally:
+        src.faults(read_reply_delay_ms=0)
+    src.wait_no_pins(timeout=1.0)  # released on the Cancel, not after a 5 s read hold
+    o = pull(p, "next", other, hint_for(src, other))
+    assert o.used and o.reads >= 1, o
+    assert p._pool.connects == connects, "the cancel cost the connection"
+    ids = p.claim("next")
+    check_bytes(src, group, hashes, ids)
+    group.manager.release(ids)
+    assert p.quarantined_blocks == 0
+    assert_clean(group)
+
+
 def test_reads_inside_the_granted_hold_count_without_the_ack(src, make_puller):
     """The source grants a hold (default 5 s, capped by the deadline) and stops right after
     its reply: the reads still complete (one-sided) inside the hold, so the pull commits

@@ -631,10 +631,12 @@ def tiny_runs(dst: torch.Tensor, region, n: int) -> list:
 @pytest.mark.parametrize("how", ["task.cancel", "wait_for"])
 @aio
 async def test_cancelled_read_aborts_drains_and_reconnects(listener, pool, source, spy_batches,
-                                                           how):
-    """Cancel the awaiting task while its helper thread is still posting 30 000 reads: the
-    task ends cancelled (not ReadsStuck), the connection is aborted, every request of the
-    batch was retired, nothing writes into our buffer afterwards, and the pool reconnects."""
+                                                           how, monkeypatch):
+    """Cancel the awaiting task while its helper thread is still posting 30 000 reads, with
+    no grace for them to finish: the task ends cancelled (not ReadsStuck), the connection
+    is aborted, every request of the batch was retired, nothing writes into our buffer
+    afterwards, and the pool reconnects."""
+    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.0)
     src, region = source
     conn = await connect(pool, listener)
     connects = pool.connects
@@ -665,6 +667,46 @@ async def test_cancelled_read_aborts_drains_and_reconnects(listener, pool, sourc
     assert again is not conn and again.alive and pool.connects == connects + 1
     out = poisoned(4096)
     await again.read(region.rkey, [(out.data_ptr(), region.address + 4096, 4096)], timeout=2)
+    assert torch.equal(out, src[4096:8192])
+
+
+@pytest.mark.parametrize("how", ["task.cancel", "wait_for"])
+@aio
+async def test_cancelled_read_that_finishes_in_the_grace_keeps_the_connection(
+        listener, pool, source, spy_batches, how, monkeypatch):
+    """The same cancel, but the reads may finish (READ_CANCEL_GRACE_S): the task still
+    ends cancelled, every read landed, and the connection, which other pulls share, stays
+    up and serves the next read without a reconnect."""
+    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 30.0)
+    src, region = source
+    conn = await connect(pool, listener)
+    connects = pool.connects
+    n = 30_000
+    dst = poisoned(n * 128)
+    runs = tiny_runs(dst, region, n)
+    task = asyncio.ensure_future(conn.read(region.rkey, runs, timeout=30))
+    t0 = time.monotonic()
+    while not (spy_batches and spy_batches[-1].posting.is_set()):
+        assert time.monotonic() - t0 < 2, "the read never started posting"
+        await asyncio.sleep(0.0005)
+    if how == "task.cancel":
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(task, 0.001)
+    batch = spy_batches[-1]
+    assert batch.posted == n and not batch.stuck
+    assert conn.alive and conn.failure is None
+    got = dst.view(n, 128)[:, :64]
+    want = src[:n * 128].view(n, 128)[:, :64]
+    assert torch.equal(got, want), "a read of the cancelled batch did not land"
+    assert bool((dst.view(n, 128)[:, 64:] == POISON).all())
+    again = await connect(pool, listener)
+    assert again is conn and pool.connects == connects
+    out = poisoned(4096)
+    await conn.read(region.rkey, [(out.data_ptr(), region.address + 4096, 4096)], timeout=2)
     assert torch.equal(out, src[4096:8192])
 
 

@@ -941,7 +941,6 @@ class SourceService:
         # The hold counts from receipt (s.started): the destination counts it from before
         # it sent the request, so its window always ends first.
         hold_s = max(min(self.read_hold_s, s.deadline - s.started), 0.0)
-        s.hold_until = s.started + hold_s
         reply = PullReply(transfer_id=req.transfer_id,
                           status=Status.OK if n == req.count else Status.PARTIAL,
                           served_blocks=n, block_hashes=list(hashes),
@@ -954,6 +953,7 @@ class SourceService:
                           reason="" if n == req.count else _reason(
                               "partial", f"{n} of {req.count} requested blocks cached"))
         await self._before_read_reply(req.transfer_id)
+        s.hold_until = s.started + hold_s  # from here on the destination may be reading
         await self._reply(s, reply)
         await self._after_reply(req, reply)
         await s.read_done.wait()

@@ -521,7 +521,9 @@ class Connection:
         The reads are posted and waited for on a helper thread (posting can wait for UCX's
         worker lock while the progress thread copies), so the event loop stays free; the
         endpoint cannot be aborted while reads are being posted on it. ``timeout`` bounds
-        the whole read. Any failure, timeout or cancellation aborts the connection, which
+        the whole read. A cancellation first lets the reads finish for up to
+        :data:`READ_CANCEL_GRACE_S` (the connection, shared by other pulls, stays up); any
+        failure, timeout, or cancellation outlasting that aborts the connection, which
         cancels the reads still running, and then waits up to :data:`READ_DRAIN_S` for them
         to end before raising: after the raise, UCX writes to no local address of any run
         any more. Should a read outlive even that (never seen), the error is
@@ -535,6 +537,7 @@ class Connection:
         entries: list[tuple[bytes, list]] = []
         n_runs = sum(len(runs) for _, runs in parts)
         stop = threading.Event()
+        finished = False  # cancelled, but every read completed within the grace
 
         def post_and_wait() -> float | None:
             with self._posting:
@@ -556,12 +559,20 @@ class Connection:
             try:
                 return await asyncio.shield(wait)
             except asyncio.CancelledError:
-                stop.set()
+                # The copies are local and short: let them finish rather than abort the
+                # connection, which every other pull from this source rank shares. Reads
+                # that outlast READ_CANCEL_GRACE_S are stopped by the abort below.
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
+                    await asyncio.wait_for(asyncio.shield(wait), READ_CANCEL_GRACE_S)
+                    finished = wait.exception() is None
+                if not finished:
+                    stop.set()
+                    with contextlib.suppress(BaseException):
+                        await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
                 raise
         except asyncio.CancelledError:
-            self.abort("cancelled")
+            if not finished:
+                self.abort("cancelled")
             raise
         except Exception as exc:
             err = exc
@@ -613,6 +624,7 @@ async def _call_maybe_async(fn: Callable[..., Any] | None, *args: Any) -> None:
 
 
 READ_DRAIN_S = 5.0  # how long an aborted read may take to end before ReadsStuck
+READ_CANCEL_GRACE_S = 0.1  # a cancelled read may finish within this, keeping the connection
 _READ_WAITERS: concurrent.futures.ThreadPoolExecutor | None = None
 
 

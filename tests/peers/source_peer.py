@@ -58,8 +58,9 @@ Test-only HTTP routes (``extra_routes``)
                           ``[1, L', 2, H', T, D]`` (rank-local layer/head ranges; all by
                           default), or null when not cached
 ``POST /test/faults``     body ``{"slow_send_ms": 0, "freeze_after_reply": false,
-                          "read_hold_s": 5}``: change
-                          the fault knobs at run time
+                          "read_hold_s": 5, "read_reply_delay_ms": 0}``: change the fault
+                          knobs at run time (the last holds a read's reply back, its blocks
+                          pinned)
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class FaultySource(SourceService):
         super().__init__(*args, **kw)
         self.slow_send_ms = slow_send_ms
         self.freeze_after_reply = freeze_after_reply
+        self.read_reply_delay_ms = 0.0
         self.replies = {"read": 0, "stream": 0}
         self.acks_delayed = 0
         self._read_tids: set[int] = set()  # read replies whose ReadAck is not sent yet
@@ -111,6 +113,10 @@ class FaultySource(SourceService):
             self.replies[kind] += 1
             if reply.read_rkey:
                 self._read_tids.add(reply.transfer_id)
+
+    async def _before_read_reply(self, transfer_id: int) -> None:
+        if self.read_reply_delay_ms > 0:  # the blocks are pinned, the reply is held back
+            await asyncio.sleep(self.read_reply_delay_ms / 1000)
 
     async def _after_reply(self, req, reply) -> None:
         if self.freeze_after_reply:
@@ -248,9 +254,12 @@ class Peer:
             self.service.freeze_after_reply = bool(body["freeze_after_reply"])
         if "read_hold_s" in body:
             self.service.read_hold_s = float(body["read_hold_s"])
+        if "read_reply_delay_ms" in body:
+            self.service.read_reply_delay_ms = float(body["read_reply_delay_ms"])
         return web.json_response({"slow_send_ms": self.service.slow_send_ms,
                                   "freeze_after_reply": self.service.freeze_after_reply,
-                                  "read_hold_s": self.service.read_hold_s})
+                                  "read_hold_s": self.service.read_hold_s,
+                                  "read_reply_delay_ms": self.service.read_reply_delay_ms})
 
 
 def main() -> int:
