@@ -753,24 +753,29 @@ def test_source_killed_mid_transfer(make_puller):
         s.kill()
 
 
-def test_tp2_source_to_tp1_destination(make_puller):
+@pytest.mark.parametrize("remote_read", [True, False])
+def test_tp2_source_to_tp1_destination(make_puller, remote_read):
+    """Each source rank's heads land in a head range of the TP1 destination's blocks: read
+    one-sided (one run per layer, K/V and block: the destination's rows interleave the
+    two ranks' heads) or streamed."""
     tokens = list(range(3, 3 + 8 * BS))
     s = Source("source_peer.py", "--tp", "2", "--seq", f"3:{3 + 8 * BS}", tp=2).wait_ready()
     try:
         hashes = sequence_hashes(tokens, BS)
         group = make_group(tp=1)
         before = snapshot(group)
-        p = make_puller(group)
+        p = make_puller(group, remote_read=remote_read)
         o = pull(p, "tp21", tokens, hint_for(s, tokens))
         assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
+        assert o.reads == (2 * 8 * MODEL.num_layers * 2 if remote_read else 0), o
         ids = claim_check_release(p, group, s, "tp21", hashes)
         assert_only_changed(group, before, set(ids))
         assert_clean(group)
         # and a TP2 destination (both ranks hosted here) from the same TP2 source
         g2 = make_group(tp=2)
-        p2 = make_puller(g2)
+        p2 = make_puller(g2, remote_read=remote_read)
         o = pull(p2, "tp22", tokens, hint_for(s, tokens))
-        assert o.used and o.pairs == 2, o
+        assert o.used and o.pairs == 2 and (o.reads > 0) == remote_read, o
         ids = p2.claim("tp22")
         want = s.blocks(hashes)
         for h, bid in zip(hashes, ids, strict=True):
@@ -783,15 +788,20 @@ def test_tp2_source_to_tp1_destination(make_puller):
         s.kill()
 
 
-def test_tp1_source_to_tp2_destination(src, make_puller):
+@pytest.mark.parametrize("remote_read", [True, False])
+def test_tp1_source_to_tp2_destination(src, make_puller, remote_read):
+    """Each destination rank reads (or is streamed) its half of the source's heads."""
     tokens = fresh_tokens(8 * BS)
     hashes = src.commit(tokens)
     group = make_group(tp=2)
     before = snapshot(group)
-    p = make_puller(group)
+    p = make_puller(group, remote_read=remote_read)
+    sent = src.http("GET", "/test/stats")["replies"]
     o = pull(p, "tp12", tokens, hint_for(src, tokens))
     assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
     assert o.bytes_transferred == 8 * 2048  # each rank gets its half of the heads
+    kind = "read" if remote_read else "stream"
+    assert served_kinds(src, sent) == {"read": 0, "stream": 0, kind: 2}
     ids = claim_check_release(p, group, src, "tp12", hashes)
     assert_only_changed(group, before, set(ids))
     assert_clean(group)

@@ -624,18 +624,31 @@ async def test_read_done_for_an_unknown_transfer_is_not_held(tp1, pool, http):
 
 
 @aio
-async def test_read_requests_the_source_cannot_read_get_the_stream(tp1, tp2, pool, http):
-    """Reads need one piece of whole blocks over a pool of contiguous block rows: a sub-block
-    piece, or a pool that is not block rows (vllm_nhd: no region, no read/1), streams."""
+async def test_sub_block_pieces_are_read_and_unreadable_pools_stream(tp1, tp2, pool, http):
+    """A sub-block piece is read too: the reply describes the whole pinned blocks and the
+    destination reads the piece's bytes out of them. A pool that is not whole segments
+    (vllm_nhd: no region, no read/1) streams."""
     hs = tp1["sequences"][0][:3]
-    a = PlanPiece(src_rank=0, layer_start=0, layer_stop=1, head_start=0, head_stop=4,
-                  offset=0, length=unit(1, 4))
+    a = PlanPiece(src_rank=0, layer_start=1, layer_stop=2, head_start=1, head_stop=3,
+                  offset=0, length=unit(1, 2))
     conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
     req = request(hs, pieces=[a], read=True)
-    reply, data = await pull(conn, req)
-    assert reply.status == Status.OK and not reply.read_rkey and reply.n_chunks >= 1
-    assert [sha(b) for b in piece_blocks(data, [a], 3)[0]] == \
-        await digests(http, tp1, hs, layers=(0, 1), heads=(0, 4))
+    reply = await ask(conn, req)
+    assert reply.status == Status.OK and reply.read_rkey and reply.n_chunks == 0
+    assert reply.total_bytes == 3 * unit(1, 2)  # what the piece moves
+    assert reply.read_segment_bytes == unit(LAYERS, HEADS) == reply.read_stride  # TRT-LLM rows
+    row = BLOCK * HEAD_DIM * ITEM
+    out = np.full(3 * unit(1, 2), 0xA5, np.uint8)
+    runs = []
+    for i, b in enumerate(reply.read_blocks):  # layer 1, K then V, heads 1-2 of each
+        for kv in (0, 1):
+            off = ((1 * 2 + kv) * HEADS + 1) * row
+            runs.append((out.ctypes.data + i * unit(1, 2) + kv * 2 * row,
+                         reply.read_base + b * reply.read_stride + off, 2 * row))
+    await conn.read(reply.read_rkey, runs, timeout=10)
+    await conn.send_msg(ReadDone(transfer_id=req.transfer_id, ack=False), timeout=5)
+    got = [sha(out[i * unit(1, 2):(i + 1) * unit(1, 2)].tobytes()) for i in range(3)]
+    assert got == await digests(http, tp1, hs, layers=(1, 2), heads=(1, 3))
     await wait_released(http, tp1)
 
     assert READ_CAPABILITY not in (await get_json(http, tp2, STATE_PATH))["capabilities"]

@@ -169,11 +169,15 @@ class PullReply(_Base, tag="pull_reply"):
     ``read_hold_ms`` of sending the request may commit them without waiting for
     :class:`ReadAck`; otherwise only ``ReadAck(held=True)`` makes them count.
 
-    A block may be several **segments** (a per-layer pool: one per layer): with
-    ``read_more_rkeys``, segment ``0`` of a block is as above and segment ``j >= 1`` is the
-    ``read_segment_bytes`` at ``read_more_bases[j-1] + read_blocks[i] * read_stride`` under
-    ``read_more_rkeys[j-1]``; segment ``j`` holds the block's stream bytes ``[j * seg, (j +
-    1) * seg)``.
+    With ``read_segment_bytes`` the reply describes the source's **whole** blocks, of
+    which the destination reads the parts its plan pieces name (a TP or PP reshard reads a
+    head or layer range): a block is ``1 + len(read_more_rkeys)`` segments of
+    ``read_segment_bytes`` (a per-layer pool: one per layer); segment ``0`` is at
+    ``read_base + read_blocks[i] * read_stride`` under ``read_rkey``, segment ``j >= 1`` at
+    ``read_more_bases[j-1] + read_blocks[i] * read_stride`` under ``read_more_rkeys[j-1]``,
+    and segment ``j`` holds the block's canonical ``[L, 2, H, T, D]`` bytes ``[j * seg,
+    (j + 1) * seg)``. Without it a block is the one segment of ``total_bytes /
+    served_blocks`` bytes at ``read_base``.
     """
 
     transfer_id: TransferId
@@ -210,13 +214,11 @@ class PullReply(_Base, tag="pull_reply"):
                                  f"block per served block ({len(self.read_blocks)} for "
                                  f"{self.served_blocks}), a block stride ({self.read_stride}) "
                                  f"and whole blocks ({self.total_bytes} B)")
-            segments = 1 + len(self.read_more_rkeys)
-            seg = self.read_segment_bytes or self.total_bytes // self.served_blocks
             if len(self.read_more_bases) != len(self.read_more_rkeys) or \
-                    seg * segments * self.served_blocks != self.total_bytes:
-                raise ValueError(f"a read reply's blocks must be {segments} segments of "
-                                 f"{self.read_segment_bytes} B ({len(self.read_more_bases)} "
-                                 f"more bases) making up {self.total_bytes} B")
+                    (self.read_more_rkeys and not self.read_segment_bytes):
+                raise ValueError(f"a read reply's {1 + len(self.read_more_rkeys)} segments "
+                                 f"need as many bases ({1 + len(self.read_more_bases)}) and "
+                                 f"a segment size ({self.read_segment_bytes} B)")
             return
         if self.read_blocks or self.read_more_rkeys or self.read_more_bases or \
                 self.read_segment_bytes:

@@ -63,7 +63,6 @@ import contextlib
 import itertools
 import json
 import logging
-import math
 import random
 import threading
 import time
@@ -336,6 +335,36 @@ def _direct_order(ids: list[int], per: int) -> list[int]:
 _HOLD_RATE_SLACK = 1e-3  # clock-rate difference allowed between the two hosts' clocks
 _HOLD_MARGIN_S = 1e-3  # and a fixed margin, both taken off the source's granted read hold
 _MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
+
+
+def _segment_runs(pieces: Any, src: Any, dst: Any, src_seg: int,
+                  dst_seg: int) -> list[tuple[int, int, int, int, int]]:
+    """The byte runs that move a pair's plan ``pieces`` from a block of layout ``src`` to a
+    block of layout ``dst`` (each block's canonical ``[L, 2, H, T, D]`` bytes cut into
+    segments of ``src_seg`` / ``dst_seg``), as ``(src segment, offset in it, dst segment,
+    offset in it, nbytes)``: one per layer, K/V and piece, merged where contiguous on both
+    sides (whole blocks: one run per segment), cut where either side's segment ends."""
+    row = src.block_size * src.head_dim * src.itemsize  # one head's [T, D]
+    runs: list[list[int]] = []
+    for p in pieces:
+        (sl0, sl1), (sh0, sh1) = p.src_layers, p.src_heads
+        (dl0, _), (dh0, _) = p.dst_layers, p.dst_heads
+        n = (sh1 - sh0) * row
+        for i in range(sl1 - sl0):
+            for kv in (0, 1):
+                so = (((sl0 + i) * 2 + kv) * src.num_heads + sh0) * row
+                do = (((dl0 + i) * 2 + kv) * dst.num_heads + dh0) * row
+                if runs and runs[-1][0] + runs[-1][2] == so and runs[-1][1] + runs[-1][2] == do:
+                    runs[-1][2] += n
+                else:
+                    runs.append([so, do, n])
+    out = []
+    for so, do, n in runs:
+        while n:
+            cut = min(src_seg - so % src_seg, dst_seg - do % dst_seg, n)
+            out.append((so // src_seg, so % src_seg, do // dst_seg, do % dst_seg, cut))
+            so, do, n = so + cut, do + cut, n - cut
+    return out
 
 
 async def _drop(fut: Any) -> None:
@@ -1018,7 +1047,7 @@ class Puller:
             if not req.read:
                 raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offered "
                                 f"a read to a request that did not ask for one")
-            await self._read_pair(job, tr, conn, reply, rkv.read_segments, xfer_t, t_req)
+            await self._read_pair(job, tr, conn, reply, rkv, xfer_t, t_req)
             job.open_transfers.remove(entry)
             return served
         nbytes = tr.nbytes(served)
@@ -1089,22 +1118,19 @@ class Puller:
             raise
 
     def _can_read(self, job: _Job, tr: Any, rkv: Any) -> bool:
-        """Ask for a one-sided read: allowed here, offered by the source, and the pair moves
-        whole blocks into a host pool whose blocks are whole contiguous segments (block rows,
-        or one segment per layer of a per-layer HND pool)."""
-        if not (self.config.remote_read and job.state is not None
-                and READ_CAPABILITY in job.state.capabilities and rkv.device.type == "cpu"):
-            return False
-        segs, lay = rkv.read_segments, rkv.layout
-        return (segs is not None and len(tr.pieces) == 1
-                and tr.pieces[0].dst_layers == (0, lay.num_layers)
-                and tr.pieces[0].dst_heads == (0, lay.num_heads)
-                and tr.pieces[0].block_nbytes == segs.block_nbytes)
+        """Ask for a one-sided read: allowed here, offered by the source, and the pair lands
+        in a host pool whose blocks are whole contiguous segments (block rows, or one
+        segment per layer of a per-layer HND pool); any plan pieces (a TP or PP reshard
+        reads head and layer ranges). The source answers with a stream where its own pool
+        cannot be read."""
+        return (self.config.remote_read and job.state is not None
+                and READ_CAPABILITY in job.state.capabilities and rkv.device.type == "cpu"
+                and rkv.read_segments is not None)
 
-    async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, segs: Any,
+    async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rkv: Any,
                          xfer_t: float, t_req: float) -> None:
-        """Read the served blocks straight from the source's pool into the private blocks
-        (``segs``: where they are here). They count when every read completed inside the
+        """Read the pair's pieces of the served blocks straight from the source's pool into
+        the private blocks of ``rkv``. They count when every read completed inside the
         source's granted hold, measured from ``t_req`` (before the request was sent; the
         source counts from its receipt, so our window closes first); else only
         ``ReadAck(held=True)`` after our ReadDone makes them count. See
@@ -1113,27 +1139,27 @@ class Puller:
         from kvkern.xfer.transport import CONTROL_TAG, Lane, ReadsStuck, tag_for  # noqa: PLC0415
         from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
 
+        segs = rkv.read_segments
         served, unit, tid = reply.served_blocks, tr.block_nbytes, reply.transfer_id
         keys = [reply.read_rkey, *reply.read_more_rkeys]
         bases = [reply.read_base, *reply.read_more_bases]
+        src_lay = job.state.topology.local_layout(tr.src_rank, 1)
         seg, stride = reply.read_segment_bytes or unit, reply.read_stride
         top = max(reply.read_blocks) * stride + seg
-        if reply.total_bytes != served * unit or seg * len(keys) != unit or stride < seg or \
-                max(bases) + top > 1 << 64:
+        if reply.total_bytes != served * unit or seg * len(keys) != src_lay.bytes_per_block \
+                or stride < seg or max(bases) + top > 1 << 64:
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
                             f"{reply.total_bytes} B of {served} blocks as {len(keys)} "
-                            f"segments of {seg} B at stride {stride}, expected {unit} B blocks")
-        # Both sides' segments divide the block: cut it where either side's segment ends;
-        # each piece is then contiguous on both sides (e.g. a layer into TRT-LLM's rows).
-        piece = math.gcd(seg, segs.nbytes)
+                            f"segments of {seg} B at stride {stride}, expected "
+                            f"{src_lay.bytes_per_block} B blocks ({unit} B of each read)")
         here = np.asarray(job.private[:served], dtype=np.uint64) * np.uint64(segs.stride)
         there = np.asarray(reply.read_blocks, dtype=np.uint64) * np.uint64(stride)
         parts: dict[int, list] = {}
-        for off in range(0, unit, piece):
-            j, d = off // seg, off // segs.nbytes
-            local = here + np.uint64(segs.bases[d] + off - d * segs.nbytes)
-            remote = there + np.uint64(bases[j] + off - j * seg)
-            parts.setdefault(j, []).extend(coalesce_arrays(local, remote, piece))
+        for j, s_off, d, d_off, n in _segment_runs(tr.pieces, src_lay, rkv.layout, seg,
+                                                   segs.nbytes):
+            local = here + np.uint64(segs.bases[d] + d_off)
+            remote = there + np.uint64(bases[j] + s_off)
+            parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))
         t = time.perf_counter()
         try:
             first = await conn.read_parts([(keys[j], runs) for j, runs in parts.items()],

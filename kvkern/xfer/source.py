@@ -905,8 +905,8 @@ class SourceService:
             raise RuntimeError(f"manager pinned block {max(block_ids)}, rank {ctx.rank}'s pool "
                                f"has {ctx.rkv.layout.num_blocks} blocks")
         registered = self._regions.get(ctx.rank) if req.read else None
-        if registered is not None and _whole_blocks(ctx.rkv, pieces):
-            await self._serve_read(s, *registered, block_ids, handle.hashes)
+        if registered is not None:  # the destination reads the pieces it asked for
+            await self._serve_read(s, *registered, pieces, block_ids, handle.hashes)
             return
         limit = min(req.chunk_bytes, self.chunk_bytes)
         lengths = [p.length for p in pieces]
@@ -930,13 +930,15 @@ class SourceService:
         self.metrics.source_served(n, sent)
 
     async def _serve_read(self, s: _Send, segs: Any, regions: list[Any],
-                          block_ids: list[int], hashes: Sequence[int]) -> None:
-        """Reply with where the pinned blocks are and how long they stay pinned
-        (``read_hold_ms``); the destination reads them one-sided. The pins stay until its
+                          pieces: list[PlanPiece], block_ids: list[int],
+                          hashes: Sequence[int]) -> None:
+        """Reply with where the pinned blocks are (the whole blocks' segments) and how long
+        they stay pinned (``read_hold_ms``); the destination reads the bytes of ``pieces``
+        out of them one-sided (``total_bytes``). The pins stay until its
         ReadDone (answered with ReadAck held=True when it asks) or Cancel, and whatever else
         ends this task first, at least until the hold ends (see :func:`_keep_hold`)."""
         req, n = s.req, len(block_ids)
-        block_nbytes = segs.block_nbytes
+        block_nbytes = sum(p.length for p in pieces)  # what the destination will read
         s.read_done = asyncio.Event()
         # The hold counts from receipt (s.started): the destination counts it from before
         # it sent the request, so its window always ends first.
@@ -947,7 +949,7 @@ class SourceService:
                           total_bytes=n * block_nbytes, read_rkey=regions[0].rkey,
                           read_base=segs.bases[0], read_stride=segs.stride,
                           read_blocks=block_ids, read_hold_ms=int(hold_s * 1000),
-                          read_segment_bytes=segs.nbytes if len(regions) > 1 else 0,
+                          read_segment_bytes=segs.nbytes,
                           read_more_rkeys=[r.rkey for r in regions[1:]],
                           read_more_bases=list(segs.bases[1:]),
                           reason="" if n == req.count else _reason(

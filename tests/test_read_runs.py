@@ -1,0 +1,89 @@
+"""The byte runs a one-sided read moves (``kvkern.xfer.puller._segment_runs``), checked
+without UCX: for random TP/PP topologies on both sides and TRT-LLM / HND pools, every
+destination rank applies its pairs' runs as plain memory copies between the real pool
+addresses that ``RankKV.read_segments`` describes (what ``ucp_get_nbx`` would copy), with
+the source blocks at shuffled pool ids, and must end up with exactly its layers and heads
+of the model's KV, bit for bit, while the blocks it did not receive keep their poison."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvkern.kernels.reference import reference_pack, reference_unpack
+from kvkern.layout.plan import plan_transfer
+from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+from kvkern.xfer.kvgroup import RankKV
+from kvkern.xfer.puller import _segment_runs
+
+READABLE = ("trtllm", "vllm_hnd")
+
+
+def _pool(topo: Topology, rank: int, n: int, name: str, fill: int | None = None) -> RankKV:
+    lay = topo.local_layout(rank, n, name)
+    pool = lay.allocate(fill="zeros")
+    if fill is not None:
+        for t in lay.tensors(pool):
+            t.view(torch.uint8).fill_(fill)
+    return RankKV(rank, lay, pool)
+
+
+@st.composite
+def cases(draw):
+    layers = draw(st.sampled_from([2, 4]))
+    heads = draw(st.sampled_from([2, 4]))
+    model = ModelKVSpec(num_layers=layers, num_kv_heads=heads, head_dim=4, block_size=2,
+                        dtype="float16")
+
+    def par():
+        return Parallelism(tp_size=draw(st.sampled_from([t for t in (1, 2, 4) if t <= heads])),
+                           pp_size=draw(st.sampled_from([p for p in (1, 2) if p <= layers])))
+
+    return (Topology(model=model, parallel=par()), Topology(model=model, parallel=par()),
+            draw(st.sampled_from(READABLE)), draw(st.sampled_from(READABLE)),
+            draw(st.integers(1, 4)), draw(st.randoms(use_true_random=False)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_segment_runs_move_exactly_each_ranks_layers_and_heads(case):
+    src_topo, dst_topo, src_name, dst_name, n, rng = case
+    m = src_topo.model
+    n_pool = 2 * n + 3
+    # the model's KV of n logical blocks, canonical [n, L, 2, H, T, D]
+    kv = torch.randint(-30000, 30000, (n, m.num_layers, 2, m.num_kv_heads, m.block_size,
+                                       m.head_dim), dtype=torch.int16,
+                       generator=torch.Generator().manual_seed(rng.randrange(1 << 30)))
+    kv = kv.view(torch.float16)
+    src_ids = rng.sample(range(n_pool), n)
+    dst_ids = rng.sample(range(n_pool), n)
+    sources = {}
+    for r in src_topo.ranks_of_dp(0):
+        rkv = _pool(src_topo, r, n_pool, src_name)
+        (l0, l1), (h0, h1) = src_topo.layer_range(r), src_topo.head_range(r)
+        reference_unpack(kv[:, l0:l1, :, h0:h1].contiguous(), rkv.pool, rkv.layout, src_ids)
+        sources[r] = rkv
+    plan = plan_transfer(src_topo, 0, dst_topo, 0)
+    for d in dst_topo.ranks_of_dp(0):
+        dst = _pool(dst_topo, d, n_pool, dst_name, fill=0xA5)
+        dsegs = dst.read_segments
+        for tr in plan.for_destination(d):
+            src = sources[tr.src_rank]
+            ssegs = src.read_segments
+            runs = _segment_runs(tr.pieces, src.layout, dst.layout, ssegs.nbytes, dsegs.nbytes)
+            assert sum(r[4] for r in runs) == tr.block_nbytes
+            for j, s_off, k, d_off, nbytes in runs:
+                assert s_off + nbytes <= ssegs.nbytes and d_off + nbytes <= dsegs.nbytes
+                for s_id, d_id in zip(src_ids, dst_ids, strict=True):
+                    ctypes.memmove(dsegs.bases[k] + d_id * dsegs.stride + d_off,
+                                   ssegs.bases[j] + s_id * ssegs.stride + s_off, nbytes)
+        (l0, l1), (h0, h1) = dst_topo.layer_range(d), dst_topo.head_range(d)
+        got = reference_pack(dst.pool, dst.layout, dst_ids)
+        assert torch.equal(got.view(torch.int16),
+                           kv[:, l0:l1, :, h0:h1].contiguous().view(torch.int16))
+        untouched = [b for b in range(n_pool) if b not in set(dst_ids)]
+        rest = reference_pack(dst.pool, dst.layout, untouched).view(torch.uint8)
+        assert bool((rest == 0xA5).all())
