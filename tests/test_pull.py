@@ -992,11 +992,12 @@ def fragment(group: KVGroup) -> list[int]:
 
 @pytest.mark.parametrize("layout,remote_read,rings", [("trtllm", True, 0),
                                                        ("trtllm", False, 1),
-                                                       ("vllm_hnd", True, 1)])
+                                                       ("vllm_hnd", True, 0),
+                                                       ("vllm_nhd", True, 1)])
 def test_receive_rings_are_prewarmed_only_for_ranks_that_stream(make_puller, layout,
                                                                 remote_read, rings):
-    """A rank of whole block rows in host memory reads (no ring faulted in at start); a rank
-    that streams (reads off, per-layer pool) gets its ring of chunks_in_flight slots."""
+    """A host rank whose blocks are whole segments reads (no ring faulted in at start); a
+    rank that streams (reads off, an NHD pool) gets its ring of chunks_in_flight slots."""
     p = make_puller(make_group(layout=layout), remote_read=remote_read, chunk_bytes=1 << 20,
                     chunks_in_flight=3)
     assert p._staging.idle_bytes == rings * 3 * (1 << 20)

@@ -426,12 +426,12 @@ class Puller:
         # Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot cost
         # page faults and 4 KiB-page CMA writes on every pull (unpack path 5 ms per 64 MiB).
         # Faulted in now, one ring per hosted rank that would stream: with remote_read a
-        # rank of whole block rows in host memory reads instead (a stream, from a source
-        # that offers no read, mostly lands zero-copy), so its ring is only made on demand.
+        # host rank whose blocks are whole segments (TRT-LLM rows, per-layer HND) reads
+        # instead, so its ring is only made if a source that offers no read streams to it.
         self._staging = StagingPool(4 * config.chunks_in_flight * config.chunk_bytes)
         streaming = [r for r in group.ranks.values()
                      if not (config.remote_read and r.device.type == "cpu"
-                             and r.block_rows() is not None)]
+                             and r.read_segments is not None)]
         devices = collections.Counter(r.device for r in streaming)
         for device, n_ranks in devices.items():
             self._staging.prewarm(device, config.chunk_bytes, config.chunks_in_flight * n_ranks)
