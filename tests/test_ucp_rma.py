@@ -628,6 +628,27 @@ def tiny_runs(dst: torch.Tensor, region, n: int) -> list:
     return [(dst.data_ptr() + i * 128, region.address + i * 128, 64) for i in range(n)]
 
 
+async def cancel_while_posting(conn, region, spy_batches, how: str, *, timeout: float):
+    """Start a read of 30 000 tiny runs and cancel it (task.cancel, or wait_for's timeout)
+    while its helper thread is still posting them. Returns (n, dst buffer, start time)."""
+    n = 30_000
+    dst = poisoned(n * 128)
+    runs = tiny_runs(dst, region, n)
+    task = asyncio.ensure_future(conn.read(region.rkey, runs, timeout=timeout))
+    t0 = time.monotonic()
+    while not (spy_batches and spy_batches[-1].posting.is_set()):
+        assert time.monotonic() - t0 < 2, "the read never started posting"
+        await asyncio.sleep(0.0005)
+    if how == "task.cancel":
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(task, 0.001)
+    return n, dst, t0
+
+
 @pytest.mark.parametrize("how", ["task.cancel", "wait_for"])
 @aio
 async def test_cancelled_read_aborts_drains_and_reconnects(listener, pool, source, spy_batches,
@@ -640,21 +661,7 @@ async def test_cancelled_read_aborts_drains_and_reconnects(listener, pool, sourc
     src, region = source
     conn = await connect(pool, listener)
     connects = pool.connects
-    n = 30_000
-    dst = poisoned(n * 128)
-    runs = tiny_runs(dst, region, n)
-    task = asyncio.ensure_future(conn.read(region.rkey, runs, timeout=10))
-    t0 = time.monotonic()
-    while not (spy_batches and spy_batches[-1].posting.is_set()):
-        assert time.monotonic() - t0 < 2, "the read never started posting"
-        await asyncio.sleep(0.0005)
-    if how == "task.cancel":
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    else:
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(task, 0.001)
+    n, dst, t0 = await cancel_while_posting(conn, region, spy_batches, how, timeout=10)
     assert time.monotonic() - t0 < 2
     batch = spy_batches[-1]
     assert 0 < batch.posted <= n
@@ -681,21 +688,7 @@ async def test_cancelled_read_that_finishes_in_the_grace_keeps_the_connection(
     src, region = source
     conn = await connect(pool, listener)
     connects = pool.connects
-    n = 30_000
-    dst = poisoned(n * 128)
-    runs = tiny_runs(dst, region, n)
-    task = asyncio.ensure_future(conn.read(region.rkey, runs, timeout=30))
-    t0 = time.monotonic()
-    while not (spy_batches and spy_batches[-1].posting.is_set()):
-        assert time.monotonic() - t0 < 2, "the read never started posting"
-        await asyncio.sleep(0.0005)
-    if how == "task.cancel":
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    else:
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(task, 0.001)
+    n, dst, t0 = await cancel_while_posting(conn, region, spy_batches, how, timeout=30)
     batch = spy_batches[-1]
     assert batch.posted == n and not batch.stuck
     assert conn.alive and conn.failure is None
