@@ -1082,6 +1082,45 @@ def test_read_per_layer_pools(src, src_hnd, make_puller, src_layout, dst_layout,
     source.wait_no_pins()
 
 
+@pytest.mark.parametrize("layout,segments", [("vllm_nhd", 2), ("vllm_flash", 4),
+                                              ("cross_layer", 1)])
+def test_read_in_the_pools_own_order_between_pools_of_one_layout(make_puller, layout,
+                                                                 segments):
+    """Pools whose canonical bytes are not contiguous (vLLM NHD and ``[2, NB, ...]``, the
+    cross-layer ``[NB, L, 2, T, H, D]``) are read block for block in their own order between
+    two workers of the same layout: one read per segment (a layer, or a K/V plane of one)
+    and block of a scattered source; a destination of another layout gets the stream."""
+    tokens = fresh_tokens(6 * BS)
+    s = Source("source_peer.py", "--layout", layout, "--num-blocks", "64",
+               "--chunk-bytes", str(8 << 10)).wait_ready()
+    try:
+        st = s.http("GET", "/kvkern/v1/state")
+        assert st["dp_groups"]["0"]["ranks"]["0"]["read"] == "native"
+        hashes, remote = commit_scattered(s, tokens)
+        for dst_layout, read in ((layout, True), ("trtllm", False)):
+            group = make_group(layout=dst_layout)
+            held = fragment(group)
+            before = snapshot(group)
+            p = make_puller(group)
+            sent = s.http("GET", "/test/stats")["replies"]
+            o = pull(p, f"native-{dst_layout}", tokens, hint_for(s, tokens))
+            assert o.used and o.blocks_transferred == 6 and o.bytes_transferred == 6 * 2048, o
+            kind = "read" if read else "stream"
+            assert served_kinds(s, sent) == {"read": 0, "stream": 0, kind: 1}
+            assert o.reads == (6 * segments if read else 0), o
+            ids = p.claim(f"native-{dst_layout}")
+            check_bytes(s, group, hashes, ids)
+            assert_only_changed(group, before, set(ids))
+            group.manager.release(ids)
+            group.manager.release(held)
+            assert p.quarantined_blocks == 0
+            assert_clean(group)
+            s.wait_no_pins()
+        assert source_block_ids(s, hashes) == remote
+    finally:
+        s.kill()
+
+
 def test_read_and_stream_commit_the_same_bytes(src, make_puller):
     n = 12
     tokens = fresh_tokens(n * BS)

@@ -626,8 +626,8 @@ async def test_read_done_for_an_unknown_transfer_is_not_held(tp1, pool, http):
 @aio
 async def test_sub_block_pieces_are_read_and_unreadable_pools_stream(tp1, tp2, pool, http):
     """A sub-block piece is read too: the reply describes the whole pinned blocks and the
-    destination reads the piece's bytes out of them. A pool that is not whole segments
-    (vllm_nhd: no region, no read/1) streams."""
+    destination reads the piece's bytes out of them. A pool readable only in its own order
+    (vllm_nhd) offers whole blocks natively and streams sub-block pieces."""
     hs = tp1["sequences"][0][:3]
     a = PlanPiece(src_rank=0, layer_start=1, layer_stop=2, head_start=1, head_stop=3,
                   offset=0, length=unit(1, 2))
@@ -651,14 +651,24 @@ async def test_sub_block_pieces_are_read_and_unreadable_pools_stream(tp1, tp2, p
     assert got == await digests(http, tp1, hs, layers=(1, 2), heads=(1, 3))
     await wait_released(http, tp1)
 
-    assert READ_CAPABILITY not in (await get_json(http, tp2, STATE_PATH))["capabilities"]
-    hs2 = tp2["sequences"][0]
+    st = await get_json(http, tp2, STATE_PATH)
+    assert READ_CAPABILITY in st["capabilities"]
+    assert st["dp_groups"]["0"]["ranks"]["0"]["read"] == "native"  # NHD: its own order only
+    hs2 = tp2["sequences"][0][:2]
     conn2 = await pool.get(HOST, tp2["ucx_ports"]["0"])
-    req = request(hs2, pieces=full_piece(0, heads=HEADS // 2), read=True)
+    whole = request(hs2, pieces=full_piece(0, heads=HEADS // 2), read=True)
+    reply = await ask(conn2, whole)  # whole blocks: read block for block, one per layer
+    assert reply.read_rkey and reply.read_native and len(reply.read_more_rkeys) == LAYERS - 1
+    assert reply.read_segment_bytes * LAYERS == unit(LAYERS, HEADS // 2)
+    await conn2.send_msg(ReadDone(transfer_id=whole.transfer_id, ack=False), timeout=5)
+    await wait_released(http, tp2)
+    b = PlanPiece(src_rank=0, layer_start=0, layer_stop=1, head_start=0,
+                  head_stop=HEADS // 2, offset=0, length=unit(1, HEADS // 2))
+    req = request(hs2, pieces=[b], read=True)  # a sub-block piece of a native pool: stream
     reply, data = await pull(conn2, req)
     assert reply.status == Status.OK and not reply.read_rkey and reply.n_chunks >= 1
     assert [sha(b) for b in piece_blocks(data, req.pieces, len(hs2))[0]] == \
-        await digests(http, tp2, hs2, rank=0)
+        await digests(http, tp2, hs2, rank=0, layers=(0, 1))
     await wait_released(http, tp2)
 
 

@@ -124,11 +124,14 @@ def test_ready_line_and_info(workers):
     assert info["layout"] == "trtllm" and info["block_size"] == T
     state = get_json(f"{a.url}/kvkern/v1/state", timeout=10)
     assert state["protocol"] == "kvkern/1" and state["worker_id"] == "A"
-    # A's TRT-LLM host pool is offered for one-sided reads; B's per-layer vLLM pool cannot
-    # be (its blocks are not contiguous rows); C was started with --remote-read off
-    offered = {n: "read/1" in get_json(f"{w.url}/kvkern/v1/state", timeout=10)["capabilities"]
-               for n, w in workers.items()}
-    assert offered == {"A": True, "B": False, "C": False}
+    # A's TRT-LLM host pool and B's per-layer vLLM flash pool are offered for one-sided
+    # reads (B's in its own order: to pools of its layout, whole blocks); C was started with
+    # --remote-read off
+    states = {n: get_json(f"{w.url}/kvkern/v1/state", timeout=10) for n, w in workers.items()}
+    offered = {n: "read/1" in st["capabilities"] for n, st in states.items()}
+    assert offered == {"A": True, "B": True, "C": False}
+    assert states["A"]["dp_groups"]["0"]["ranks"]["0"]["read"] == "canonical"
+    assert states["B"]["dp_groups"]["0"]["ranks"]["0"]["read"] == "native"
 
 
 def test_generate_commits_and_reports(workers):

@@ -18,6 +18,7 @@ group is built, so the source service can trust sizes afterwards.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +75,20 @@ class RankKV:
         return cv.reshape(cv.shape[0], -1).view(torch.uint8)
 
     @functools.cached_property
+    def native_segments(self) -> BlockSegments | None:
+        """A block's bytes in the pool's own order: per tensor (per layer of a per-layer
+        pool) and per K/V plane stored before the block axis, the contiguous chunk at
+        ``bases[j] + b * stride``. Two pools of one layout (order, sizes, dtype) hold a
+        block in the same segments whatever their canonical order, so a read may copy
+        segment ``j`` to segment ``j`` (vLLM NHD or ``[2, NB, ...]`` pools between workers
+        of the same kind). None for a pool whose block chunks are not contiguous."""
+        return _native_segments(self.layout, self.layout.tensors(self.pool))
+
+    def layout_signature(self) -> tuple:
+        """What must be equal for :attr:`native_segments` to mean the same bytes."""
+        return layout_signature(self.layout.describe())
+
+    @functools.cached_property
     def read_segments(self) -> BlockSegments | None:
         """The :class:`BlockSegments` of this rank's pool, or None when a block's canonical
         bytes are not whole contiguous segments (NHD and ``[2, NB, ...]`` orders, where a
@@ -98,6 +113,29 @@ class RankKV:
                              spans=tuple(_span(cv) for cv in views))
 
 
+def _native_segments(layout: KVLayout, tensors: Any) -> BlockSegments | None:
+    from kvkern.layout.kv_layout import Axis  # noqa: PLC0415
+
+    pos = layout.order.index(Axis.BLOCK)
+    bases: list[int] = []
+    spans: list[tuple[int, int]] = []
+    shape: tuple[int, int] | None = None
+    for t in tensors:
+        tb = t.movedim(pos, 0)  # [NB, planes stored before the block axis..., rest]
+        for idx in itertools.product(*(range(n) for n in tb.shape[1:pos + 1])):
+            sub = tb[(slice(None), *idx)]
+            isz = sub.element_size()
+            here = (sub.stride(0) * isz, sub[0].numel() * isz)
+            if not sub[0].is_contiguous() or here[0] < here[1] or shape not in (None, here):
+                return None
+            shape = here
+            bases.append(sub.data_ptr())
+            spans.append(_span(t))
+    assert shape is not None
+    return BlockSegments(bases=tuple(bases), stride=shape[0], nbytes=shape[1],
+                         spans=tuple(spans))
+
+
 @dataclass(frozen=True)
 class BlockSegments:
     """Where a rank's blocks are in memory, for one-sided reads: the canonical bytes of a
@@ -115,6 +153,15 @@ class BlockSegments:
     @property
     def block_nbytes(self) -> int:
         return self.nbytes * len(self.bases)
+
+
+def layout_signature(described: dict) -> tuple:
+    """The fields of a :meth:`KVLayout.describe` dict that fix how one block's bytes are
+    arranged (not the block count, nor strides that scale with it)."""
+    return tuple(described.get(k) if not isinstance(described.get(k), list)
+                 else tuple(described[k]) for k in (
+                     "order", "per_layer", "num_layers", "num_heads", "block_size",
+                     "head_dim", "dtype"))
 
 
 def _span(t: Any) -> tuple[int, int]:

@@ -177,7 +177,10 @@ class PullReply(_Base, tag="pull_reply"):
     ``read_more_bases[j-1] + read_blocks[i] * read_stride`` under ``read_more_rkeys[j-1]``,
     and segment ``j`` holds the block's canonical ``[L, 2, H, T, D]`` bytes ``[j * seg,
     (j + 1) * seg)``. Without it a block is the one segment of ``total_bytes /
-    served_blocks`` bytes at ``read_base``.
+    served_blocks`` bytes at ``read_base``. With ``read_native`` the segments are the
+    block's bytes in the source pool's own order instead (a layout whose canonical bytes
+    are not contiguous, e.g. vLLM NHD): only a destination with the same layout reads
+    them, whole blocks, segment ``j`` into its segment ``j``.
     """
 
     transfer_id: TransferId
@@ -197,6 +200,7 @@ class PullReply(_Base, tag="pull_reply"):
     read_more_rkeys: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_RKEY_BYTES)]],
                                msgspec.Meta(max_length=MAX_READ_SEGMENTS)] = []
     read_more_bases: Annotated[list[U64], msgspec.Meta(max_length=MAX_READ_SEGMENTS)] = []
+    read_native: bool = False
 
     def __post_init__(self) -> None:
         if len(self.block_hashes) != self.served_blocks:
@@ -221,7 +225,7 @@ class PullReply(_Base, tag="pull_reply"):
                                  f"a segment size ({self.read_segment_bytes} B)")
             return
         if self.read_blocks or self.read_more_rkeys or self.read_more_bases or \
-                self.read_segment_bytes:
+                self.read_segment_bytes or self.read_native:
             raise ValueError("read fields without a read_rkey")
         if sum(self.chunk_sizes) != self.total_bytes:
             raise ValueError(f"chunk sizes sum to {sum(self.chunk_sizes)}, "

@@ -118,6 +118,10 @@ class SourceState:
     topology: Any  # kvkern.layout.topology.Topology
     ranks: dict[tuple[int, int], tuple[str, int]]
     capabilities: tuple[str, ...]
+    # (dp, rank) -> "canonical" | "native": how that rank's registered pool can be read
+    reads: dict[tuple[int, int], str] = field(default_factory=dict)
+    # (dp, rank) -> kvkern.xfer.kvgroup.layout_signature of its pool (native reads)
+    layouts: dict[tuple[int, int], tuple] = field(default_factory=dict)
 
 
 def parse_state(body: bytes | str | dict) -> SourceState:
@@ -151,7 +155,11 @@ def parse_state(body: bytes | str | dict) -> SourceState:
         topology = Topology.from_dict(get("topology", dict))
     except (KeyError, TypeError, ValueError, AttributeError) as exc:  # e.g. "model": null
         raise ValueError(f"state topology invalid: {type(exc).__name__}: {exc}") from None
+    from kvkern.xfer.kvgroup import layout_signature  # noqa: PLC0415
+
     ranks: dict[tuple[int, int], tuple[str, int]] = {}
+    reads: dict[tuple[int, int], str] = {}
+    layouts: dict[tuple[int, int], tuple] = {}
     for dp_text, group in get("dp_groups", dict).items():
         try:
             dp = int(dp_text)
@@ -161,6 +169,10 @@ def parse_state(body: bytes | str | dict) -> SourceState:
                         port, int) or not 0 < port < 65536:
                     raise ValueError(f"ucx address {host!r}:{port!r}")
                 ranks[(dp, int(r_text))] = (host, port)
+                if info.get("read") in ("canonical", "native"):
+                    reads[(dp, int(r_text))] = info["read"]
+                if isinstance(info.get("layout"), dict):
+                    layouts[(dp, int(r_text))] = layout_signature(info["layout"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"state dp_groups[{dp_text!r}] invalid: {exc}") from None
     caps = d.get("capabilities", [])
@@ -169,7 +181,7 @@ def parse_state(body: bytes | str | dict) -> SourceState:
     return SourceState(protocol=protocol, worker_id=worker_id, incarnation=incarnation,
                        hash_scheme=hash_scheme, block_size=block_size,
                        codec_fingerprint=fingerprint, topology=topology, ranks=ranks,
-                       capabilities=tuple(caps))
+                       capabilities=tuple(caps), reads=reads, layouts=layouts)
 
 
 # --------------------------------------------------------------------------- per request
@@ -335,6 +347,17 @@ def _direct_order(ids: list[int], per: int) -> list[int]:
 _HOLD_RATE_SLACK = 1e-3  # clock-rate difference allowed between the two hosts' clocks
 _HOLD_MARGIN_S = 1e-3  # and a fixed margin, both taken off the source's granted read hold
 _MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
+
+
+def _whole_block_pair(tr: Any, rkv: Any) -> bool:
+    """The pair moves whole blocks of ``rkv``'s pool: one piece of every local layer and
+    head, on both sides."""
+    lay = rkv.layout
+    if len(tr.pieces) != 1:
+        return False
+    p = tr.pieces[0]
+    full = ((0, lay.num_layers), (0, lay.num_heads))
+    return (p.dst_layers, p.dst_heads) == full == (p.src_layers, p.src_heads)
 
 
 def _segment_runs(pieces: Any, src: Any, dst: Any, src_seg: int,
@@ -1118,14 +1141,21 @@ class Puller:
             raise
 
     def _can_read(self, job: _Job, tr: Any, rkv: Any) -> bool:
-        """Ask for a one-sided read: allowed here, offered by the source, and the pair lands
-        in a host pool whose blocks are whole contiguous segments (block rows, or one
-        segment per layer of a per-layer HND pool); any plan pieces (a TP or PP reshard
-        reads head and layer ranges). The source answers with a stream where its own pool
-        cannot be read."""
-        return (self.config.remote_read and job.state is not None
-                and READ_CAPABILITY in job.state.capabilities and rkv.device.type == "cpu"
-                and rkv.read_segments is not None)
+        """Ask for a one-sided read: allowed here, into host memory, and the source rank's
+        pool is registered (its state says how). Canonical segments on both sides (TRT-LLM
+        rows, per-layer HND): any plan pieces (a TP or PP reshard reads head and layer
+        ranges). A source pool readable only in its own order (e.g. vLLM NHD): a
+        destination pool of the same layout, whole blocks. Else the stream."""
+        st = job.state
+        if not (self.config.remote_read and st is not None
+                and READ_CAPABILITY in st.capabilities and rkv.device.type == "cpu"):
+            return False
+        key = (job.hint.source_dp_rank or 0, tr.src_rank)
+        kind = st.reads.get(key)
+        if kind == "canonical":
+            return rkv.read_segments is not None
+        return (kind == "native" and rkv.native_segments is not None
+                and st.layouts.get(key) == rkv.layout_signature() and _whole_block_pair(tr, rkv))
 
     async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rkv: Any,
                          xfer_t: float, t_req: float) -> None:
@@ -1139,7 +1169,7 @@ class Puller:
         from kvkern.xfer.transport import CONTROL_TAG, Lane, ReadsStuck, tag_for  # noqa: PLC0415
         from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
 
-        segs = rkv.read_segments
+        segs = rkv.native_segments if reply.read_native else rkv.read_segments
         served, unit, tid = reply.served_blocks, tr.block_nbytes, reply.transfer_id
         keys = [reply.read_rkey, *reply.read_more_rkeys]
         bases = [reply.read_base, *reply.read_more_bases]
@@ -1147,7 +1177,10 @@ class Puller:
         seg, stride = reply.read_segment_bytes or unit, reply.read_stride
         top = max(reply.read_blocks) * stride + seg
         if reply.total_bytes != served * unit or seg * len(keys) != src_lay.bytes_per_block \
-                or stride < seg or max(bases) + top > 1 << 64:
+                or stride < seg or max(bases) + top > 1 << 64 or segs is None or (
+                    reply.read_native and not (len(keys) == len(segs.bases)
+                                               and seg == segs.nbytes
+                                               and _whole_block_pair(tr, rkv))):
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
                             f"{reply.total_bytes} B of {served} blocks as {len(keys)} "
                             f"segments of {seg} B at stride {stride}, expected "
@@ -1155,8 +1188,11 @@ class Puller:
         here = np.asarray(job.private[:served], dtype=np.uint64) * np.uint64(segs.stride)
         there = np.asarray(reply.read_blocks, dtype=np.uint64) * np.uint64(stride)
         parts: dict[int, list] = {}
-        for j, s_off, d, d_off, n in _segment_runs(tr.pieces, src_lay, rkv.layout, seg,
-                                                   segs.nbytes):
+        if reply.read_native:  # same layout, whole blocks: segment j into segment j
+            runs = [(j, 0, j, 0, seg) for j in range(len(keys))]
+        else:
+            runs = _segment_runs(tr.pieces, src_lay, rkv.layout, seg, segs.nbytes)
+        for j, s_off, d, d_off, n in runs:
             local = here + np.uint64(segs.bases[d] + d_off)
             remote = there + np.uint64(bases[j] + s_off)
             parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))

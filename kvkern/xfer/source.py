@@ -472,8 +472,9 @@ class SourceService:
         self._staging = StagingPool(staging_cache_bytes)
         self.remote_read = remote_read
         self.read_hold_s = float(read_hold_s)
-        # rank -> its pool's BlockSegments and one ucp_rma.Region per segment (read path)
-        self._regions: dict[int, tuple[Any, list[Any]]] = {}
+        # rank -> its pool's BlockSegments, one ucp_rma.Region per segment, and whether the
+        # segments are in the pool's own order rather than canonical (read path)
+        self._regions: dict[int, tuple[Any, list[Any], bool]] = {}
         self._ctx: dict[int, _RankCtx] = {
             r: _RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
         self._listeners: dict[int, Listener] = {}
@@ -533,6 +534,8 @@ class SourceService:
                 ranks[str(r)] = {"ucx_host": self.advertise_host,
                                  "ucx_port": lst.port if lst is not None else None,
                                  "layout": rkv.layout.describe()}
+                if r in self._regions:  # how its blocks can be read
+                    ranks[str(r)]["read"] = "native" if self._regions[r][2] else "canonical"
             dp_groups[str(g.dp_rank)] = {"ranks": ranks}
         return {
             "protocol": PROTOCOL,
@@ -616,15 +619,16 @@ class SourceService:
             executor.shutdown(wait=False, cancel_futures=True)
         self._staging.clear()
         regions, self._regions = list(self._regions.values()), {}
-        for _, rank_regions in regions:  # every connection is aborted: nobody reads any more
+        for _, rank_regions, _ in regions:  # every connection is aborted: nobody reads now
             for region in rank_regions:
                 region.close()
 
     def _register_pools(self) -> None:
-        """Register each rank's pool for remote reads where ``remote_read`` allows it and
-        its blocks are whole contiguous segments (:attr:`RankKV.read_segments`: the pool
-        of block rows, or each layer of a per-layer HND pool); a rank that cannot is served
-        by the stream (logged, not an error)."""
+        """Register each rank's pool for remote reads where ``remote_read`` allows it: by
+        canonical segments (:attr:`RankKV.read_segments`: block rows, or each layer of a
+        per-layer HND pool; any destination and plan pieces), else by the pool's own
+        segments (:attr:`RankKV.native_segments`: destinations of the same layout, whole
+        blocks). A rank with neither is served by the stream (logged, not an error)."""
         if self.remote_read == "off":
             return
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
@@ -637,20 +641,24 @@ class SourceService:
             rkv = ctx.rkv
             if rkv.device.type != "cpu" and self.remote_read != "all":
                 continue
-            segs = rkv.read_segments
+            segs, native = rkv.read_segments, False
+            if segs is None:  # same-layout destinations may still read it, block for block
+                segs, native = rkv.native_segments, True
             if segs is None:
                 continue
             mem = "host" if rkv.device.type == "cpu" else "cuda"
-            regions: list[Any] = []
+            made: dict[tuple[int, int], Any] = {}  # one region per span (K/V planes share)
             try:
-                for address, length in segs.spans:
-                    regions.append(ucp_rma.Region(address, length, memory_type=mem))
+                for span in segs.spans:
+                    if span not in made:
+                        made[span] = ucp_rma.Region(*span, memory_type=mem)
             except (ucp_rma.RmaError, ValueError) as exc:
                 log.warning("rank %d pool not registered for remote reads: %s", rank, exc)
-                for region in regions:
+                for region in made.values():
                     region.close()
                 continue
-            self._regions[rank] = (segs, regions)
+            regions = [made[span] for span in segs.spans]
+            self._regions[rank] = (segs, regions, native)
 
     async def __aenter__(self) -> SourceService:
         return await self.start()
@@ -905,7 +913,8 @@ class SourceService:
             raise RuntimeError(f"manager pinned block {max(block_ids)}, rank {ctx.rank}'s pool "
                                f"has {ctx.rkv.layout.num_blocks} blocks")
         registered = self._regions.get(ctx.rank) if req.read else None
-        if registered is not None:  # the destination reads the pieces it asked for
+        if registered is not None and (not registered[2] or _whole_blocks(ctx.rkv, pieces)):
+            # the destination reads the pieces it asked for (native segments: whole blocks)
             await self._serve_read(s, *registered, pieces, block_ids, handle.hashes)
             return
         limit = min(req.chunk_bytes, self.chunk_bytes)
@@ -929,7 +938,7 @@ class SourceService:
         s.completed = True
         self.metrics.source_served(n, sent)
 
-    async def _serve_read(self, s: _Send, segs: Any, regions: list[Any],
+    async def _serve_read(self, s: _Send, segs: Any, regions: list[Any], native: bool,
                           pieces: list[PlanPiece], block_ids: list[int],
                           hashes: Sequence[int]) -> None:
         """Reply with where the pinned blocks are (the whole blocks' segments) and how long
@@ -951,7 +960,7 @@ class SourceService:
                           read_blocks=block_ids, read_hold_ms=int(hold_s * 1000),
                           read_segment_bytes=segs.nbytes,
                           read_more_rkeys=[r.rkey for r in regions[1:]],
-                          read_more_bases=list(segs.bases[1:]),
+                          read_more_bases=list(segs.bases[1:]), read_native=native,
                           reason="" if n == req.count else _reason(
                               "partial", f"{n} of {req.count} requested blocks cached"))
         await self._before_read_reply(req.transfer_id)
