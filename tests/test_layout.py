@@ -153,3 +153,29 @@ def test_read_segments_address_the_canonical_block_bytes(name):
     for (addr, length), base in zip(segs.spans, segs.bases, strict=True):
         assert addr <= base and base + (lay.num_blocks - 1) * segs.stride + segs.nbytes \
             <= addr + length
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUT_CONSTRUCTORS))
+def test_native_segments_address_each_block_in_the_pools_own_order(name):
+    """RankKV.native_segments: the segments of block b, read from raw memory, are the
+    block's slice of each tensor (block axis first) in the pool's own element order; for
+    the canonical-readable layouts they are the canonical segments."""
+    import ctypes
+
+    from kvkern.layout import Axis
+    from kvkern.xfer.kvgroup import RankKV
+
+    lay = LAYOUT_CONSTRUCTORS[name](num_blocks=5, num_layers=3, num_heads=2, block_size=4,
+                                    head_dim=8, dtype=torch.float16)
+    rkv = RankKV(0, lay, lay.allocate(fill="random", generator=torch.Generator().manual_seed(5)))
+    segs = rkv.native_segments
+    assert segs is not None and segs.block_nbytes == lay.bytes_per_block
+    pos = lay.order.index(Axis.BLOCK)
+    for b in range(lay.num_blocks):
+        want = b"".join(t.movedim(pos, 0)[b].contiguous().view(torch.uint8).numpy().tobytes()
+                        for t in lay.tensors(rkv.pool))
+        got = b"".join(ctypes.string_at(base + b * segs.stride, segs.nbytes)
+                       for base in segs.bases)
+        assert got == want
+    if rkv.read_segments is not None:
+        assert rkv.read_segments == segs
