@@ -1169,6 +1169,13 @@ class Puller:
         from kvkern.xfer.transport import CONTROL_TAG, Lane, ReadsStuck, tag_for  # noqa: PLC0415
         from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
 
+        key = (job.hint.source_dp_rank or 0, tr.src_rank)
+        if reply.read_native != (job.state.reads.get(key) == "native") or (
+                reply.read_native and job.state.layouts.get(key) != rkv.layout_signature()):
+            raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers its "
+                            f"blocks {'in its own order' if reply.read_native else 'canonical'}"
+                            f", its state says {job.state.reads.get(key)!r} (layout "
+                            f"{job.state.layouts.get(key)})")
         segs = rkv.native_segments if reply.read_native else rkv.read_segments
         served, unit, tid = reply.served_blocks, tr.block_nbytes, reply.transfer_id
         keys = [reply.read_rkey, *reply.read_more_rkeys]

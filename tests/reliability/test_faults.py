@@ -176,6 +176,10 @@ CASES = [
          "read: read reply announces 4 KiB more than the served blocks hold",
          reply_fault="read_bytes_over", transport="read", read_first=False,
          detail="expected 2048 B blocks"),
+    Case("read_reply_order_flipped", "transfer_failed",
+         "read: read reply says its (canonical) segments are in the pool's own order",
+         reply_fault="read_order_flipped", transport="read", read_first=False,
+         detail="its state says"),
 ]
 
 

@@ -37,7 +37,9 @@ Routes::
                            status_error | chunk_overrun (chunk 0 longer than announced) |
                            read_stride_short (a read reply's stride below the block size) |
                            read_bytes_over (a read reply announces 4 KiB more than its blocks)
-                           | ack_not_held (a read's ReadAck says held=False)
+                           | read_order_flipped (a read reply calls its canonical segments
+                           the pool's own order) | ack_not_held (a read's ReadAck says
+                           held=False)
     POST /test/evict       {"hashes": [...]} or {"tokens": [...]}: evict cached unheld blocks
     POST /test/cancel      {"request_id"}: puller.cancel(request_id) -> {"cancelled": bool}
     GET  /test/request     ?id=RID -> {"state": the puller's lifecycle state of RID}
@@ -68,7 +70,7 @@ _BaseSource = source_mod.SourceService
 WORKER: dict[str, Any] = {}
 REPLY_FAULTS = ("served_over", "wrong_hashes", "chunk_oversize", "total_mismatch", "wrong_tid",
                 "status_error", "chunk_overrun", "read_stride_short", "read_bytes_over",
-                "ack_not_held")
+                "read_order_flipped", "ack_not_held")
 
 
 class FaultSource(_BaseSource):
@@ -193,7 +195,8 @@ class FaultSource(_BaseSource):
         if fault == "chunk_overrun":
             self._overrun.add(req.transfer_id)
             return r
-        if fault in ("read_stride_short", "read_bytes_over", "ack_not_held") \
+        if fault in ("read_stride_short", "read_bytes_over", "read_order_flipped",
+                     "ack_not_held") \
                 and not r.read_rkey:
             raise ValueError(f"reply fault {fault!r} needs a read reply (remote_read on, a "
                              f"destination asking for a read)")
@@ -201,6 +204,8 @@ class FaultSource(_BaseSource):
             return rep(r, read_stride=r.read_stride // 2)
         if fault == "read_bytes_over":
             return rep(r, total_bytes=r.total_bytes + 4096)
+        if fault == "read_order_flipped":  # same sizes, the other byte order: never copy it
+            return rep(r, read_native=not r.read_native)
         if fault == "ack_not_held":
             self._ack_not_held.add(req.transfer_id)
             return r
