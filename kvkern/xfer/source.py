@@ -17,8 +17,13 @@ HTTP
      "topology": Topology.to_dict(),
      "dp_groups": {"<dp_rank>": {"ranks": {"<rank>": {"ucx_host": "127.0.0.1",
                                                        "ucx_port": 12345,
-                                                       "layout": KVLayout.describe()}}}},
-     "capabilities": ["pull/1", "strict", "best_effort", "sharded"]}
+                                                       "layout": KVLayout.describe(),
+                                                       "read": "canonical"}}}},
+     "capabilities": ["pull/1", "strict", "best_effort", "sharded", "read/1"]}
+
+``read`` (only for a rank registered for remote reads, which also adds ``read/1``):
+``"canonical"`` when its blocks are canonical segments (any destination, any plan pieces),
+``"native"`` when only a destination of the same layout may read them, whole blocks.
 
 Only hosted groups and ranks appear (a worker of one process per GPU publishes one rank per
 process). ``GET /metrics`` is the Prometheus exposition of :class:`XferMetrics`; ``GET
@@ -41,15 +46,18 @@ while it streams. For one request::
     reply     PullReply on tag_for(tid, REPLY): served blocks and hashes, total_bytes,
               n_chunks, chunk_sizes
     stream    chunks on tag_for(tid, DATA, i), packed into a ring of staging buffers
-      or read   (request.read, this rank's pool registered, one whole-block piece) the reply
-              carries read_rkey/base/stride, the pool ids and read_hold_ms; the destination
-              reads the blocks one-sided, then ReadDone on CONTROL_TAG -> ReadAck(held) on
-              tag_for(tid, REPLY, 1); the pins are held until ReadDone or Cancel, and for
-              at least read_hold_ms from receipt whatever happens (lost connection, close)
+      or read   (request.read, this rank's pool registered; native segments: one whole-block
+              piece) the reply carries the whole blocks' segments (read_rkey/base/stride,
+              read_segment_bytes, read_more_*, read_native), the pool ids and read_hold_ms;
+              the destination reads its pieces one-sided, then ReadDone(ack) on CONTROL_TAG
+              -> ReadAck(held) on tag_for(tid, REPLY, 1) when it asks; the pins are held
+              until ReadDone or Cancel, and for at least read_hold_ms from receipt once the
+              reply went out, whatever happens (lost connection, close)
     unpin     exactly once (see below)
 
 Remote reads: with ``remote_read="host"`` (default) ``start()`` registers every host pool
-whose blocks are contiguous rows (:meth:`RankKV.block_rows`) with UCX for remote read only
+whose blocks are contiguous segments (:attr:`RankKV.read_segments`, else
+:attr:`RankKV.native_segments`) with UCX for remote read only
 (:class:`kvkern.xfer.ucp_rma.Region`; ``"all"`` also device pools, untested without a GPU;
 ``"off"`` none) and lists ``read/1`` in the state. The registration lasts until ``close()``,
 so a peer holding the key can read any block of that pool while connected, like any
