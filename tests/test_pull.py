@@ -661,11 +661,11 @@ def test_deadline_and_cancel(src, make_puller, remote_read):
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
-def test_a_pull_cancelled_before_its_reply_keeps_the_connection(src, make_puller, how):
+def test_a_pull_cancelled_before_its_reply_releases_the_pins_at_once(src, make_puller, how):
     """Cancelled (or out of time) while the source holds its read reply back: the pull ends
-    cancelled (deadline_exceeded), the source releases the pins on the Cancel, and the next
-    pull from the same source uses the same connection (no reconnect): a cancel must not
-    fail the other pulls that share it."""
+    cancelled (deadline_exceeded), the source releases the pins at once (a read's hold only
+    starts when its reply goes out), and the next pull from the same source reads, over a
+    new connection (the aborted receive took the old one down)."""
     tokens, other = fresh_tokens(4 * BS), fresh_tokens(4 * BS)
     src.commit(tokens)
     hashes = src.commit(other)
@@ -693,7 +693,7 @@ def test_a_pull_cancelled_before_its_reply_keeps_the_connection(src, make_puller
     src.wait_no_pins(timeout=1.0)  # released on the Cancel, not after a 5 s read hold
     o = pull(p, "next", other, hint_for(src, other))
     assert o.used and o.reads >= 1, o
-    assert p._pool.connects == connects, "the cancel cost the connection"
+    assert p._pool.connects == connects + 1  # see the module docstring of transport
     ids = p.claim("next")
     check_bytes(src, group, hashes, ids)
     group.manager.release(ids)

@@ -390,13 +390,6 @@ def _segment_runs(pieces: Any, src: Any, dst: Any, src_seg: int,
     return out
 
 
-async def _drop(fut: Any) -> None:
-    """Await ``fut`` for its side effects only (a detached receive: its message, if one
-    comes, is dropped; a timeout aborts the connection, as it would have anyway)."""
-    with contextlib.suppress(BaseException):
-        await fut
-
-
 def _bounded_put(cache: dict, key: Any, value: Any, limit: int = _MAX_CACHED_SOURCES) -> None:
     """Insert as the newest entry, dropping the oldest ones beyond ``limit``."""
     cache.pop(key, None)
@@ -1029,7 +1022,7 @@ class Puller:
         try:
             await conn.send_msg(req, CONTROL_TAG, timeout=xfer_t)
             job.messages += 1
-            reply = await self._await_reply(conn, tag_for(tid, Lane.REPLY), xfer_t)
+            reply = await conn.recv_msg(tag_for(tid, Lane.REPLY), timeout=xfer_t)
             job.messages += 1
         except TransportError as exc:
             if exc.reason in _CONNECT_FAILURES:
@@ -1127,18 +1120,6 @@ class Puller:
             raise _Fallback(Reason.TRANSFER_FAILED, f"stream from source rank {tr.src_rank} "
                             f"ended at byte {unpacker.pos} of {nbytes}")
         return served
-
-    async def _await_reply(self, conn: Any, tag: int, xfer_t: float) -> Any:
-        """The reply on ``tag``. Cancelled while waiting (Puller.cancel, the deadline), the
-        receive is left to finish in the background and its message dropped: a posted
-        receive is only withdrawn by aborting the connection, which other pulls from this
-        source rank share (the Cancel that follows makes the source release the blocks)."""
-        recv = asyncio.ensure_future(conn.recv_msg(tag, timeout=xfer_t))
-        try:
-            return await asyncio.shield(recv)
-        except asyncio.CancelledError:
-            self._spawn(_drop(recv))
-            raise
 
     def _can_read(self, job: _Job, tr: Any, rkv: Any) -> bool:
         """Ask for a one-sided read: allowed here, into host memory, and the source rank's
