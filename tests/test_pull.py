@@ -1073,6 +1073,12 @@ def test_read_per_layer_pools(src, src_hnd, make_puller, src_layout, dst_layout,
             assert o.reads < n * layers, (o, ids, remote)
     else:  # a TRT-LLM row holds every layer of one block: nothing merges across blocks
         assert o.reads == n * layers, o
+    check_and_release(p, group, source, hashes, ids, before, held)
+
+
+def check_and_release(p, group, source, hashes, ids, before, held) -> None:
+    """The claimed ``ids`` hold the source's blocks bit for bit, nothing else changed; then
+    every block goes back and nothing is left pinned or quarantined on either side."""
     check_bytes(source, group, hashes, ids)
     assert_only_changed(group, before, set(ids))
     group.manager.release(ids)
@@ -1109,13 +1115,7 @@ def test_read_in_the_pools_own_order_between_pools_of_one_layout(make_puller, la
             assert served_kinds(s, sent) == {"read": 0, "stream": 0, kind: 1}
             assert o.reads == (6 * segments if read else 0), o
             ids = p.claim(f"native-{dst_layout}")
-            check_bytes(s, group, hashes, ids)
-            assert_only_changed(group, before, set(ids))
-            group.manager.release(ids)
-            group.manager.release(held)
-            assert p.quarantined_blocks == 0
-            assert_clean(group)
-            s.wait_no_pins()
+            check_and_release(p, group, s, hashes, ids, before, held)
         assert source_block_ids(s, hashes) == remote
     finally:
         s.kill()
