@@ -100,7 +100,9 @@ MAX_TRANSFER_ID = (1 << TRANSFER_ID_BITS) - 1
 MAX_CHUNK_INDEX = (1 << INDEX_BITS) - 1
 
 DEFAULT_TIMEOUT_S = 30.0  # the seed prototype's transfer timeout (REFERENCE "Defaults")
-MAX_CACHED_RKEYS = 8  # unpacked remote keys kept per connection (one per registered pool)
+# Unpacked remote keys kept per connection: one per registered region of the source rank
+# (a per-layer pool registers one per layer), as many as a read reply may name.
+MAX_CACHED_RKEYS = 4096
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_MAX_IN_FLIGHT = 4
 CONTROL_FRAME_BYTES = 64 << 10  # control frames up to this size travel as one message
@@ -210,8 +212,8 @@ class Connection:
         self._peer_closed = False  # set from the UCX progress thread: a plain flag only
         self._send_lock = asyncio.Lock()
         self._posting = threading.Lock()  # held while reads are posted on the endpoint
-        # packed rkey -> [RemoteKey, reads using it]: a source's key is the same for every
-        # pull (one registered region per pool), and unpacking it costs ~0.1 ms per read
+        # packed rkey -> [RemoteKey, reads using it]: a source's keys are the same for every
+        # pull (its registered regions), and unpacking one costs ~0.1 ms
         self._rkeys: dict[bytes, list] = {}
         ep.set_close_callback(self._on_peer_close)
 
