@@ -85,6 +85,18 @@ MiB = 1 << 20
 _PATTERN_PERIOD = 251  # prime, so chunk boundaries never line up with the pattern
 
 
+def _parse_tp(text: str, parser: Any) -> tuple[int, int]:
+    try:
+        src, dst = (int(x) for x in text.split(":"))
+        if src < 1 or dst < 1 or PULL_MODEL["num_kv_heads"] % src or \
+                PULL_MODEL["num_kv_heads"] % dst:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--pull-tp {text!r}: want S:D, each dividing the "
+                     f"{PULL_MODEL['num_kv_heads']} KV heads")
+    return src, dst
+
+
 def _parse_size(text: str) -> int:
     text = text.strip().lower()
     for suffix, mult in (("gib", 1 << 30), ("mib", MiB), ("kib", 1 << 10), ("g", 1 << 30),
@@ -109,6 +121,7 @@ class Settings:
     peer_timeout_s: float = 60.0
     data_path: str = "both"  # pull case: "read", "stream" or both (read is the headline)
     pull_layout: str = "trtllm"  # pull case: the engine layout of both pools
+    pull_tp: tuple[int, int] = (1, 1)  # pull case: TP size of the source and the destination
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
         if self.ucx_env == "off":
@@ -139,10 +152,21 @@ PULL_MODEL = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "block_size":
               "dtype": "bfloat16"}
 
 
-def _pull_topology() -> Any:
+def _pull_topology(tp: int = 1) -> Any:
     from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
 
-    return Topology(model=ModelKVSpec(**PULL_MODEL), parallel=Parallelism())
+    return Topology(model=ModelKVSpec(**PULL_MODEL), parallel=Parallelism(tp_size=tp))
+
+
+def _rank_pools(topo: Any, n_blocks: int, layout_name: str) -> dict[int, Any]:
+    """rank -> RankKV of every rank of DP group 0, pages faulted in."""
+    from kvkern.xfer.kvgroup import RankKV  # noqa: PLC0415
+
+    out = {}
+    for r in topo.ranks_of_dp(0):
+        layout = topo.local_layout(r, n_blocks, layout_name)
+        out[r] = RankKV(r, layout, layout.allocate(fill="zeros"))
+    return out
 
 
 def _block_value(i: int) -> int:
@@ -160,7 +184,8 @@ def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
 
 
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
-                             scattered: bool = False, layout_name: str = "trtllm") -> Any:
+                             scattered: bool = False, layout_name: str = "trtllm",
+                             tp: int = 1) -> Any:
     """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
     ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
     so every chunk goes through the pack kernel instead of the zero-copy send."""
@@ -168,13 +193,12 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
     from kvkern.cache.pool import BlockPool  # noqa: PLC0415
-    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup  # noqa: PLC0415
     from kvkern.xfer.source import SourceService  # noqa: PLC0415
 
-    topo = _pull_topology()
+    topo = _pull_topology(tp)
     bs = topo.model.block_size
-    layout = topo.local_layout(0, n_blocks, layout_name)
-    kv = layout.allocate(fill="zeros")
+    ranks = _rank_pools(topo, n_blocks, layout_name)
     pool = BlockPool(n_blocks, block_size=bs)
     hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
     ids = pool.allocate(n_blocks)
@@ -182,17 +206,18 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
         order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         ids = [ids[k] for k in order]
     for i, b in enumerate(ids):
-        _fill_block(layout, kv, b, _block_value(i))
+        for rkv in ranks.values():
+            _fill_block(rkv.layout, rkv.pool, b, _block_value(i))
     pool.commit(ids, hashes)
     pool.release(ids)
-    group = KVGroup(topo, 0, pool, {0: RankKV(0, layout, kv)})
+    group = KVGroup(topo, 0, pool, ranks)
     return await SourceService([group], worker_id="bench-source", chunk_bytes=chunk_bytes,
                                chunks_in_flight=in_flight).start()
 
 
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                      in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
-                     pull_layout: str = "trtllm") -> None:
+                     pull_layout: str = "trtllm", pull_tp: int = 1) -> None:
     from kvkern.xfer.messages import Cancel, PullReply, Status  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
@@ -228,9 +253,9 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
     info: dict[str, Any] = {"port": listener.port}
     if pull_blocks:
         source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
-                                          layout_name=pull_layout)
+                                          layout_name=pull_layout, tp=pull_tp)
         scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
-                                             layout_name=pull_layout,
+                                             layout_name=pull_layout, tp=pull_tp,
                                              scattered=True)
         info["http_port"] = source.http_port
         info["scattered_http_port"] = scattered.http_port
@@ -353,7 +378,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
     from kvkern.cache.pool import BlockPool  # noqa: PLC0415
     from kvkern.xfer.config import XferConfig  # noqa: PLC0415
-    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup  # noqa: PLC0415
     from kvkern.xfer.puller import Puller  # noqa: PLC0415
 
     class _ColdPool(BlockPool):
@@ -363,12 +388,11 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         def longest_prefix(self, hashes: Any) -> int:
             return 0
 
-    topo = _pull_topology()
+    topo = _pull_topology(s.pull_tp[1])
     bs = topo.model.block_size
     n_max = _pull_blocks_for(s)
-    layout = topo.local_layout(0, n_max + 8, s.pull_layout)
-    kv = layout.allocate(fill="zeros")  # pages faulted in outside the timed region
-    group = KVGroup(topo, 0, _ColdPool(n_max + 8, block_size=bs), {0: RankKV(0, layout, kv)})
+    ranks = _rank_pools(topo, n_max + 8, s.pull_layout)  # faulted in outside the timing
+    group = KVGroup(topo, 0, _ColdPool(n_max + 8, block_size=bs), ranks)
     cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False, chunk_bytes=s.chunk_bytes,
                      chunks_in_flight=s.in_flight, deadline_s=60.0, transfer_timeout_s=20.0,
                      remote_read=s.data_path != "stream")
@@ -376,7 +400,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     # "both": a second puller on the same pool that always streams, measured in the same run
     streamer = (Puller(group, config=cfg.replace(remote_read=False), loop=bench.loop)
                 if s.data_path == "both" else None)
-    per_block = layout.bytes_per_block
+    per_block = sum(rkv.layout.bytes_per_block for rkv in ranks.values())
     rid = iter(range(1 << 30))
 
     async def pull(n: int, port: int | None = None, via: Any = None) -> Any:
@@ -393,7 +417,8 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
 
     try:
         out: dict[str, Any] = {"block_bytes": per_block, "data_path": s.data_path,
-                               "layout": s.pull_layout}
+                               "layout": s.pull_layout,
+                               "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}"}
         all_hashes = sequence_hashes(list(range(n_max * bs)), bs)
         ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
         for via in [p for p in (puller, streamer) if p is not None]:
@@ -401,7 +426,8 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
                 await pull(n_max, port, via)
                 ids = group.manager.match_prefix(all_hashes)
                 for i in sorted({0, n_max // 2, n_max - 1}):
-                    if not _block_holds(layout, kv, ids[i], _block_value(i)):
+                    if not all(_block_holds(r.layout, r.pool, ids[i], _block_value(i))
+                               for r in ranks.values()):
                         raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
                 group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
         for size in s.sizes:
@@ -512,7 +538,7 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                "--max-seconds", str(s.peer_timeout_s), "--parent-pid", str(os.getpid()),
                "--in-flight", str(s.in_flight), "--chunk-bytes", str(s.chunk_bytes),
                "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0),
-               "--pull-layout", s.pull_layout]
+               "--pull-layout", s.pull_layout, "--pull-tp", str(s.pull_tp[0])]
         peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
                                 stdin=subprocess.DEVNULL)
         try:
@@ -618,6 +644,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="pull case: engine layout of both pools (trtllm: block rows, one "
                         "read per run of blocks; vllm_hnd: per layer, one read per layer "
                         "and run; the others stream)")
+    x.add_argument("--pull-tp", default="1:1", metavar="S:D",
+                   help="pull case: TP size of the source and of the destination (e.g. 2:1, "
+                        "a reshard: each destination block gathers every source rank's heads)")
     x.add_argument("--json", action="store_true", help="print one JSON object, last line")
     p = sub.add_parser("_peer", help=argparse.SUPPRESS)
     p.add_argument("--port-file", required=True)
@@ -627,12 +656,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=16 * MiB)
     p.add_argument("--pull-blocks", type=int, default=0)
     p.add_argument("--pull-layout", default="trtllm")
+    p.add_argument("--pull-tp", type=int, default=1)
     ns = parser.parse_args(argv)
 
     if ns.what == "_peer":
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
                                ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
-                               ns.pull_layout))
+                               ns.pull_layout, ns.pull_tp))
         return 0
     cases = tuple(c for c in ns.cases.split(",") if c)
     unknown = set(cases) - set(CASES)
@@ -642,7 +672,8 @@ def main(argv: list[str] | None = None) -> int:
                  sizes=tuple(_parse_size(t) for t in ns.sizes.split(",") if t),
                  chunk_bytes=_parse_size(ns.chunk), in_flight=ns.in_flight,
                  repeats=ns.repeats, cases=cases, peer_timeout_s=ns.timeout,
-                 data_path=ns.data_path, pull_layout=ns.pull_layout)
+                 data_path=ns.data_path, pull_layout=ns.pull_layout,
+                 pull_tp=_parse_tp(ns.pull_tp, parser))
     res = run_xfer(s)
     if ns.json:
         sys.stdout.flush()

@@ -29,6 +29,7 @@ def test_config_defaults_are_safe():
     ("chunk_bytes", True), ("default_policy", "yolo"), ("ewma_alpha", 0.0),
     ("prefill_s_per_token", -1e-3), ("default_state_port", 70000), ("state_path", "x"),
     ("dedup", 1), ("allowlist", ["bad*entry"]), ("allowlist", 42),
+    ("read_min_run_bytes", -1), ("read_min_run_bytes", 1.5), ("read_min_run_bytes", True),
 ])
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError):

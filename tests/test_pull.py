@@ -753,29 +753,37 @@ def test_source_killed_mid_transfer(make_puller):
         s.kill()
 
 
-@pytest.mark.parametrize("remote_read", [True, False])
-def test_tp2_source_to_tp1_destination(make_puller, remote_read):
+# A reshard reads only when its runs are big enough (read_min_run_bytes, default 64 KiB:
+# smaller ones read slower than the stream); this tiny model's are 256 B, so the "read"
+# variants lower the threshold to exercise the read path, and "auto" checks the default.
+RESHARD = {"read": dict(read_min_run_bytes=0), "stream": dict(remote_read=False),
+           "auto": {}}
+
+
+@pytest.mark.parametrize("how", sorted(RESHARD))
+def test_tp2_source_to_tp1_destination(make_puller, how):
     """Each source rank's heads land in a head range of the TP1 destination's blocks: read
     one-sided (one run per layer, K/V and block: the destination's rows interleave the
-    two ranks' heads) or streamed."""
+    two ranks' heads) or streamed; a TP2 destination of the same source reads whole
+    blocks whatever the threshold."""
     tokens = list(range(3, 3 + 8 * BS))
     s = Source("source_peer.py", "--tp", "2", "--seq", f"3:{3 + 8 * BS}", tp=2).wait_ready()
     try:
         hashes = sequence_hashes(tokens, BS)
         group = make_group(tp=1)
         before = snapshot(group)
-        p = make_puller(group, remote_read=remote_read)
+        p = make_puller(group, **RESHARD[how])
         o = pull(p, "tp21", tokens, hint_for(s, tokens))
         assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
-        assert o.reads == (2 * 8 * MODEL.num_layers * 2 if remote_read else 0), o
+        assert o.reads == (2 * 8 * MODEL.num_layers * 2 if how == "read" else 0), o
         ids = claim_check_release(p, group, s, "tp21", hashes)
         assert_only_changed(group, before, set(ids))
         assert_clean(group)
         # and a TP2 destination (both ranks hosted here) from the same TP2 source
         g2 = make_group(tp=2)
-        p2 = make_puller(g2, remote_read=remote_read)
+        p2 = make_puller(g2, **RESHARD[how])
         o = pull(p2, "tp22", tokens, hint_for(s, tokens))
-        assert o.used and o.pairs == 2 and (o.reads > 0) == remote_read, o
+        assert o.used and o.pairs == 2 and (o.reads > 0) == (how != "stream"), o
         ids = p2.claim("tp22")
         want = s.blocks(hashes)
         for h, bid in zip(hashes, ids, strict=True):
@@ -788,19 +796,19 @@ def test_tp2_source_to_tp1_destination(make_puller, remote_read):
         s.kill()
 
 
-@pytest.mark.parametrize("remote_read", [True, False])
-def test_tp1_source_to_tp2_destination(src, make_puller, remote_read):
+@pytest.mark.parametrize("how", sorted(RESHARD))
+def test_tp1_source_to_tp2_destination(src, make_puller, how):
     """Each destination rank reads (or is streamed) its half of the source's heads."""
     tokens = fresh_tokens(8 * BS)
     hashes = src.commit(tokens)
     group = make_group(tp=2)
     before = snapshot(group)
-    p = make_puller(group, remote_read=remote_read)
+    p = make_puller(group, **RESHARD[how])
     sent = src.http("GET", "/test/stats")["replies"]
     o = pull(p, "tp12", tokens, hint_for(src, tokens))
     assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
     assert o.bytes_transferred == 8 * 2048  # each rank gets its half of the heads
-    kind = "read" if remote_read else "stream"
+    kind = "read" if how == "read" else "stream"
     assert served_kinds(src, sent) == {"read": 0, "stream": 0, kind: 2}
     ids = claim_check_release(p, group, src, "tp12", hashes)
     assert_only_changed(group, before, set(ids))

@@ -84,6 +84,10 @@ class XferConfig:
     # read whole-block pieces one-sided from a source that offers it ("read/1"): one copy
     # from the source's pool into the private blocks, no pack, staging or unpack
     remote_read: bool = True
+    # a TP/PP reshard pair reads one-sided only if each of its runs (a head range of one
+    # layer's K or V of one block) has at least this many bytes; else it streams. Measured
+    # (bench/RESULTS.md): 16 KiB runs read at 0.23-0.36 of raw, the stream at 0.50-0.70.
+    read_min_run_bytes: int = 64 << 10
 
     # ---- policy
     default_policy: Policy = "strict"
@@ -141,6 +145,10 @@ class XferConfig:
         if not isinstance(self.state_path, str) or not self.state_path.startswith("/"):
             raise ValueError(f"XferConfig.state_path must start with '/', got "
                              f"{self.state_path!r}")
+        if isinstance(self.read_min_run_bytes, bool) or not isinstance(
+                self.read_min_run_bytes, int) or self.read_min_run_bytes < 0:
+            raise ValueError(f"XferConfig.read_min_run_bytes must be an int >= 0, got "
+                             f"{self.read_min_run_bytes!r}")
         for flag in ("dedup", "cost_guard", "remote_read"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")

@@ -349,15 +349,27 @@ _HOLD_MARGIN_S = 1e-3  # and a fixed margin, both taken off the source's granted
 _MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
 
 
-def _whole_block_pair(tr: Any, rkv: Any) -> bool:
-    """The pair moves whole blocks of ``rkv``'s pool: one piece of every local layer and
-    head, on both sides."""
-    lay = rkv.layout
+def _whole_block_pair(tr: Any, src: Any, dst: Any) -> bool:
+    """The pair moves whole blocks: one piece of every local layer and head of the source
+    layout ``src`` into every local layer and head of the destination layout ``dst``."""
     if len(tr.pieces) != 1:
         return False
     p = tr.pieces[0]
-    full = ((0, lay.num_layers), (0, lay.num_heads))
-    return (p.dst_layers, p.dst_heads) == full == (p.src_layers, p.src_heads)
+    return ((p.src_layers, p.src_heads) == ((0, src.num_layers), (0, src.num_heads))
+            and (p.dst_layers, p.dst_heads) == ((0, dst.num_layers), (0, dst.num_heads)))
+
+
+def _min_run_bytes(tr: Any, src: Any, dst: Any) -> int:
+    """The smallest run a reshard pair's read would make per block: a piece's head range of
+    one layer's K or V, or, where a piece has every head of both ranks, its layers' K and V
+    together (contiguous on both sides then)."""
+    row = dst.block_size * dst.head_dim * dst.itemsize
+    out = []
+    for p in tr.pieces:
+        heads = p.dst_heads[1] - p.dst_heads[0]
+        whole = heads == dst.num_heads == src.num_heads
+        out.append(heads * row * (2 * (p.dst_layers[1] - p.dst_layers[0]) if whole else 1))
+    return min(out)
 
 
 def _segment_runs(pieces: Any, src: Any, dst: Any, src_seg: int,
@@ -1134,9 +1146,14 @@ class Puller:
         key = (job.hint.source_dp_rank or 0, tr.src_rank)
         kind = st.reads.get(key)
         if kind == "canonical":
-            return rkv.read_segments is not None
+            if rkv.read_segments is None:
+                return False
+            src = st.topology.local_layout(tr.src_rank, 1)
+            return (_whole_block_pair(tr, src, rkv.layout)
+                    or _min_run_bytes(tr, src, rkv.layout) >= self.config.read_min_run_bytes)
         return (kind == "native" and rkv.native_segments is not None
-                and st.layouts.get(key) == rkv.layout_signature() and _whole_block_pair(tr, rkv))
+                and st.layouts.get(key) == rkv.layout_signature()
+                and _whole_block_pair(tr, rkv.layout, rkv.layout))  # one layout: same dims
 
     async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rkv: Any,
                          xfer_t: float, t_req: float) -> None:
@@ -1168,7 +1185,7 @@ class Puller:
                 or stride < seg or max(bases) + top > 1 << 64 or segs is None or (
                     reply.read_native and not (len(keys) == len(segs.bases)
                                                and seg == segs.nbytes
-                                               and _whole_block_pair(tr, rkv))):
+                                               and _whole_block_pair(tr, src_lay, rkv.layout))):
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
                             f"{reply.total_bytes} B of {served} blocks as {len(keys)} "
                             f"segments of {seg} B at stride {stride}, expected "
