@@ -14,13 +14,15 @@ import pytest
 from kvkern.xfer.ucp_rma import rma_unavailable
 
 
-@pytest.mark.parametrize("layout,reads", [("trtllm", 1), ("vllm_hnd", 8)])
-def test_bench_xfer_pull_json(layout, reads):
+@pytest.mark.parametrize("layout,tp,reads", [("trtllm", "1:1", 1), ("vllm_hnd", "1:1", 8),
+                                             ("trtllm", "2:1", 0)])
+def test_bench_xfer_pull_json(layout, tp, reads):
+    """(A 2:1 reshard's runs are below read_min_run_bytes: it streams, 2 pairs.)"""
     if rma_unavailable() is not None:
         pytest.skip(f"one-sided reads unavailable: {rma_unavailable()}")
     cmd = [sys.executable, "-m", "kvkern", "bench", "xfer", "--cases", "raw,pull",
-           "--sizes", "1MiB", "--repeats", "2", "--pull-layout", layout, "--timeout", "60",
-           "--json"]
+           "--sizes", "1MiB", "--repeats", "2", "--pull-layout", layout, "--pull-tp", tp,
+           "--timeout", "60", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
@@ -30,8 +32,9 @@ def test_bench_xfer_pull_json(layout, reads):
     assert res["pull_gbps"] > 0 and res["raw_gbps"] > 0
     assert res["ratio"] == pytest.approx(res["pull_gbps"] / res["raw_gbps"], rel=0.01)
     pull = res["cases"]["pull"]
-    assert pull["layout"] == layout and pull["data_path"] == "both"
+    assert pull["layout"] == layout and pull["data_path"] == "both" and pull["tp"] == tp
     one = pull[str(1 << 20)]
-    assert one["messages"] == 3 and one["reads"] == reads, one  # consecutive source blocks
+    assert one["reads"] == reads, one  # consecutive source blocks
+    assert one["messages"] == (3 if reads else 2 * (2 + 1)), one  # 2 pairs: 1 chunk each
     assert one["stream_pull_gbps"] > 0 and one["scattered_pull_gbps"] > 0
     assert pull["hint_to_first_byte_ms"] > 0
