@@ -26,9 +26,12 @@ exactly once, sends ``Cancel`` for every open transfer and ends with a reason)::
              block is ever written (a local partial leaf stays untouched)
     pull     per pair, concurrently: PullRequest on CONTROL_TAG (strict: ``require_all``,
              so a source short of blocks answers MISS without pinning, and no Cancel has
-             to abort the shared connection) -> PullReply -> chunks into a
-             ring of ``chunks_in_flight`` staging buffers, each unpacked into the private
-             blocks as it lands (chunk size is a multiple of the pair's per-block bytes)
+             to abort the shared connection) -> PullReply -> either one-sided reads of
+             the pinned blocks' byte runs straight into the private blocks (``_can_read``:
+             canonical segments on both sides, or one layout's own segments, whole
+             blocks; then ReadDone) or chunks into a ring of ``chunks_in_flight`` staging
+             buffers, each unpacked into the private blocks as it lands (chunk size is a
+             multiple of the pair's per-block bytes)
     policy   served hashes must equal the requested ones; strict: all or nothing;
              best_effort: the shortest served run over pairs
     commit   commit_private(kept, chained hashes, lease_s) ; free_private(rest)
@@ -47,8 +50,10 @@ committed blocks are in the prefix index (held by the first request's lease), so
 ordinary prefix match picks them up. Followers do not count against ``max_inflight_pulls``.
 
 Connections: one UCXX connection per source rank, shared by concurrent pulls; a timeout or
-cancel in the middle of a stream aborts that connection (UCX owns posted buffers until an
-abort), so other pulls on it fail with ``transfer_failed`` and the next one reconnects.
+cancel in the middle of a stream, or while a message is awaited, aborts that connection
+(UCX owns posted buffers until an abort), so other pulls on it fail with
+``transfer_failed`` and the next one reconnects. A cancel during one-sided reads lets them
+finish (``READ_CANCEL_GRACE_S``) and keeps the connection.
 
 CPU pools only are tested here; with CUDA pools the ring lives on the pool's device and the
 unpack is a kernel launch on the current stream.
