@@ -32,6 +32,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import pytest_asyncio
 import torch
@@ -230,6 +231,9 @@ def block_addresses(draw):
 def test_coalesce_properties(case):
     local, remote, nbytes = case
     runs = coalesce(local, remote, nbytes)
+    if min(local + remote, default=0) >= 0:  # the vectorized twin the pull path uses
+        assert ucp_rma.coalesce_arrays(np.asarray(local, dtype=np.uint64),
+                                       np.asarray(remote, dtype=np.uint64), nbytes) == runs
     # the runs cover exactly the blocks, in order
     expanded = []
     for lo, rem, n in runs:

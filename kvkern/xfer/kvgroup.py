@@ -84,6 +84,7 @@ class RankKV:
         of the same kind). None for a pool whose block chunks are not contiguous."""
         return _native_segments(self.layout, self.layout.tensors(self.pool))
 
+    @functools.cached_property
     def layout_signature(self) -> tuple:
         """What must be equal for :attr:`native_segments` to mean the same bytes."""
         return layout_signature(self.layout.describe())

@@ -65,6 +65,7 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -377,8 +378,16 @@ def _min_run_bytes(tr: Any, src: Any, dst: Any) -> int:
     return min(out)
 
 
+@functools.lru_cache(maxsize=256)
+def _source_layout(topology: Any, rank: int) -> Any:
+    """A source rank's local layout (sizes only), from its state's topology: once per
+    (topology, rank), not per pull."""
+    return topology.local_layout(rank, 1)
+
+
+@functools.lru_cache(maxsize=1024)
 def _segment_runs(pieces: Any, src: Any, dst: Any, src_seg: int,
-                  dst_seg: int) -> list[tuple[int, int, int, int, int]]:
+                  dst_seg: int) -> tuple[tuple[int, int, int, int, int], ...]:
     """The byte runs that move a pair's plan ``pieces`` from a block of layout ``src`` to a
     block of layout ``dst`` (each block's canonical ``[L, 2, H, T, D]`` bytes cut into
     segments of ``src_seg`` / ``dst_seg``), as ``(src segment, offset in it, dst segment,
@@ -404,7 +413,7 @@ def _segment_runs(pieces: Any, src: Any, dst: Any, src_seg: int,
             cut = min(src_seg - so % src_seg, dst_seg - do % dst_seg, n)
             out.append((so // src_seg, so % src_seg, do // dst_seg, do % dst_seg, cut))
             so, do, n = so + cut, do + cut, n - cut
-    return out
+    return tuple(out)  # cached per (pieces, layouts, segments): immutable
 
 
 def _bounded_put(cache: dict, key: Any, value: Any, limit: int = _MAX_CACHED_SOURCES) -> None:
@@ -1153,11 +1162,11 @@ class Puller:
         if kind == "canonical":
             if rkv.read_segments is None:
                 return False
-            src = st.topology.local_layout(tr.src_rank, 1)
+            src = _source_layout(st.topology, tr.src_rank)
             return (_whole_block_pair(tr, src, rkv.layout)
                     or _min_run_bytes(tr, src, rkv.layout) >= self.config.read_min_run_bytes)
         return (kind == "native" and rkv.native_segments is not None
-                and st.layouts.get(key) == rkv.layout_signature()
+                and st.layouts.get(key) == rkv.layout_signature
                 and _whole_block_pair(tr, rkv.layout, rkv.layout))  # one layout: same dims
 
     async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rkv: Any,
@@ -1174,7 +1183,7 @@ class Puller:
 
         key = (job.hint.source_dp_rank or 0, tr.src_rank)
         if reply.read_native != (job.state.reads.get(key) == "native") or (
-                reply.read_native and job.state.layouts.get(key) != rkv.layout_signature()):
+                reply.read_native and job.state.layouts.get(key) != rkv.layout_signature):
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers its "
                             f"blocks {'in its own order' if reply.read_native else 'canonical'}"
                             f", its state says {job.state.reads.get(key)!r} (layout "
@@ -1183,7 +1192,7 @@ class Puller:
         served, unit, tid = reply.served_blocks, tr.block_nbytes, reply.transfer_id
         keys = [reply.read_rkey, *reply.read_more_rkeys]
         bases = [reply.read_base, *reply.read_more_bases]
-        src_lay = job.state.topology.local_layout(tr.src_rank, 1)
+        src_lay = _source_layout(job.state.topology, tr.src_rank)
         seg, stride = reply.read_segment_bytes or unit, reply.read_stride
         top = max(reply.read_blocks) * stride + seg
         if reply.total_bytes != served * unit or seg * len(keys) != src_lay.bytes_per_block \

@@ -361,8 +361,9 @@ class ReadBatch:
 
 
 def coalesce_arrays(local: Any, remote: Any, nbytes: int) -> list[tuple[int, int, int]]:
-    """:func:`coalesce` for numpy ``uint64`` arrays of addresses (vectorized: a per-layer
-    pool makes layers x blocks of them)."""
+    """:func:`coalesce` for numpy ``uint64`` arrays of addresses, vectorized (a per-layer
+    pool makes layers x blocks of them; the pull path uses this one, :func:`coalesce` is
+    its plain-Python reference)."""
     import numpy as np  # noqa: PLC0415
 
     if len(local) != len(remote):
