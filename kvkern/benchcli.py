@@ -122,6 +122,7 @@ class Settings:
     data_path: str = "both"  # pull case: "read", "stream" or both (read is the headline)
     pull_layout: str = "trtllm"  # pull case: the engine layout of both pools
     pull_tp: tuple[int, int] = (1, 1)  # pull case: TP size of the source and the destination
+    read_lanes: int = 2  # pull case: XferConfig.read_lanes of the headline puller
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
         if self.ucx_env == "off":
@@ -395,11 +396,15 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     group = KVGroup(topo, 0, _ColdPool(n_max + 8, block_size=bs), ranks)
     cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False, chunk_bytes=s.chunk_bytes,
                      chunks_in_flight=s.in_flight, deadline_s=60.0, transfer_timeout_s=20.0,
-                     remote_read=s.data_path != "stream")
+                     remote_read=s.data_path != "stream", read_lanes=s.read_lanes)
     puller = Puller(group, config=cfg, loop=bench.loop)
     # "both": a second puller on the same pool that always streams, measured in the same run
     streamer = (Puller(group, config=cfg.replace(remote_read=False), loop=bench.loop)
                 if s.data_path == "both" else None)
+    # and the read with fewer lanes: one read lane, and none (the control connection's
+    # worker), so the headline's gain from parallel copies is visible in the same run
+    fewer = {f"lanes{n}": Puller(group, config=cfg.replace(read_lanes=n), loop=bench.loop)
+             for n in (1, 0) if s.data_path != "stream" and n < s.read_lanes}
     per_block = sum(rkv.layout.bytes_per_block for rkv in ranks.values())
     rid = iter(range(1 << 30))
 
@@ -418,10 +423,11 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     try:
         out: dict[str, Any] = {"block_bytes": per_block, "data_path": s.data_path,
                                "layout": s.pull_layout,
-                               "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}"}
+                               "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}",
+                               "read_lanes": s.read_lanes}
         all_hashes = sequence_hashes(list(range(n_max * bs)), bs)
         ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
-        for via in [p for p in (puller, streamer) if p is not None]:
+        for via in [p for p in (puller, streamer, *fewer.values()) if p is not None]:
             for port in ports:  # warm-up (connection, state cache) and a correctness check
                 await pull(n_max, port, via)
                 ids = group.manager.match_prefix(all_hashes)
@@ -436,7 +442,8 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
             await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
             raw_t, msgs, reads = [], [], []
             times: dict[str, list[float]] = {"pull": [], "scattered": [], "stream": [],
-                                             "stream_scattered": []}
+                                             "stream_scattered": [],
+                                             **{k: [] for k in fewer}}
             scat = bench.scattered_http_port
             variants = [("raw", None, None), ("pull", None, puller)]
             if scat:
@@ -445,6 +452,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
                 variants.append(("stream", None, streamer))
                 if scat:
                     variants.append(("stream_scattered", scat, streamer))
+            variants += [(k, None, via) for k, via in fewer.items()]
             order = random.Random(size)
             for _ in range(s.repeats):  # every variant once per repeat, in a shuffled order
                 order.shuffle(variants)  # (a fixed order favoured whichever ran after raw)
@@ -474,9 +482,10 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
             if ss is not None:  # source blocks at shuffled ids: one read (or pack) per block
                 out[str(size)].update(scattered_pull_gbps=ss["gbps"],
                                       scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
-            for key, times in (("stream", st_t), ("stream_scattered", st_scat_t)):
-                if times:  # the stream path in the same run, for comparison
-                    t = _summary(nbytes, times)
+            for key, ts in (("stream", st_t), ("stream_scattered", st_scat_t),
+                            *((k, times[k]) for k in fewer)):
+                if ts:  # the stream path and fewer lanes in the same run, for comparison
+                    t = _summary(nbytes, ts)
                     out[str(size)].update({f"{key}_pull_gbps": t["gbps"],
                                            f"{key}_ratio": round(t["gbps"] / rs["gbps"], 3)})
         fb = []
@@ -489,7 +498,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         out["one_block_total_ms"] = round(o.total_s * 1e3, 3)
         return out
     finally:
-        for p in (puller, streamer):
+        for p in (puller, streamer, *fewer.values()):
             if p is not None:
                 await asyncio.get_running_loop().run_in_executor(None, p.close)
 
@@ -576,7 +585,8 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                 "by_size": {size: {k: r[k] for k in ("bytes", "blocks", "pull_gbps",
                                                      "raw_gbps", "ratio", "messages", "reads",
                                                      "scattered_pull_gbps", "scattered_ratio",
-                                                     "stream_ratio", "stream_scattered_ratio")
+                                                     "stream_ratio", "stream_scattered_ratio",
+                                                     "lanes1_ratio", "lanes0_ratio")
                                    if k in r}
                             for size, r in result["pull"].items() if isinstance(r, dict)}}
     elif "raw" in result:
@@ -605,7 +615,8 @@ def _print_human(res: dict[str, Any]) -> None:
                   f"raw {r['raw_gbps']:.2f} GB/s  ratio {r['ratio']:.2f}  {r['blocks']} blocks "
                   f"{r['messages']} messages {r['reads']} reads")
             extra = [f"{k} {r[k]:.2f}" for k in ("scattered_ratio", "stream_ratio",
-                                                 "stream_scattered_ratio") if k in r]
+                                                 "stream_scattered_ratio", "lanes1_ratio",
+                                                 "lanes0_ratio") if k in r]
             if extra:
                 print(f"  pull     {int(size) // MiB:5d} MiB  " + "  ".join(extra))
     if "pull" in cases:
@@ -647,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--pull-tp", default="1:1", metavar="S:D",
                    help="pull case: TP size of the source and of the destination (e.g. 2:1, "
                         "a reshard: each destination block gathers every source rank's heads)")
+    x.add_argument("--read-lanes", type=int, default=Settings.read_lanes,
+                   help="pull case: read lanes of the headline pull (XferConfig.read_lanes); "
+                        "fewer lanes are measured in the same run (lanes1_*, lanes0_*)")
     x.add_argument("--json", action="store_true", help="print one JSON object, last line")
     p = sub.add_parser("_peer", help=argparse.SUPPRESS)
     p.add_argument("--port-file", required=True)
@@ -673,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
                  chunk_bytes=_parse_size(ns.chunk), in_flight=ns.in_flight,
                  repeats=ns.repeats, cases=cases, peer_timeout_s=ns.timeout,
                  data_path=ns.data_path, pull_layout=ns.pull_layout,
-                 pull_tp=_parse_tp(ns.pull_tp, parser))
+                 pull_tp=_parse_tp(ns.pull_tp, parser), read_lanes=ns.read_lanes)
     res = run_xfer(s)
     if ns.json:
         sys.stdout.flush()

@@ -1011,14 +1011,21 @@ def test_receive_rings_are_prewarmed_only_for_ranks_that_stream(make_puller, lay
     assert p._staging.idle_bytes == rings * 3 * (1 << 20)
 
 
-def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller):
+LANES = {"connection": dict(read_lanes=0), "one-lane": {},
+         "two-lanes": dict(read_lane_min_bytes=1)}
+
+
+@pytest.mark.parametrize("lanes", sorted(LANES))
+def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller, lanes):
+    """Read on the control connection's worker, on one read lane (the default below 4 MiB)
+    and split over two (kvkern.xfer.read_lanes)."""
     n = 12
     tokens = fresh_tokens(n * BS)
     hashes, remote = commit_scattered(src, tokens)
     group = make_group()
     held = fragment(group)
     before = snapshot(group)
-    p = make_puller(group)
+    p = make_puller(group, **LANES[lanes])
     sent = src.http("GET", "/test/stats")["replies"]
     o = pull(p, "scattered", tokens, hint_for(src, tokens))
     assert o.used and o.reason is Reason.OK and o.blocks_transferred == n, o
@@ -1031,6 +1038,8 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert all(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)), ids
     check_bytes(src, group, hashes, ids)
     assert source_block_ids(src, hashes) == remote  # what was read is still there
+    assert (p._lanes.peers if p._lanes else 0) == {"connection": 0, "one-lane": 1,
+                                                   "two-lanes": 2}[lanes]
     assert_only_changed(group, before, set(ids))  # the held blocks kept their bytes
     group.manager.release(ids)
     group.manager.release(held)
@@ -1068,7 +1077,7 @@ def test_read_per_layer_pools(src, src_hnd, make_puller, src_layout, dst_layout,
     group = make_group(layout=dst_layout)
     held = fragment(group) if scattered else []
     before = snapshot(group)
-    p = make_puller(group)
+    p = make_puller(group, read_lane_min_bytes=1)  # every layer's runs over two lanes
     sent = source.http("GET", "/test/stats")["replies"]
     o = pull(p, "per-layer", tokens, hint_for(source, tokens))
     assert o.used and o.blocks_transferred == n and o.bytes_transferred == n * 2048, o

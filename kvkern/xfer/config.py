@@ -88,6 +88,12 @@ class XferConfig:
     # layer's K or V of one block) has at least this many bytes; else it streams. Measured
     # (bench/RESULTS.md): 16 KiB runs read at 0.23-0.36 of raw, the stream at 0.50-0.70.
     read_min_run_bytes: int = 64 << 10
+    # reads run on this many read lanes (kvkern.xfer.read_lanes: a UCX worker and a thread
+    # each), split by bytes with at least read_lane_min_bytes per lane; 0 reads on the control
+    # connection's worker. One CMA copy thread moves 5.8-6.3 GB/s here, two 10.9-11.7
+    # (bench/RESULTS.md, "Read lanes").
+    read_lanes: int = 2
+    read_lane_min_bytes: int = 4 << 20
 
     # ---- policy
     default_policy: Policy = "strict"
@@ -145,10 +151,10 @@ class XferConfig:
         if not isinstance(self.state_path, str) or not self.state_path.startswith("/"):
             raise ValueError(f"XferConfig.state_path must start with '/', got "
                              f"{self.state_path!r}")
-        if isinstance(self.read_min_run_bytes, bool) or not isinstance(
-                self.read_min_run_bytes, int) or self.read_min_run_bytes < 0:
-            raise ValueError(f"XferConfig.read_min_run_bytes must be an int >= 0, got "
-                             f"{self.read_min_run_bytes!r}")
+        for name in ("read_min_run_bytes", "read_lanes", "read_lane_min_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"XferConfig.{name} must be an int >= 0, got {value!r}")
         for flag in ("dedup", "cost_guard", "remote_read"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")

@@ -128,6 +128,8 @@ class SourceState:
     reads: dict[tuple[int, int], str] = field(default_factory=dict)
     # (dp, rank) -> kvkern.xfer.kvgroup.layout_signature of its pool (native reads)
     layouts: dict[tuple[int, int], tuple] = field(default_factory=dict)
+    # (dp, rank) -> the UCX worker address its read lanes open endpoints to
+    read_workers: dict[tuple[int, int], bytes] = field(default_factory=dict)
 
 
 def parse_state(body: bytes | str | dict) -> SourceState:
@@ -166,6 +168,7 @@ def parse_state(body: bytes | str | dict) -> SourceState:
     ranks: dict[tuple[int, int], tuple[str, int]] = {}
     reads: dict[tuple[int, int], str] = {}
     layouts: dict[tuple[int, int], tuple] = {}
+    read_workers: dict[tuple[int, int], bytes] = {}
     for dp_text, group in get("dp_groups", dict).items():
         try:
             dp = int(dp_text)
@@ -177,6 +180,9 @@ def parse_state(body: bytes | str | dict) -> SourceState:
                 ranks[(dp, int(r_text))] = (host, port)
                 if info.get("read") in ("canonical", "native"):
                     reads[(dp, int(r_text))] = info["read"]
+                    worker = _worker_address(info.get("read_worker"))
+                    if worker is not None:
+                        read_workers[(dp, int(r_text))] = worker
                 if isinstance(info.get("layout"), dict):
                     layouts[(dp, int(r_text))] = layout_signature(info["layout"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -187,7 +193,21 @@ def parse_state(body: bytes | str | dict) -> SourceState:
     return SourceState(protocol=protocol, worker_id=worker_id, incarnation=incarnation,
                        hash_scheme=hash_scheme, block_size=block_size,
                        codec_fingerprint=fingerprint, topology=topology, ranks=ranks,
-                       capabilities=tuple(caps), reads=reads, layouts=layouts)
+                       capabilities=tuple(caps), reads=reads, layouts=layouts,
+                       read_workers=read_workers)
+
+
+def _worker_address(text: Any) -> bytes | None:
+    """A state's ``read_worker`` (hex of a UCX worker address) as bytes; None when absent or
+    malformed (that rank is then read on the control connection, without lanes)."""
+    from kvkern.xfer.read_lanes import MAX_WORKER_ADDRESS_BYTES  # noqa: PLC0415
+
+    if not isinstance(text, str) or not 0 < len(text) <= 2 * MAX_WORKER_ADDRESS_BYTES:
+        return None
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return None
 
 
 # --------------------------------------------------------------------------- per request
@@ -463,6 +483,7 @@ class Puller:
         self._bytes_per_block = sum(r.layout.bytes_per_block for r in group.ranks.values())
         self._bg: set[asyncio.Task] = set()
         self.quarantined_blocks = 0  # private blocks never reused (see Connection.read)
+        self._lanes = None  # kvkern.xfer.read_lanes.ReadLanes, made by the first lane read
         from kvkern.xfer.source import StagingPool  # noqa: PLC0415
 
         # Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot cost
@@ -630,6 +651,9 @@ class Puller:
         if not self._loop.closed:
             with contextlib.suppress(Exception):
                 self._loop.run(self._aclose(), max(1.0, deadline - time.monotonic()))
+        lanes, self._lanes = self._lanes, None
+        if lanes is not None:
+            lanes.close(max(1.0, deadline - time.monotonic()))
         if self._own_loop:
             self._loop.close()
 
@@ -1216,9 +1240,15 @@ class Puller:
             remote = there + np.uint64(bases[j] + s_off)
             parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))
         t = time.perf_counter()
+        lanes = self._read_lanes(job.state.read_workers.get(key))
         try:
-            first = await conn.read_parts([(keys[j], runs) for j, runs in parts.items()],
-                                          timeout=xfer_t)
+            if lanes is not None:
+                first = await lanes.read(job.state.read_workers[key],
+                                         [(keys[j], runs) for j, runs in parts.items()],
+                                         timeout=xfer_t)
+            else:
+                first = await conn.read_parts([(keys[j], runs) for j, runs in parts.items()],
+                                              timeout=xfer_t)
         except ReadsStuck:
             job.quarantined = True
             raise
@@ -1243,6 +1273,20 @@ class Puller:
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} did not "
                             f"confirm it held the blocks during the read: "
                             f"{getattr(ack, 'reason', type(ack).__name__)}")
+
+    def _read_lanes(self, worker: bytes | None) -> Any:
+        """The read lanes, made on first use; None where reads stay on the connection (no
+        lanes configured, or the source rank publishes no worker address this UCX can
+        use)."""
+        from kvkern.xfer.read_lanes import ReadLanes, address_usable  # noqa: PLC0415
+
+        if worker is None or not self.config.read_lanes or self._closed \
+                or not address_usable(worker):
+            return None
+        if self._lanes is None:
+            self._lanes = ReadLanes(self.config.read_lanes,
+                                    min_bytes=self.config.read_lane_min_bytes)
+        return self._lanes
 
     async def _release_read(self, conn: Any, tid: int, xfer_t: float) -> None:
         """ReadDone for a read that already counts: the source unpins, and answers nothing

@@ -18,12 +18,15 @@ HTTP
      "dp_groups": {"<dp_rank>": {"ranks": {"<rank>": {"ucx_host": "127.0.0.1",
                                                        "ucx_port": 12345,
                                                        "layout": KVLayout.describe(),
-                                                       "read": "canonical"}}}},
+                                                       "read": "canonical",
+                                                       "read_worker": "<hex>"}}}},
      "capabilities": ["pull/1", "strict", "best_effort", "sharded", "read/1"]}
 
 ``read`` (only for a rank registered for remote reads, which also adds ``read/1``):
 ``"canonical"`` when its blocks are canonical segments (any destination, any plan pieces),
-``"native"`` when only a destination of the same layout may read them, whole blocks.
+``"native"`` when only a destination of the same layout may read them, whole blocks. With it
+``read_worker``: the hex of this process's UCX worker address, which a destination's read
+lanes (:mod:`kvkern.xfer.read_lanes`) open extra endpoints to.
 
 Only hosted groups and ranks appear (a worker of one process per GPU publishes one rank per
 process). ``GET /metrics`` is the Prometheus exposition of :class:`XferMetrics`; ``GET
@@ -266,6 +269,18 @@ def _direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | Non
     return rows if rows is not None and rows.shape[1] == pieces[0].length else None
 
 
+def _worker_address_hex() -> str:
+    """This process's ucxx worker address, hex: what a destination's read lanes
+    (:mod:`kvkern.xfer.read_lanes`) open their endpoints to. Empty if unavailable."""
+    from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+
+    try:
+        return import_ucxx().core._get_ctx().worker.address.tobytes().hex()
+    except Exception as exc:  # noqa: BLE001 (no lanes: destinations read on the connection)
+        log.warning("UCX worker address unavailable, no read lanes: %s", exc)
+        return ""
+
+
 async def _keep_hold(s: _Send) -> None:
     """Sleep until ``s``'s granted read hold ends, unless the destination cancels it: no
     deadline, lost connection, close() or repeated cancellation releases a read's pins
@@ -483,6 +498,7 @@ class SourceService:
         # rank -> its pool's BlockSegments, one ucp_rma.Region per segment, and whether the
         # segments are in the pool's own order rather than canonical (read path)
         self._regions: dict[int, tuple[Any, list[Any], bool]] = {}
+        self._read_worker = ""  # hex of this process's UCX worker address (read lanes)
         self._ctx: dict[int, _RankCtx] = {
             r: _RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
         self._listeners: dict[int, Listener] = {}
@@ -542,8 +558,10 @@ class SourceService:
                 ranks[str(r)] = {"ucx_host": self.advertise_host,
                                  "ucx_port": lst.port if lst is not None else None,
                                  "layout": rkv.layout.describe()}
-                if r in self._regions:  # how its blocks can be read
+                if r in self._regions:  # how its blocks can be read, and by which worker
                     ranks[str(r)]["read"] = "native" if self._regions[r][2] else "canonical"
+                    if self._read_worker:
+                        ranks[str(r)]["read_worker"] = self._read_worker
             dp_groups[str(g.dp_rank)] = {"ranks": ranks}
         return {
             "protocol": PROTOCOL,
@@ -667,6 +685,8 @@ class SourceService:
                 continue
             regions = [made[span] for span in segs.spans]
             self._regions[rank] = (segs, regions, native)
+        if self._regions:
+            self._read_worker = _worker_address_hex()
 
     async def __aenter__(self) -> SourceService:
         return await self.start()

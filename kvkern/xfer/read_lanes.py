@@ -1,0 +1,332 @@
+"""Read lanes: a pull's one-sided reads split over dedicated UCX workers, one thread each.
+
+On one host UCX moves a read with CMA (``process_vm_readv``), and one thread copies at
+5.8-6.3 GB/s here while two copy 10.9-11.7 GB/s (``bench/RESULTS.md``, "Read lanes"): the
+copy is bound by one core's page walking, not by memory. A UCX worker copies on whichever
+thread progresses it, under its lock, so the reads of ucxx's one worker are copied one at a
+time whatever thread posts them. :class:`ReadLanes` gives each lane its own UCP context and
+worker, and its own thread::
+
+    destination (Puller._read_pair)                         source (SourceService)
+    ReadLanes.read(source worker address, parts)
+      split_parts: n shares of the runs, by bytes
+      lane k thread: worker k --endpoint--> the source's ucxx worker (address from its state,
+                                            "read_worker")
+                     ucp_get_nbx per run; progresses worker k until every read is done
+
+Everything a lane owns (UCP context, worker, endpoints, unpacked rkeys) is created, used and
+closed on its own thread, so no lock or state is shared with ucxx's progress thread or
+another lane (ucxx's context is not made for workers on several threads: no
+``mt_workers_shared``). A lane keeps one endpoint per source worker address (least recently
+used first out, :data:`MAX_PEERS`), with the rkeys unpacked on it. The source needs nothing: a read is one-sided, and its UCX
+worker answers the endpoints' wire-up on its own progress thread.
+
+Failures never cost the control connection: a failed, timed-out or stopped lane closes its
+endpoint to that source (a forced close: UCX cancels the reads still running), drains its
+requests for up to ``READ_DRAIN_S`` and raises; the next read opens a new endpoint. A
+cancelled :meth:`ReadLanes.read` lets the reads finish for up to ``READ_CANCEL_GRACE_S``,
+then stops the lanes. Reads that outlive the drain raise :class:`ReadsStuck` (quarantine the
+local memory), as on the connection.
+
+Trust: the worker address comes from the state of a source the allowlist admitted; its
+transports are the same ones UCX learns from that source's listener when the control
+connection is made, so a lane reaches nothing that connection could not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvkern.xfer import transport
+from kvkern.xfer.transport import ReadsStuck, TransportError
+
+__all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
+           "MAX_WORKER_ADDRESS_BYTES"]
+
+Run = tuple[int, int, int]  # (local address, remote address, nbytes)
+Part = tuple[bytes, Sequence[Run]]  # (packed rkey, runs)
+
+MAX_PEERS = 16  # endpoints (source workers) a lane keeps open
+MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
+SPLIT_ALIGN = 4096  # lane shares are cut at page multiples of a run
+_DRAIN_POLL_S = 0.001
+
+
+def split_parts(parts: Sequence[Part], n: int, *, min_bytes: int = 0,
+                align: int = SPLIT_ALIGN) -> list[list[tuple[bytes, list[Run]]]]:
+    """Split the runs of ``parts`` into at most ``n`` shares of about equal bytes, keeping
+    their order: one share per lane. A share gets at least ``min_bytes`` (fewer shares
+    otherwise); a run is cut only at a multiple of ``align`` bytes from its start. Every byte
+    of every run lands in exactly one share, and no share is empty (but for no bytes at all:
+    one empty share)."""
+    if n < 1:
+        raise ValueError(f"n {n} must be >= 1")
+    total = sum(nb for _, runs in parts for _, _, nb in runs)
+    k = max(1, min(n, total // max(min_bytes, 1)))
+    shares: list[list[tuple[bytes, list[Run]]]] = [[] for _ in range(k)]
+    quota = -(-total // k)
+    lane, room = 0, quota
+
+    def put(key: bytes, run: Run) -> None:
+        share = shares[lane]
+        if not share or share[-1][0] != key:
+            share.append((key, []))
+        share[-1][1].append(run)
+
+    for key, runs in parts:
+        for local, remote, nb in runs:
+            off = 0
+            while off < nb:
+                left = nb - off
+                take = left
+                if lane < k - 1 and left > room:
+                    take = room - room % align
+                    if take <= 0:  # too little room for an aligned cut: the next share
+                        lane, room = lane + 1, quota
+                        continue
+                put(key, (local + off, remote + off, take))
+                off, room = off + take, room - take
+                if room <= 0 and lane < k - 1:
+                    lane, room = lane + 1, quota
+    return [share for share in shares if share] or [[]]
+
+
+_ADDRESS_VERSION_MASK = 0x0F  # low bits of a UCX worker address's first byte (ucp/address.c)
+_local_version: int | None = None
+
+
+def address_usable(address: bytes) -> bool:
+    """Whether a worker address may be handed to UCX: non-empty, not too long, and packed
+    in this process's UCX address version. libucp asserts on an unknown version (seen: a
+    random first byte aborts the process), so an address from another UCX release, or a
+    corrupted one, must never reach ``ucp_ep_create``; a source whose address fails here is
+    read on the control connection instead. (Random bytes after a valid first byte were
+    rejected or tolerated by UCX in 200 fuzzed tries, never fatal.)"""
+    global _local_version
+    if not address or len(address) > MAX_WORKER_ADDRESS_BYTES:
+        return False
+    if _local_version is None:
+        from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+
+        local = import_ucxx().core._get_ctx().worker.address.tobytes()
+        _local_version = local[0] & _ADDRESS_VERSION_MASK
+    return address[0] & _ADDRESS_VERSION_MASK == _local_version
+
+
+class _Stuck(Exception):
+    """Reads still running after their endpoint was closed and the drain ran out."""
+
+
+class _Peer:
+    """One lane's endpoint to one source worker, and the rkeys unpacked on it."""
+
+    def __init__(self, ep: Any) -> None:
+        self.ep = ep
+        self.handle = int(ep.handle)
+        self.rkeys: dict[bytes, Any] = {}
+
+    def rkey(self, packed: bytes) -> Any:
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        key = self.rkeys.get(packed)
+        if key is None:
+            if len(self.rkeys) >= 4096:  # a per-layer pool has one key per layer
+                for old in self.rkeys.values():
+                    old.destroy()
+                self.rkeys.clear()
+            key = self.rkeys[packed] = ucp_rma.RemoteKey(self.handle, packed)
+        return key
+
+
+class _Lane:
+    """A UCX worker and the one thread that creates, progresses and closes it."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"kvkern-lane{index}")
+        self._context: Any = None
+        self._worker: Any = None
+        self._worker_handle = 0
+        self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
+        self.stuck_batches: list[Any] = []  # never freed: UCX may still write their memory
+
+    # ---- on the lane thread only
+
+    def _peer(self, address: bytes) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None:
+            self._peers.move_to_end(address)
+            return peer
+        from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+
+        lib = import_ucxx()._lib.libucxx
+        if self._worker is None:
+            # A UCP context of its own: ucxx creates its context without
+            # mt_workers_shared, so workers of that context must not run on several threads
+            self._context = lib.UCXContext({}, (lib.Feature.RMA,))
+            self._worker = lib.UCXWorker(self._context)
+            self._worker_handle = int(self._worker.handle)
+        while len(self._peers) >= MAX_PEERS:
+            _, old = self._peers.popitem(last=False)
+            self._close_peer(old, [])
+        if not address_usable(address):
+            raise ValueError(f"unusable UCX worker address ({len(address)} B, first byte "
+                             f"{address[:1].hex()})")
+        buf = bytearray(address)
+        ep = self._worker.create_endpoint_from_worker_address(
+            lib.UCXAddress.create_from_buffer(memoryview(buf).cast("B")), True)
+        peer = self._peers[address] = _Peer(ep)
+        return peer
+
+    def _close_peer(self, peer: _Peer, batches: list[Any]) -> None:
+        """Close the endpoint (UCX cancels its running reads), drain ``batches``, then
+        destroy the keys (libucp 1.21 releases a key through its worker, so after the
+        endpoint is fine). Raises _Stuck if reads outlive READ_DRAIN_S."""
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        with contextlib.suppress(Exception):
+            peer.ep.close_blocking()
+        deadline = time.monotonic() + transport.READ_DRAIN_S
+        lib = ucp_rma._ucp()
+        while not all(b.poll() for b in batches):
+            if time.monotonic() >= deadline:
+                self.stuck_batches.extend(b for b in batches if b.stuck)
+                raise _Stuck(f"{sum(b.posted for b in batches)} reads still running after "
+                             f"their endpoint was closed (waited {transport.READ_DRAIN_S} s)")
+            if not lib.ucp_worker_progress(self._worker_handle):
+                time.sleep(_DRAIN_POLL_S)
+        for key in peer.rkeys.values():
+            key.destroy()
+        peer.rkeys.clear()
+
+    def run(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
+            timeout: float, stop: threading.Event) -> float | None:
+        """Read ``parts`` from the source worker at ``address``; the time the first run
+        completed. Raises RmaError (a failed read), TimeoutError (``timeout`` passed or
+        ``stop`` set) or _Stuck, having closed the endpoint in each case."""
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        if stop.is_set():
+            raise TimeoutError("read stopped before it started")
+        deadline = time.perf_counter() + timeout
+        batches: list[Any] = []
+        peer = None
+        try:
+            peer = self._peer(address)
+            for packed, runs in parts:
+                batch = ucp_rma.ReadBatch(peer.rkey(packed), runs,
+                                          worker_handle=self._worker_handle)
+                batches.append(batch)
+                batch.post(peer.handle)
+            firsts = [b.wait(max(deadline - time.perf_counter(), 0.0), stop) for b in batches]
+            return min((f for f in firsts if f is not None), default=None)
+        except BaseException:
+            if peer is not None:
+                self._peers.pop(address, None)
+                self._close_peer(peer, batches)
+            raise
+
+    def close(self) -> None:
+        while self._peers:
+            _, peer = self._peers.popitem(last=False)
+            with contextlib.suppress(_Stuck):
+                self._close_peer(peer, [])
+        self._worker = self._context = None
+
+    @property
+    def peers(self) -> int:
+        return len(self._peers)
+
+
+class ReadLanes:
+    """``n`` read lanes (see the module docstring). :meth:`read` is called on the event
+    loop; :meth:`close` from any thread but the lanes'."""
+
+    def __init__(self, n: int, *, min_bytes: int = 4 << 20) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"read lanes {n!r} must be an int >= 1")
+        self.n = n
+        self.min_bytes = min_bytes
+        self._lanes = [_Lane(i) for i in range(n)]
+        self._closed = False
+
+    @property
+    def peers(self) -> int:
+        """Open endpoints over all lanes."""
+        return sum(lane.peers for lane in self._lanes)
+
+    @property
+    def stuck_reads(self) -> int:
+        return sum(len(lane.stuck_batches) for lane in self._lanes)
+
+    async def read(self, address: bytes, parts: Sequence[Part], *,
+                   timeout: float) -> float | None:
+        """Read every part's runs from the source worker at ``address``, split over the
+        lanes (shares of at least ``min_bytes``); returns the ``perf_counter`` time the first
+        run was seen complete. Raises :class:`TransportError` (``transfer_failed``,
+        ``transfer_timeout``, ``closed``) or :class:`ReadsStuck`; after a raise no lane
+        writes to any run's local memory, except for ReadsStuck."""
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        if self._closed:
+            raise TransportError("closed", "read lanes closed")
+        shares = split_parts(parts, self.n, min_bytes=self.min_bytes)
+        loop = asyncio.get_running_loop()
+        stop = threading.Event()
+        futs = [loop.run_in_executor(lane.executor, lane.run, address, share, timeout, stop)
+                for lane, share in zip(self._lanes, shares, strict=False)]
+        for fut in futs:  # one lane failing stops the others at once
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                                  or stop.set())
+        every = asyncio.gather(*futs, return_exceptions=True)
+        cancelled = False
+        try:
+            results = await asyncio.shield(every)
+        except asyncio.CancelledError:
+            cancelled = True
+            # The copies are local and short: let them finish, then stop what is left.
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(every), transport.READ_CANCEL_GRACE_S)
+            if not every.done():
+                stop.set()
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(every),
+                                               transport.READ_DRAIN_S + 1.0)
+            results = every.result() if every.done() else [_Stuck("lanes did not end")]
+        errors = [r for r in results if isinstance(r, BaseException)]
+        stuck = [e for e in errors if isinstance(e, _Stuck)]
+        if stuck:
+            raise ReadsStuck(str(stuck[0]))
+        if cancelled:
+            raise asyncio.CancelledError
+        if not errors:
+            return min((r for r in results if r is not None), default=None)
+        exc = next((e for e in errors if not isinstance(e, TimeoutError)), errors[0])
+        if isinstance(exc, ucp_rma.RmaError):
+            raise TransportError("transfer_failed", f"one-sided read: {exc}") from exc
+        if isinstance(exc, TimeoutError):
+            raise TransportError("transfer_timeout",
+                                 f"reads not done within {timeout} s: {exc}") from exc
+        raise TransportError("transfer_failed",
+                             f"read lane: {type(exc).__name__}: {exc}") from exc
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close every endpoint and worker on its lane's thread; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        futs = [lane.executor.submit(lane.close) for lane in self._lanes]
+        for fut in futs:
+            with contextlib.suppress(Exception):
+                fut.result(max(0.0, deadline - time.monotonic()))
+        for lane in self._lanes:
+            lane.executor.shutdown(wait=False)

@@ -1,0 +1,430 @@
+"""Read lanes (kvkern.xfer.read_lanes): the share split by property, and real reads on
+loopback through dedicated UCX workers, one thread each.
+
+The loopback tests read from this process's own ucxx worker (its address, as a source
+publishes it in its state), which a Listener keeps progressing; every read lands in a
+poisoned buffer and is compared bit for bit with the registered source bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import pytest_asyncio
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from kvkern.layout.hostmem import host_buffer
+from kvkern.xfer import read_lanes, transport, ucp_rma
+from kvkern.xfer.read_lanes import ReadLanes, address_usable, split_parts
+from kvkern.xfer.transport import Listener, ReadsStuck, TransportError
+
+pytestmark = pytest.mark.timeout(30)
+aio = pytest.mark.asyncio(loop_scope="module")
+POISON = 0xA5
+SRC_BYTES = 32 << 20
+
+
+# ------------------------------------------------------------------------- the split
+
+runs_st = st.lists(st.tuples(st.integers(0, 1 << 40), st.integers(0, 1 << 40),
+                             st.integers(1, 1 << 22)), max_size=12)
+parts_st = st.lists(st.tuples(st.sampled_from([b"k0", b"k1", b"k2"]), runs_st), max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=parts_st, n=st.integers(1, 5), min_bytes=st.sampled_from([0, 1, 4096, 1 << 20]),
+       align=st.sampled_from([1, 4096]))
+@example(parts=[(b"k0", [(0, 0, 10 << 20)])], n=2, min_bytes=4 << 20, align=4096)
+def test_split_covers_every_byte_once_in_order(parts, n, min_bytes, align):
+    shares = split_parts(parts, n, min_bytes=min_bytes, align=align)
+    total = sum(nb for _, runs in parts for *_, nb in runs)
+    k = max(1, min(n, total // max(min_bytes, 1)))  # shares planned
+    assert 1 <= len(shares) <= k
+    assert all(share for share in shares) or shares == [[]] and total == 0
+    # read in order, the shares are the runs again, each cut only at aligned offsets
+    pieces = iter([(key, lo, re, nb) for share in shares for key, runs in share
+                   for lo, re, nb in runs])
+    for key, runs in parts:
+        for lo, re, nb in runs:
+            off = 0
+            while off < nb:
+                k2, plo, pre, pnb = next(pieces)
+                assert (k2, plo, pre) == (key, lo + off, re + off) and 0 < pnb <= nb - off
+                assert off % align == 0
+                off += pnb
+    assert next(pieces, None) is None
+    # every share but the last holds close to an equal part
+    quota = -(-total // k)
+    sizes = [sum(nb for _, runs in share for *_, nb in runs) for share in shares]
+    assert sum(sizes) == total
+    if quota >= align:  # (below that, whole runs fill the shares as they come)
+        assert len(shares) == k
+        for size in sizes[:-1]:
+            assert quota - align < size <= quota
+
+
+def test_split_examples():
+    runs = [(1000, 5000, 8192), (90000, 70000, 4096)]
+    assert split_parts([(b"k", runs)], 1) == [[(b"k", runs)]]
+    two = split_parts([(b"k", runs)], 2, align=4096)
+    assert two == [[(b"k", [(1000, 5000, 4096)])],
+                   [(b"k", [(5096, 9096, 4096), (90000, 70000, 4096)])]]
+    assert split_parts([(b"k", runs)], 2, min_bytes=1 << 20) == [[(b"k", runs)]]
+    assert split_parts([], 3) == [[]]
+    with pytest.raises(ValueError):
+        split_parts([], 0)
+
+
+# ------------------------------------------------------------------- loopback fixtures
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def source():
+    """SRC_BYTES random bytes registered for remote read, this worker's address, and a
+    Listener that keeps the worker progressing: (buffer, Region, address)."""
+    why = ucp_rma.rma_unavailable()
+    if why is not None:
+        pytest.skip(f"one-sided reads unavailable: {why}")
+
+    async def hold(conn):
+        with contextlib.suppress(TransportError):
+            await conn.recv_msg(timeout=None)
+
+    async with Listener(hold):
+        from kvkern.xfer.ucx_env import import_ucxx
+
+        address = import_ucxx().core._get_ctx().worker.address.tobytes()
+        buf = host_buffer(SRC_BYTES)
+        g = torch.Generator().manual_seed(20261130)
+        buf.view(torch.int64).copy_(torch.randint(-2**63, 2**63 - 1, (SRC_BYTES // 8,),
+                                                  dtype=torch.int64, generator=g))
+        region = ucp_rma.Region(buf.data_ptr(), SRC_BYTES)
+        try:
+            yield buf, region, address
+        finally:
+            region.close()
+
+
+@pytest.fixture
+def lanes():
+    made = []
+
+    def make(n: int = 2, **kw) -> ReadLanes:
+        made.append(ReadLanes(n, **kw))
+        return made[-1]
+
+    yield make
+    for lane in made:
+        lane.close()
+        assert lane.peers == 0
+
+
+def poisoned(nbytes: int) -> torch.Tensor:
+    t = host_buffer(nbytes)
+    t.fill_(POISON)
+    return t
+
+
+def shuffled_blocks(src, region, dst, n: int, nb: int, seed: int):
+    """n blocks of nb bytes from shuffled source slots into shuffled destination slots
+    (stride 2 nb on both sides: nothing merges); the expected destination."""
+    rng = random.Random(seed)
+    srcs = rng.sample(range(SRC_BYTES // (2 * nb)), n)
+    dsts = list(range(n))
+    rng.shuffle(dsts)
+    runs = [(dst.data_ptr() + d * 2 * nb, region.address + s * 2 * nb, nb)
+            for s, d in zip(srcs, dsts, strict=True)]
+    want = torch.full_like(dst, POISON)
+    for s, d in zip(srcs, dsts, strict=True):
+        want[d * 2 * nb:d * 2 * nb + nb] = src[s * 2 * nb:s * 2 * nb + nb]
+    return runs, want
+
+
+# ------------------------------------------------------------------------------ reads
+
+
+@pytest.mark.parametrize("n_lanes", [1, 2, 3])
+@aio
+async def test_scattered_blocks_bit_exact_on_every_lane(source, lanes, n_lanes, monkeypatch):
+    """Blocks split over the lanes (no minimum share) land bit for bit, every other byte
+    stays poison, and each lane opened its own endpoint to the source worker."""
+    src, region, address = source
+    used = []
+    real_run = read_lanes._Lane.run
+
+    def run(self, *a):
+        used.append(self.index)
+        return real_run(self, *a)
+
+    monkeypatch.setattr(read_lanes._Lane, "run", run)
+    rl = lanes(n_lanes, min_bytes=1)
+    dst = poisoned(2 * 40 * 12288)
+    runs, want = shuffled_blocks(src, region, dst, 40, 12288, seed=n_lanes)
+    t0 = time.perf_counter()
+    first = await rl.read(address, [(region.rkey, runs)], timeout=10)
+    assert first is not None and t0 <= first <= time.perf_counter()
+    assert torch.equal(dst, want)
+    assert sorted(used) == list(range(n_lanes)) and rl.peers == n_lanes
+    dst.fill_(POISON)  # again, on the endpoints and keys already open
+    await rl.read(address, [(region.rkey, runs)], timeout=10)
+    assert torch.equal(dst, want) and rl.peers == n_lanes
+
+
+@aio
+async def test_one_big_run_is_cut_between_lanes(source, lanes):
+    """Nearly the whole region as one run at odd offsets: cut at page multiples between two
+    lanes of at least 4 MiB each, reassembled exactly."""
+    src, region, address = source
+    rl = lanes(2, min_bytes=4 << 20)
+    n = SRC_BYTES - 5 - 4091
+    dst = poisoned(3 + n + 4096)
+    await rl.read(address, [(region.rkey, [(dst.data_ptr() + 3, region.address + 5, n)])],
+                  timeout=10)
+    assert torch.equal(dst[3:3 + n], src[5:5 + n])
+    assert bool((dst[:3] == POISON).all()) and bool((dst[3 + n:] == POISON).all())
+    assert rl.peers == 2
+
+
+@aio
+async def test_small_reads_use_one_lane(source, lanes):
+    src, region, address = source
+    rl = lanes(2)  # 4 MiB per lane by default
+    dst = poisoned(1 << 20)
+    await rl.read(address, [(region.rkey, [(dst.data_ptr(), region.address, 1 << 20)])],
+                  timeout=5)
+    assert torch.equal(dst, src[:1 << 20]) and rl.peers == 1
+    assert await rl.read(address, [], timeout=1) is None
+
+
+@aio
+async def test_failed_read_closes_only_that_endpoint_and_names_the_status(source, lanes):
+    """A read from an unmapped address fails (UCS_ERR_IO_ERROR through CMA): transfer_failed
+    naming the status, that lane's endpoint closed; the next read reopens it and works."""
+    src, region, address = source
+    rl = lanes(1)
+    dst = poisoned(4096)
+    ok = (dst.data_ptr(), region.address, 4096)
+    await rl.read(address, [(region.rkey, [ok])], timeout=5)
+    assert rl.peers == 1
+    with pytest.raises(TransportError) as info:
+        await rl.read(address, [(region.rkey, [(dst.data_ptr(), 4096, 4096)])], timeout=5)
+    assert info.value.reason == "transfer_failed" and "UCS_ERR" in str(info.value)
+    assert isinstance(info.value.__cause__, ucp_rma.RmaError)
+    assert rl.peers == 0
+    dst.fill_(POISON)
+    await rl.read(address, [(region.rkey, [ok])], timeout=5)
+    assert torch.equal(dst, src[:4096]) and rl.peers == 1
+
+
+class _HeldBatch(ucp_rma.ReadBatch):
+    """Real requests whose completion polling is held until the wait gave up (a CMA read
+    finishes before it could time out or be stopped)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.hold = True
+        _HeldBatch.made.append(self)
+
+    def poll(self):
+        return False if self.hold else super().poll()
+
+    def wait(self, timeout, cancelled=None):
+        try:
+            return super().wait(timeout, cancelled)
+        finally:
+            self.hold = False
+
+
+@aio
+async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monkeypatch):
+    src, region, address = source
+    _HeldBatch.made = []
+    monkeypatch.setattr(ucp_rma, "ReadBatch", _HeldBatch)
+    rl = lanes(2, min_bytes=1)
+    dst = poisoned(2 * 64 * 4096)
+    runs, _ = shuffled_blocks(src, region, dst, 64, 4096, seed=7)
+    t0 = time.monotonic()
+    with pytest.raises(TransportError) as info:
+        await rl.read(address, [(region.rkey, runs)], timeout=0.05)
+    assert info.value.reason == "transfer_timeout" and not isinstance(info.value, ReadsStuck)
+    assert 0.04 < time.monotonic() - t0 < 2
+    assert len(_HeldBatch.made) == 2 and not any(b.stuck for b in _HeldBatch.made)
+    assert rl.peers == 0  # both endpoints closed
+    monkeypatch.undo()
+    dst.fill_(POISON)
+    runs, want = shuffled_blocks(src, region, dst, 64, 4096, seed=7)
+    await rl.read(address, [(region.rkey, runs)], timeout=5)
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("grace", [0.0, 30.0], ids=["stopped", "finished-in-grace"])
+@aio
+async def test_cancel(source, lanes, monkeypatch, grace):
+    """A cancelled read raises CancelledError. With no grace the lanes are stopped: their
+    endpoints closed, every request retired, nothing written afterwards. With a grace the
+    reads finish, every byte lands and the endpoints stay open."""
+    src, region, address = source
+    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", grace)
+    _HeldBatch.made = []
+    if not grace:
+        monkeypatch.setattr(ucp_rma, "ReadBatch", _HeldBatch)
+    rl = lanes(2, min_bytes=1)
+    dst = poisoned(2 * 256 * 4096)
+    runs, want = shuffled_blocks(src, region, dst, 256, 4096, seed=11)
+    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20))
+    await asyncio.sleep(0.005 if not grace else 0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    if grace:
+        assert torch.equal(dst, want) and rl.peers == 2
+    else:
+        assert rl.peers == 0 and not any(b.stuck for b in _HeldBatch.made)
+        snapshot = dst.clone()
+        await asyncio.sleep(0.02)
+        assert torch.equal(dst, snapshot)
+
+
+@aio
+async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkeypatch):
+    _, region, address = source
+
+    class NeverDone:
+        stuck = True
+        posted = 1
+
+        def __init__(self, key, runs, **kw):
+            pass
+
+        def post(self, ep_handle):
+            pass
+
+        def wait(self, timeout, cancelled=None):
+            raise TimeoutError("never")
+
+        def poll(self):
+            return False
+
+    monkeypatch.setattr(ucp_rma, "ReadBatch", NeverDone)
+    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+    rl = lanes(1)
+    with pytest.raises(ReadsStuck) as info:
+        await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01)
+    assert info.value.reason == "transfer_failed" and "still running" in str(info.value)
+    assert rl.stuck_reads == 1
+
+
+@aio
+async def test_closed_lanes_refuse(source, lanes):
+    _, region, address = source
+    rl = lanes(2)
+    rl.close()
+    rl.close()  # idempotent
+    with pytest.raises(TransportError) as info:
+        await rl.read(address, [(region.rkey, [])], timeout=1)
+    assert info.value.reason == "closed"
+
+
+@aio
+async def test_addresses_are_checked_before_ucx_sees_them(source, lanes):
+    """libucp aborts the process on an address of an unknown version: such an address is
+    refused before UCX sees it (the puller then reads on the connection); an address of
+    the right version that names nobody fails the read, never the process."""
+    _, region, address = source
+    assert address_usable(address)
+    wrong = bytes([address[0] ^ 0x0F]) + address[1:]
+    assert not address_usable(wrong) and not address_usable(b"")
+    assert not address_usable(address + bytes(read_lanes.MAX_WORKER_ADDRESS_BYTES))
+    rl = lanes(1)
+    dst = poisoned(4096)
+    runs = [(dst.data_ptr(), region.address, 4096)]
+    with pytest.raises(TransportError) as info:
+        await rl.read(wrong, [(region.rkey, runs)], timeout=2)
+    assert info.value.reason == "transfer_failed" and "unusable" in str(info.value)
+    broken = address[:1] + bytes(len(address) - 1)
+    with pytest.raises(TransportError):
+        await rl.read(broken, [(region.rkey, runs)], timeout=2)
+    assert bool((dst == POISON).all()) and rl.peers == 0
+
+
+def test_lanes_arguments():
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError):
+            ReadLanes(bad)
+
+
+@pytest.mark.timeout(60)
+def test_a_source_process_that_dies_fails_the_read_not_the_reader(tmp_path):
+    """Lanes reading from another process: a read works, then that process is killed and
+    the next read fails (transfer_failed) within its bound; the reader lives on."""
+    script = tmp_path / "reader.py"
+    script.write_text(_READER)
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=50, env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.split()
+    assert lines[:2] == ["read-ok", "killed-read-failed"], out.stdout + out.stderr
+
+
+_READER = r'''
+import asyncio, multiprocessing as mp, os, sys, time
+import numpy as np
+
+def serve(q, stop):
+    from kvkern.xfer import ucp_rma
+    from kvkern.xfer.transport import Listener
+    from kvkern.xfer.ucx_env import import_ucxx
+    async def main():
+        async def hold(conn):
+            await asyncio.sleep(60)
+        async with Listener(hold):
+            buf = np.arange(8 << 20, dtype=np.uint8)
+            reg = ucp_rma.Region(buf.ctypes.data, buf.nbytes)
+            q.put((import_ucxx().core._get_ctx().worker.address.tobytes(), reg.rkey,
+                   buf.ctypes.data))
+            while not stop.is_set():
+                await asyncio.sleep(0.02)
+    asyncio.run(main())
+
+async def main():
+    from kvkern.xfer.read_lanes import ReadLanes
+    from kvkern.xfer.transport import Listener, TransportError
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=serve, args=(q, stop), daemon=True)
+    p.start()
+    address, rkey, base = q.get(timeout=30)
+    async def hold(conn):
+        await asyncio.sleep(60)
+    async with Listener(hold):  # this process's worker progresses too
+        lanes = ReadLanes(2, min_bytes=1 << 20)
+        dst = np.zeros(8 << 20, dtype=np.uint8)
+        parts = [(rkey, [(dst.ctypes.data, base, dst.nbytes)])]
+        await lanes.read(address, parts, timeout=10)
+        assert (dst == np.arange(8 << 20, dtype=np.uint8)).all()
+        print("read-ok", flush=True)
+        p.kill()
+        p.join(10)
+        t0 = time.monotonic()
+        try:
+            await lanes.read(address, parts, timeout=10)
+            print("killed-read-succeeded", flush=True)
+        except TransportError as exc:
+            assert time.monotonic() - t0 < 10, exc
+            print("killed-read-failed", exc.reason, flush=True)
+        lanes.close()
+    os._exit(0)  # (ucxx's notifier thread would hold the interpreter at exit)
+
+if __name__ == "__main__":
+    asyncio.run(main())
+'''
