@@ -267,6 +267,37 @@ async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monk
     assert torch.equal(dst, want)
 
 
+@aio
+async def test_timeout_with_copies_still_queued_drains(source, lanes):
+    """No held polling this time: a 32 MiB read over two lanes with a bound far shorter
+    than its copy times out with real copies still queued in UCX; closing the endpoints
+    cancels or finishes them (nothing stuck, no abort) and the next read is whole."""
+    src, region, address = source
+    rl = lanes(2, min_bytes=1)
+    dst = poisoned(SRC_BYTES)
+    parts = [(region.rkey, [(dst.data_ptr(), region.address, SRC_BYTES)])]
+    for bound in (1e-4, 1e-3):
+        with pytest.raises(TransportError) as info:
+            await rl.read(address, parts, timeout=bound)
+        assert info.value.reason == "transfer_timeout"
+        assert rl.stuck_reads == 0 and rl.peers == 0
+    dst.fill_(POISON)
+    await rl.read(address, parts, timeout=10)
+    assert torch.equal(dst, src)
+
+
+@aio
+async def test_a_lane_setting_this_ucx_lacks_falls_back_to_defaults(source, lanes,
+                                                                     monkeypatch):
+    src, region, address = source
+    monkeypatch.setattr(read_lanes, "LANE_UCX_CONFIG", {"NO_SUCH_SETTING": "1"})
+    rl = lanes(1)
+    dst = poisoned(8192)
+    await rl.read(address, [(region.rkey, [(dst.data_ptr(), region.address, 8192)])],
+                  timeout=5)
+    assert torch.equal(dst, src[:8192])
+
+
 @pytest.mark.parametrize("grace", [0.0, 30.0], ids=["stopped", "finished-in-grace"])
 @aio
 async def test_cancel(source, lanes, monkeypatch, grace):

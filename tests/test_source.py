@@ -548,6 +548,26 @@ async def read_blocks(conn, reply: PullReply) -> np.ndarray:
 
 
 @aio
+async def test_state_names_the_worker_read_lanes_connect_to(tp1, http):
+    """A readable rank lists its process's UCX worker address (hex); the puller takes it
+    only when it is well formed, else that rank is read on the connection, not refused."""
+    import copy
+
+    from kvkern.xfer.puller import parse_state
+    from kvkern.xfer.read_lanes import MAX_WORKER_ADDRESS_BYTES, address_usable
+
+    st = await get_json(http, tp1, STATE_PATH)
+    text = st["dp_groups"]["0"]["ranks"]["0"]["read_worker"]
+    assert address_usable(bytes.fromhex(text))
+    assert parse_state(st).read_workers == {(0, 0): bytes.fromhex(text)}
+    for bad in ("zz", "", 123, None, "ab" * (MAX_WORKER_ADDRESS_BYTES + 1)):
+        body = copy.deepcopy(st)
+        body["dp_groups"]["0"]["ranks"]["0"]["read_worker"] = bad
+        parsed = parse_state(body)
+        assert parsed.read_workers == {} and parsed.reads == {(0, 0): "canonical"}
+
+
+@aio
 async def test_read_reply_read_done_ack_then_unpin(tp1, pool, http):
     st = await get_json(http, tp1, STATE_PATH)
     assert READ_CAPABILITY in st["capabilities"]

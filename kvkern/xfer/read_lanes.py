@@ -120,6 +120,21 @@ def address_usable(address: bytes) -> bool:
     return address[0] & _ADDRESS_VERSION_MASK == _local_version
 
 
+# UCX settings of a lane's own context (on top of the UCX_* environment). CMA progresses at
+# most CMA_TX_QUOTA queued copies per progress call (default 1): a pull from a per-layer
+# pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND
+# pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (bench/RESULTS.md, "Read lanes").
+LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
+
+
+def _lane_context(lib: Any) -> Any:
+    """A UCP context for one lane: RMA only, LANE_UCX_CONFIG where this UCX knows it."""
+    try:
+        return lib.UCXContext(dict(LANE_UCX_CONFIG), (lib.Feature.RMA,))
+    except Exception:  # noqa: BLE001 (e.g. a UCX built without CMA: no such setting)
+        return lib.UCXContext({}, (lib.Feature.RMA,))
+
+
 class _Stuck(Exception):
     """Reads still running after their endpoint was closed and the drain ran out."""
 
@@ -171,7 +186,7 @@ class _Lane:
         if self._worker is None:
             # A UCP context of its own: ucxx creates its context without
             # mt_workers_shared, so workers of that context must not run on several threads
-            self._context = lib.UCXContext({}, (lib.Feature.RMA,))
+            self._context = _lane_context(lib)
             self._worker = lib.UCXWorker(self._context)
             self._worker_handle = int(self._worker.handle)
         while len(self._peers) >= MAX_PEERS:
