@@ -12,10 +12,12 @@ process (the *destination*) and measures, per size:
                over a pool of 512 KiB blocks (8 layers x 8 KV heads x 128 dims x 16 tokens,
                bf16); this process pulls N blocks (N x 512 KiB = each size) with a
                :class:`~kvkern.xfer.puller.Puller` (hint -> state from cache -> plan ->
-               private blocks -> PullRequest -> one-sided reads of the pinned blocks ->
-               commit, ReadDone), from a source whose blocks are consecutive and
-               from one whose blocks are shuffled (``scattered_*``); with ``--data-path
-               both`` (default) also through the chunk stream (``stream_*``: packed, sent,
+               private blocks -> PullRequest -> one-sided reads of the pinned blocks on
+               ``--read-lanes`` read lanes -> commit, ReadDone), from a source whose
+               blocks are consecutive and from one whose blocks are shuffled
+               (``scattered_*``); the same read on one lane (``lanes1_*``) and on the
+               control connection's worker (``lanes0_*``); with ``--data-path both``
+               (default) also through the chunk stream (``stream_*``: packed, sent,
                unpacked). Every repeat runs each variant and a raw one-buffer fetch of the
                same bytes once, in a shuffled order. Reports ``pull_gbps`` (bytes /
                hint-to-commit time), ``raw_gbps``, ``ratio``, ``messages`` per pull

@@ -14,7 +14,6 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -27,6 +26,8 @@ from kvkern.layout.hostmem import host_buffer
 from kvkern.xfer import read_lanes, transport, ucp_rma
 from kvkern.xfer.read_lanes import ReadLanes, address_usable, split_parts
 from kvkern.xfer.transport import Listener, ReadsStuck, TransportError
+
+from .rma_fakes import NeverDone, held_batch_class
 
 pytestmark = pytest.mark.timeout(30)
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -226,30 +227,11 @@ async def test_failed_read_closes_only_that_endpoint_and_names_the_status(source
     assert torch.equal(dst, src[:4096]) and rl.peers == 1
 
 
-class _HeldBatch(ucp_rma.ReadBatch):
-    """Real requests whose completion polling is held until the wait gave up (a CMA read
-    finishes before it could time out or be stopped)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.hold = True
-        _HeldBatch.made.append(self)
-
-    def poll(self):
-        return False if self.hold else super().poll()
-
-    def wait(self, timeout, cancelled=None):
-        try:
-            return super().wait(timeout, cancelled)
-        finally:
-            self.hold = False
-
-
 @aio
 async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monkeypatch):
     src, region, address = source
-    _HeldBatch.made = []
-    monkeypatch.setattr(ucp_rma, "ReadBatch", _HeldBatch)
+    made = []
+    monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
     rl = lanes(2, min_bytes=1)
     dst = poisoned(2 * 64 * 4096)
     runs, _ = shuffled_blocks(src, region, dst, 64, 4096, seed=7)
@@ -258,7 +240,7 @@ async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monk
         await rl.read(address, [(region.rkey, runs)], timeout=0.05)
     assert info.value.reason == "transfer_timeout" and not isinstance(info.value, ReadsStuck)
     assert 0.04 < time.monotonic() - t0 < 2
-    assert len(_HeldBatch.made) == 2 and not any(b.stuck for b in _HeldBatch.made)
+    assert len(made) == 2 and not any(b.stuck for b in made)
     assert rl.peers == 0  # both endpoints closed
     monkeypatch.undo()
     dst.fill_(POISON)
@@ -306,9 +288,9 @@ async def test_cancel(source, lanes, monkeypatch, grace):
     reads finish, every byte lands and the endpoints stay open."""
     src, region, address = source
     monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", grace)
-    _HeldBatch.made = []
-    if not grace:
-        monkeypatch.setattr(ucp_rma, "ReadBatch", _HeldBatch)
+    made = []
+    if not grace:  # (else the copies are real and finish in the grace)
+        monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
     rl = lanes(2, min_bytes=1)
     dst = poisoned(2 * 256 * 4096)
     runs, want = shuffled_blocks(src, region, dst, 256, 4096, seed=11)
@@ -320,7 +302,7 @@ async def test_cancel(source, lanes, monkeypatch, grace):
     if grace:
         assert torch.equal(dst, want) and rl.peers == 2
     else:
-        assert rl.peers == 0 and not any(b.stuck for b in _HeldBatch.made)
+        assert rl.peers == 0 and made and not any(b.stuck for b in made)
         snapshot = dst.clone()
         await asyncio.sleep(0.02)
         assert torch.equal(dst, snapshot)
@@ -329,22 +311,6 @@ async def test_cancel(source, lanes, monkeypatch, grace):
 @aio
 async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkeypatch):
     _, region, address = source
-
-    class NeverDone:
-        stuck = True
-        posted = 1
-
-        def __init__(self, key, runs, **kw):
-            pass
-
-        def post(self, ep_handle):
-            pass
-
-        def wait(self, timeout, cancelled=None):
-            raise TimeoutError("never")
-
-        def poll(self):
-            return False
 
     monkeypatch.setattr(ucp_rma, "ReadBatch", NeverDone)
     monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)

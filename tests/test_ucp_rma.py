@@ -44,6 +44,8 @@ from kvkern.xfer import transport, ucp_rma
 from kvkern.xfer.transport import ConnectionPool, Listener, ReadsStuck, TransportError
 from kvkern.xfer.ucp_rma import RmaError, coalesce
 
+from .rma_fakes import NeverDone, held_batch_class
+
 pytestmark = pytest.mark.timeout(30)
 aio = pytest.mark.asyncio(loop_scope="module")
 HOST = "127.0.0.1"
@@ -759,24 +761,8 @@ async def test_timeout_is_transfer_timeout_and_drains(listener, pool, source, mo
     the connection aborted, the batch drained, the key destroyed, the pool reconnects."""
     _, region = source
     made, destroyed = [], []
-
-    class HeldBatch(ucp_rma.ReadBatch):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.hold = True
-            made.append(self)
-
-        def poll(self):
-            return False if self.hold else super().poll()
-
-        def wait(self, timeout, cancelled=None):
-            try:
-                return super().wait(timeout, cancelled)
-            finally:
-                self.hold = False
-
     spy_destroy(monkeypatch, destroyed)
-    monkeypatch.setattr(ucp_rma, "ReadBatch", HeldBatch)
+    monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
     conn = await connect(pool, listener)
     connects = pool.connects
     dst = poisoned(64 * 128)
@@ -799,22 +785,6 @@ async def test_reads_that_outlive_the_abort_raise_reads_stuck(listener, pool, so
     after READ_DRAIN_S, and the key is leaked rather than destroyed under live reads."""
     _, region = source
     destroyed = []
-
-    class NeverDone:
-        stuck = True
-
-        def __init__(self, key, runs, **kw):
-            pass
-
-        def post(self, ep_handle):
-            pass
-
-        def wait(self, timeout, cancelled=None):
-            raise TimeoutError("never")
-
-        def poll(self):
-            return False
-
     spy_destroy(monkeypatch, destroyed)
     monkeypatch.setattr(ucp_rma, "ReadBatch", NeverDone)
     monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)

@@ -29,7 +29,9 @@ exactly once, sends ``Cancel`` for every open transfer and ends with a reason)::
              to abort the shared connection) -> PullReply -> either one-sided reads of
              the pinned blocks' byte runs straight into the private blocks (``_can_read``:
              canonical segments on both sides, or one layout's own segments, whole
-             blocks; then ReadDone) or chunks into a ring of ``chunks_in_flight`` staging
+             blocks; split over ``read_lanes`` read lanes, :mod:`kvkern.xfer.read_lanes`,
+             where the source names its UCX worker; then ReadDone) or chunks into a ring
+             of ``chunks_in_flight`` staging
              buffers, each unpacked into the private blocks as it lands (chunk size is a
              multiple of the pair's per-block bytes)
     policy   served hashes must equal the requested ones; strict: all or nothing;
@@ -53,7 +55,8 @@ Connections: one UCXX connection per source rank, shared by concurrent pulls; a 
 cancel in the middle of a stream, or while a message is awaited, aborts that connection
 (UCX owns posted buffers until an abort), so other pulls on it fail with
 ``transfer_failed`` and the next one reconnects. A cancel during one-sided reads lets them
-finish (``READ_CANCEL_GRACE_S``) and keeps the connection.
+finish (``READ_CANCEL_GRACE_S``) and keeps the connection; a read lane that fails or is
+stopped closes only its own endpoint to that source.
 
 CPU pools only are tested here; with CUDA pools the ring lives on the pool's device and the
 unpack is a kernel launch on the current stream.

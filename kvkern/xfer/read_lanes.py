@@ -18,8 +18,9 @@ Everything a lane owns (UCP context, worker, endpoints, unpacked rkeys) is creat
 closed on its own thread, so no lock or state is shared with ucxx's progress thread or
 another lane (ucxx's context is not made for workers on several threads: no
 ``mt_workers_shared``). A lane keeps one endpoint per source worker address (least recently
-used first out, :data:`MAX_PEERS`), with the rkeys unpacked on it. The source needs nothing: a read is one-sided, and its UCX
-worker answers the endpoints' wire-up on its own progress thread.
+used first out, :data:`MAX_PEERS`), with the rkeys unpacked on it. The source needs nothing:
+a read is one-sided, and its UCX worker answers the endpoints' wire-up on its own progress
+thread.
 
 Failures never cost the control connection: a failed, timed-out or stopped lane closes its
 endpoint to that source (a forced close: UCX cancels the reads still running), drains its

@@ -55,7 +55,8 @@ it (same run, ``--cases messages``).
 One-sided reads
 ---------------
 :meth:`Connection.read` reads runs of a peer's registered memory (:mod:`kvkern.xfer.ucp_rma`)
-straight into local memory, the pull path's default for whole-block pairs. The endpoint is
+straight into local memory on this connection's worker; the puller uses it when it has no
+read lanes (:mod:`kvkern.xfer.read_lanes`, dedicated workers that copy in parallel). The endpoint is
 never aborted while reads are being posted on it (``_posting``), and a failed, timed-out or
 cancelled read aborts the connection and drains its requests before raising.
 
