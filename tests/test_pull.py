@@ -1038,7 +1038,8 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert all(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)), ids
     check_bytes(src, group, hashes, ids)
     assert source_block_ids(src, hashes) == remote  # what was read is still there
-    assert (p._lanes.peers if p._lanes else 0) == {"connection": 0, "one-lane": 1,
+    lane_set = p._lanes
+    assert (lane_set.peers if lane_set else 0) == {"connection": 0, "one-lane": 1,
                                                    "two-lanes": 2}[lanes]
     assert_only_changed(group, before, set(ids))  # the held blocks kept their bytes
     group.manager.release(ids)
@@ -1046,6 +1047,8 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert p.quarantined_blocks == 0
     assert_clean(group)
     src.wait_no_pins()
+    p.close()  # closes the lanes' endpoints and workers too
+    assert p._lanes is None and (lane_set is None or lane_set.peers == 0)
 
 
 @pytest.fixture(scope="module")
