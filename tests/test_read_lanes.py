@@ -322,6 +322,37 @@ async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkey
 
 
 @aio
+async def test_remote_key_cache_is_bounded_between_reads(source, lanes, monkeypatch):
+    """Keys are unpacked once per endpoint and kept; a read whose new keys would overflow
+    the cache first destroys the cached ones (never a key a posted read uses), and a read
+    with more distinct keys than the cache holds is refused."""
+    src, region, address = source
+    monkeypatch.setattr(read_lanes, "MAX_CACHED_RKEYS", 2)
+    destroyed = []
+    real = ucp_rma.RemoteKey.destroy
+    monkeypatch.setattr(ucp_rma.RemoteKey, "destroy",
+                        lambda self: (destroyed.append(self.handle), real(self)))
+    keys = [region.rkey + bytes(i) for i in range(4)]  # one key, four spellings
+    rl = lanes(1)
+    dst = poisoned(3 * 4096)
+
+    def parts(ks):
+        return [(k, [(dst.data_ptr() + i * 4096, region.address + i * 4096, 4096)])
+                for i, k in enumerate(ks)]
+
+    await rl.read(address, parts(keys[:2]), timeout=5)
+    peer = next(iter(rl._lanes[0]._peers.values()))
+    assert len(peer.rkeys) == 2 and destroyed == []
+    await rl.read(address, parts(keys[:2]), timeout=5)  # cached: nothing unpacked again
+    assert len(peer.rkeys) == 2 and destroyed == []
+    await rl.read(address, parts([keys[2]]), timeout=5)
+    assert len(destroyed) == 2 and list(peer.rkeys) == [keys[2]]
+    with pytest.raises(TransportError, match="3 remote keys"):  # 3 new ones > 2
+        await rl.read(address, parts([keys[0], keys[1], keys[3]]), timeout=5)
+    assert torch.equal(dst[:4096], src[:4096])
+
+
+@aio
 async def test_closed_lanes_refuse(source, lanes):
     _, region, address = source
     rl = lanes(2)

@@ -55,6 +55,7 @@ Run = tuple[int, int, int]  # (local address, remote address, nbytes)
 Part = tuple[bytes, Sequence[Run]]  # (packed rkey, runs)
 
 MAX_PEERS = 16  # endpoints (source workers) a lane keeps open
+MAX_CACHED_RKEYS = transport.MAX_CACHED_RKEYS  # unpacked keys per endpoint (one per layer)
 MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
 SPLIT_ALIGN = 4096  # lane shares are cut at page multiples of a run
 _DRAIN_POLL_S = 0.001
@@ -141,24 +142,37 @@ class _Stuck(Exception):
 
 
 class _Peer:
-    """One lane's endpoint to one source worker, and the rkeys unpacked on it."""
+    """One lane's endpoint to one source worker, and the rkeys unpacked on it. Keeps the
+    address object the endpoint was made from for as long as the endpoint."""
 
-    def __init__(self, ep: Any) -> None:
+    def __init__(self, ep: Any, address: Any) -> None:
         self.ep = ep
+        self.address = address
         self.handle = int(ep.handle)
         self.rkeys: dict[bytes, Any] = {}
+
+    def make_room(self, packed: Sequence[bytes]) -> None:
+        """Before a read posts anything: if its new keys would overflow the cache, destroy
+        the cached ones (no read is using them now)."""
+        new = {p for p in packed if p not in self.rkeys}
+        if len(new) > MAX_CACHED_RKEYS:
+            raise ValueError(f"{len(new)} remote keys in one read, at most "
+                             f"{MAX_CACHED_RKEYS}")
+        if len(self.rkeys) + len(new) > MAX_CACHED_RKEYS:
+            self.destroy_keys()
 
     def rkey(self, packed: bytes) -> Any:
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         key = self.rkeys.get(packed)
         if key is None:
-            if len(self.rkeys) >= 4096:  # a per-layer pool has one key per layer
-                for old in self.rkeys.values():
-                    old.destroy()
-                self.rkeys.clear()
             key = self.rkeys[packed] = ucp_rma.RemoteKey(self.handle, packed)
         return key
+
+    def destroy_keys(self) -> None:
+        for key in self.rkeys.values():
+            key.destroy()
+        self.rkeys.clear()
 
 
 class _Lane:
@@ -196,10 +210,9 @@ class _Lane:
         if not address_usable(address):
             raise ValueError(f"unusable UCX worker address ({len(address)} B, first byte "
                              f"{address[:1].hex()})")
-        buf = bytearray(address)
-        ep = self._worker.create_endpoint_from_worker_address(
-            lib.UCXAddress.create_from_buffer(memoryview(buf).cast("B")), True)
-        peer = self._peers[address] = _Peer(ep)
+        ucx_address = lib.UCXAddress.create_from_buffer(memoryview(bytearray(address)))
+        ep = self._worker.create_endpoint_from_worker_address(ucx_address, True)
+        peer = self._peers[address] = _Peer(ep, ucx_address)
         return peer
 
     def _close_peer(self, peer: _Peer, batches: list[Any]) -> None:
@@ -219,9 +232,8 @@ class _Lane:
                              f"their endpoint was closed (waited {transport.READ_DRAIN_S} s)")
             if not lib.ucp_worker_progress(self._worker_handle):
                 time.sleep(_DRAIN_POLL_S)
-        for key in peer.rkeys.values():
-            key.destroy()
-        peer.rkeys.clear()
+        peer.destroy_keys()
+        peer.ep = peer.address = None  # released here, on the lane's thread
 
     def run(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
             timeout: float, stop: threading.Event) -> float | None:
@@ -237,6 +249,7 @@ class _Lane:
         peer = None
         try:
             peer = self._peer(address)
+            peer.make_room([packed for packed, _ in parts])
             for packed, runs in parts:
                 batch = ucp_rma.ReadBatch(peer.rkey(packed), runs,
                                           worker_handle=self._worker_handle)
