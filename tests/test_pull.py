@@ -1051,6 +1051,40 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert p._lanes is None and (lane_set is None or lane_set.peers == 0)
 
 
+def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeypatch):
+    """Read lanes that fail (not by time) cost no pull: the same pull reads again on the
+    control connection, and later pulls from that source worker skip the lanes until
+    LANE_RETRY_S has passed."""
+    from kvkern.xfer import puller as puller_mod
+    from kvkern.xfer.read_lanes import ReadLanes
+    from kvkern.xfer.transport import TransportError
+
+    calls = []
+
+    async def failing(self, address, parts, *, timeout):
+        calls.append(address)
+        raise TransportError("transfer_failed", "injected lane failure")
+
+    monkeypatch.setattr(ReadLanes, "read", failing)
+    group = make_group()
+    p = make_puller(group)
+    for i in range(2):
+        tokens = fresh_tokens(6 * BS)
+        hashes = src.commit(tokens)
+        o = pull(p, f"lanes-down-{i}", tokens, hint_for(src, tokens))
+        assert o.used and o.reason is Reason.OK and o.blocks_transferred == 6, o
+        claim_check_release(p, group, src, f"lanes-down-{i}", hashes)
+        assert len(calls) == 1  # the second pull did not try the lanes
+    monkeypatch.setattr(puller_mod, "LANE_RETRY_S", 0.0)
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    o = pull(p, "lanes-retried", tokens, hint_for(src, tokens))
+    assert o.used and len(calls) == 2, o  # tried again, failed again, read on the connection
+    claim_check_release(p, group, src, "lanes-retried", hashes)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
 @pytest.fixture(scope="module")
 def src_hnd():
     """A source whose pool is per-layer HND (vLLM/FlashInfer): one read segment per layer."""

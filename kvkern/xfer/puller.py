@@ -375,6 +375,7 @@ def _direct_order(ids: list[int], per: int) -> list[int]:
 
 _HOLD_RATE_SLACK = 1e-3  # clock-rate difference allowed between the two hosts' clocks
 _HOLD_MARGIN_S = 1e-3  # and a fixed margin, both taken off the source's granted read hold
+LANE_RETRY_S = 60.0  # after its read lanes failed, a source worker is read on the connection
 _MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
 
 
@@ -487,6 +488,7 @@ class Puller:
         self._bg: set[asyncio.Task] = set()
         self.quarantined_blocks = 0  # private blocks never reused (see Connection.read)
         self._lanes = None  # kvkern.xfer.read_lanes.ReadLanes, made by the first lane read
+        self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
         from kvkern.xfer.source import StagingPool  # noqa: PLC0415
 
         # Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot cost
@@ -1205,7 +1207,13 @@ class Puller:
         ``ReadAck(held=True)`` after our ReadDone makes them count. See
         :mod:`kvkern.xfer.ucp_rma`."""
         from kvkern.xfer.messages import ReadAck, ReadDone  # noqa: PLC0415
-        from kvkern.xfer.transport import CONTROL_TAG, Lane, ReadsStuck, tag_for  # noqa: PLC0415
+        from kvkern.xfer.transport import (  # noqa: PLC0415
+            CONTROL_TAG,
+            Lane,
+            ReadsStuck,
+            TransportError,
+            tag_for,
+        )
         from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
 
         key = (job.hint.source_dp_rank or 0, tr.src_rank)
@@ -1243,15 +1251,24 @@ class Puller:
             remote = there + np.uint64(bases[j] + s_off)
             parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))
         t = time.perf_counter()
-        lanes = self._read_lanes(job.state.read_workers.get(key))
+        worker = job.state.read_workers.get(key)
+        lanes = self._read_lanes(worker)
+        keyed = [(keys[j], runs) for j, runs in parts.items()]
         try:
+            first = None
             if lanes is not None:
-                first = await lanes.read(job.state.read_workers[key],
-                                         [(keys[j], runs) for j, runs in parts.items()],
-                                         timeout=xfer_t)
-            else:
-                first = await conn.read_parts([(keys[j], runs) for j, runs in parts.items()],
-                                              timeout=xfer_t)
+                try:
+                    first = await lanes.read(worker, keyed, timeout=xfer_t)
+                except TransportError as exc:
+                    if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck):
+                        raise
+                    # The lanes failed, not the copy's time: read again on the connection
+                    # (the private blocks are ours; the pins are held), and leave this
+                    # source's lanes alone for a while.
+                    self._lanes_failed(worker, exc)
+                    lanes = None
+            if lanes is None:
+                first = await conn.read_parts(keyed, timeout=xfer_t)
         except ReadsStuck:
             job.quarantined = True
             raise
@@ -1286,10 +1303,20 @@ class Puller:
         if worker is None or not self.config.read_lanes or self._closed \
                 or not address_usable(worker):
             return None
+        failed = self._lanes_down.get(worker)
+        if failed is not None:
+            if time.monotonic() - failed < LANE_RETRY_S:
+                return None
+            del self._lanes_down[worker]
         if self._lanes is None:
             self._lanes = ReadLanes(self.config.read_lanes,
                                     min_bytes=self.config.read_lane_min_bytes)
         return self._lanes
+
+    def _lanes_failed(self, worker: bytes, exc: Exception) -> None:
+        log.warning("read lanes to a source worker failed (%s); reading on the control "
+                    "connection for %s s", exc, LANE_RETRY_S)
+        _bounded_put(self._lanes_down, worker, time.monotonic())
 
     async def _release_read(self, conn: Any, tid: int, xfer_t: float) -> None:
         """ReadDone for a read that already counts: the source unpins, and answers nothing
