@@ -37,9 +37,11 @@ connection is made, so a lane reaches nothing that connection could not.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -65,38 +67,55 @@ def split_parts(parts: Sequence[Part], n: int, *, min_bytes: int = 0,
                 align: int = SPLIT_ALIGN) -> list[list[tuple[bytes, list[Run]]]]:
     """Split the runs of ``parts`` into at most ``n`` shares of about equal bytes, keeping
     their order: one share per lane. A share gets at least ``min_bytes`` (fewer shares
-    otherwise); a run is cut only at a multiple of ``align`` bytes from its start. Every byte
-    of every run lands in exactly one share, and no share is empty (but for no bytes at all:
-    one empty share)."""
+    otherwise). Share j ends at byte ``(j + 1) * ceil(total / shares)`` of the whole read,
+    moved back to a multiple of ``align`` bytes from the start of the run it falls in, so
+    each share is within ``align`` of that size. Every byte of every run lands in exactly
+    one share; runs between the cuts are passed through as they are. No share is empty (but
+    for no bytes at all: one empty share)."""
     if n < 1:
         raise ValueError(f"n {n} must be >= 1")
-    total = sum(nb for _, runs in parts for _, _, nb in runs)
+    sizes = [[run[2] for run in runs] for _, runs in parts]
+    total = sum(map(sum, sizes))
     k = max(1, min(n, total // max(min_bytes, 1)))
-    shares: list[list[tuple[bytes, list[Run]]]] = [[] for _ in range(k)]
+    if k == 1:
+        return [[(key, list(runs)) for key, runs in parts if runs]]
     quota = -(-total // k)
-    lane, room = 0, quota
+    shares: list[list[tuple[bytes, list[Run]]]] = [[] for _ in range(k)]
+    lane, pos = 0, 0
 
-    def put(key: bytes, run: Run) -> None:
-        share = shares[lane]
-        if not share or share[-1][0] != key:
-            share.append((key, []))
-        share[-1][1].append(run)
+    def emit(key: bytes, runs: Sequence[Run], i: int, off: int, m: int, cut: int) -> None:
+        """Run i from byte ``off`` up to run m's byte ``cut`` into the current share."""
+        out: list[Run] = []
+        if i < m:
+            lo, re, nb = runs[i]
+            out.append((lo + off, re + off, nb - off) if off else runs[i])
+            out.extend(runs[i + 1:m])
+            if cut:
+                out.append((runs[m][0], runs[m][1], cut))
+        elif cut > off:
+            lo, re, _ = runs[i]
+            out.append((lo + off, re + off, cut - off))
+        if out:
+            share = shares[lane]
+            if share and share[-1][0] == key:
+                share[-1][1].extend(out)
+            else:
+                share.append((key, out))
 
-    for key, runs in parts:
-        for local, remote, nb in runs:
-            off = 0
-            while off < nb:
-                left = nb - off
-                take = left
-                if lane < k - 1 and left > room:
-                    take = room - room % align
-                    if take <= 0:  # too little room for an aligned cut: the next share
-                        lane, room = lane + 1, quota
-                        continue
-                put(key, (local + off, remote + off, take))
-                off, room = off + take, room - take
-                if room <= 0 and lane < k - 1:
-                    lane, room = lane + 1, quota
+    for (key, runs), nbs in zip(parts, sizes, strict=True):
+        starts = list(itertools.accumulate(nbs, initial=pos))  # run m spans starts[m:m+2]
+        i, off = 0, 0  # the next byte of this part not in a share yet: run i, byte off
+        while lane < k - 1 and (lane + 1) * quota < starts[-1]:
+            bound = (lane + 1) * quota
+            m = bisect.bisect_right(starts, bound, lo=i) - 1
+            cut = (bound - starts[m]) // align * align
+            if m == i:
+                cut = max(cut, off)
+            emit(key, runs, i, off, m, cut)
+            i, off = m, cut
+            lane += 1
+        emit(key, runs, i, off, len(runs), 0)
+        pos = starts[-1]
     return [share for share in shares if share] or [[]]
 
 
