@@ -27,7 +27,7 @@ from kvkern.xfer import read_lanes, transport, ucp_rma
 from kvkern.xfer.read_lanes import ReadLanes, address_usable, split_parts
 from kvkern.xfer.transport import Listener, ReadsStuck, TransportError
 
-from .rma_fakes import NeverDone, held_batch_class
+from .rma_helpers import NeverDone, held_batch_class, random_host_buffer
 
 pytestmark = pytest.mark.timeout(30)
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -105,10 +105,7 @@ async def source():
         from kvkern.xfer.ucx_env import import_ucxx
 
         address = import_ucxx().core._get_ctx().worker.address.tobytes()
-        buf = host_buffer(SRC_BYTES)
-        g = torch.Generator().manual_seed(20261130)
-        buf.view(torch.int64).copy_(torch.randint(-2**63, 2**63 - 1, (SRC_BYTES // 8,),
-                                                  dtype=torch.int64, generator=g))
+        buf = random_host_buffer(SRC_BYTES)
         region = ucp_rma.Region(buf.data_ptr(), SRC_BYTES)
         try:
             yield buf, region, address

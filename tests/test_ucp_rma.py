@@ -44,7 +44,7 @@ from kvkern.xfer import transport, ucp_rma
 from kvkern.xfer.transport import ConnectionPool, Listener, ReadsStuck, TransportError
 from kvkern.xfer.ucp_rma import RmaError, coalesce
 
-from .rma_fakes import NeverDone, held_batch_class
+from .rma_helpers import NeverDone, held_batch_class, random_host_buffer
 
 pytestmark = pytest.mark.timeout(30)
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -312,10 +312,7 @@ async def source(listener):
     why = ucp_rma.rma_unavailable()
     if why is not None:
         pytest.skip(f"one-sided reads unavailable: {why}")
-    buf = host_buffer(SRC_BYTES)
-    g = torch.Generator().manual_seed(20261130)
-    buf.view(torch.int64).copy_(torch.randint(-2**63, 2**63 - 1, (SRC_BYTES // 8,),
-                                              dtype=torch.int64, generator=g))
+    buf = random_host_buffer(SRC_BYTES)
     region = ucp_rma.Region(buf.data_ptr(), SRC_BYTES)
     try:
         yield buf, region

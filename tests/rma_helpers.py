@@ -1,9 +1,21 @@
-"""Stand-ins for :class:`kvkern.xfer.ucp_rma.ReadBatch` shared by the read tests
-(test_ucp_rma: reads on a connection; test_read_lanes: reads on read lanes)."""
+"""What the read tests share (test_ucp_rma: reads on a connection; test_read_lanes: reads on
+read lanes): a random source buffer, and stand-ins for :class:`kvkern.xfer.ucp_rma.ReadBatch`."""
 
 from __future__ import annotations
 
+import torch
+
+from kvkern.layout.hostmem import host_buffer
 from kvkern.xfer import ucp_rma
+
+
+def random_host_buffer(nbytes: int, seed: int = 20261130) -> torch.Tensor:
+    """``nbytes`` (a multiple of 8) of seeded random bytes in host memory."""
+    buf = host_buffer(nbytes)
+    g = torch.Generator().manual_seed(seed)
+    buf.view(torch.int64).copy_(torch.randint(-2**63, 2**63 - 1, (nbytes // 8,),
+                                              dtype=torch.int64, generator=g))
+    return buf
 
 
 def held_batch_class(made: list) -> type:
