@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import os
 import select
 import signal
 import subprocess
@@ -1039,8 +1040,9 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     check_bytes(src, group, hashes, ids)
     assert source_block_ids(src, hashes) == remote  # what was read is still there
     lane_set = p._lanes
+    two = min(2, len(os.sched_getaffinity(0)))  # lanes are capped at the usable CPUs
     assert (lane_set.peers if lane_set else 0) == {"connection": 0, "one-lane": 1,
-                                                   "two-lanes": 2}[lanes]
+                                                   "two-lanes": two}[lanes]
     assert_only_changed(group, before, set(ids))  # the held blocks kept their bytes
     group.manager.release(ids)
     group.manager.release(held)

@@ -72,6 +72,7 @@ import functools
 import itertools
 import json
 import logging
+import os
 import random
 import threading
 import time
@@ -438,6 +439,14 @@ def _segment_runs(pieces: Any, src: Any, dst: Any, src_seg: int,
             out.append((so // src_seg, so % src_seg, do // dst_seg, do % dst_seg, cut))
             so, do, n = so + cut, do + cut, n - cut
     return tuple(out)  # cached per (pieces, layouts, segments): immutable
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def _bounded_put(cache: dict, key: Any, value: Any, limit: int = _MAX_CACHED_SOURCES) -> None:
@@ -1308,8 +1317,8 @@ class Puller:
             if time.monotonic() - failed < LANE_RETRY_S:
                 return None
             del self._lanes_down[worker]
-        if self._lanes is None:
-            self._lanes = ReadLanes(self.config.read_lanes,
+        if self._lanes is None:  # (lanes beyond this process's CPUs could not copy at once)
+            self._lanes = ReadLanes(min(self.config.read_lanes, _usable_cpus()),
                                     min_bytes=self.config.read_lane_min_bytes)
         return self._lanes
 
