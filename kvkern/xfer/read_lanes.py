@@ -287,7 +287,8 @@ class _Lane:
             _, peer = self._peers.popitem(last=False)
             with contextlib.suppress(_Stuck):
                 self._close_peer(peer, [])
-        self._worker = self._context = None
+        if not self.stuck_batches:  # (else UCX still owns requests of this worker: keep it)
+            self._worker = self._context = None
 
     @property
     def peers(self) -> int:
