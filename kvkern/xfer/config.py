@@ -90,8 +90,8 @@ class XferConfig:
     read_min_run_bytes: int = 64 << 10
     # reads run on this many read lanes (kvkern.xfer.read_lanes: a UCX worker and a thread
     # each; at most one per CPU the process may use), split by bytes with at least
-    # read_lane_min_bytes per lane; 0 reads on the control connection's worker. One CMA copy thread moves 5.8-6.3 GB/s here, two 10.9-11.7
-    # (bench/RESULTS.md, "Read lanes").
+    # read_lane_min_bytes per lane; 0 reads on the control connection's worker. One CMA
+    # copy thread moves 5.8-6.3 GB/s here, two 10.9-11.7 (bench/RESULTS.md, "Read lanes").
     read_lanes: int = 2
     read_lane_min_bytes: int = 4 << 20
 
