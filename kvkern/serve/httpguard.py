@@ -1,0 +1,428 @@
+"""HTTP hardening for kvkern's aiohttp servers: bounded header and body read time, a
+connection limit, and JSON bodies whose every malformation is a 4xx, never a 500.
+
+Three pieces, used together::
+
+    limits = HttpLimits(max_body_bytes=16 << 20)
+    app = web.Application()
+    guard_app(app, limits)                     # before runner.setup(): middleware, body size
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = await start_guarded(runner, host, port, limits)   # instead of web.TCPSite
+    port = runner.addresses[0][1]
+
+    async def handler(request):
+        body = await read_json_object(request, max_bytes=limits.max_body_bytes,
+                                      timeout_s=limits.body_timeout_s)
+
+- :class:`GuardedSite` (a :class:`aiohttp.web.TCPSite`) wraps each accepted connection. A
+  connection must deliver a complete request head within ``header_timeout_s`` of connecting,
+  or of the end of its previous request (keep-alive idle); otherwise it is closed (slowloris).
+  While a response is still being written the deadline moves on as long as the peer keeps
+  reading. Connections beyond ``max_connections`` get a one-line 503 and are closed at once,
+  before aiohttp sees them. Counters: ``connections_open``, ``connections_total``,
+  ``closed_header_timeout``, ``refused_limit``.
+- :func:`guard_app` installs the outermost middleware. It tells the site when a request is in
+  progress (its handler may take as long as it needs) and reads every request body up front
+  under ``body_timeout_s`` and ``max_body_bytes`` (408 / 413, JSON), so no handler waits on a
+  body that never comes; ``request.read()`` / ``read_json_body`` then return the read bytes.
+  Counters on :func:`guard_stats`: ``body_timeouts``, ``too_large``.
+- :func:`read_json_body` / :func:`read_json_object` / :func:`decode_json`: bounded read and a
+  decode (msgspec) whose every failure — syntax, invalid UTF-8, NaN, nesting past the
+  interpreter's recursion limit, integers out of range — is a 400 ``{"error": ...}``.
+
+Every error body here is one line of JSON: ``{"error": "..."}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as _timeout
+else:  # aiohttp depends on async-timeout below 3.11
+    from async_timeout import timeout as _timeout
+
+__all__ = ["GuardStats", "GuardedSite", "HttpLimits", "decode_json", "guard_app",
+           "guard_stats", "json_error", "read_json_body", "read_json_object",
+           "require_object", "run_guarded", "start_guarded"]
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """Bounds for one HTTP server.
+
+    header_timeout_s  a connection with no complete request head this long after connecting,
+                      or after its previous request finished, is closed
+    body_timeout_s    the whole request body must arrive within this (else 408)
+    max_connections   open connections per site; more are answered 503 and closed
+    max_body_bytes    larger request bodies get 413 (Content-Length checked before reading,
+                      the running size while reading)
+    """
+
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 256
+    max_body_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
+            raise ValueError("HttpLimits: timeouts must be > 0")
+        if self.max_connections < 1 or self.max_body_bytes < 0:
+            raise ValueError("HttpLimits: max_connections must be >= 1, max_body_bytes >= 0")
+
+
+# ---------------------------------------------------------------------------- JSON bodies
+
+_DECODER = msgspec.json.Decoder()
+
+
+def json_error(cls: type[web.HTTPException], message: str, *, close: bool = False,
+               **kwargs: Any) -> web.HTTPException:
+    """An aiohttp HTTP exception of class ``cls`` whose body is ``{"error": message}``
+    (``kwargs``: the class's own arguments); ``close``: the connection closes after it (the
+    body may be unread)."""
+    exc = cls(text=json.dumps({"error": message}), content_type="application/json", **kwargs)
+    if close:
+        exc.force_close()
+    return exc
+
+
+def decode_json(raw: bytes | bytearray | memoryview | str) -> Any:
+    """Strict JSON (RFC 8259, UTF-8, no NaN) -> Python objects; any malformed input raises
+    ``web.HTTPBadRequest`` with a JSON error body."""
+    try:
+        return _DECODER.decode(raw)
+    # msgspec.DecodeError (a ValueError) for syntax, UTF-8 and range; RecursionError for
+    # nesting past the recursion limit (100k `[` -> RecursionError in 58 us, no crash)
+    except (ValueError, RecursionError) as exc:
+        raise json_error(web.HTTPBadRequest,
+                         f"body is not JSON: {type(exc).__name__}: {exc}") from None
+
+
+def require_object(body: Any) -> dict[str, Any]:
+    """``body`` if it is a JSON object, else ``web.HTTPBadRequest`` (JSON error body)."""
+    if not isinstance(body, dict):
+        raise json_error(web.HTTPBadRequest,
+                         f"body must be a JSON object, not {type(body).__name__}")
+    return body
+
+
+def _too_large(max_bytes: int) -> web.HTTPException:
+    return json_error(web.HTTPRequestEntityTooLarge, f"body larger than {max_bytes} bytes",
+                      close=True, max_size=max_bytes)
+
+
+def _unreadable(exc: BaseException) -> web.HTTPException:
+    return json_error(web.HTTPBadRequest, f"body could not be read: {exc}", close=True)
+
+
+def _body_timeout(timeout_s: float) -> web.HTTPException:
+    return json_error(web.HTTPRequestTimeout,
+                      f"request body not received within {timeout_s:g} s", close=True)
+
+
+async def _read_capped(request: web.BaseRequest, max_bytes: int) -> bytes:
+    if request.content.at_eof():  # already read (guard_app's middleware) or empty
+        return await request.read()
+    body = bytearray()
+    while chunk := await request.content.readany():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(max_bytes)
+    return bytes(body)
+
+
+async def read_json_body(request: web.BaseRequest, *, max_bytes: int,
+                         timeout_s: float) -> Any:
+    """The request body decoded as JSON, read within ``timeout_s`` (else 408) and at most
+    ``max_bytes`` long (else 413, from Content-Length before reading and from the running
+    size while reading); malformed JSON is a 400. Every error is an aiohttp HTTP exception
+    with a JSON body. Consumes the body: a later ``request.read()`` returns it only if it was
+    already read before (as :func:`guard_app`'s middleware does)."""
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise _too_large(max_bytes)
+    try:
+        async with _timeout(timeout_s):
+            raw = await _read_capped(request, max_bytes)
+    except asyncio.TimeoutError:
+        raise _body_timeout(timeout_s) from None
+    except web.RequestPayloadError as exc:  # bad chunking or Content-Encoding
+        raise _unreadable(exc) from None
+    if len(raw) > max_bytes:
+        raise _too_large(max_bytes)
+    return decode_json(raw)
+
+
+async def read_json_object(request: web.BaseRequest, *, max_bytes: int,
+                           timeout_s: float) -> dict[str, Any]:
+    """:func:`read_json_body` that also requires a JSON object (400 otherwise)."""
+    return require_object(await read_json_body(request, max_bytes=max_bytes,
+                                               timeout_s=timeout_s))
+
+
+# ---------------------------------------------------------------------------- connections
+
+
+class _Conn(asyncio.Protocol):
+    """One accepted connection: aiohttp's protocol inside, a head deadline around it."""
+
+    __slots__ = ("_site", "_inner", "transport", "deadline", "handle", "busy", "_unsent")
+
+    def __init__(self, site: GuardedSite) -> None:
+        self._site = site
+        self._inner: asyncio.Protocol | None = None
+        self.transport: asyncio.Transport | None = None
+        self.deadline = 0.0
+        self.handle: asyncio.TimerHandle | None = None
+        self.busy = 0
+        self._unsent = -1
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        site = self._site
+        if site.connections_open >= site.limits.max_connections:
+            site.refused_limit += 1
+            transport.write(_REFUSED)  # type: ignore[attr-defined]
+            transport.close()
+            return
+        self.transport = transport  # type: ignore[assignment]
+        site.connections_open += 1
+        site.connections_total += 1
+        site._registry[transport] = self
+        self.arm()
+        self._inner = site._protocol_factory()
+        self._inner.connection_made(transport)
+
+    def arm(self) -> None:
+        """(Re)start the head deadline: from now, ``header_timeout_s``."""
+        loop = self._site._loop
+        self.deadline = loop.time() + self._site.limits.header_timeout_s
+        if self.handle is None:
+            self.handle = loop.call_at(self.deadline, self._expire)
+
+    def _expire(self) -> None:
+        self.handle = None
+        transport = self.transport
+        if self.busy or transport is None or transport.is_closing():
+            return  # a request in progress re-arms when it finishes
+        loop = self._site._loop
+        now = loop.time()
+        if now < self.deadline:  # re-armed since this timer was set
+            self.handle = loop.call_at(self.deadline, self._expire)
+            return
+        unsent = transport.get_write_buffer_size()
+        if unsent and unsent != self._unsent:  # a response still going out, the peer reading
+            self._unsent = unsent
+            self.arm()
+            return
+        self._site.closed_header_timeout += 1
+        if unsent:
+            transport.abort()
+        else:
+            transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        inner = self._inner
+        if inner is None:
+            return
+        self._inner = None
+        site = self._site
+        site.connections_open -= 1
+        site._registry.pop(self.transport, None)
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+        self.transport = None
+        inner.connection_lost(exc)
+
+    # the rest of asyncio.Protocol, passed through to aiohttp's protocol
+    def data_received(self, data: bytes) -> None:
+        if self._inner is not None:
+            self._inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self._inner.eof_received() if self._inner is not None else None
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.resume_writing()
+
+
+_REFUSED_BODY = b'{"error": "too many connections"}'
+_REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s"
+            % (len(_REFUSED_BODY), _REFUSED_BODY))
+
+
+class GuardedSite(web.TCPSite):
+    """A :class:`aiohttp.web.TCPSite` that closes connections with no complete request head
+    within ``limits.header_timeout_s`` (from connect, or from the end of the previous request)
+    and keeps at most ``limits.max_connections`` open. The runner's application must have
+    been passed to :func:`guard_app` (the middleware tells the site when a request is in
+    progress). Counters (plain ints, read them for metrics)::
+
+        connections_open        now
+        connections_total       admitted since start
+        closed_header_timeout   closed for no complete head in time (slowloris, idle)
+        refused_limit           answered 503 and closed for max_connections
+    """
+
+    def __init__(self, runner: web.BaseRunner, host: str | None = None,
+                 port: int | None = None, *, limits: HttpLimits, **kwargs: Any) -> None:
+        super().__init__(runner, host, port, **kwargs)
+        app = getattr(runner, "app", None)
+        registry = app.get(_REGISTRY) if app is not None else None
+        if registry is None:
+            raise RuntimeError("GuardedSite: call guard_app(app, limits) before runner.setup()")
+        self.limits = limits
+        self._registry: dict[Any, _Conn] = registry
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._protocol_factory: Callable[[], asyncio.Protocol] | None = None
+        self.connections_open = 0
+        self.connections_total = 0
+        self.closed_header_timeout = 0
+        self.refused_limit = 0
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site; TCPSite.start is replaced here
+        self._protocol_factory = self._runner.server  # aiohttp's web.Server: one per connection
+        self._loop = asyncio.get_running_loop()
+        self._server = await self._loop.create_server(
+            lambda: _Conn(self), self._host, self._port, ssl=self._ssl_context,
+            backlog=self._backlog, reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port)
+        sockets = self._server.sockets
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
+
+    def stats(self) -> dict[str, int]:
+        """The counters as a dict."""
+        return {"connections_open": self.connections_open,
+                "connections_total": self.connections_total,
+                "closed_header_timeout": self.closed_header_timeout,
+                "refused_limit": self.refused_limit}
+
+
+# ---------------------------------------------------------------------------- application
+
+
+class GuardStats:
+    """Counters of :func:`guard_app`'s middleware: ``body_timeouts`` (408), ``too_large``
+    (413)."""
+
+    __slots__ = ("body_timeouts", "too_large")
+
+    def __init__(self) -> None:
+        self.body_timeouts = 0
+        self.too_large = 0
+
+
+_REGISTRY: web.AppKey[dict[Any, _Conn]] = web.AppKey("kvkern_httpguard_conns", dict)
+_STATS: web.AppKey[GuardStats] = web.AppKey("kvkern_httpguard_stats", GuardStats)
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def guard_app(app: web.Application, limits: HttpLimits) -> web.Application:
+    """Install the guard middleware (outermost) and ``client_max_size = max_body_bytes`` on
+    ``app``, which must not be frozen yet (call before ``runner.setup()``). Returns ``app``.
+
+    The middleware reads each request's body before the handler runs: within
+    ``body_timeout_s`` (else 408) and at most ``max_body_bytes`` (else 413, from Content-Length
+    first; the decoded size while reading), 400 if it cannot be decoded (Content-Encoding);
+    each closes the connection. Handlers then get the bytes from ``request.read()``,
+    ``request.json()`` or :func:`read_json_body` at once. A request without a body costs two
+    attribute writes and a clock read."""
+    if app.frozen:
+        raise RuntimeError("guard_app: the application is frozen (call before runner.setup())")
+    if _REGISTRY in app:
+        raise RuntimeError("guard_app: already guarded")
+    registry: dict[Any, _Conn] = {}
+    stats = GuardStats()
+    app[_REGISTRY] = registry
+    app[_STATS] = stats
+    # Application takes client_max_size only in its constructor; request.read() enforces it
+    app._client_max_size = limits.max_body_bytes
+    max_bytes, body_timeout_s = limits.max_body_bytes, limits.body_timeout_s
+
+    @web.middleware
+    async def httpguard(request: web.Request, handler: _Handler) -> web.StreamResponse:
+        conn = registry.get(request.transport)
+        if conn is not None:
+            conn.busy += 1
+        try:
+            if request.body_exists:
+                length = request.content_length
+                if length is not None and length > max_bytes:
+                    stats.too_large += 1
+                    raise _too_large(max_bytes)
+                try:
+                    async with _timeout(body_timeout_s):
+                        await request.read()
+                except asyncio.TimeoutError:
+                    stats.body_timeouts += 1
+                    raise _body_timeout(body_timeout_s) from None
+                except web.HTTPRequestEntityTooLarge:
+                    stats.too_large += 1
+                    raise _too_large(max_bytes) from None
+                except web.RequestPayloadError as exc:  # bad chunking or Content-Encoding
+                    raise _unreadable(exc) from None
+            return await handler(request)
+        finally:
+            if conn is not None:
+                conn.busy -= 1
+                if not conn.busy:
+                    conn.arm()
+
+    app.middlewares.insert(0, httpguard)
+    return app
+
+
+def guard_stats(app: web.Application) -> GuardStats:
+    """The middleware counters of an application passed to :func:`guard_app`."""
+    return app[_STATS]
+
+
+async def start_guarded(runner: web.BaseRunner, host: str | None, port: int,
+                        limits: HttpLimits) -> GuardedSite:
+    """Start a :class:`GuardedSite` on ``host:port`` for a set-up runner whose application
+    went through :func:`guard_app`; returns it (its counters; ``runner.addresses`` as for a
+    ``web.TCPSite``)."""
+    site = GuardedSite(runner, host, port, limits=limits)
+    await site.start()
+    return site
+
+
+def run_guarded(app: web.Application, *, host: str, port: int, limits: HttpLimits,
+                access_log: Any = None) -> None:
+    """Serve ``app`` on a :class:`GuardedSite` until SIGINT or SIGTERM, then clean up and
+    return: ``web.run_app`` with the guard (``app`` goes through :func:`guard_app` here)."""
+    guard_app(app, limits)
+
+    async def serve() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        runner = web.AppRunner(app, access_log=access_log, handle_signals=False)
+        await runner.setup()
+        try:
+            await start_guarded(runner, host, port, limits)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(serve())

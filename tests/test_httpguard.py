@@ -1,0 +1,407 @@
+"""kvkern.serve.httpguard against a real aiohttp server on 127.0.0.1 (port 0): malformed and
+oversize bodies, a lying Content-Length, slowloris, the connection limit, keep-alive idle.
+Attacks use raw sockets; every wait is bounded (timeouts of a fraction of a second)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gzip
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from aiohttp import web
+
+from kvkern.serve.httpguard import (
+    GuardedSite,
+    HttpLimits,
+    decode_json,
+    guard_app,
+    guard_stats,
+    read_json_body,
+    read_json_object,
+    require_object,
+    start_guarded,
+)
+
+HOST = "127.0.0.1"
+LIMITS = HttpLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=64,
+                    max_body_bytes=1 << 20)
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+@pytest.mark.parametrize("raw", [
+    b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000,
+    b'{"a": "\xff\xfe"}', b"\xff", b"", b"NaN", b'{"a": 1} x', b"{'a': 1}",
+    b'"\\ud800"', b"1" * 5000, '{"a": 1}'.encode("utf-16"),
+], ids=["deep[", "deep[]", "deep{", "utf8", "utf8-bare", "empty", "nan", "trailing",
+        "quotes", "surrogate", "hugeint", "utf16"])
+def test_decode_json_malformed_is_400(raw):
+    with pytest.raises(web.HTTPBadRequest) as ei:
+        decode_json(raw)
+    assert ei.value.content_type == "application/json"
+    assert "error" in json.loads(ei.value.text)
+
+
+def test_decode_json_and_require_object():
+    assert decode_json(b'{"token_ids": [1, 2, 18446744073709551615]}') == {
+        "token_ids": [1, 2, 18446744073709551615]}
+    assert decode_json(b"[" * 500 + b"]" * 500)
+    assert require_object({"a": 1}) == {"a": 1}
+    for bad in ([], 3, "x", None):
+        with pytest.raises(web.HTTPBadRequest):
+            require_object(bad)
+
+
+def test_limits_validate():
+    with pytest.raises(ValueError):
+        HttpLimits(header_timeout_s=0)
+    with pytest.raises(ValueError):
+        HttpLimits(max_connections=0)
+
+
+# ---------------------------------------------------------------------------- server
+
+
+async def _json(request: web.Request) -> web.Response:
+    body = await read_json_body(request, max_bytes=LIMITS.max_body_bytes,
+                                timeout_s=LIMITS.body_timeout_s)
+    return web.json_response({"type": type(body).__name__})
+
+
+async def _obj(request: web.Request) -> web.Response:
+    body = await read_json_object(request, max_bytes=LIMITS.max_body_bytes,
+                                  timeout_s=LIMITS.body_timeout_s)
+    return web.json_response({"keys": sorted(body)})
+
+
+async def _small(request: web.Request) -> web.Response:  # a tighter cap than the app's
+    body = await read_json_body(request, max_bytes=100, timeout_s=LIMITS.body_timeout_s)
+    return web.json_response({"type": type(body).__name__})
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.Response(text="ok")
+
+
+async def _slow(request: web.Request) -> web.Response:
+    await asyncio.sleep(float(request.query["s"]))
+    return web.Response(text="slow ok")
+
+
+BIG = 32 << 20  # more than loopback socket buffers hold
+
+
+async def _big(request: web.Request) -> web.Response:
+    return web.Response(body=b"x" * BIG)
+
+
+def _app() -> web.Application:
+    app = web.Application()
+    app.add_routes([web.post("/json", _json), web.post("/obj", _obj),
+                    web.post("/small", _small), web.get("/ok", _ok), web.get("/slow", _slow),
+                    web.get("/big", _big)])
+    return app
+
+
+@contextlib.asynccontextmanager
+async def serve(limits: HttpLimits = LIMITS, *, guarded: bool = True):
+    """(site, port, app) of a running server; plain web.TCPSite when not guarded."""
+    app = _app()
+    if guarded:
+        guard_app(app, limits)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        if guarded:
+            site = await start_guarded(runner, HOST, 0, limits)
+        else:
+            site = web.TCPSite(runner, HOST, 0)
+            await site.start()
+        yield site, int(runner.addresses[0][1]), app
+    finally:
+        await asyncio.wait_for(runner.cleanup(), 5.0)
+
+
+async def read_response(reader: asyncio.StreamReader, timeout: float = 3.0):
+    """(status, headers, body) of one HTTP/1.1 response with a Content-Length."""
+    async with asyncio.timeout(timeout):
+        head = await reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip()
+                   for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+    return status, headers, body
+
+
+async def request(port: int, method: str, path: str, body: bytes | None = None, *,
+                  headers: str = "", timeout: float = 3.0):
+    """One request on a fresh connection: (status, headers, body)."""
+    reader, writer = await asyncio.open_connection(HOST, port)
+    try:
+        extra = f"Content-Length: {len(body)}\r\n" if body is not None else ""
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     f"{extra}{headers}\r\n".encode() + (body or b""))
+        await writer.drain()
+        return await read_response(reader, timeout)
+    finally:
+        writer.close()
+
+
+async def closed_by_peer(reader: asyncio.StreamReader, within: float) -> bool:
+    """True if the peer closes (EOF or reset) within ``within`` seconds."""
+    try:
+        async with asyncio.timeout(within):
+            while await reader.read(4096):
+                pass
+        return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def error_of(body: bytes) -> str:
+    return json.loads(body)["error"]
+
+
+# ---------------------------------------------------------------------------- bodies
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "read_json_body-only"])
+async def test_malformed_bodies_are_400_json(guarded):
+    async with serve(guarded=guarded) as (_, port, _app):
+        for path, raw in [("/json", b"[" * 100_000), ("/json", b'{"a": "\xff"}'),
+                          ("/json", b"{"), ("/obj", b"[1, 2]"), ("/obj", b'"s"')]:
+            status, headers, body = await request(port, "POST", path, raw)
+            assert status == 400, (path, raw[:20], body)
+            assert headers["content-type"].startswith("application/json")
+            assert error_of(body)
+        status, _, body = await request(port, "POST", "/obj", b'{"b": 1, "a": [[]]}')
+        assert (status, json.loads(body)) == (200, {"keys": ["a", "b"]})
+
+
+async def test_malformed_chunked_encoding_is_not_500():
+    async with serve() as (_, port, _app):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(b"POST /json HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"zz\r\nhello\r\n0\r\n\r\n")
+        status, _, _ = await read_response(reader)
+        writer.close()
+        assert 400 <= status < 500
+        assert (await request(port, "GET", "/ok"))[0] == 200
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "read_json_body-only"])
+async def test_content_encoding_bad_is_400_bomb_is_413(guarded):
+    async with serve(guarded=guarded) as (_, port, _app):
+        status, _, body = await request(port, "POST", "/json", b"hello",
+                                        headers="Content-Encoding: gzip\r\n")
+        assert status == 400 and "could not be read" in error_of(body)
+        bomb = gzip.compress(b"[" + b" " * (8 << 20) + b"]")  # 8 KiB -> 8 MiB
+        status, _, body = await request(port, "POST", "/json", bomb,
+                                        headers="Content-Encoding: gzip\r\n")
+        assert status == 413 and error_of(body)
+        ok = gzip.compress(b'{"a": [1]}')
+        status, _, body = await request(port, "POST", "/obj", ok,
+                                        headers="Content-Encoding: gzip\r\n")
+        assert (status, json.loads(body)) == (200, {"keys": ["a"]})
+
+
+async def test_oversize_body_is_413_before_and_while_reading():
+    async with serve() as (_, port, app):
+        # honest Content-Length over the limit: 413 before a byte of the body is sent
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(f"POST /json HTTP/1.1\r\nHost: x\r\nContent-Length: {(1 << 20) + 1}"
+                     "\r\n\r\n".encode())
+        status, _, body = await read_response(reader)
+        assert status == 413 and "larger than" in error_of(body)
+        writer.close()
+        # no Content-Length (chunked), more than the limit: 413 from the running size
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(b"POST /json HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        chunk = b"%x\r\n%s\r\n" % (64 << 10, b" " * (64 << 10))
+        with contextlib.suppress(ConnectionError):
+            for _ in range(20):  # 1.25 MiB
+                writer.write(chunk)
+                await writer.drain()
+        status, _, body = await read_response(reader)
+        assert status == 413 and error_of(body)
+        writer.close()
+        assert guard_stats(app).too_large == 2
+        # read_json_body's own cap below the app's: honest and chunked both 413
+        assert (await request(port, "POST", "/small", b" " * 101))[0] == 413
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(b"POST /small HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"c8\r\n" + b" " * 200 + b"\r\n0\r\n\r\n")
+        assert (await read_response(reader))[0] == 413
+        writer.close()
+        assert (await request(port, "POST", "/small", b"[1]"))[0] == 200
+
+
+@pytest.mark.parametrize("guarded", [True, False], ids=["guarded", "read_json_body-only"])
+async def test_lying_content_length_is_408_and_others_are_served(guarded):
+    async with serve(guarded=guarded) as (_, port, app):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        t0 = time.monotonic()
+        writer.write(b"POST /json HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                     b'{"a": 1234')  # 10 of the 1000 bytes, then nothing; kept open
+        await writer.drain()
+        assert (await request(port, "GET", "/ok"))[0] == 200  # served meanwhile
+        status, headers, body = await read_response(reader, timeout=3.0)
+        elapsed = time.monotonic() - t0
+        assert status == 408 and "not received within" in error_of(body)
+        assert headers.get("connection", "").lower() == "close"
+        assert LIMITS.body_timeout_s * 0.9 <= elapsed < LIMITS.body_timeout_s + 1.0
+        writer.close()
+        if guarded:
+            assert guard_stats(app).body_timeouts == 1
+        assert (await request(port, "GET", "/ok"))[0] == 200
+
+
+# ---------------------------------------------------------------------------- connections
+
+
+async def test_slowloris_sockets_are_closed_while_normal_clients_are_served():
+    async with serve() as (site, port, _app):
+        conns = [await asyncio.open_connection(HOST, port) for _ in range(50)]
+        t0 = time.monotonic()
+        for _, w in conns:
+            w.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n")
+        for i in range(3):  # trickle a header line now and then: no extension of the deadline
+            await asyncio.sleep(0.1)
+            for _, w in conns:
+                with contextlib.suppress(ConnectionError):
+                    w.write(f"X-Pad-{i}: y\r\n".encode())
+            assert (await request(port, "GET", "/ok"))[0] == 200  # during the attack
+        closed = await asyncio.gather(*(closed_by_peer(r, 2.0) for r, _ in conns))
+        elapsed = time.monotonic() - t0
+        assert all(closed)
+        assert elapsed < LIMITS.header_timeout_s + 1.0
+        assert site.closed_header_timeout == 50
+        for _, w in conns:
+            w.close()
+        assert (await request(port, "GET", "/ok"))[0] == 200
+        await _until(lambda: site.connections_open == 0)
+
+
+async def _until(cond, timeout: float = 2.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.01)
+
+
+async def test_connection_limit_refuses_the_excess_and_recovers():
+    limits = HttpLimits(header_timeout_s=5.0, body_timeout_s=1.0, max_connections=4)
+    async with serve(limits) as (site, port, _app):
+        held = [await asyncio.open_connection(HOST, port) for _ in range(4)]
+        await _until(lambda: site.connections_open == 4)
+        reader, writer = await asyncio.open_connection(HOST, port)  # the 5th
+        status, headers, body = await read_response(reader)
+        assert status == 503 and error_of(body) == "too many connections"
+        assert await closed_by_peer(reader, 1.0)
+        writer.close()
+        assert site.refused_limit == 1 and site.connections_open == 4
+        for _, w in held[:2]:
+            w.close()
+        await _until(lambda: site.connections_open == 2)
+        assert (await request(port, "GET", "/ok"))[0] == 200
+        assert site.connections_total == 5
+        for _, w in held[2:]:
+            w.close()
+
+
+async def test_keepalive_idle_connection_is_closed_after_the_timeout():
+    async with serve() as (site, port, _app):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        for _ in range(2):  # reused while active
+            writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await read_response(reader))[0] == 200
+            await asyncio.sleep(LIMITS.header_timeout_s / 2)
+        t0 = time.monotonic()
+        assert await closed_by_peer(reader, 2.0)
+        assert LIMITS.header_timeout_s / 2 - 0.1 < time.monotonic() - t0 < 1.0
+        assert site.closed_header_timeout == 1
+        writer.close()
+
+
+async def test_long_request_is_not_cut_off_by_the_header_timeout():
+    async with serve() as (site, port, _app):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        s = LIMITS.header_timeout_s * 2.5
+        writer.write(f"GET /slow?s={s} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        status, _, body = await read_response(reader, timeout=s + 2)
+        assert (status, body) == (200, b"slow ok")
+        writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")  # the connection is still usable
+        assert (await read_response(reader))[0] == 200
+        assert site.closed_header_timeout == 0
+        writer.close()
+
+
+async def test_response_to_a_slow_reader_goes_out_a_stalled_one_is_dropped():
+    async with serve() as (site, port, _app):
+        # pauses longer than header_timeout before reading, then reads: served in full
+        reader, writer = await asyncio.open_connection(HOST, port, limit=1 << 20)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(LIMITS.header_timeout_s * 1.4)
+        status, _, body = await read_response(reader, timeout=5.0)
+        assert status == 200 and len(body) == BIG
+        assert site.closed_header_timeout == 0
+        writer.close()
+        # never reads: dropped once a whole header_timeout passes without progress
+        reader, writer = await asyncio.open_connection(HOST, port)
+        writer.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        await _until(lambda: site.closed_header_timeout == 1, timeout=3.0)
+        writer.close()
+        await _until(lambda: site.connections_open == 0)
+
+
+async def test_guarded_site_needs_a_guarded_app():
+    runner = web.AppRunner(_app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        with pytest.raises(RuntimeError, match="guard_app"):
+            GuardedSite(runner, HOST, 0, limits=LIMITS)
+    finally:
+        await runner.cleanup()
+    app = _app()
+    guard_app(app, LIMITS)
+    with pytest.raises(RuntimeError, match="already"):
+        guard_app(app, LIMITS)
+
+
+def test_run_guarded_serves_and_stops_on_sigterm():
+    code = ("import sys; from aiohttp import web; "
+            "from kvkern.serve.httpguard import HttpLimits, run_guarded; "
+            "app = web.Application(); "
+            "app.router.add_get('/ok', lambda r: web.Response(text='ok')); "
+            "run_guarded(app, host='127.0.0.1', port=int(sys.argv[1]), limits=HttpLimits())")
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", code, str(port)])
+    try:
+        from kvkern.serve.httpjson import get_text  # noqa: PLC0415
+
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert get_text(f"http://{HOST}:{port}/ok", timeout=1.0) == "ok"
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=5) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
