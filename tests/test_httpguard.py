@@ -380,9 +380,10 @@ async def test_guarded_site_needs_a_guarded_app():
 
 def test_run_guarded_serves_and_stops_on_sigterm():
     code = ("import sys; from aiohttp import web; "
-            "from kvkern.serve.httpguard import HttpLimits, run_guarded; "
+            "from kvkern.serve.httpguard import HttpLimits, guard_app, run_guarded; "
             "app = web.Application(); "
             "app.router.add_get('/ok', lambda r: web.Response(text='ok')); "
+            "guard_app(app, HttpLimits()); "
             "run_guarded(app, host='127.0.0.1', port=int(sys.argv[1]), limits=HttpLimits())")
     with socket.socket() as s:
         s.bind((HOST, 0))

@@ -409,8 +409,10 @@ async def start_guarded(runner: web.BaseRunner, host: str | None, port: int,
 def run_guarded(app: web.Application, *, host: str, port: int, limits: HttpLimits,
                 access_log: Any = None) -> None:
     """Serve ``app`` on a :class:`GuardedSite` until SIGINT or SIGTERM, then clean up and
-    return: ``web.run_app`` with the guard (``app`` goes through :func:`guard_app` here)."""
-    guard_app(app, limits)
+    return: ``web.run_app`` with the guard (``app`` goes through :func:`guard_app` here unless
+    it already did)."""
+    if _REGISTRY not in app:
+        guard_app(app, limits)
 
     async def serve() -> None:
         stop = asyncio.Event()
