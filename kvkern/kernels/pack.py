@@ -205,6 +205,19 @@ def _launch_triton(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.
             "backend='triton' on CPU tensors runs the Triton interpreter: set "
             "TRITON_INTERPRET=1 before kvkern's kernels are first used"
         )
+    launch = _launch_args(tensors, layout, ids, staging, l0, l1, h0, h1, pack_dir, max_programs)
+    if launch is not None:
+        grid, args, kwargs = launch
+        _kv_copy_kernel[grid](*args, **kwargs)
+
+
+def _launch_args(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Tensor,
+                 l0: int, l1: int, h0: int, h1: int, pack_dir: bool,
+                 max_programs: int | None) -> tuple[tuple[int], tuple, dict] | None:
+    """The kernel launch for one call: ``(grid, positional args, keyword args)`` exactly as
+    :func:`_launch_triton` passes them (``None`` when there is nothing to copy).
+    ``kvkern.kernels.aot`` compiles from it ahead of time, with the launch's own
+    specialisation."""
     wb = _word_bytes(layout, tensors, staging)
     words = [_as_words(t, wb) for t in tensors]
     base = words[0]
@@ -226,18 +239,17 @@ def _launch_triton(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.
     n_layers, n_heads = l1 - l0, h1 - h0
     n_rows = ids.numel() * n_layers * 2 * n_heads
     if n_rows == 0:
-        return
+        return None
     cfg = launch_config(staging.device, t, dw, wb, dense_rows=wstride("token") == dw or t == 1)
-    n_groups = triton.cdiv(n_rows, cfg["BLOCK_R"])
+    n_groups = -(-n_rows // cfg["BLOCK_R"])
     grid = n_groups if max_programs is None else max(1, min(n_groups, int(max_programs)))
-    _kv_copy_kernel[(grid,)](
-        base, _as_words(staging, wb), ids, layer_off_t,
-        wstride("block"), wstride("kv"), wstride("head"), wstride("token"),
-        l0, h0, n_layers, n_heads, n_rows, n_groups, layout.num_blocks,
-        T=t, DW=dw, LOFF_ALIGN=loff_align, PACK=pack_dir,
-        BLOCK_R=cfg["BLOCK_R"], BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"],
-        num_warps=cfg["num_warps"],
-    )
+    args = (base, _as_words(staging, wb), ids, layer_off_t,
+            wstride("block"), wstride("kv"), wstride("head"), wstride("token"),
+            l0, h0, n_layers, n_heads, n_rows, n_groups, layout.num_blocks)
+    kwargs = dict(T=t, DW=dw, LOFF_ALIGN=loff_align, PACK=pack_dir,
+                  BLOCK_R=cfg["BLOCK_R"], BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"],
+                  num_warps=cfg["num_warps"])
+    return (grid,), args, kwargs
 
 
 # --------------------------------------------------------------------------------------
