@@ -36,7 +36,7 @@ reliability: $(STAMP)
 	$(VPY) -m pytest -q -m '' tests/reliability && $(VPY) -m kvkern.reliability --require-slow
 
 bench-gpu:
-	PYTHONPATH=. $(PY) bench/gpu_kernels.py
+	PYTHONPATH=. $(VPY) bench/gpu_kernels.py
 
 lint: $(STAMP)
 	$(VPY) -m ruff check kvkern tests bench

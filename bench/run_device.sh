@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# One prepared call for a lent GPU machine (torch + Triton preinstalled, nothing else):
-#   device run: bash bench/run_device.sh      (timeout_s ~420; writes under $OUT)
-# 1. the kernel sweep with bit-exact checks (CSV, PNG if matplotlib, summary table last)
-# 2. the autotuner (table printed; written to $OUT/tuned_configs.json for review)
+# The one prepared call that validates kvkern's GPU path; every result is JSON under $OUT.
+#   GPU machine:  bash bench/run_device.sh            (under 8 minutes on an H200)
+#   CPU check:    bash bench/run_device.sh --dry-run  (every step end to end, tiny sizes)
+# Steps (bench/device_run.py): env, NVML facts, kernel sweep with bit-exact checks, the
+# gpu-marked tests, a two-process pull against raw UCXX, the demo's exactness check, the
+# autotuner if time is left; then targets.json and summary.json. A failing step is recorded
+# in its JSON and the next one runs. $OUT defaults to a new temporary directory.
+# Interpreter: $PYTHON, else the project's .venv, else python3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/out}
+OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvkern-device.XXXXXX")}
 mkdir -p "$OUT"
-export PYTHONPATH=. PYTHONUNBUFFERED=1 KVKERN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv | tee "$OUT/nvidia-smi.txt"
-timeout 300 python3 bench/gpu_kernels.py --out "$OUT" 2>&1 | tee "$OUT/gpu_kernels.log"
-timeout 120 python3 bench/autotune.py --write --table "$OUT/tuned_configs.json" 2>&1 | tee "$OUT/autotune.log"
+if [ -n "${PYTHON:-}" ]; then PY=$PYTHON
+elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
+else PY=python3
+fi
+export PYTHONPATH=. PYTHONUNBUFFERED=1 OUT
+KVKERN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export KVKERN_COMMIT
+echo "run_device: $PY, results in $OUT"
+command -v nvidia-smi >/dev/null 2>&1 \
+  && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
+       --format=csv > "$OUT/nvidia-smi.txt" 2>&1
+"$PY" bench/device_run.py --out "$OUT" "$@" 2>&1 | tee "$OUT/run_device.log"
+exit "${PIPESTATUS[0]}"
