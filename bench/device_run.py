@@ -8,20 +8,20 @@ Run through ``bench/run_device.sh`` (which picks the interpreter and ``$OUT``)::
 Steps, in order; each runs in its own process with a time limit taken from one overall
 budget, and a step that fails or times out is recorded and the next one runs:
 
-=============  ==========================================================================
-env            interpreter, torch, Triton, CUDA, kvkern commit             -> env.json
-gpu_facts      NVML (nvidia-ml-py): name, max SM / memory clocks, memory bus width, peak
-               memory bandwidth = 2 x memory clock x bus width / 8        -> gpu_facts.json
-kernels        ``bench/gpu_kernels.py``: pack/unpack sweep with bit-exact checks, ratios
-               against a contiguous copy and a per-block copy loop; each GB/s figure also
-               as a fraction of the peak                                   -> kernels.json
-pytest_gpu     ``pytest -m gpu``                                           -> pytest_gpu.json
-xfer           ``kvkern bench xfer`` pull of 256 MiB between two processes against a raw
-               UCXX send of the same bytes (pools on the GPU where the command offers it)
-                                                                           -> xfer.json
-demo           ``kvkern demo --device cuda`` with its exactness check      -> demo.json
-autotune       ``bench/autotune.py`` when budget is left (GPU only)        -> autotune.json
-=============  ==========================================================================
+* env: interpreter, torch, Triton, CUDA, kvkern commit -> ``env.json``
+* gpu_facts: NVML (nvidia-ml-py): name, max SM and memory clocks, memory bus width, peak
+  memory bandwidth = 2 x memory clock x bus width / 8 -> ``gpu_facts.json``
+* ucx_transports: ``ucx_info -d`` of ucxx's UCX under kvkern's UCX settings (on a GPU node
+  cuda_copy and cuda_ipc; gdr_copy where GDRCopy is installed) -> ``ucx_transports.json``
+* kernels: ``bench/gpu_kernels.py``, the pack/unpack sweep with bit-exact checks and ratios
+  against a contiguous copy and a per-block copy loop; each GB/s figure also as a fraction
+  of the peak -> ``kernels.json``
+* pytest_gpu: ``pytest -m gpu`` -> ``pytest_gpu.json``
+* xfer: ``kvkern bench xfer``, a 256 MiB pull between two processes against a raw UCXX
+  send of the same bytes (pools on the GPU where the command offers ``--device``)
+  -> ``xfer.json``
+* demo: ``kvkern demo --device cuda`` with its exactness check -> ``demo.json``
+* autotune: ``bench/autotune.py`` when budget is left (GPU only) -> ``autotune.json``
 
 ``targets.json`` holds the targets (pass / fail / not evaluated, with the worst case) and
 ``summary.json`` every step's exit status, time and files. ``--dry-run`` runs the kernel
@@ -192,6 +192,32 @@ def peak_bandwidth_gbps(mem_clock_mhz: float, bus_width_bits: int) -> float:
     return round(2 * mem_clock_mhz * 1e6 * bus_width_bits / 8 / 1e9, 1)
 
 
+def ucx_transports(log: Path, timeout_s: float) -> tuple[dict, dict | None]:
+    """``ucx_info -d`` of the libucx wheel under kvkern's UCX settings: the transports UCX
+    would choose from (on a GPU node: cuda_copy, cuda_ipc, gdr_copy where GDRCopy is
+    installed)."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.find_spec("libucx")
+    if spec is None or not spec.submodule_search_locations:
+        return {"rc": 1, "seconds": 0.0, "error": "libucx (ucxx's UCX wheel) not installed"}, None
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    env = {"LD_LIBRARY_PATH": f"{pkg / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    try:
+        from kvkern.xfer.ucx_env import configure_ucx_env  # noqa: PLC0415
+
+        env |= configure_ucx_env({**os.environ})
+    except Exception as e:  # noqa: BLE001 - the listing is still useful without them
+        env["KVKERN_UCX_ENV_ERROR"] = repr(e)
+    res = run_step([str(pkg / "bin" / "ucx_info"), "-d"], log, timeout_s, env=env)
+    text = log.read_text(errors="replace")
+    found = sorted(set(re.findall(r"#\s+Transport:\s+(\S+)", text)))
+    res["log"] = log.name
+    return res, {"transports": found,
+                 "cuda": {t: t in found for t in ("cuda_copy", "cuda_ipc", "gdr_copy")},
+                 "ucx_env": {k: v for k, v in env.items() if k.startswith(("UCX", "UCXPY"))}}
+
+
 # ---------------------------------------------------------------------------------------
 # kernel sweep and targets
 # ---------------------------------------------------------------------------------------
@@ -336,6 +362,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - recorded, the run goes on
             record("gpu_facts", {"rc": 1, "seconds": round(time.monotonic() - t0, 1),
                                  "error": f"{type(e).__name__}: {e}"})
+
+    # UCX transports (cuda_copy / cuda_ipc / gdr_copy on a GPU machine) ---------------------
+    res, transports = ucx_transports(out / "ucx_transports.log", min(60.0, left()))
+    record("ucx_transports", res, transports)
 
     # kernel sweep ------------------------------------------------------------------------
     kdir = out / "kernels"

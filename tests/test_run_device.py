@@ -18,7 +18,7 @@ _spec = importlib.util.spec_from_file_location("device_run", ROOT / "bench" / "d
 device_run = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(device_run)
 
-STEPS = ["env", "gpu_facts", "kernels", "pytest_gpu", "xfer", "demo", "autotune"]
+STEPS = ["env", "gpu_facts", "ucx_transports", "kernels", "pytest_gpu", "xfer", "demo", "autotune"]
 
 
 def test_dry_run_writes_every_steps_json(tmp_path):
@@ -39,6 +39,9 @@ def test_dry_run_writes_every_steps_json(tmp_path):
     assert steps["autotune"]["skipped"] == "needs a GPU"
     for name in ("env", "kernels", "pytest_gpu"):  # only torch, Triton and pytest needed
         assert steps[name]["ok"], steps[name]
+    ucx = json.loads((tmp_path / "ucx_transports.json").read_text())["result"]
+    assert "tcp" in ucx["transports"] and set(ucx["cuda"]) == {"cuda_copy", "cuda_ipc", "gdr_copy"}
+    assert ucx["ucx_env"]["UCXPY_PROGRESS_MODE"] == "thread"
     kernels = json.loads((tmp_path / "kernels.json").read_text())["result"]
     assert kernels["bit_exact"] and len(kernels["rows"]) == 2
     assert all(r["pack_vs_copy"] > 0 and r["run_bytes"] > 0 for r in kernels["rows"])
