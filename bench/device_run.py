@@ -406,7 +406,9 @@ def main(argv: list[str] | None = None) -> int:
                   "--timeout", "60" if dry else "150"] + (["--repeats", "1"] if dry else [])
     if device_pools:
         cmd += ["--device", "cuda"]
-    res = run_step(cmd, out / "xfer.log", min(180.0, left()))
+    # UCX_PROTO_INFO: UCX logs the protocol and transport it selects for each endpoint and
+    # memory type (cuda_ipc, cuda_copy, rc...): the log shows which one carried the pull
+    res = run_step(cmd, out / "xfer.log", min(180.0, left()), env={"UCX_PROTO_INFO": "y"})
     xfer = last_json_line((out / "xfer.log").read_text(errors="replace"))
     res["device_pools"] = device_pools
     if not device_pools:
