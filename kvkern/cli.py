@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
                        "resolve an endpoint and check it against an allowlist"),
     "worker": ("kvkern.serve.worker", "main", "run one worker (model, pool, source, puller)"),
     "router": ("kvkern.serve.router", "main", "run the KV-aware router"),
+    "secret": ("kvkern.xfer.auth", "secret_main", "print a fresh fleet secret (SECURITY.md)"),
 }
 
 

@@ -15,6 +15,13 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Every source, puller and router of the suite (and the peer processes it starts, which
+# inherit the environment) belongs to one test fleet; tests of unauthenticated peers pass
+# their own credential or none explicitly.
+TEST_FLEET_SECRET = "5e" * 32
+os.environ.pop("KVKERN_FLEET_SECRET_FILE", None)
+os.environ["KVKERN_FLEET_SECRET"] = TEST_FLEET_SECRET
+
 import pytest  # noqa: E402
 
 POISON_BYTE = 0xA5

@@ -17,8 +17,11 @@ from kvkern.xfer.messages import (
     PREAMBLE_BYTES,
     PROTOCOL_VERSION,
     Cancel,
+    Challenge,
     Codec,
+    Hello,
     PlanPiece,
+    Proof,
     ProtocolError,
     PullReply,
     PullRequest,
@@ -76,8 +79,13 @@ def reason_of(data) -> str:
     ReadDone(transfer_id=7),
     ReadAck(transfer_id=7, held=True),
     ReadAck(transfer_id=2**30 - 1, held=False, reason="deadline passed before ReadDone"),
+    Hello(nonce=bytes(range(32)), peer_id="worker-a"),
+    Challenge(nonce=b"\xff" * 32, peer_id="", proof=bytes(32)),
+    Proof(proof=bytes(range(32))),
+    pull_request(model="sha256:" + "ab" * 32),
 ], ids=["request", "reply-ok", "reply-miss", "reply-empty", "cancel", "request-read",
-        "reply-read", "read-done", "read-ack-held", "read-ack-lost"])
+        "reply-read", "read-done", "read-ack-held", "read-ack-lost", "hello", "challenge",
+        "proof", "request-model"])
 def test_round_trip(msg):
     data = encode(msg)
     assert data[:4] == MAGIC and len(data) > PREAMBLE_BYTES
@@ -121,7 +129,8 @@ def test_random_body_behind_valid_preamble_never_crashes(body):
         assert exc.reason in ("invalid", "unknown_kind")
 
 
-KINDS = ["pull_request", "pull_reply", "cancel", "read_done", "read_ack"]
+KINDS = ["hello", "challenge", "proof", "pull_request", "pull_reply", "cancel", "read_done",
+         "read_ack"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -129,7 +138,7 @@ KINDS = ["pull_request", "pull_reply", "cancel", "read_done", "read_ack"]
                                         "count", "pieces", "block_hashes", "chunk_sizes",
                                         "served_blocks", "total_bytes", "n_chunks", "read",
                                         "read_rkey", "read_base", "read_stride", "read_blocks",
-                                        "held"]),
+                                        "held", "nonce", "peer_id", "proof", "model"]),
                        st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=8),
                                  st.sampled_from(KINDS), st.booleans(), st.binary(max_size=8),
                                  st.lists(st.integers(-5, 5), max_size=3)), max_size=12))
@@ -419,7 +428,8 @@ def test_fingerprint_follows_the_schema(monkeypatch):
         monkeypatch.setattr(m, "Message", typing.Union[types])  # noqa: UP007 (runtime Union)
         return m.schema_fingerprint()
 
-    kinds = (m.PullRequest, m.PullReply, m.Cancel, m.ReadDone, m.ReadAck)
+    kinds = (m.PullRequest, m.PullReply, m.Cancel, m.ReadDone, m.ReadAck, m.Hello,
+             m.Challenge, m.Proof)
     assert fingerprint_with(*kinds) == current
     assert fingerprint_with(_rebuilt(m.PullRequest), *kinds[1:]) == current  # same fields
     seen = {current}

@@ -8,8 +8,12 @@ Every frame is a fixed binary preamble followed by a msgpack body::
     6       2     flags (u16), must be 0
     8       8     compatibility fingerprint (u64)         == codec.fingerprint
     16      4     body length in bytes (u32)              <= codec.max_body_bytes
-    20      n     msgpack body: a map with a "kind" tag (PullRequest | PullReply | Cancel |
+    20      n     msgpack body: a map with a "kind" tag (Hello | Challenge | Proof |
+                                                      PullRequest | PullReply | Cancel |
                                                       ReadDone | ReadAck)
+
+A connection starts with the authentication exchange of :mod:`kvkern.xfer.auth` (Hello,
+Challenge, Proof); a source reads nothing else before it.
 
 The preamble is checked completely (magic, version, flags, fingerprint, length) before a
 single byte of the body is decoded, so an incompatible or hostile peer is rejected cheaply.
@@ -37,8 +41,9 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 3  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
-# segmented read replies (per-layer pools)
+PROTOCOL_VERSION = 4  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
+# segmented read replies (per-layer pools); 4: peer authentication (Hello/Challenge/Proof),
+# PullRequest.model
 MAGIC = b"KVKX"
 _PREAMBLE = struct.Struct("<4sHHQI")
 PREAMBLE_BYTES = _PREAMBLE.size  # 20
@@ -136,6 +141,7 @@ class PullRequest(_Base, tag="pull_request"):
     deadline_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)]
     require_all: bool = False
     read: bool = False
+    model: Text = ""  # the destination's model fingerprint; the source refuses another
 
     def __post_init__(self) -> None:
         if self.start + self.count > len(self.block_hashes):
@@ -264,8 +270,37 @@ class ReadAck(_Base, tag="read_ack"):
     reason: Text = ""
 
 
-Message = Union[PullRequest, PullReply, Cancel, ReadDone, ReadAck]  # noqa: UP007 (runtime Union)
-MESSAGE_TYPES: tuple[type, ...] = (PullRequest, PullReply, Cancel, ReadDone, ReadAck)
+Nonce = Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+PeerId = Annotated[str, msgspec.Meta(max_length=128)]
+
+
+class Hello(_Base, tag="hello"):
+    """Client → server, the first frame of a connection: a fresh nonce and who it is."""
+
+    nonce: Nonce
+    peer_id: PeerId
+
+
+class Challenge(_Base, tag="challenge"):
+    """Server → client, on ``tag_for(0, REPLY)``: the server's nonce and id and its proof of
+    the fleet secret over both nonces and both ids (:meth:`Credential.server_proof`)."""
+
+    nonce: Nonce
+    peer_id: PeerId
+    proof: Nonce
+
+
+class Proof(_Base, tag="proof"):
+    """Client → server: the client's proof of the fleet secret
+    (:meth:`Credential.client_proof`). Nothing else is read before it checks out."""
+
+    proof: Nonce
+
+
+Message = Union[PullRequest, PullReply, Cancel, ReadDone, ReadAck,  # noqa: UP007
+                Hello, Challenge, Proof]
+MESSAGE_TYPES: tuple[type, ...] = (PullRequest, PullReply, Cancel, ReadDone, ReadAck,
+                                   Hello, Challenge, Proof)
 
 
 def _strip_prose(node):

@@ -26,11 +26,24 @@ length from the preamble, not from UCX), then the body. Each message costs a com
 both sides, ~0.1-0.3 ms here, so the common case is kept to one. One sender lock per
 connection keeps a split frame's parts adjacent; each tag has at most one reader at a time.
 
+Authentication and bounds
+-------------------------
+With a credential (by default the environment's, :mod:`kvkern.xfer.auth`) a
+:class:`ConnectionPool` runs :func:`authenticate_client` on every new connection and a
+:class:`Listener` runs :func:`authenticate_server` before its handler sees one: Hello on the
+control tag, Challenge on ``AUTH_REPLY_TAG``, Proof on the control tag; one round trip per
+connection, and the first request follows the Proof without waiting. Before the exchange a
+listener reads at most two :data:`AUTH_FRAME_BYTES` frames within
+:data:`DEFAULT_AUTH_TIMEOUT_S`. After it, a connection accepts frames of at most
+``max_frame_bytes`` (:data:`MAX_CONTROL_FRAME_BYTES`), refused from their preamble before
+anything is allocated, and the body of a split frame must follow its preamble within
+:data:`BODY_TIMEOUT_S` even where the caller waits for the preamble without a timeout.
+
 Errors
 ------
 Every operation is bounded. Failures raise :class:`TransportError` whose ``reason`` is one of
 ``transfer_timeout``, ``transfer_failed``, ``peer_closed``, ``connect_timeout``,
-``connect_failed``, ``protocol_error``, ``closed``. Any failure in the middle of an operation
+``connect_failed``, ``protocol_error``, ``auth_failed``, ``closed``. Any failure in the middle of an operation
 aborts the connection before the error is raised: UCX may still own the buffers of
 outstanding requests (a timed-out send is *not* cancelled by UCX) and only an endpoint abort
 cancels them, so after the raise every caller buffer is free to reuse. A
@@ -77,12 +90,15 @@ import concurrent.futures
 import contextlib
 import inspect
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from enum import IntEnum
 from typing import Any
 
+from kvkern.xfer.auth import FROM_ENV, NONCE_BYTES, Credential
+from kvkern.xfer.auth import resolve as resolve_credential
 from kvkern.xfer.messages import (
     DEFAULT_CODEC,
     PREAMBLE_BYTES,
@@ -107,6 +123,12 @@ MAX_CACHED_RKEYS = 4096
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_MAX_IN_FLIGHT = 4
 CONTROL_FRAME_BYTES = 64 << 10  # control frames up to this size travel as one message
+# The largest control frame a connection accepts (a request for ~110,000 blocks); a peer that
+# announces more is cut off before anything is allocated.
+MAX_CONTROL_FRAME_BYTES = 1 << 20
+BODY_TIMEOUT_S = 5.0  # the body of a split frame must follow its preamble within this
+AUTH_FRAME_BYTES = 512  # Hello / Challenge / Proof frames are ~100 bytes
+DEFAULT_AUTH_TIMEOUT_S = 5.0
 
 
 class Lane(IntEnum):
@@ -205,10 +227,13 @@ class Connection:
     After any failure the connection is aborted (``alive`` False) and stays dead.
     """
 
-    def __init__(self, ep: Any, *, peer: tuple[str, int] | None, codec: Codec) -> None:
+    def __init__(self, ep: Any, *, peer: tuple[str, int] | None, codec: Codec,
+                 max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES) -> None:
         self._ep = ep
         self.peer = peer
         self.codec = codec
+        self.max_frame_bytes = max_frame_bytes
+        self.peer_id: str | None = None  # the authenticated peer (None: not authenticated)
         self.failure: str | None = None  # reason of the failure that killed it
         self._peer_closed = False  # set from the UCX progress thread: a plain flag only
         self._send_lock = asyncio.Lock()
@@ -354,20 +379,30 @@ class Connection:
             raise self._fail(exc, f"send of {type(msg).__name__}") from exc
 
     async def recv_msg(self, tag: int = CONTROL_TAG, *,
-                       timeout: float | None = DEFAULT_TIMEOUT_S) -> Message:
+                       timeout: float | None = DEFAULT_TIMEOUT_S,
+                       max_bytes: int | None = None) -> Message:
         """Receive one control message on ``tag``. ``timeout=None`` waits until the peer
-        sends or goes away (a source's request loop). Bad frames abort the connection and
-        raise ``TransportError('protocol_error')`` with the ProtocolError as ``__cause__``."""
+        sends or goes away (a source's request loop); the body of a split frame must then
+        follow its preamble within :data:`BODY_TIMEOUT_S`. A frame longer than ``max_bytes``
+        (default :attr:`max_frame_bytes`) is refused before anything is allocated for it.
+        Bad frames abort the connection and raise ``TransportError('protocol_error')`` with
+        the ProtocolError as ``__cause__``."""
+        limit = self.max_frame_bytes if max_bytes is None else max_bytes
         try:
             async with asyncio.timeout(timeout):
-                first = bytearray(CONTROL_FRAME_BYTES)  # a longer message: UCX truncation error
+                # a longer single message is a UCX truncation error
+                first = bytearray(min(CONTROL_FRAME_BYTES, limit))
                 await self._post_recv(first, tag)
                 total = self.codec.frame_length(first)  # fingerprint etc. before the body
-                if total <= CONTROL_FRAME_BYTES:
+                if total > limit:
+                    raise ProtocolError("too_large", f"frame of {total} bytes exceeds this "
+                                        f"connection's {limit}-byte limit")
+                if total <= len(first):
                     return self.codec.decode(memoryview(first)[:total])
                 frame = bytearray(total)  # announced in a preamble of its own: body follows
                 frame[:PREAMBLE_BYTES] = first[:PREAMBLE_BYTES]
-                await self._post_recv(memoryview(frame)[PREAMBLE_BYTES:], tag)
+                async with asyncio.timeout(BODY_TIMEOUT_S if timeout is None else None):
+                    await self._post_recv(memoryview(frame)[PREAMBLE_BYTES:], tag)
                 return self.codec.decode(frame)
         except asyncio.CancelledError:
             self.abort("cancelled")
@@ -738,19 +773,98 @@ def stop_ucxx_notifier() -> None:
 Handler = Callable[[Connection], Awaitable[None]]
 
 
+# --------------------------------------------------------------------- authentication
+
+AUTH_REPLY_TAG = tag_for(0, Lane.REPLY, 0)
+
+
+async def authenticate_server(conn: Connection, credential: Credential, *,
+                              timeout: float = DEFAULT_AUTH_TIMEOUT_S) -> str:
+    """The server's half of :mod:`kvkern.xfer.auth`'s ``ctl`` exchange. Reads at most two
+    small frames within ``timeout``; returns the client's peer id (also set as
+    ``conn.peer_id``) or raises ``TransportError('auth_failed')`` after aborting ``conn``."""
+    from kvkern.xfer.messages import Challenge, Hello, Proof  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+
+    def left() -> float:
+        return max(deadline - time.monotonic(), 0.001)
+
+    try:
+        hello = await conn.recv_msg(CONTROL_TAG, timeout=left(), max_bytes=AUTH_FRAME_BYTES)
+        if not isinstance(hello, Hello):
+            raise TransportError("auth_failed", f"first frame is {type(hello).__name__}, "
+                                 "not Hello")
+        nonce_s = secrets.token_bytes(NONCE_BYTES)
+        proof = credential.server_proof(hello.nonce, nonce_s, hello.peer_id,
+                                        credential.peer_id)
+        await conn.send_msg(Challenge(nonce=nonce_s, peer_id=credential.peer_id, proof=proof),
+                            AUTH_REPLY_TAG, timeout=left())
+        answer = await conn.recv_msg(CONTROL_TAG, timeout=left(), max_bytes=AUTH_FRAME_BYTES)
+        if not isinstance(answer, Proof) or not credential.verify(
+                "ctl-client", answer.proof, hello.nonce, nonce_s, hello.peer_id,
+                credential.peer_id):
+            raise TransportError("auth_failed", f"peer {hello.peer_id!r} did not prove the "
+                                 "fleet secret")
+    except TransportError as exc:
+        conn.abort("auth_failed")
+        if exc.reason == "auth_failed":
+            raise
+        raise TransportError("auth_failed", f"authentication exchange: {exc}") from exc
+    conn.peer_id = hello.peer_id
+    return hello.peer_id
+
+
+async def authenticate_client(conn: Connection, credential: Credential, *,
+                              timeout: float = DEFAULT_AUTH_TIMEOUT_S) -> str:
+    """The client's half: one round trip (Hello -> Challenge); the Proof is sent without
+    waiting for an answer, so the first request follows it at once. Returns the server's
+    peer id or raises ``TransportError('auth_failed')`` (a server without the fleet secret
+    fails its proof here) after aborting ``conn``."""
+    from kvkern.xfer.messages import Challenge, Hello, Proof  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    nonce_c = secrets.token_bytes(NONCE_BYTES)
+    try:
+        await conn.send_msg(Hello(nonce=nonce_c, peer_id=credential.peer_id), CONTROL_TAG,
+                            timeout=timeout)
+        ch = await conn.recv_msg(AUTH_REPLY_TAG, timeout=max(deadline - time.monotonic(), 0.001),
+                                 max_bytes=AUTH_FRAME_BYTES)
+        if not isinstance(ch, Challenge) or not credential.verify(
+                "ctl-server", ch.proof, nonce_c, ch.nonce, credential.peer_id, ch.peer_id):
+            raise TransportError("auth_failed", "the source did not prove the fleet secret")
+        await conn.send_msg(Proof(proof=credential.client_proof(
+            nonce_c, ch.nonce, credential.peer_id, ch.peer_id)), CONTROL_TAG,
+            timeout=max(deadline - time.monotonic(), 0.001))
+    except TransportError as exc:
+        conn.abort("auth_failed")
+        if exc.reason == "auth_failed":
+            raise
+        raise TransportError("auth_failed", f"authentication exchange: {exc}") from exc
+    conn.peer_id = ch.peer_id
+    return ch.peer_id
+
+
 class Listener:
     """Accepts connections and runs ``handler(conn)`` for each; the connection is closed when
     the handler returns. ``close()`` stops listening, aborts every accepted connection and
     cancels running handlers.
 
     ucxx's listener binds every interface (its API takes no address); ``host`` is the address
-    this listener advertises in ``address``.
+    this listener advertises in ``address``. With a ``credential`` (by default the
+    environment's, :meth:`Credential.from_env`) every connection must pass
+    :func:`authenticate_server` before the handler sees it (failures are counted in
+    ``auth_failures``); with ``credential=None`` the handler gets every connection.
     """
 
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
-                 codec: Codec = DEFAULT_CODEC, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S
-                 ) -> None:
+                 codec: Codec = DEFAULT_CODEC, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 credential: Credential | str | None = FROM_ENV,
+                 max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES) -> None:
         self._handler = handler
+        self.credential = resolve_credential(credential)
+        self.max_frame_bytes = max_frame_bytes
+        self.auth_failures = 0
         self.host = host
         self._port = port
         self.codec = codec
@@ -792,13 +906,21 @@ class Listener:
         if self._closing:
             ep.abort()
             return
-        conn = Connection(ep, peer=None, codec=self.codec)
+        conn = Connection(ep, peer=None, codec=self.codec, max_frame_bytes=self.max_frame_bytes)
         task = asyncio.current_task()
         self._conns.add(conn)
         if task is not None:
             self._tasks.add(task)
         self.accepted += 1
         try:
+            if self.credential is not None:
+                try:
+                    await authenticate_server(conn, self.credential)
+                except TransportError as exc:
+                    self.auth_failures += 1
+                    log.warning("refused an unauthenticated peer on port %s: %s",
+                                self._port or "?", exc.detail or exc.reason)
+                    return
             await self._handler(conn)
         except asyncio.CancelledError:
             pass
@@ -840,12 +962,17 @@ class Listener:
 class ConnectionPool:
     """One connection per source ``(host, port)``: created on first use, reused while alive,
     replaced after a failure, all closed by ``close()``. Concurrent ``get``s of one source
-    share a single connect."""
+    share a single connect. With a ``credential`` (by default the environment's) each new
+    connection runs :func:`authenticate_client` before it is handed out."""
 
     def __init__(self, *, codec: Codec = DEFAULT_CODEC,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S) -> None:
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
+                 credential: Credential | str | None = FROM_ENV,
+                 max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES) -> None:
         self.codec = codec
         self.connect_timeout = connect_timeout
+        self.credential = resolve_credential(credential)
+        self.max_frame_bytes = max_frame_bytes
         self._conns: dict[tuple[str, int], Connection] = {}
         self._locks: dict[tuple[str, int], asyncio.Lock] = {}
         self._closed = False
@@ -888,7 +1015,10 @@ class ConnectionPool:
             raise TransportError("connect_failed", f"{host}:{port}: {type(exc).__name__}: "
                                  f"{exc} after {time.monotonic() - started:.2f} s") from exc
         self.connects += 1
-        return Connection(ep, peer=key, codec=self.codec)
+        conn = Connection(ep, peer=key, codec=self.codec, max_frame_bytes=self.max_frame_bytes)
+        if self.credential is not None:
+            await authenticate_client(conn, self.credential, timeout=self.connect_timeout)
+        return conn
 
     def discard(self, conn: Connection) -> None:
         """Abort ``conn`` and forget it; the next ``get`` reconnects."""

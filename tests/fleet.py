@@ -1,0 +1,41 @@
+"""The test fleet's credential (``tests/conftest.py`` puts its secret in the environment),
+signed requests to a worker's peer endpoints and router-signed hints."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Sequence
+
+from kvkern.xfer.auth import Credential, sign_hint
+from kvkern.xfer.hints import KvHint, decode_hint
+
+CREDENTIAL = Credential.from_env(peer_id="test-suite")
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def peer_headers(method: str, path: str) -> dict[str, str]:
+    """Headers that authenticate one request to a path under ``/kvkern/``."""
+    headers, _ = CREDENTIAL.sign_request(method, path)
+    return headers
+
+
+def peer_get(base_url: str, path: str, *, timeout: float = 10.0) -> dict:
+    """GET a peer endpoint of a worker as a fleet member would; checks the answer's
+    signature too."""
+    headers, nonce = CREDENTIAL.sign_request("GET", path)
+    req = urllib.request.Request(f"{base_url}{path}", headers=headers)
+    with _OPENER.open(req, timeout=timeout) as r:
+        body = r.read()
+        assert CREDENTIAL.verify_response(nonce, body, r.headers.get("X-Kvkern-Auth-Response"))
+    return json.loads(body)
+
+
+def signed(body: dict, *, cache_salt: str = "", credential: Credential | None = None) -> dict:
+    """``body`` with its hint signed as the fleet's router signs it (for ``body``'s own
+    ``token_ids``)."""
+    hint = decode_hint(body)
+    assert isinstance(hint, KvHint), hint
+    tokens: Sequence[int] = body["token_ids"]
+    return {**body, **sign_hint(credential or CREDENTIAL, hint, tokens,
+                                cache_salt=body.get("cache_salt", cache_salt))}
