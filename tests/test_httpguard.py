@@ -1,4 +1,4 @@
-"""kvkern.serve.httpguard against a real aiohttp server on 127.0.0.1 (port 0): malformed and
+"""kvkern.xfer.httpguard against a real aiohttp server on 127.0.0.1 (port 0): malformed and
 oversize bodies, a lying Content-Length, slowloris, the connection limit, keep-alive idle.
 Attacks use raw sockets; every wait is bounded (timeouts of a fraction of a second)."""
 
@@ -17,7 +17,7 @@ import time
 import pytest
 from aiohttp import web
 
-from kvkern.serve.httpguard import (
+from kvkern.xfer.httpguard import (
     GuardedSite,
     HttpLimits,
     decode_json,
@@ -380,7 +380,7 @@ async def test_guarded_site_needs_a_guarded_app():
 
 def test_run_guarded_serves_and_stops_on_sigterm():
     code = ("import sys; from aiohttp import web; "
-            "from kvkern.serve.httpguard import HttpLimits, guard_app, run_guarded; "
+            "from kvkern.xfer.httpguard import HttpLimits, guard_app, run_guarded; "
             "app = web.Application(); "
             "app.router.add_get('/ok', lambda r: web.Response(text='ok')); "
             "guard_app(app, HttpLimits()); "

@@ -49,6 +49,7 @@ from kvkern.xfer.metrics import PHASES, XferMetrics
 from kvkern.xfer.runtime import EventLoopThread
 from kvkern.xfer.source import (
     STATE_PATH,
+    PeerQuotas,
     SourceService,
     StagingPool,
     count_chunks,
@@ -63,8 +64,10 @@ from kvkern.xfer.transport import (
     tag_for,
 )
 from kvkern.xfer.ucp_rma import coalesce
+from tests.fleet import peer_headers
 
 PEER = Path(__file__).parent / "peers" / "source_peer.py"
+OPEN = PeerQuotas(max_sends_per_peer=64, peer_pin_fraction=1.0, total_pin_fraction=1.0)
 HOST = "127.0.0.1"
 READY = "KVKERN_READY "
 CLOSED = "KVKERN_CLOSED "
@@ -170,7 +173,8 @@ _tids = iter(range(1, MAX_TRANSFER_ID))
 
 
 async def get_json(http, ready: dict, path: str):
-    async with http.get(f"http://{HOST}:{ready['http_port']}{path}") as r:
+    async with http.get(f"http://{HOST}:{ready['http_port']}{path}",
+                        headers=peer_headers("GET", path)) as r:
         assert r.status == 200, await r.text()
         return await r.json()
 
@@ -737,7 +741,7 @@ def _group(tp: int = 1, num_blocks: int = 16) -> tuple[KVGroup, list[int]]:
 @aio
 async def test_busy_then_close_leaves_nothing_running(http):
     group, hs = _group()
-    svc = _Frozen([group], worker_id="inproc", max_concurrent_sends=1)
+    svc = _Frozen([group], worker_id="inproc", max_concurrent_sends=1, quotas=OPEN)
     await svc.start()
     port, ucx_port = svc.http_port, svc.ucx_ports[0]
     try:
@@ -805,7 +809,7 @@ async def test_read_without_read_done_is_released_once_at_the_deadline():
         return real_unpin(handle)
 
     mgr.unpin = counting_unpin
-    svc = SourceService([group], worker_id="inproc-read")
+    svc = SourceService([group], worker_id="inproc-read", remote_read="host", quotas=OPEN)
     await svc.start()
     try:
         assert READ_CAPABILITY in svc.state()["capabilities"]
@@ -850,7 +854,7 @@ async def test_read_without_read_done_is_released_once_at_the_deadline():
 @aio
 async def test_read_request_to_a_source_with_reads_off_gets_the_stream():
     group, hs = _group()
-    svc = SourceService([group], worker_id="inproc-noread", remote_read="off")
+    svc = SourceService([group], worker_id="inproc-noread", remote_read="off", quotas=OPEN)
     await svc.start()
     try:
         assert READ_CAPABILITY not in svc.state()["capabilities"]
@@ -1015,7 +1019,8 @@ async def test_a_granted_read_hold_outlasts_a_lost_connection_and_close():
     Cancel (the destination gave up) releases them at once."""
     group, hs = _group()
     mgr = group.manager
-    svc = SourceService([group], worker_id="inproc-hold", read_hold_s=0.8)
+    svc = SourceService([group], worker_id="inproc-hold", read_hold_s=0.8,
+                        remote_read="host", quotas=OPEN)
     await svc.start()
     try:
         async with ConnectionPool(connect_timeout=10) as own:

@@ -71,7 +71,9 @@ import socket
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Any, Literal
+
+from kvkern.xfer.auth import AUTH_RESPONSE_HEADER
 
 __all__ = [
     "DEFAULT_STATE_PATH",
@@ -98,7 +100,8 @@ REASONS = (
     "empty_allowlist", "metadata_address", "resolve_failed", "unspecified", "multicast",
     "reserved", "link_local", "loopback", "not_allowed", "port_not_allowed",
 )
-FETCH_REASONS = ("metadata_fetch_failed", "metadata_timeout", "response_too_large", "redirect")
+FETCH_REASONS = ("metadata_fetch_failed", "metadata_timeout", "response_too_large", "redirect",
+                 "unauthenticated")
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
@@ -633,13 +636,16 @@ async def fetch_state(
     timeout_s: float,
     max_bytes: int,
     headers: dict[str, str] | None = None,
+    credential: Any = None,
 ) -> bytes:
     """GET the state from the pinned address and return the body (at most ``max_bytes``).
 
     The whole exchange (connect, headers, body) is bounded by ``timeout_s``. A 3xx is a
     ``redirect`` error (never followed), other non-2xx ``metadata_fetch_failed``; a body over
     ``max_bytes`` (by Content-Length or while streaming) ``response_too_large``; a timeout
-    ``metadata_timeout``."""
+    ``metadata_timeout``. With a ``credential`` (:class:`kvkern.xfer.auth.Credential`) the
+    request is signed and the answer must carry the source's signature over it
+    (``unauthenticated`` otherwise, and for a 401)."""
     import aiohttp  # heavy: only when fetching
     import yarl
 
@@ -648,6 +654,10 @@ async def fetch_state(
     url = yarl.URL(resolved.url, encoded=True)
     send_headers = {"Accept-Encoding": "identity", **(headers or {}),
                     "Host": resolved.host_header}
+    nonce = None
+    if credential is not None:
+        signed, nonce = credential.sign_request("GET", url.raw_path_qs)
+        send_headers.update(signed)
     extra = {"server_hostname": resolved.host} if resolved.scheme == "https" else {}
 
     async def go() -> bytes:
@@ -657,6 +667,9 @@ async def fetch_state(
         ) as session, session.get(
             url, headers=send_headers, allow_redirects=False, **extra
         ) as resp:
+            if resp.status == 401:
+                raise FetchError("unauthenticated", f"{resolved.display_url} refused this "
+                                 "worker's fleet credential")
             if 300 <= resp.status < 400:
                 raise FetchError("redirect", f"{resolved.display_url} answered "
                                  f"{resp.status} to {resp.headers.get('Location')!r}; "
@@ -678,6 +691,10 @@ async def fetch_state(
                 if len(body) > max_bytes:
                     raise FetchError("response_too_large",
                                      f"body exceeded max_bytes {max_bytes}")
+            if nonce is not None and not credential.verify_response(
+                    nonce, bytes(body), resp.headers.get(AUTH_RESPONSE_HEADER)):
+                raise FetchError("unauthenticated", f"{resolved.display_url} did not sign "
+                                 "its answer with the fleet secret")
             return bytes(body)
 
     try:

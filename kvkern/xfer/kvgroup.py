@@ -185,6 +185,10 @@ class KVGroup:
     dp_rank: int
     manager: KVCacheManager
     ranks: Mapping[int, RankKV] = field(default_factory=dict)
+    # What produced this KV (a fingerprint of the model's configuration and weights, or an
+    # operator's model id and revision): a source and a destination pull only between equal
+    # ids (``incompatible_model`` otherwise).
+    model_id: str = ""
 
     def __post_init__(self) -> None:
         topo = self.topology

@@ -4,6 +4,17 @@ A :class:`SourceService` runs on the transfer event loop (:class:`kvkern.xfer.ru
 EventLoopThread`) of a worker hosting one or more attention-DP groups (:class:`KVGroup`). It
 has one HTTP server (state, metrics, health) and one UCXX :class:`Listener` per hosted rank.
 
+Peers
+-----
+Only fleet members are served (:mod:`kvkern.xfer.auth`): every listener runs the
+authentication exchange before it reads a request, and every path under ``/kvkern/`` (the
+state document, a worker's block listing) needs a signed request and signs its answer
+(``401`` otherwise). Without a credential the service starts no listener and those paths
+answer ``503``. Each authenticated peer is held to :class:`PeerQuotas`: admitted sends, and
+the share of a rank's pool it (and all peers together) may have pinned; over a quota the
+answer is BUSY before anything is pinned. The HTTP server is bounded by
+:class:`kvkern.xfer.httpguard.HttpLimits` (head and body read time, body size, connections).
+
 HTTP
 ----
 ``GET /kvkern/v1/state`` (``STATE_PATH``), the JSON a destination codes against::
@@ -14,6 +25,7 @@ HTTP
      "hash_scheme": "public-xxh3-v1",          # every group's manager uses it
      "block_size": 16,
      "codec_fingerprint": "<16 hex digits of Codec.fingerprint, zero padded>",
+     "model": "<KVGroup.model_id>",            # a destination pulls only from its own model
      "topology": Topology.to_dict(),
      "dp_groups": {"<dp_rank>": {"ranks": {"<rank>": {"ucx_host": "127.0.0.1",
                                                        "ucx_port": 12345,
@@ -38,11 +50,14 @@ The handler of each connection reads control frames on ``CONTROL_TAG`` and serve
 :class:`PullRequest` in its own task, so a :class:`Cancel` for a running transfer is read
 while it streams. For one request::
 
-    validate  (no pin yet)        hash_scheme == the group's; every piece from this rank
+    validate  (no pin yet)        hash_scheme and model == the group's; count <= the pool's
+                                  blocks, no hash twice; every piece from this rank
                                   (src_rank), its layer/head ranges inside this rank's local
                                   layout; pieces tile the per-block stream (below); the chunk
                                   count fits the protocol          -> REJECTED "code: detail"
-    admit                         active sends < max_concurrent_sends -> else BUSY
+    admit                         active sends < max_concurrent_sends, and the peer's
+                                  < its quota -> else BUSY; the peer's pinned share after
+                                  this request within PeerQuotas -> else BUSY
     pin       manager.pin(block_hashes[start:start + count], require_all=req.require_all)
               served = the pinned leading run; none -> MISS; fewer than count -> PARTIAL
               (require_all: fewer than count -> MISS, nothing pinned)
@@ -54,22 +69,26 @@ while it streams. For one request::
               read_segment_bytes, read_more_*, read_native), the pool ids and read_hold_ms;
               the destination reads its pieces one-sided, then ReadDone(ack) on CONTROL_TAG
               -> ReadAck(held) on tag_for(tid, REPLY, 1) when it asks; the pins are held
-              until ReadDone or Cancel, and for at least read_hold_ms from receipt once the
-              reply went out, whatever happens (lost connection, close)
+              until ReadDone or Cancel, and for read_hold_ms from receipt once the reply
+              went out, whatever happens (lost connection, close), and no longer
     unpin     exactly once (see below)
 
-Remote reads: with ``remote_read="host"`` (default) ``start()`` registers every host pool
+Remote reads: with ``remote_read="host"`` (an opt-in; default ``"off"``) ``start()``
+registers every host pool
 whose blocks are contiguous segments (:attr:`RankKV.read_segments`, else
 :attr:`RankKV.native_segments`) with UCX for remote read only
 (:class:`kvkern.xfer.ucp_rma.Region`; ``"all"`` also device pools, untested without a GPU;
 ``"off"`` none) and lists ``read/1`` in the state. The registration lasts until ``close()``,
 so a peer holding the key can read any block of that pool while connected, like any
-RDMA-registered KV pool (NIXL, Mooncake); it can never write. Use ``"off"`` where
-destinations are not trusted to read the whole pool.
+RDMA-registered KV pool (NIXL, Mooncake); it can never write. Keys go to authenticated peers
+only, but the transports available without InfiniBand (TCP, CMA) do not bound a key to a
+grant, and UCX's TCP transport serves reads in software on the source: opt in only where every
+fleet member may read the whole pool (SECURITY.md).
 
 A REJECTED / ERROR reply's ``reason`` is ``"<code>: <detail>"``; codes: ``hash_scheme_mismatch``,
 ``wrong_rank``, ``bad_piece``, ``too_many_chunks``, ``duplicate_transfer``, ``busy``,
-``internal``. By default the source serves the longest pinned leading run and says PARTIAL.
+``bad_request``, ``incompatible_model``, ``internal``. By default the source serves the
+longest pinned leading run and says PARTIAL.
 A strict destination sets ``PullRequest.require_all``: then the source pins with
 ``require_all=True`` and answers MISS (nothing pinned, nothing sent) unless every requested
 block is cached, so a strict miss never needs a :class:`Cancel` that would abort the
@@ -123,9 +142,11 @@ the destination's ReadDone then gets ``ReadAck(held=False)``, so it commits noth
 after the release; the connection keeps serving.
 
 Read holds: a read reply grants ``read_hold_ms`` = ``min(read_hold_s, the request's
-deadline)`` counted from receipt of the request, and a destination whose reads all
+deadline)`` counted from receipt of the request; the pins end with it, or at ReadDone, or a
+Cancel (a source granting no hold keeps them until ReadDone within the deadline). A
+destination whose reads all
 completed within that time of *sending* the request commits them without waiting for the
-ReadAck (one round trip less: 0.78 -> 0.80-0.90 of raw at 64 MiB here). So, unlike a
+ReadAck (one round trip less: 0.78 -> 0.80-0.90 of raw at 64 MiB). So, unlike a
 stream, a read's pins are not released before the hold ends by anything but ReadDone or a
 Cancel: a lost connection, a deadline, an internal error or :meth:`close` (which waits for
 running holds) keep them until then (:func:`_keep_hold`). ``read_hold_s=0`` grants none: every
@@ -155,6 +176,15 @@ from aiohttp import web
 from kvkern.kernels.pack import pack
 from kvkern.layout.hostmem import host_buffer
 from kvkern.layout.kv_layout import KVLayout
+from kvkern.xfer.auth import (
+    AUTH_HEADER,
+    AUTH_RESPONSE_HEADER,
+    FROM_ENV,
+    Credential,
+    HttpVerifier,
+)
+from kvkern.xfer.auth import resolve as resolve_credential
+from kvkern.xfer.httpguard import GuardedSite, HttpLimits, guard_app, start_guarded
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import (
     DEFAULT_CODEC,
@@ -181,19 +211,47 @@ from kvkern.xfer.transport import (
     tag_for,
 )
 
-__all__ = ["CAPABILITIES", "PROTOCOL", "STATE_PATH", "ChunkSpec", "SourceService",
-           "StagingPool", "count_chunks", "plan_chunks"]
+__all__ = ["BLOCKS_PATH", "CAPABILITIES", "PEER_PREFIX", "PROTOCOL", "STATE_PATH", "ChunkSpec",
+           "PeerQuotas", "SourceService", "StagingPool", "count_chunks", "plan_chunks"]
 
 log = logging.getLogger(__name__)
 
 PROTOCOL = "kvkern/1"
 STATE_PATH = "/kvkern/v1/state"
+BLOCKS_PATH = "/kvkern/v1/blocks"
+PEER_PREFIX = "/kvkern/"  # every path under it answers authenticated fleet members only
 CAPABILITIES = ("pull/1", "strict", "best_effort", "sharded")
 REMOTE_READ_MODES = ("off", "host", "all")
 DEFAULT_MAX_SEND_S = 60.0  # TRT-LLM kv_transfer_timeout_ms (REFERENCE "Defaults")
 DEFAULT_PROGRESS_TIMEOUT_S = 10.0
 DEFAULT_READ_HOLD_S = 5.0  # read pins are granted this long (capped by the request deadline)
 _PACK_WAIT_S = 5.0
+_QUOTA_WAIT_S = 0.05  # a request over a pin quota waits this long for the peer's ending sends
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerQuotas:
+    """What one authenticated peer, and all peers together, may hold of a source.
+
+    ``max_sends_per_peer``: admitted requests of one peer at a time. ``peer_pin_fraction``:
+    the share of a rank's pool one peer may have pinned; ``total_pin_fraction``: the share
+    all peers together may have pinned, so the rest always stays evictable for the source's
+    own requests. A request over a quota gets BUSY (``source_busy`` at the destination)
+    before anything is pinned."""
+
+    max_sends_per_peer: int = 4
+    peer_pin_fraction: float = 0.25
+    total_pin_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_sends_per_peer, bool) or not isinstance(
+                self.max_sends_per_peer, int) or self.max_sends_per_peer < 1:
+            raise ValueError(f"max_sends_per_peer must be a positive int, got "
+                             f"{self.max_sends_per_peer!r}")
+        for name in ("peer_pin_fraction", "total_pin_fraction"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
 
 
 # ------------------------------------------------------------------------------ chunking
@@ -435,8 +493,11 @@ class SourceService:
         progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
         pack_threads: int = 2,
         staging_cache_bytes: int = 256 << 20,
-        remote_read: str = "host",
+        remote_read: str = "off",
         read_hold_s: float = DEFAULT_READ_HOLD_S,
+        credential: Credential | str | None = FROM_ENV,
+        quotas: PeerQuotas | None = None,
+        http_limits: HttpLimits | None = None,
     ) -> None:
         if not groups:
             raise ValueError("SourceService needs at least one KVGroup")
@@ -449,6 +510,9 @@ class SourceService:
             if g.dp_rank in seen:
                 raise ValueError(f"DP group {g.dp_rank} given twice")
             seen.add(g.dp_rank)
+            if g.model_id != groups[0].model_id:
+                raise ValueError(f"DP group {g.dp_rank} holds model {g.model_id!r}, group "
+                                 f"{groups[0].dp_rank} {groups[0].model_id!r}")
             if g.hash_scheme != groups[0].hash_scheme:
                 raise ValueError(f"DP group {g.dp_rank} uses hash scheme {g.hash_scheme!r}, "
                                  f"group {groups[0].dp_rank} {groups[0].hash_scheme!r}")
@@ -472,6 +536,16 @@ class SourceService:
                             ("progress_timeout_s", progress_timeout_s)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        credential = resolve_credential(credential, peer_id=worker_id)
+        # Without the fleet credential nothing is served to peers (fail closed): no
+        # listeners, and the peer HTTP endpoints answer 503.
+        self.credential = credential
+        self.quotas = quotas if quotas is not None else PeerQuotas()
+        self.model_id = groups[0].model_id
+        self._http_auth = HttpVerifier(credential) if credential is not None else None
+        self._peer_sends: dict[str, int] = {}  # authenticated peer -> admitted sends
+        self._peer_pins: dict[str, int] = {}  # authenticated peer -> blocks it has pinned
+        self.auth_refusals = 0  # HTTP requests refused for missing or bad credentials
         self.groups = tuple(sorted(groups, key=lambda g: g.dp_rank))
         self.topology = topo
         self.worker_id = worker_id
@@ -503,6 +577,8 @@ class SourceService:
             r: _RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
         self._listeners: dict[int, Listener] = {}
         self._runner: web.AppRunner | None = None
+        self._site: GuardedSite | None = None
+        self.http_limits = http_limits or HttpLimits()
         self._http_port: int | None = None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._sends: set[_Send] = set()  # every request task not finished yet
@@ -570,6 +646,7 @@ class SourceService:
             "hash_scheme": self.hash_scheme,
             "block_size": self.topology.model.block_size,
             "codec_fingerprint": f"{self.codec.fingerprint:016x}",
+            "model": self.model_id,
             "topology": self.topology.to_dict(),
             "dp_groups": dp_groups,
             "capabilities": list(CAPABILITIES) + ([READ_CAPABILITY] if self._regions else []),
@@ -586,21 +663,26 @@ class SourceService:
         try:
             for device in {ctx.rkv.device for ctx in self._ctx.values()}:
                 self._staging.prewarm(device, self.chunk_bytes, self.chunks_in_flight)
-            self._register_pools()
-            for rank, ctx in self._ctx.items():
-                lst = Listener(self._handler_for(ctx), host=self.advertise_host,
-                               port=self._ucx_ports.get(rank, 0), codec=self.codec)
-                await asyncio.wait_for(lst.start(), 10.0)
-                self._listeners[rank] = lst
-            app = web.Application()
+            if self.credential is not None:  # no credential: peers are not served at all
+                self._register_pools()
+                for rank, ctx in self._ctx.items():
+                    lst = Listener(self._handler_for(ctx), host=self.advertise_host,
+                                   port=self._ucx_ports.get(rank, 0), codec=self.codec,
+                                   credential=self.credential)
+                    await asyncio.wait_for(lst.start(), 10.0)
+                    self._listeners[rank] = lst
+            else:
+                log.warning("source %s has no fleet credential (%s): serving no peers",
+                            self.worker_id, "KVKERN_FLEET_SECRET_FILE / KVKERN_FLEET_SECRET")
+            app = guard_app(web.Application(middlewares=[self._peer_auth]), self.http_limits)
             app.router.add_get(STATE_PATH, self._http_state)
             app.router.add_get("/metrics", self._http_metrics)
             app.router.add_get("/healthz", self._http_health)
             app.router.add_routes(self._extra_routes)
             self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
             await asyncio.wait_for(self._runner.setup(), 10.0)
-            site = web.TCPSite(self._runner, self.host, self._http_port_req)
-            await asyncio.wait_for(site.start(), 10.0)
+            self._site = await asyncio.wait_for(start_guarded(
+                self._runner, self.host, self._http_port_req, self.http_limits), 10.0)
             self._http_port = int(self._runner.addresses[0][1])
         except BaseException:
             await self.close()
@@ -696,6 +778,29 @@ class SourceService:
 
     # -------------------------------------------------------------------------- HTTP
 
+    @web.middleware
+    async def _peer_auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Paths under :data:`PEER_PREFIX` answer fleet members only (``X-Kvkern-Auth``, see
+        :mod:`kvkern.xfer.auth`), and their answers are signed. Everything else passes."""
+        if not request.path.startswith(PEER_PREFIX):
+            return await handler(request)
+        if self._http_auth is None:
+            return web.json_response({"error": "this worker serves no peers (no fleet "
+                                      "credential)"}, status=503)
+        verdict = self._http_auth.check(request.method, request.raw_path,
+                                        request.headers.get(AUTH_HEADER))
+        if not verdict.ok:
+            self.auth_refusals += 1
+            log.warning("refused %s %s from %s: %s", request.method, request.path,
+                        request.remote, verdict.why)
+            return web.json_response({"error": "unauthorized"}, status=401)
+        resp = await handler(request)
+        body = resp.body if isinstance(resp, web.Response) else None
+        if isinstance(body, (bytes, bytearray)):
+            resp.headers[AUTH_RESPONSE_HEADER] = self._http_auth.credential.response_mac(
+                verdict.nonce, bytes(body))
+        return resp
+
     async def _http_state(self, request: web.Request) -> web.Response:
         return web.json_response(self.state())
 
@@ -735,6 +840,9 @@ class SourceService:
                     s = conn_sends.get(msg.transfer_id)
                     if s is not None and s.read_done is not None:
                         s.ack_read = msg.ack
+                        if not s.read_done.is_set():
+                            s.completed = True  # every read is done: the pins may go now,
+                            self._release(s)  # before the next request counts this quota
                         s.read_done.set()
                     elif msg.ack:  # nothing pinned for it (any more): say so, not silence
                         self._ack_unknown(conn, msg.transfer_id)
@@ -764,11 +872,14 @@ class SourceService:
         budget = req.deadline_ms / 1000 if req.deadline_ms else self.max_send_s
         deadline = now + min(budget, self.max_send_s)
         duplicate = req.transfer_id in conn_sends
+        peer = conn.peer_id or ""
         admitted = (not duplicate and not self._closing
-                    and self._active < self.max_concurrent_sends)
+                    and self._active < self.max_concurrent_sends
+                    and self._peer_sends.get(peer, 0) < self.quotas.max_sends_per_peer)
         s = _Send(req, conn, ctx, conn_sends, deadline, admitted)
         if admitted:
             self._active += 1
+            self._peer_sends[peer] = self._peer_sends.get(peer, 0) + 1
             self.metrics.source_send_started()
         if not duplicate:
             conn_sends[req.transfer_id] = s
@@ -784,6 +895,12 @@ class SourceService:
         if s.admitted:
             s.admitted = False
             self._active -= 1
+            peer = s.conn.peer_id or ""
+            left = self._peer_sends.get(peer, 1) - 1
+            if left > 0:
+                self._peer_sends[peer] = left
+            else:
+                self._peer_sends.pop(peer, None)
             self.metrics.source_send_ended(time.monotonic() - s.started)
         if not task.cancelled() and task.exception() is not None:
             log.error("send of transfer %d failed unexpectedly", s.req.transfer_id,
@@ -799,6 +916,12 @@ class SourceService:
         n = len(handle.block_ids)
         self._pins -= 1
         self._pinned_blocks -= n
+        key = (s.conn.peer_id or "", s.ctx.rank)
+        left = self._peer_pins.get(key, n) - n
+        if left > 0:
+            self._peer_pins[key] = left
+        else:
+            self._peer_pins.pop(key, None)
         self.metrics.source_pins_changed(-n)
         try:
             s.ctx.group.manager.unpin(handle)
@@ -828,8 +951,8 @@ class SourceService:
                 return
             if not s.admitted:
                 await self._reply_status(s, Status.BUSY, _reason(
-                    "busy", f"{self._active} sends in flight, limit "
-                    f"{self.max_concurrent_sends}"))
+                    "busy", f"{self._active} sends in flight (limit "
+                    f"{self.max_concurrent_sends}, {self.quotas.max_sends_per_peer} per peer)"))
                 return
             try:
                 pieces = self._validate(s.ctx, req)
@@ -890,7 +1013,16 @@ class SourceService:
         if req.hash_scheme != scheme:
             raise _Rejected("hash_scheme_mismatch", f"request scheme {req.hash_scheme!r} != "
                             f"source scheme {scheme!r}")
+        if req.model != self.model_id:
+            raise _Rejected("incompatible_model", f"request model {req.model!r} != source "
+                            f"model {self.model_id!r}")
         layout = ctx.rkv.layout
+        if req.count > layout.num_blocks:
+            raise _Rejected("bad_request", f"{req.count} blocks requested, rank {ctx.rank}'s "
+                            f"pool holds {layout.num_blocks}")
+        wanted = req.requested_hashes
+        if len(set(wanted)) != len(wanted):
+            raise _Rejected("bad_request", "a block hash is requested more than once")
         pieces = sorted(req.pieces, key=lambda p: p.offset)
         end = 0
         for p in pieces:
@@ -921,11 +1053,22 @@ class SourceService:
 
     async def _pin_and_send(self, s: _Send, pieces: list[PlanPiece]) -> None:
         req, ctx = s.req, s.ctx
+        busy = self._over_pin_quota(s)
+        waited = 0.0
+        while busy is not None and waited < _QUOTA_WAIT_S:  # a send of the peer finishing
+            await asyncio.sleep(0.002)
+            waited += 0.002
+            busy = self._over_pin_quota(s)
+        if busy is not None:
+            await self._reply_status(s, Status.BUSY, _reason("busy", busy))
+            return
         handle = ctx.group.manager.pin(req.requested_hashes, require_all=req.require_all)
         if handle is not None:
             s.handle = handle
             self._pins += 1
             self._pinned_blocks += len(handle.block_ids)
+            key = (s.conn.peer_id or "", ctx.rank)
+            self._peer_pins[key] = self._peer_pins.get(key, 0) + len(handle.block_ids)
             self.metrics.source_pins_changed(len(handle.block_ids))
         if handle is None:
             if req.require_all:  # how many there are, for the destination's log line
@@ -966,6 +1109,21 @@ class SourceService:
         s.completed = True
         self.metrics.source_served(n, sent)
 
+    def _over_pin_quota(self, s: _Send) -> str | None:
+        """Why pinning ``s``'s blocks would exceed a :class:`PeerQuotas` share, or None.
+        Counts the request's whole ``count`` (the served run can only be shorter)."""
+        rank, peer, want = s.ctx.rank, s.conn.peer_id or "", s.req.count
+        pool = s.ctx.rkv.layout.num_blocks
+        mine = self._peer_pins.get((peer, rank), 0)
+        if mine + want > self.quotas.peer_pin_fraction * pool:
+            return (f"peer quota: {mine} blocks pinned + {want} requested > "
+                    f"{self.quotas.peer_pin_fraction:g} of the {pool}-block pool")
+        total = sum(n for (_, r), n in self._peer_pins.items() if r == rank)
+        if total + want > self.quotas.total_pin_fraction * pool:
+            return (f"pin quota: {total} blocks pinned by peers + {want} requested > "
+                    f"{self.quotas.total_pin_fraction:g} of the {pool}-block pool")
+        return None
+
     async def _serve_read(self, s: _Send, segs: Any, regions: list[Any], native: bool,
                           pieces: list[PlanPiece], block_ids: list[int],
                           hashes: Sequence[int]) -> None:
@@ -995,7 +1153,17 @@ class SourceService:
         s.hold_until = s.started + hold_s  # from here on the destination may be reading
         await self._reply(s, reply)
         await self._after_reply(req, reply)
-        await s.read_done.wait()
+        # The pins last as long as the reply says and no longer; a source that grants no
+        # hold (read_hold_s=0) keeps them until ReadDone within the request's deadline.
+        until = s.hold_until if hold_s > 0 else s.deadline
+        try:
+            await asyncio.wait_for(s.read_done.wait(), max(until - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            log.info("read hold of transfer %d on rank %d ended without ReadDone "
+                     "(%.0f ms granted); releasing its pins", req.transfer_id, s.ctx.rank,
+                     hold_s * 1000)
+            self.metrics.source_send_failed("hold_expired")
+            return
         await self._before_chunk(req.transfer_id, 0)
         if s.ack_read:
             remaining = max(s.deadline - time.monotonic(), 0.001)

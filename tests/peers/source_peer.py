@@ -86,7 +86,7 @@ from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import Status
 from kvkern.xfer.runtime import EventLoopThread
-from kvkern.xfer.source import REMOTE_READ_MODES, SourceService
+from kvkern.xfer.source import REMOTE_READ_MODES, PeerQuotas, SourceService
 
 READY_PREFIX = "KVKERN_READY "
 CLOSED_PREFIX = "KVKERN_CLOSED "
@@ -166,6 +166,9 @@ class Peer:
             max_concurrent_sends=args.max_concurrent_sends, max_send_s=args.max_send_s,
             slow_send_ms=args.slow_send_ms, freeze_after_reply=args.freeze_after_reply,
             remote_read=args.remote_read, read_hold_s=args.read_hold_s,
+            quotas=PeerQuotas(max_sends_per_peer=args.max_sends_per_peer,
+                              peer_pin_fraction=args.peer_pin_fraction,
+                              total_pin_fraction=args.total_pin_fraction),
             extra_routes=[web.get("/test/stats", self.h_stats),
                           web.post("/test/evict", self.h_evict),
                           web.post("/test/commit", self.h_commit),
@@ -282,6 +285,10 @@ def main() -> int:
     ap.add_argument("--max-send-s", type=float, default=60.0)
     ap.add_argument("--remote-read", choices=REMOTE_READ_MODES, default="host")
     ap.add_argument("--read-hold-s", type=float, default=5.0)
+    # quotas off by default (tiny pools); the quota tests set them
+    ap.add_argument("--max-sends-per-peer", type=int, default=8)
+    ap.add_argument("--peer-pin-fraction", type=float, default=1.0)
+    ap.add_argument("--total-pin-fraction", type=float, default=1.0)
     ap.add_argument("--slow-send-ms", type=float, default=0.0)
     ap.add_argument("--freeze-after-reply", action="store_true")
     ap.add_argument("--http-port", type=int, default=0)
