@@ -204,9 +204,11 @@ def ucx_transports(log: Path, timeout_s: float) -> tuple[dict, dict | None]:
     pkg = Path(list(spec.submodule_search_locations)[0])
     env = {"LD_LIBRARY_PATH": f"{pkg / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     try:
-        from kvkern.xfer.ucx_env import configure_ucx_env  # noqa: PLC0415
+        from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env  # noqa: PLC0415
 
-        env |= configure_ucx_env({**os.environ})
+        effective = {**os.environ}
+        configure_ucx_env(effective)  # the settings a kvkern process runs with, set or default
+        env |= {k: effective[k] for k in UCX_DEFAULTS}
     except Exception as e:  # noqa: BLE001 - the listing is still useful without them
         env["KVKERN_UCX_ENV_ERROR"] = repr(e)
     res = run_step([str(pkg / "bin" / "ucx_info"), "-d"], log, timeout_s, env=env)

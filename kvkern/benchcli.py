@@ -197,7 +197,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
     from kvkern.cache.pool import BlockPool  # noqa: PLC0415
     from kvkern.xfer.kvgroup import KVGroup  # noqa: PLC0415
-    from kvkern.xfer.source import SourceService  # noqa: PLC0415
+    from kvkern.xfer.source import PeerQuotas, SourceService  # noqa: PLC0415
 
     topo = _pull_topology(tp)
     bs = topo.model.block_size
@@ -214,8 +214,12 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
     pool.commit(ids, hashes)
     pool.release(ids)
     group = KVGroup(topo, 0, pool, ranks)
+    # The bench's pool holds exactly the pulled blocks and its one destination pulls them
+    # all: no peer quota, and the one-sided reads it measures offered (an opt-in).
     return await SourceService([group], worker_id="bench-source", chunk_bytes=chunk_bytes,
-                               chunks_in_flight=in_flight).start()
+                               chunks_in_flight=in_flight, remote_read="host",
+                               quotas=PeerQuotas(peer_pin_fraction=1.0,
+                                                 total_pin_fraction=1.0)).start()
 
 
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
@@ -543,6 +547,11 @@ async def _run_cases(info: dict, s: Settings, loop: Any) -> dict[str, Any]:
 def run_xfer(s: Settings) -> dict[str, Any]:
     """Start the peer, run the cases, always kill the peer. Returns the result object."""
     s.apply_env(os.environ)
+    from kvkern.xfer.auth import SECRET_ENV, SECRET_FILE_ENV, Credential, generate_secret  # noqa: PLC0415
+
+    if Credential.from_env() is None:  # the bench and its peer form a fleet of their own
+        os.environ[SECRET_ENV] = generate_secret()
+        os.environ.pop(SECRET_FILE_ENV, None)
     with tempfile.TemporaryDirectory(prefix="kvkern-bench-") as tmp:
         port_file = os.path.join(tmp, "port")
         cmd = [sys.executable, "-m", "kvkern.benchcli", "_peer", "--port-file", port_file,

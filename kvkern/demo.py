@@ -78,10 +78,24 @@ def _worker_args(opts: DemoOptions, layout: str, worker_id: str, num_blocks: int
     return ["--model", opts.model, "--device", opts.device, "--layout", layout,
             "--num-blocks", str(num_blocks), "--worker-id", worker_id,
             "--host", "127.0.0.1", "--port", "0", "--allow", "127.0.0.0/8",
+            # One-sided reads of the source's pool: both workers run on one host under one
+            # user, where the OS lets each process read the other's memory anyway.
+            "--remote-read", "host",
             # The sweep measures both sides at every length, so the cost guard must not skip
             # the short pulls it would judge not worth it.
             "--cost-guard", "off", "--log-level", "ERROR",
             *opts.extra_worker_args, *extra]
+
+
+class _Fleet:
+    """A fresh fleet secret for the demo's workers (in their environment) and its router."""
+
+    def __init__(self) -> None:
+        from kvkern.xfer.auth import SECRET_ENV, SECRET_FILE_ENV, Credential, generate_secret  # noqa: PLC0415,E501
+
+        secret = generate_secret()
+        self.env = {SECRET_ENV: secret, SECRET_FILE_ENV: ""}
+        self.credential = Credential(secret, peer_id="demo-router")
 
 
 def _model_config(name: str):
@@ -93,10 +107,11 @@ def _model_config(name: str):
 class _Client:
     """The demo's view of the two workers and the router (blocking HTTP, bounded)."""
 
-    def __init__(self, router, urls: dict[str, str], timeout: float) -> None:
+    def __init__(self, router, urls: dict[str, str], timeout: float, credential) -> None:
         self.router = router
         self.urls = urls
         self.timeout = timeout
+        self.credential = credential  # signs the router's hints, as `kvkern router` does
 
     def generate(self, worker: str, body: dict[str, Any]) -> dict[str, Any]:
         from kvkern.serve.httpjson import post_json  # noqa: PLC0415
@@ -106,11 +121,16 @@ class _Client:
     def routed(self, tokens: list[int], *, destination: str | None = None,
                **body: Any) -> tuple[Any, dict[str, Any]]:
         """Route through the router (hint attached), send, report the outcome back."""
+        from kvkern.xfer.auth import sign_hint  # noqa: PLC0415
+        from kvkern.xfer.hints import decode_hint  # noqa: PLC0415
+
         decision = self.router.route(tokens, destination=destination)
+        hint = dict(decision.hint or {})
+        if hint:
+            hint.update(sign_hint(self.credential, decode_hint(hint), tokens))
         ok = False
         try:
-            out = self.generate(decision.destination,
-                                {"token_ids": tokens, **body, **(decision.hint or {})})
+            out = self.generate(decision.destination, {"token_ids": tokens, **body, **hint})
             ok = True
             return decision, out
         finally:
@@ -200,6 +220,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     from kvkern.serve.router import KVRouter  # noqa: PLC0415
 
     t_start = time.perf_counter()
+    fleet = _Fleet()
     cfg = _model_config(opts.model)
     T = cfg.block_size
     sweep = sorted({n for n in opts.sweep if 0 < n <= cfg.max_seq_len} | {opts.prefix_tokens})
@@ -211,7 +232,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     procs = start_workers({
         "A": _worker_args(opts, opts.source_layout, "A", num_blocks),
         "B": _worker_args(opts, opts.dest_layout, "B", num_blocks),
-    }, threads=opts.threads, timeout=opts.start_timeout_s)
+    }, threads=opts.threads, timeout=opts.start_timeout_s, env=fleet.env)
     try:
         info = {n: p.info for n, p in procs.items()}
         _say(opts, f"  A {info['A']['url']}  B {info['B']['url']}  device "
@@ -219,7 +240,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         router = KVRouter(T, dialect=opts.dialect)
         for name, p in procs.items():
             router.add_worker(name, p.url)
-        client = _Client(router, {n: p.url for n, p in procs.items()}, opts.request_timeout_s)
+        client = _Client(router, {n: p.url for n, p in procs.items()}, opts.request_timeout_s,
+                         fleet.credential)
         fallbacks: Counter[str] = Counter()
 
         # -- warm-up: first forwards, first UCX connection and state fetch (both ways)
@@ -346,6 +368,7 @@ def run_kill_check(opts: DemoOptions, *, stall_s: float = 30.0) -> dict[str, Any
     from kvkern.serve.router import KVRouter  # noqa: PLC0415
 
     t_start = time.perf_counter()
+    fleet = _Fleet()
     cfg = _model_config(opts.model)
     T = cfg.block_size
     bounds = ("--metadata-timeout-s", "2", "--transfer-timeout-s", "5", "--deadline-s", "10")
@@ -353,12 +376,13 @@ def run_kill_check(opts: DemoOptions, *, stall_s: float = 30.0) -> dict[str, Any
         "A": _worker_args(opts, opts.source_layout, "A", 256,
                           ("--debug-send-delay-s", str(stall_s))),
         "B": _worker_args(opts, opts.dest_layout, "B", 256, bounds),
-    }, threads=opts.threads, timeout=opts.start_timeout_s)
+    }, threads=opts.threads, timeout=opts.start_timeout_s, env=fleet.env)
     try:
         router = KVRouter(T, dialect=opts.dialect)
         for name, p in procs.items():
             router.add_worker(name, p.url)
-        client = _Client(router, {n: p.url for n, p in procs.items()}, opts.request_timeout_s)
+        client = _Client(router, {n: p.url for n, p in procs.items()}, opts.request_timeout_s,
+                         fleet.credential)
         prefix = _tokens(opts.prefix_tokens, cfg.vocab_size, opts.seed)
         question = _tokens(opts.question_tokens, cfg.vocab_size, opts.seed + 1)
         prompt = prefix + question

@@ -46,6 +46,7 @@ from kvkern.xfer.outcome import Reason, RequestState
 from kvkern.xfer.puller import Puller
 from kvkern.xfer.runtime import EventLoopThread
 from kvkern.xfer.ucp_rma import coalesce
+from tests.fleet import CREDENTIAL, peer_headers
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -94,7 +95,8 @@ class Source:
     def http(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"http://{self.endpoint}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **peer_headers(method, path)})
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
 
@@ -544,8 +546,14 @@ class _StateStub(http.server.BaseHTTPRequestHandler):
             body, code = b"oops", 500
         else:
             body, code = b"<html>not state</html>", 200
+        sign = {}
+        if self.path.startswith("/signed"):  # a fleet member answering garbage
+            nonce = self.headers.get("X-Kvkern-Auth", "").partition("nonce=")[2].split()[0]
+            sign = {"X-Kvkern-Auth-Response": CREDENTIAL.response_mac(nonce, body)}
         try:
             self.send_response(code)
+            for k, v in sign.items():
+                self.send_header(k, v)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -582,7 +590,8 @@ def test_metadata_fetch_failures(make_puller, stub_server):
     p = make_puller(group, metadata_timeout_s=0.5)
     cases = [(f"{HOST}:{closed_port}", Reason.METADATA_FETCH_FAILED),
              (f"http://{HOST}:{stub_server}/500", Reason.METADATA_FETCH_FAILED),
-             (f"http://{HOST}:{stub_server}/garbage", Reason.METADATA_INVALID),
+             (f"http://{HOST}:{stub_server}/garbage", Reason.UNAUTHENTICATED),
+             (f"http://{HOST}:{stub_server}/signed-garbage", Reason.METADATA_INVALID),
              (f"http://{HOST}:{stub_server}/slow", Reason.METADATA_TIMEOUT)]
     for i, (source, reason) in enumerate(cases):
         t0 = time.monotonic()

@@ -9,7 +9,9 @@ import pytest
 
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.serve.router import DIALECTS, KVRouter, hint_fragment, router_hashes
+from kvkern.xfer.auth import HttpVerifier, check_hint
 from kvkern.xfer.hints import KvHint, decode_hint
+from tests.fleet import CREDENTIAL
 
 T = 4
 
@@ -151,9 +153,16 @@ async def test_http_front_forwards_with_the_hint():
         seen.append(body)
         return web.json_response({"tokens": [1]})
 
-    async def fake_blocks(request):
-        return web.json_response({"hash_scheme": "public-xxh3-v1", "block_size": T,
+    async def fake_blocks(request):  # a fleet member's listing: signed, for a signed request
+        verdict = HttpVerifier(CREDENTIAL).check("GET", request.raw_path,
+                                                 request.headers.get("X-Kvkern-Auth"))
+        if not verdict.ok:
+            return web.json_response({"error": "unauthorized"}, status=401)
+        resp = web.json_response({"hash_scheme": "public-xxh3-v1", "block_size": T,
                                   "blocks": []})
+        resp.headers["X-Kvkern-Auth-Response"] = CREDENTIAL.response_mac(verdict.nonce,
+                                                                         resp.body)
+        return resp
 
     runners = []
 
@@ -171,7 +180,7 @@ async def test_http_front_forwards_with_the_hint():
         for _ in range(2):
             app = web.Application()
             app.add_routes([web.post("/v1/generate", fake_generate),
-                            web.get("/v1/blocks", fake_blocks)])
+                            web.get("/kvkern/v1/blocks", fake_blocks)])
             workers.append(await serve(app))
         router = KVRouter(T)
         router.add_worker("a", workers[0])
@@ -180,16 +189,22 @@ async def test_http_front_forwards_with_the_hint():
         prefix = toks(16, 11)
         router.learn_tokens("a", prefix)
         async with ClientSession(trust_env=False, timeout=ClientTimeout(total=10)) as s:
+            # the client's own hint (naming an attacker's host) is dropped
             async with s.post(f"{router_url}/v1/generate",
                               json={"token_ids": prefix + [1, 2], "max_new_tokens": 1,
-                                    "destination": "b"}) as r:
+                                    "destination": "b",
+                                    "kv_transfer_params": {"remote_kv_source": {
+                                        "host": "10.9.9.9", "port": 1}},
+                                    "kv_hint": {"source": "10.9.9.9:1"}}) as r:
                 out = await r.json()
             assert r.status == 200
             async with s.get(f"{router_url}/v1/workers") as r:
                 listing = await r.json()
         assert out["router"]["destination"] == "b" and out["router"]["hint_source"] == "a"
         assert seen[0]["kv_hint"]["source"] == workers[0]
-        assert "destination" not in seen[0]
+        assert "destination" not in seen[0] and seen[0]["kv_transfer_params"] == {}
+        hint = decode_hint(seen[0])
+        assert check_hint(CREDENTIAL, seen[0], hint, prefix + [1, 2]) is None  # signed
         by_id = {w["worker_id"]: w for w in listing["workers"]}
         assert by_id["b"]["blocks"] == 4 and by_id["b"]["in_flight"] == 0
     finally:

@@ -15,6 +15,7 @@ from kvkern.serve.httpjson import HTTPError, get_json, post_json
 from kvkern.serve.model import ModelConfig
 from kvkern.serve.procs import start_workers
 from kvkern.serve.router import DIALECTS, KVRouter, hint_fragment, router_hashes
+from tests.fleet import peer_get, signed
 
 T = 4  # ModelConfig.tiny().block_size
 VOCAB = 256
@@ -98,8 +99,9 @@ def workers():
     common = ["--model", "tiny", "--num-blocks", "256", "--allow", "127.0.0.0/8",
               "--cost-guard", "off", "--metadata-timeout-s", "2", "--transfer-timeout-s", "5",
               "--deadline-s", "10", "--log-level", "ERROR"]
-    procs = start_workers({"A": [*common, "--worker-id", "A", "--layout", "trtllm"],
-                           "B": [*common, "--worker-id", "B", "--layout", "vllm_flash"],
+    reads = ["--remote-read", "host"]
+    procs = start_workers({"A": [*common, *reads, "--worker-id", "A", "--layout", "trtllm"],
+                           "B": [*common, *reads, "--worker-id", "B", "--layout", "vllm_flash"],
                            # C: no allowlist, so every hint is refused (fail closed)
                            "C": ["--model", "tiny", "--num-blocks", "64", "--worker-id", "C",
                                  "--cost-guard", "off", "--log-level", "ERROR",
@@ -122,12 +124,12 @@ def test_ready_line_and_info(workers):
     assert a.url.startswith("http://127.0.0.1:")
     info = get_json(f"{a.url}/v1/info", timeout=10)
     assert info["layout"] == "trtllm" and info["block_size"] == T
-    state = get_json(f"{a.url}/kvkern/v1/state", timeout=10)
+    state = peer_get(a.url, "/kvkern/v1/state")
     assert state["protocol"] == "kvkern/1" and state["worker_id"] == "A"
     # A's TRT-LLM host pool and B's per-layer vLLM flash pool are offered for one-sided
     # reads (B's in its own order: to pools of its layout, whole blocks); C was started with
     # --remote-read off
-    states = {n: get_json(f"{w.url}/kvkern/v1/state", timeout=10) for n, w in workers.items()}
+    states = {n: peer_get(w.url, "/kvkern/v1/state") for n, w in workers.items()}
     offered = {n: "read/1" in st["capabilities"] for n, st in states.items()}
     assert offered == {"A": True, "B": True, "C": False}
     assert states["A"]["dp_groups"]["0"]["ranks"]["0"]["read"] == "canonical"
@@ -144,7 +146,7 @@ def test_generate_commits_and_reports(workers):
     assert again["cached_tokens"] == 20 and again["tokens"] == out["tokens"]
     third = gen(a.url, {"token_ids": prompt, "max_new_tokens": 3})
     assert third["logits_sha256"] == again["logits_sha256"]  # same cached_len: same bits
-    report = get_json(f"{a.url}/v1/blocks", timeout=10)
+    report = peer_get(a.url, "/kvkern/v1/blocks")
     assert set(router_hashes(prompt, T)) <= {b["hash"] for b in report["blocks"]}
 
 
@@ -158,8 +160,8 @@ def test_hinted_pull_in_every_dialect_continues_bit_identically(workers, dialect
     prompt = prefix + question
     gen(a.url, {"token_ids": prefix, "max_new_tokens": 1})
     hint = hint_fragment(dialect, a.url, router_hashes(prefix, T))
-    pulled = gen(b.url, {"token_ids": prompt, "max_new_tokens": 4, "return_logits": True,
-                         **hint})
+    pulled = gen(b.url, signed({"token_ids": prompt, "max_new_tokens": 4,
+                                "return_logits": True, **hint}))
     assert pulled["fallback"] is None, pulled
     assert pulled["pull"]["reason"] in ("ok", "partial")
     assert pulled["pulled_tokens"] == 32 and pulled["cached_tokens"] == 32
@@ -177,15 +179,15 @@ def test_refused_hints_fall_back_with_a_reason(workers):
     prompt = prefix + [1, 2]
     cold = gen(c.url, {"token_ids": prompt, "max_new_tokens": 2, "use_cache": False})
     # C has no allowlist: fails closed.
-    out = gen(c.url, {"token_ids": prompt, "max_new_tokens": 2,
-                      **hint_fragment("kv_hint", a.url, router_hashes(prefix, T))})
+    out = gen(c.url, signed({"token_ids": prompt, "max_new_tokens": 2,
+                             **hint_fragment("kv_hint", a.url, router_hashes(prefix, T))}))
     assert out["fallback"] == "source_not_allowed" and out["tokens"] == cold["tokens"]
     # A malformed hint is a reason too, never an error.
     out = gen(c.url, {"token_ids": prompt, "max_new_tokens": 2, "kv_hint": {"source": 5}})
     assert out["fallback"] == "hint_invalid" and out["tokens"] == cold["tokens"]
     # Hashes that do not name this prompt.
-    b_out = gen(workers["B"].url, {"token_ids": prompt, "max_new_tokens": 2,
-                                   **hint_fragment("kv_hint", a.url, [1, 2, 3])})
+    b_out = gen(workers["B"].url, signed({"token_ids": prompt, "max_new_tokens": 2,
+                                          **hint_fragment("kv_hint", a.url, [1, 2, 3])}))
     assert b_out["fallback"] == "hash_mismatch" and b_out["tokens"] == cold["tokens"]
 
 
@@ -197,10 +199,11 @@ def test_router_learns_from_reports_and_routes_with_a_hint(workers):
     router.add_worker("A", a.url)
     router.add_worker("B", b.url)
     for wid, p in (("A", a), ("B", b)):
-        router.load_report(wid, get_json(f"{p.url}/v1/blocks", timeout=10))
+        router.load_report(wid, peer_get(p.url, "/kvkern/v1/blocks"))
     d = router.route(prefix + [7, 7, 7], destination="B")
     assert d.hint_source == "A" and d.hint_blocks == 6
-    out = gen(b.url, {"token_ids": prefix + [7, 7, 7], "max_new_tokens": 1, **d.hint})
+    out = gen(b.url, signed({"token_ids": prefix + [7, 7, 7], "max_new_tokens": 1,
+                             **d.hint}))
     router.finish(d, ok=True)
     assert out["pulled_tokens"] == 24
 

@@ -21,8 +21,15 @@ Schemes
     little-endian unsigned integers, seed 1337; it does **not** depend on earlier blocks.
     Chained (Dynamo's "sequence hash"): ``c[0] = b[0]``,
     ``c[i] = XXH3-64(le64(c[i-1]) || le64(b[i]), seed=1337)``.
-    Takes no cache salt and no LoRA id (passing one raises: silently ignoring it would make
-    hashes of different adapters collide).
+    Its local hashes take no cache salt and no LoRA id (passing one raises: silently ignoring
+    it would make hashes of different adapters collide). The chained form takes a cache salt
+    as the chain's root parent (a kvkern extension; Dynamo's router chains from no parent)::
+
+        c[0] = XXH3-64(le64(salt) || le64(b[0]), seed=1337),  then as above
+
+``cache_salt`` (both schemes) is a u64; :func:`salt_key` maps a request's salt string (vLLM's
+``cache_salt``) to one. Tenants with different salts share no chained hash, so neither a
+prefix-index hit nor a pull crosses between them.
 
 ``trtllm-v1``
     TRT-LLM V1's ``BlockKeyHasher``. It is chained by construction (the parent hash seeds each
@@ -62,6 +69,7 @@ __all__ = [
     "HashScheme",
     "U64_MASK",
     "get_scheme",
+    "salt_key",
     "known_schemes",
     "local_block_hashes",
     "normalize_hash",
@@ -269,9 +277,18 @@ class HashScheme:
         cache_salt: int | None = None,
         lora_id: int | None = None,
     ) -> list[int]:
-        return self.chain(
-            self.block_hashes(token_ids, block_size, cache_salt=cache_salt, lora_id=lora_id)
-        )
+        if self.chained:  # the salt enters the root block's key
+            return self.chain(
+                self.block_hashes(token_ids, block_size, cache_salt=cache_salt, lora_id=lora_id)
+            )
+        return self.salted_chain(self.block_hashes(token_ids, block_size, lora_id=lora_id),
+                                 cache_salt)
+
+    def salted_chain(self, block_hashes: Sequence[int], cache_salt: int | None) -> list[int]:
+        """The chained form of this scheme's ``block_hashes`` under ``cache_salt``: for an
+        unchained scheme the salt is the chain's root parent; a chained scheme's hashes
+        already carry it (computed with ``cache_salt``), so they are returned normalised."""
+        return self.chain(block_hashes, None if self.chained else cache_salt)
 
 
 _SCHEMES: dict[str, HashScheme] = {
@@ -280,7 +297,7 @@ _SCHEMES: dict[str, HashScheme] = {
         HashScheme(
             name="public-xxh3-v1",
             chained=False,
-            supports_salt=False,
+            supports_salt=True,
             supports_lora=False,
             _block_hashes=_xxh3_block_hashes,
             _chain=_xxh3_chain,
@@ -295,6 +312,15 @@ _SCHEMES: dict[str, HashScheme] = {
         ),
     )
 }
+
+
+def salt_key(cache_salt: str | None) -> int | None:
+    """The u64 a request's cache salt string stands for in every scheme (None for no salt or
+    the empty string, so unsalted requests keep the schemes' published values)."""
+    if not cache_salt:
+        return None
+    return xxhash.xxh3_64_intdigest(b"kvkern-cache-salt/v1\0" + cache_salt.encode("utf-8"),
+                                    DYNAMO_SEED)
 
 
 def known_schemes() -> tuple[str, ...]:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvkern.cache.hashing import DEFAULT_SCHEME, local_block_hashes, sequence_hashes
+from kvkern.cache.hashing import DEFAULT_SCHEME, local_block_hashes, salt_key, sequence_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.serve.model import ModelConfig, PagedTransformer
 from kvkern.serve.router import ROUTER_SCHEME
@@ -111,30 +111,34 @@ class Engine:
     def block_size(self) -> int:
         return self.config.block_size
 
-    def pool_hashes(self, token_ids: Sequence[int]) -> list[int]:
-        return sequence_hashes(token_ids, self.block_size, self.pool.hash_scheme)
+    def pool_hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[int]:
+        """Chained pool-scheme hashes of the full blocks, under the request's cache salt."""
+        return sequence_hashes(token_ids, self.block_size, self.pool.hash_scheme,
+                               cache_salt=salt_key(cache_salt))
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        """Prompt tokens this worker holds now (read-only, full blocks)."""
-        return self.pool.longest_prefix(self.pool_hashes(token_ids)) * self.block_size
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str = "") -> int:
+        """Prompt tokens this worker holds now under ``cache_salt`` (read-only, full blocks)."""
+        return (self.pool.longest_prefix(self.pool_hashes(token_ids, cache_salt))
+                * self.block_size)
 
     # ------------------------------------------------------------------------ generation
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int, *, arrival: float,
                  use_cache: bool = True, held: Sequence[int] = (),
-                 on_prefill: Any = None) -> GenerateResult:
+                 on_prefill: Any = None, cache_salt: str = "") -> GenerateResult:
         """Greedy generation of ``max_new_tokens`` tokens after ``token_ids``.
 
         ``held``: block ids the caller holds references on (claimed pulled blocks); they
         are released with the request's own. ``on_prefill(tokens, seconds)`` is called after
         a prefill that computed ``tokens`` positions (the puller's cost model learns it).
+        ``cache_salt``: the tenant's salt; only blocks cached under the same salt are reused.
         """
         prompt = [int(t) for t in token_ids]
         T = self.block_size
         owned: list[int] = list(held)  # one reference each, released in `finally`
         with self._lock:
             try:
-                hashes = self.pool_hashes(prompt) if use_cache else []
+                hashes = self.pool_hashes(prompt, cache_salt) if use_cache else []
                 hit: list[int] = []
                 if use_cache:
                     hit = self.pool.acquire_prefix(hashes)
@@ -167,7 +171,7 @@ class Engine:
                                              hashes[len(hit):nfull])
                     committed = sum(flags)
                 if use_cache:
-                    self._remember(prompt, hashes)
+                    self._remember(prompt, hashes, cache_salt)
                 tokens = list(first.tokens)
                 if max_new_tokens > 1:
                     rest = self.model.greedy_generate(
@@ -189,14 +193,15 @@ class Engine:
 
     # ------------------------------------------------------------------ router report
 
-    def _remember(self, prompt: list[int], pool_hashes: list[int]) -> None:
+    def _remember(self, prompt: list[int], pool_hashes: list[int], cache_salt: str) -> None:
         if not pool_hashes:
             return
         local = local_block_hashes(prompt, self.block_size, ROUTER_SCHEME)
         if self.pool.hash_scheme == ROUTER_SCHEME:
             chained = pool_hashes
         else:
-            chained = sequence_hashes(prompt, self.block_size, ROUTER_SCHEME)
+            chained = sequence_hashes(prompt, self.block_size, ROUTER_SCHEME,
+                                      cache_salt=salt_key(cache_salt))
         with self._map_lock:
             for i, ph in enumerate(pool_hashes):
                 self._router_map[ph] = (chained[i], chained[i - 1] if i else None, local[i])
@@ -208,7 +213,7 @@ class Engine:
             del self._router_map[ph]
 
     def report(self, worker_id: str) -> dict[str, Any]:
-        """``GET /v1/blocks``: the router-domain hashes of the blocks cached here."""
+        """``GET /kvkern/v1/blocks``: the router-domain hashes of the blocks cached here."""
         with self._map_lock:
             self._prune_locked()
             blocks = [{"hash": c, "parent": p, "local": loc}

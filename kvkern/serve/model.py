@@ -220,6 +220,18 @@ class PagedTransformer:
         self.rope_sin = angles.sin().to(device=device, dtype=c.dtype)
         self.device = self.embed.device
 
+    def fingerprint(self) -> str:
+        """``sha256:<hex>`` over the configuration and every weight's bytes: two workers
+        whose KV may be exchanged have equal fingerprints (``KVGroup.model_id``)."""
+        import hashlib  # noqa: PLC0415
+
+        h = hashlib.sha256(repr(dataclasses.astuple(self.config)).encode())
+        tensors = [self.embed, self.final_norm, self.lm_head]
+        tensors += [t for layer in self.layers for t in dataclasses.astuple(layer)]
+        for t in tensors:
+            h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+        return "sha256:" + h.hexdigest()
+
     @property
     def num_parameters(self) -> int:
         tensors = [self.embed, self.final_norm, self.lm_head]

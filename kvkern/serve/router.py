@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import sys
 import threading
@@ -47,7 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvkern.cache.hashing import get_scheme, normalize_hashes
+from kvkern.cache.hashing import get_scheme, normalize_hashes, salt_key
+from kvkern.xfer.auth import AUTH_RESPONSE_HEADER, DEFAULT_HINT_TTL_S, FROM_ENV
 
 __all__ = [
     "DIALECTS",
@@ -64,13 +66,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ROUTER_SCHEME = "public-xxh3-v1"
+BLOCKS_PATH = "/kvkern/v1/blocks"  # a worker's block listing (fleet members only)
 DIALECTS = ("kv_hint", "kv_hints", "dynamo", "llm-d")
 
 
-def router_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained ``public-xxh3-v1`` hashes of the full blocks of ``token_ids``: element ``i``
-    names ``token_ids[:(i + 1) * block_size]``."""
-    return get_scheme(ROUTER_SCHEME).sequence_hashes(token_ids, block_size)
+def router_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
+    """Chained ``public-xxh3-v1`` hashes of the full blocks of ``token_ids`` under the
+    request's ``cache_salt``: element ``i`` names ``token_ids[:(i + 1) * block_size]``."""
+    return get_scheme(ROUTER_SCHEME).sequence_hashes(token_ids, block_size,
+                                                     cache_salt=salt_key(cache_salt))
 
 
 def hint_fragment(dialect: str, source: str, block_hashes: Sequence[int], *,
@@ -261,11 +265,13 @@ class KVRouter:
     # ------------------------------------------------------------------ routing
 
     def route(self, token_ids: Sequence[int], *, destination: str | None = None,
-              request_id: str | None = None, dialect: str | None = None) -> RouteDecision:
+              request_id: str | None = None, dialect: str | None = None,
+              cache_salt: str = "") -> RouteDecision:
         """Pick a destination (least loaded healthy worker, or ``destination`` when given)
         and, when another worker holds a longer prefix (by ``min_hint_blocks``), a hint
-        naming it. Marks the request in flight on the destination: call :meth:`finish`."""
-        hashes = router_hashes(token_ids, self.block_size)
+        naming it. Marks the request in flight on the destination: call :meth:`finish`.
+        Prefixes match only under the same ``cache_salt``."""
+        hashes = router_hashes(token_ids, self.block_size, cache_salt)
         dialect = dialect or self.dialect
         with self._lock:
             if not self._workers:
@@ -313,23 +319,45 @@ class KVRouter:
 
 
 def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
-              report_timeout_s: float = 5.0, refresh_s: float | None = 5.0):
+              report_timeout_s: float = 5.0, refresh_s: float | None = 5.0,
+              credential: Any = FROM_ENV, hint_ttl_s: float = DEFAULT_HINT_TTL_S,
+              limits: Any = None):
     """The ``kvkern router`` HTTP API (aiohttp)::
 
         POST /v1/generate   body: a worker generate body ({"token_ids": [...], ...});
-                            optional "destination": worker id. Routes, attaches the hint,
-                            forwards to the destination's POST /v1/generate and returns its
-                            JSON plus "router": the decision summary.
+                            optional "destination": worker id. Routes, removes any hint the
+                            client put in the body, attaches its own hint signed with the
+                            fleet credential (valid ``hint_ttl_s``), forwards to the
+                            destination's POST /v1/generate and returns its JSON plus
+                            "router": the decision summary.
         POST /v1/route      body: {"token_ids": [...]}: the decision only (nothing is sent;
                             the request is not counted in flight). Returns summary plus
                             "destination_url" and "hint" (the body fragment).
         GET  /v1/workers    what the router knows of each worker
-        POST /v1/refresh    re-read every worker's GET /v1/blocks now
+        POST /v1/refresh    re-read every worker's GET /kvkern/v1/blocks now
         GET  /healthz       "ok"
+
+    The router reads the workers' block listings and signs hints with the fleet credential
+    (``credential``, by default the environment's); without one it routes without hints.
     """
     from aiohttp import ClientSession, ClientTimeout, web  # noqa: PLC0415 (lazy heavy import)
 
-    app = web.Application(client_max_size=64 << 20)
+    from kvkern.xfer.auth import resolve, sign_hint  # noqa: PLC0415
+    from kvkern.xfer.hints import KvHint, decode_hint, strip_hints  # noqa: PLC0415
+    from kvkern.xfer.httpguard import (  # noqa: PLC0415
+        HttpLimits,
+        guard_app,
+        json_error,
+        read_json_body,
+    )
+
+    cred = resolve(credential, peer_id="router")
+    if cred is None:
+        log.warning("the router has no fleet credential: it cannot read block listings or "
+                    "sign hints, so it routes by load only")
+
+    limits = limits or HttpLimits()
+    app = guard_app(web.Application(), limits)
     state: dict[str, Any] = {}
 
     async def refresh_once() -> dict[str, Any]:
@@ -338,10 +366,17 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
         for info in router.workers():
             wid = info["worker_id"]
             try:
-                async with session.get(f"{info['url']}/v1/blocks",
+                if cred is None:
+                    raise RuntimeError("no fleet credential")
+                headers, nonce = cred.sign_request("GET", BLOCKS_PATH)
+                async with session.get(f"{info['url']}{BLOCKS_PATH}", headers=headers,
                                        timeout=ClientTimeout(total=report_timeout_s)) as r:
                     r.raise_for_status()
-                    report = await r.json()
+                    raw = await r.read()
+                    if not cred.verify_response(nonce, raw, r.headers.get(
+                            AUTH_RESPONSE_HEADER)):
+                        raise RuntimeError("the block listing is not signed by a fleet member")
+                report = json.loads(raw)
                 out[wid] = router.load_report(wid, report)
                 router.set_healthy(wid, True)
             except Exception as exc:  # noqa: BLE001 (a worker down must not stop the router)
@@ -374,23 +409,35 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
     app.on_cleanup.append(on_cleanup)
 
     async def read_tokens(request: web.Request) -> tuple[dict, list[int]]:
-        try:
-            body = await request.json()
-        except Exception as exc:  # noqa: BLE001
-            raise web.HTTPBadRequest(text=f"body is not JSON: {exc}") from None
+        body = await read_json_body(request, max_bytes=limits.max_body_bytes,
+                                    timeout_s=limits.body_timeout_s)
         tokens = body.get("token_ids") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not tokens or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise web.HTTPBadRequest(text="token_ids must be a non-empty list of ints")
+            raise json_error(web.HTTPBadRequest, "token_ids must be a non-empty list of ints")
         return body, tokens
+
+    def signed_hint(decision: RouteDecision, tokens: list[int], salt: str) -> dict:
+        if decision.hint is None or cred is None:
+            return {}
+        hint = decode_hint(decision.hint)
+        if not isinstance(hint, KvHint):  # the router's own fragment always decodes
+            log.error("router hint did not decode: %s", hint)
+            return {}
+        return {**decision.hint, **sign_hint(cred, hint, tokens, cache_salt=salt,
+                                             ttl_s=hint_ttl_s)}
 
     async def generate(request: web.Request) -> web.Response:
         body, tokens = await read_tokens(request)
+        salt = body.get("cache_salt", "")
+        if not isinstance(salt, str):
+            raise json_error(web.HTTPBadRequest, "cache_salt must be a string")
         try:
-            decision = router.route(tokens, destination=body.pop("destination", None))
+            decision = router.route(tokens, destination=body.pop("destination", None),
+                                    cache_salt=salt)
         except (LookupError, KeyError) as exc:
             raise web.HTTPServiceUnavailable(text=str(exc)) from None
-        forward = {**body, **(decision.hint or {})}
+        forward = {**strip_hints(body), **signed_hint(decision, tokens, salt)}
         ok = False
         try:
             async with state["session"].post(
@@ -411,14 +458,19 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
 
     async def route(request: web.Request) -> web.Response:
         body, tokens = await read_tokens(request)
+        salt = body.get("cache_salt", "")
+        if not isinstance(salt, str):
+            raise json_error(web.HTTPBadRequest, "cache_salt must be a string")
         try:
-            decision = router.route(tokens, destination=body.get("destination"))
+            decision = router.route(tokens, destination=body.get("destination"),
+                                    cache_salt=salt)
         except (LookupError, KeyError) as exc:
             raise web.HTTPServiceUnavailable(text=str(exc)) from None
         router.finish(decision, ok=False)
         return web.json_response({**decision.summary(),
                                   "destination_url": decision.destination_url,
-                                  "hint": decision.hint})
+                                  "hint": decision.hint and {
+                                      **decision.hint, **signed_hint(decision, tokens, salt)}})
 
     async def workers(request: web.Request) -> web.Response:
         return web.json_response({"block_size": router.block_size, "scheme": ROUTER_SCHEME,
@@ -466,6 +518,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--refresh-s", type=float, default=5.0,
                    help="re-read workers' block reports this often (0: only at start)")
     p.add_argument("--request-timeout-s", type=float, default=120.0)
+    p.add_argument("--fleet-secret-file", default=None, metavar="PATH",
+                   help="file holding the fleet secret, to read block listings and sign "
+                        "hints (default KVKERN_FLEET_SECRET_FILE or KVKERN_FLEET_SECRET)")
+    p.add_argument("--hint-ttl-s", type=float, default=DEFAULT_HINT_TTL_S,
+                   help="how long a signed hint stays valid (default %(default)s s)")
     args = p.parse_args(argv)
     if not args.worker:
         p.error("at least one --worker is needed")
@@ -477,13 +534,20 @@ def main(argv: list[str] | None = None) -> int:
     for wid, url, source in specs:
         router.add_worker(wid, url, source)
 
-    from aiohttp import web  # noqa: PLC0415
 
+    from kvkern.xfer.auth import Credential  # noqa: PLC0415
+
+    cred = (Credential.from_file(args.fleet_secret_file, peer_id="router")
+            if args.fleet_secret_file else FROM_ENV)
+    from kvkern.xfer.httpguard import HttpLimits, run_guarded  # noqa: PLC0415
+
+    limits = HttpLimits()
     app = build_app(router, request_timeout_s=args.request_timeout_s,
-                    refresh_s=args.refresh_s or None)
+                    refresh_s=args.refresh_s or None, credential=cred,
+                    hint_ttl_s=args.hint_ttl_s, limits=limits)
     print(f"kvkern router on http://{args.host}:{args.port} -> "
           + ", ".join(f"{w}={u}" for w, u, _ in specs), flush=True)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    run_guarded(app, host=args.host, port=args.port, limits=limits)
     return 0
 
 
@@ -495,11 +559,11 @@ def _fetch_block_size(urls: list[str], timeout_s: float = 10.0) -> int:
     while time.monotonic() < deadline:
         for url in urls:
             try:
-                return int(get_json(f"{url}/v1/blocks", timeout=2.0)["block_size"])
+                return int(get_json(f"{url}/v1/info", timeout=2.0)["block_size"])
             except Exception as exc:  # noqa: BLE001
                 last = exc
         time.sleep(0.5)
-    print(f"kvkern router: no worker answered GET /v1/blocks ({last}); pass --block-size",
+    print(f"kvkern router: no worker answered GET /v1/info ({last}); pass --block-size",
           file=sys.stderr)
     raise SystemExit(2)
 

@@ -63,6 +63,7 @@ log = logging.getLogger("kvkern.worker")
 
 READY_PREFIX = "KVKERN_READY "
 MAX_BODY_BYTES = 16 << 20
+MAX_SALT_CHARS = 256
 
 
 class WorkerOptions(argparse.Namespace):
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvkern worker",
         description="One kvkern worker: model + paged KV pool + source service + puller, "
-                    "with an HTTP API (POST /v1/generate, GET /v1/blocks).")
+                    "with an HTTP API (POST /v1/generate) and peer endpoints under /kvkern/.")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1",
                      help="address the HTTP API binds (default loopback; 0.0.0.0 for other "
@@ -86,7 +87,20 @@ def build_parser() -> argparse.ArgumentParser:
                      help="allowlist entry for hint sources (repeat; CIDR, host[:ports]). "
                           "None: every hint is refused (fail closed). Loopback needs an "
                           "explicit entry such as 127.0.0.0/8. Also KVKERN_ALLOWLIST.")
-    net.add_argument("--worker-id", default=None)
+    net.add_argument("--worker-id", default=None,
+                     help="this worker's name in logs, metrics and its peers' quotas "
+                          "(default: worker-<random>)")
+    sec = p.add_argument_group("security")
+    sec.add_argument("--fleet-secret-file", default=None, metavar="PATH",
+                     help="file holding the fleet secret (make one with `kvkern secret`); "
+                          "default KVKERN_FLEET_SECRET_FILE or KVKERN_FLEET_SECRET. Without "
+                          "one the worker serves no peers and pulls from none")
+    sec.add_argument("--trust-unsigned-hints", action="store_true",
+                     help="use hints the fleet's router did not sign (default: such a hint "
+                          "is ignored with reason hint_untrusted)")
+    sec.add_argument("--model-id", default=None,
+                     help="the model identity peers must share (default: a fingerprint of "
+                          "the model's configuration and weights)")
     model = p.add_argument_group("model and pool")
     model.add_argument("--model", choices=("tiny", "demo"), default="demo")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
@@ -109,10 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="skip pulls estimated slower than recompute (not_worth_it)")
     pull.add_argument("--max-inflight-pulls", type=int, default=4)
     pull.add_argument("--chunk-mib", type=int, default=16)
-    pull.add_argument("--remote-read", choices=("host", "off"), default="host",
+    pull.add_argument("--remote-read", choices=("host", "off"), default="off",
                       help="one-sided reads of whole blocks: 'host' offers this worker's host "
-                           "pool for remote read (read-only, to connected peers) and reads "
-                           "from sources that offer it; 'off' streams both ways")
+                           "pool for remote read to authenticated peers. The "
+                           "UCX transports available without InfiniBand (TCP, CMA) do not "
+                           "bound a remote key to its grant, so every fleet member could "
+                           "read the whole pool: opt in only where that is acceptable "
+                           "(see SECURITY.md). 'off' (default) streams")
     p.add_argument("--log-level", default="WARNING")
     p.add_argument("--debug-send-delay-s", type=float, default=0.0,
                    help=argparse.SUPPRESS)  # fault tests: the source stalls each send
@@ -148,6 +165,8 @@ class Worker:
         self.engine = Engine(config, device=self.device, layout_name=opts.layout,
                              num_blocks=opts.num_blocks, hash_scheme=opts.hash_scheme,
                              prefill_chunk=opts.prefill_chunk)
+        self.model_id = opts.model_id or self.engine.model.fingerprint()
+        self.credential = self._credential()
         self.runtime = None
         self.source = None
         self.puller = None
@@ -159,6 +178,13 @@ class Worker:
         self.url: str | None = None
 
     # ---------------------------------------------------------------------- lifecycle
+
+    def _credential(self):
+        from kvkern.xfer.auth import Credential  # noqa: PLC0415
+
+        if self.opts.fleet_secret_file:
+            return Credential.from_file(self.opts.fleet_secret_file, peer_id=self.worker_id)
+        return Credential.from_env(peer_id=self.worker_id)
 
     def _xfer_config(self):
         from kvkern.xfer.config import XferConfig  # noqa: PLC0415
@@ -176,7 +202,7 @@ class Worker:
             max_deadline_s=max(120.0, o.deadline_s),
             lease_s=o.lease_s, default_policy=o.policy, cost_guard=o.cost_guard == "on",
             max_inflight_pulls=o.max_inflight_pulls, chunk_bytes=o.chunk_mib << 20,
-            allowlist=allow, remote_read=o.remote_read != "off",
+            allowlist=allow, remote_read=True,  # read where a source offers it
         )
 
     def _group(self):
@@ -189,14 +215,16 @@ class Worker:
                                           dtype=c.dtype),
                         parallel=Parallelism())
         return KVGroup(topology=topo, dp_rank=0, manager=self.engine.pool,
-                       ranks={0: RankKV(0, self.engine.layout, self.engine.kv)})
+                       ranks={0: RankKV(0, self.engine.layout, self.engine.kv)},
+                       model_id=self.model_id)
 
     def start(self, timeout: float = 60.0) -> Worker:
         from aiohttp import web  # noqa: PLC0415
 
+        from kvkern.xfer.httpguard import HttpLimits  # noqa: PLC0415
         from kvkern.xfer.metrics import XferMetrics  # noqa: PLC0415
         from kvkern.xfer.runtime import EventLoopThread  # noqa: PLC0415
-        from kvkern.xfer.source import SourceService  # noqa: PLC0415
+        from kvkern.xfer.source import BLOCKS_PATH, SourceService  # noqa: PLC0415
 
         o = self.opts
         if o.host in ("0.0.0.0", "::") and not o.advertise_host:
@@ -207,7 +235,7 @@ class Worker:
         group = self._group()
         config = self._xfer_config()
         routes = [web.post("/v1/generate", self._http_generate),
-                  web.get("/v1/blocks", self._http_blocks),
+                  web.get(BLOCKS_PATH, self._http_blocks),  # fleet members only
                   web.get("/v1/info", self._http_info)]
         source_cls = SourceService
         if o.debug_send_delay_s > 0:
@@ -216,7 +244,8 @@ class Worker:
             [group], worker_id=self.worker_id, host=o.host, http_port=o.port,
             advertise_host=o.advertise_host or (None if o.host in ("0.0.0.0", "::") else o.host),
             chunk_bytes=o.chunk_mib << 20, metrics=self.metrics, extra_routes=routes,
-            remote_read=o.remote_read)
+            remote_read=o.remote_read, credential=self.credential,
+            http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES))
         from kvkern.xfer.hints import HintLimits  # noqa: PLC0415
 
         self._limits = HintLimits(max_metadata_timeout_s=config.max_metadata_timeout_s,
@@ -230,7 +259,7 @@ class Worker:
             log.warning("no puller (%s): hints will fall back", exc)
         else:
             self.puller = Puller(group, config=config, metrics=self.metrics,
-                                 loop=self.runtime)
+                                 loop=self.runtime, credential=self.credential)
         host = o.advertise_host or o.host
         self.url = f"http://{_fmt_host(host)}:{self.source.http_port}"
         return self
@@ -266,7 +295,8 @@ class Worker:
     def handle_generate(self, body: dict[str, Any], arrival: float) -> tuple[int, dict]:
         """Validate, pull if hinted, generate. Runs on a pull-wait thread (never the loop).
         Returns (HTTP status, JSON)."""
-        from kvkern.xfer.hints import KvHint, decode_hint  # noqa: PLC0415
+        from kvkern.xfer.auth import check_hint  # noqa: PLC0415
+        from kvkern.xfer.hints import HintRejected, KvHint, decode_hint  # noqa: PLC0415
 
         cfg = self.engine.config
         tokens = body.get("token_ids")
@@ -285,34 +315,54 @@ class Worker:
                                   f"{cfg.max_seq_len}"}
         use_cache = body.get("use_cache", True) is not False
         return_logits = body.get("return_logits", False) is True
-        request_id = str(body.get("request_id") or uuid.uuid4().hex)
+        salt = body.get("cache_salt", "")
+        if not isinstance(salt, str) or len(salt) > MAX_SALT_CHARS:
+            return 400, {"error": f"cache_salt must be a string of at most {MAX_SALT_CHARS} "
+                                  "characters"}
+        request_id = body.get("request_id") or uuid.uuid4().hex
+        if not isinstance(request_id, str) or len(request_id) > MAX_SALT_CHARS:
+            return 400, {"error": f"request_id must be a string of at most {MAX_SALT_CHARS} "
+                                  "characters"}
 
         out: dict[str, Any] = {"request_id": request_id, "hint": None, "pull": None,
                                "fallback": None, "pulled_tokens": 0, "pull_wait_s": 0.0}
-        local_tokens = self.engine.cached_prefix_tokens(tokens) if use_cache else 0
+        local_tokens = self.engine.cached_prefix_tokens(tokens, salt) if use_cache else 0
         out["local_tokens"] = local_tokens
         held: list[int] = []
         hint = decode_hint(body, limits=self._limits) if use_cache else None
+        if isinstance(hint, KvHint) and not self.opts.trust_unsigned_hints:
+            why = check_hint(self.credential, body, hint, tokens, cache_salt=salt)
+            if why is not None:
+                log.warning("request %s: hint naming %r not used: %s", request_id,
+                            hint.source, why)
+                self.metrics.hint_received()
+                self.metrics.hint_ignored("hint_untrusted")
+                hint = HintRejected(reason="hint_untrusted", detail=why)
         if isinstance(hint, KvHint):
             out["hint"] = {"dialect": hint.dialect, "source": hint.source}
             if self.puller is None:
                 out["fallback"] = "closed"
             else:
                 t0 = time.perf_counter()
-                held, outcome = self._pull(request_id, tokens, hint)
+                held, outcome = self._pull(request_id, tokens, hint, salt)
                 out["pull_wait_s"] = time.perf_counter() - t0
-                out["pull"] = outcome.to_dict()
+                # What the pull learned of the source stays in this worker's log: a tenant
+                # sees the outcome, not the detail (ports, fields, redirects, counts).
+                out["pull"] = {k: v for k, v in outcome.to_dict().items() if k != "detail"}
+                log.info("request %s: %s", request_id, outcome.to_log())
                 if not outcome.used or not held:
                     out["fallback"] = outcome.reason.value if not outcome.used else "lease_expired"
                 else:
                     out["pulled_tokens"] = outcome.blocks_transferred * cfg.block_size
         elif hint is not None and hint.reason != "no_hint":
-            out["hint"] = {"rejected": hint.reason, "detail": hint.detail}
+            log.info("request %s: hint rejected: %s: %s", request_id, hint.reason, hint.detail)
+            out["hint"] = {"rejected": hint.reason}
             out["fallback"] = hint.reason
 
         on_prefill = getattr(self.puller, "observe_prefill", None)
         fut = self._engine_pool.submit(self.engine.generate, tokens, max_new, arrival=arrival,
-                                       use_cache=use_cache, held=held, on_prefill=on_prefill)
+                                       use_cache=use_cache, held=held, on_prefill=on_prefill,
+                                       cache_salt=salt)
         try:
             res = fut.result()
         except RuntimeError as exc:  # pool exhausted (the model's allocator message)
@@ -320,12 +370,13 @@ class Worker:
         out.update(res.to_json(return_logits=return_logits))
         return 200, out
 
-    def _pull(self, request_id: str, tokens: list[int], hint) -> tuple[list[int], Any]:
+    def _pull(self, request_id: str, tokens: list[int], hint,
+              salt: str = "") -> tuple[list[int], Any]:
         """Submit the pull, wait for its outcome (bounded), claim its blocks. Returns the
         claimed block ids (empty when the pull was not used) and the outcome."""
         p = self.puller
         bound = self.opts.deadline_s + self.opts.metadata_timeout_s + 5.0
-        p.submit(request_id, tokens, hint)
+        p.submit(request_id, tokens, hint, cache_salt=salt)
         try:
             outcome = p.result(request_id, timeout=bound)
         except Exception:
@@ -343,16 +394,11 @@ class Worker:
     async def _http_generate(self, request):
         from aiohttp import web  # noqa: PLC0415
 
+        from kvkern.xfer.httpguard import read_json_object  # noqa: PLC0415
+
         arrival = time.perf_counter()
-        if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-            return web.json_response({"error": "body too large"}, status=413)
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            return web.json_response({"error": f"body is not JSON: {exc}"}, status=400)
-        if not isinstance(body, dict):
-            return web.json_response({"error": "body must be a JSON object"}, status=400)
+        body = await read_json_object(request, max_bytes=MAX_BODY_BYTES,
+                                      timeout_s=self.source.http_limits.body_timeout_s)
         loop = asyncio.get_running_loop()
         try:
             status, out = await loop.run_in_executor(self._wait_pool, self.handle_generate,

@@ -73,6 +73,7 @@ __all__ = [
     "HintResult",
     "KvHint",
     "decode_hint",
+    "strip_hints",
 ]
 
 NO_HINT = "no_hint"
@@ -467,3 +468,21 @@ def decode_hint(request_body: dict | bytes | str, *, limits: HintLimits = DEFAUL
                     reason=HINT_INVALID, detail=f"{dialect}: {exc}", dialect=dialect
                 )
     return HintRejected(reason=NO_HINT, detail="; ".join(ignored) or "no hint in request")
+
+
+def strip_hints(request_body: dict) -> dict:
+    """A shallow copy of ``request_body`` without any hint a client put in it (every dialect's
+    location, in the body and in ``extra_args``) and without a hint signature: what a router
+    forwards before it attaches its own signed hint."""
+    from kvkern.xfer.auth import HINT_AUTH_FIELD  # noqa: PLC0415
+
+    out = {k: v for k, v in request_body.items() if k not in ("kv_hint", "kv_hints",
+                                                               HINT_AUTH_FIELD)}
+    for key in ("kv_transfer_params",):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: v for k, v in out[key].items()
+                        if k not in ("router_hint", "remote_kv_source")}
+    extra = out.get("extra_args")
+    if isinstance(extra, dict):
+        out["extra_args"] = strip_hints(extra)
+    return out

@@ -63,6 +63,9 @@ class Reason(str, enum.Enum):
     NO_BLOCKS = "no_blocks"
     CANCELLED = "cancelled"
     SOURCE_INCARNATION_CHANGED = "source_incarnation_changed"
+    UNAUTHENTICATED = "unauthenticated"  # no fleet credential, or a peer failed to prove it
+    INCOMPATIBLE_MODEL = "incompatible_model"
+    HINT_UNTRUSTED = "hint_untrusted"  # unsigned, badly signed or expired router hint
     CLOSED = "closed"
     INTERNAL_ERROR = "internal_error"
 
@@ -105,6 +108,12 @@ REASON_DOCS: dict[Reason, str] = {
     Reason.CANCELLED: "cancel() or close() ended the pull",
     Reason.SOURCE_INCARNATION_CHANGED: "the source restarted (new incarnation) since its state "
                                        "was cached; the cache now holds the new state",
+    Reason.UNAUTHENTICATED: "this worker has no fleet credential, or the source did not prove "
+                            "it holds the fleet's (unsigned or badly signed state, a failed "
+                            "control-connection exchange)",
+    Reason.INCOMPATIBLE_MODEL: "the source's model fingerprint differs from this worker's",
+    Reason.HINT_UNTRUSTED: "the hint was not signed by the fleet's router, its signature did "
+                           "not cover this request, or it had expired",
     Reason.CLOSED: "the puller was closed before the pull could start",
     Reason.INTERNAL_ERROR: "a bug: an unexpected exception (logged with its traceback)",
 }

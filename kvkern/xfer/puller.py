@@ -82,7 +82,7 @@ from typing import Any
 
 import numpy as np
 
-from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme
+from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, salt_key
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.hints import HintLimits, HintRejected, KvHint, decode_hint
 from kvkern.xfer.messages import READ_CAPABILITY
@@ -99,7 +99,8 @@ _HINT_REASONS = {
     "no_hint": Reason.NO_HINT,
     "unknown_hash_scheme": Reason.HASH_SCHEME_MISMATCH,
 }
-_TRANSPORT_REASONS = {"transfer_timeout": Reason.TRANSFER_TIMEOUT}
+_TRANSPORT_REASONS = {"transfer_timeout": Reason.TRANSFER_TIMEOUT,
+                      "auth_failed": Reason.UNAUTHENTICATED}
 _CONNECT_FAILURES = ("connect_failed", "connect_timeout", "peer_closed", "closed")
 _CANCEL_SEND_TIMEOUT_S = 1.0
 
@@ -134,6 +135,7 @@ class SourceState:
     layouts: dict[tuple[int, int], tuple] = field(default_factory=dict)
     # (dp, rank) -> the UCX worker address its read lanes open endpoints to
     read_workers: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    model: str = ""  # the source's model fingerprint (KVGroup.model_id)
 
 
 def parse_state(body: bytes | str | dict) -> SourceState:
@@ -191,6 +193,9 @@ def parse_state(body: bytes | str | dict) -> SourceState:
                     layouts[(dp, int(r_text))] = layout_signature(info["layout"])
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"state dp_groups[{dp_text!r}] invalid: {exc}") from None
+    model = d.get("model", "")
+    if not isinstance(model, str):
+        raise ValueError(f"state model {model!r} is not a string")
     caps = d.get("capabilities", [])
     if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
         raise ValueError(f"state capabilities {caps!r} is not a list of strings")
@@ -198,7 +203,7 @@ def parse_state(body: bytes | str | dict) -> SourceState:
                        hash_scheme=hash_scheme, block_size=block_size,
                        codec_fingerprint=fingerprint, topology=topology, ranks=ranks,
                        capabilities=tuple(caps), reads=reads, layouts=layouts,
-                       read_workers=read_workers)
+                       read_workers=read_workers, model=model)
 
 
 def _worker_address(text: Any) -> bytes | None:
@@ -461,7 +466,8 @@ class Puller:
     """Destination side of the pull path for one DP group (see the module docstring)."""
 
     def __init__(self, group: Any, *, config: XferConfig, metrics: Any = None,
-                 loop: Any = None, resolver: Any = None, pool: Any = None) -> None:
+                 loop: Any = None, resolver: Any = None, pool: Any = None,
+                 credential: Any = None) -> None:
         from kvkern.xfer.runtime import EventLoopThread  # noqa: PLC0415
 
         if not isinstance(config, XferConfig):
@@ -472,11 +478,16 @@ class Puller:
         self._own_loop = loop is None
         self._loop = loop if loop is not None else EventLoopThread("kvkern-puller")
         self._resolver = resolver
+        from kvkern.xfer.auth import FROM_ENV, resolve  # noqa: PLC0415
+
+        # The fleet credential signs state requests and opens control connections; without
+        # one every hint falls back (``unauthenticated``): no source serves a stranger.
+        self.credential = resolve(FROM_ENV if credential is None else credential)
         self._own_pool = pool is None
         if pool is None:
             from kvkern.xfer.transport import ConnectionPool  # noqa: PLC0415
 
-            pool = ConnectionPool()
+            pool = ConnectionPool(credential=self.credential)
         self._pool = pool
         self.cost_guard = CostGuard(config)
         self._limits = HintLimits(max_metadata_timeout_s=config.max_metadata_timeout_s,
@@ -520,11 +531,14 @@ class Puller:
     # ------------------------------------------------------------------ engine-facing API
 
     def submit(self, request_id: str, token_ids: Sequence[int],
-               hint: KvHint | HintRejected | dict | None) -> RequestState:
+               hint: KvHint | HintRejected | dict | None, *,
+               cache_salt: str = "") -> RequestState:
         """Admit a request with its hint; returns its state at once. A missing or rejected
         hint, or one that needs no pull, records an outcome now and leaves the request in
         ``CONTEXT_INIT``; otherwise the pull is scheduled on the loop thread and the request
-        is ``CONTEXT_PREFETCH_INIT`` (not schedulable) until it ends."""
+        is ``CONTEXT_PREFETCH_INIT`` (not schedulable) until it ends. ``cache_salt`` (the
+        request's tenant salt, :func:`kvkern.cache.hashing.salt_key`) enters every hash the
+        pull checks and asks for, so only blocks cached under the same salt are pulled."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         t_submit = time.perf_counter()
@@ -557,7 +571,7 @@ class Puller:
             raise TypeError(f"hint must be a KvHint, HintRejected, dict or None, got "
                             f"{type(hint).__name__}")
         try:
-            job = self._prepare(rec, token_ids, hint, t_submit)
+            job = self._prepare(rec, token_ids, hint, t_submit, salt_key(cache_salt))
         except _Fallback as fb:
             self._finish(rec, PullOutcome(request_id=request_id, used=False, reason=fb.reason,
                                           policy=hint.policy, source=hint.source,
@@ -709,7 +723,7 @@ class Puller:
             log.debug("release of lease %s of %r: %s", lease.lease_id, rec.request_id, exc)
 
     def _prepare(self, rec: _Record, token_ids: Sequence[int], hint: KvHint,
-                 t_submit: float) -> _Job:
+                 t_submit: float, salt: int | None) -> _Job:
         """Submit-time checks (CPU only); raises _Fallback for a hint that needs no pull."""
         from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
 
@@ -728,8 +742,9 @@ class Puller:
                 raise _Fallback(Reason.HASH_MISMATCH, f"hint names {hinted} blocks, the prompt "
                                 f"has {n_full} full blocks of {bs} tokens")
             want = list(hint.block_hashes)
-            mine = scheme.block_hashes(tokens[:hinted * bs], bs)
-            if mine != want and scheme.chain(mine) != want:
+            mine = scheme.block_hashes(tokens[:hinted * bs], bs,
+                                       cache_salt=salt if scheme.chained else None)
+            if mine != want and scheme.salted_chain(mine, salt) != want:
                 i = next(i for i, (a, b) in enumerate(zip(mine, want, strict=True)) if a != b)
                 raise _Fallback(Reason.HASH_MISMATCH,
                                 f"hint hash {i} is {want[i]}, the prompt's block {i} hashes to "
@@ -740,9 +755,10 @@ class Puller:
             raise _Fallback(Reason.LOCAL_PREFIX_SUFFICIENT,
                             f"prompt of {len(token_ids)} tokens has no full block of {bs}")
         if mine is not None and scheme_name == self.group.hash_scheme:
-            chained = scheme.chain(mine)  # the tokens are hashed once
+            chained = scheme.salted_chain(mine, salt)  # the tokens are hashed once
         else:
-            chained = sequence_hashes(tokens[:hinted * bs], bs, self.group.hash_scheme)
+            chained = sequence_hashes(tokens[:hinted * bs], bs, self.group.hash_scheme,
+                                      cache_salt=salt)
         local = self.group.manager.longest_prefix(chained)
         base = dict(policy=hint.policy, source=hint.source, source_dp_rank=hint.source_dp_rank,
                     dialect=hint.dialect, blocks_hinted=hinted, blocks_local=local)
@@ -955,6 +971,9 @@ class Puller:
         if state.block_size != group.block_size:
             raise _Fallback(Reason.INCOMPATIBLE_TOPOLOGY, f"source block size "
                             f"{state.block_size} != ours {group.block_size}")
+        if state.model != getattr(group, "model_id", ""):
+            raise _Fallback(Reason.INCOMPATIBLE_MODEL, f"source model {state.model!r} != "
+                            f"ours {getattr(group, 'model_id', '')!r}")
         src_dp = hint.source_dp_rank or 0
         try:
             plan = plan_transfer(state.topology, src_dp, group.topology, group.dp_rank)
@@ -1079,7 +1098,8 @@ class Puller:
                           start=job.local, count=count, pieces=pieces, chunk_bytes=chunk,
                           deadline_ms=max(1, int(remaining * 1000)),
                           require_all=job.policy == "strict",
-                          read=self._can_read(job, tr, rkv))
+                          read=self._can_read(job, tr, rkv),
+                          model=getattr(self.group, "model_id", ""))
         entry = (conn, tid)
         t_req = time.perf_counter()
         job.open_transfers.append(entry)
@@ -1107,7 +1127,8 @@ class Puller:
         if reply.status not in (Status.OK, Status.PARTIAL):
             job.open_transfers.remove(entry)
             reason = (Reason.HASH_SCHEME_MISMATCH if "scheme" in reply.reason
-                      else Reason.TRANSFER_FAILED)
+                      else Reason.INCOMPATIBLE_MODEL if reply.reason.startswith(
+                          "incompatible_model") else Reason.TRANSFER_FAILED)
             raise _Fallback(reason, f"source rank {tr.src_rank} answered "
                             f"{reply.status.value}: {reply.reason}")
         served = reply.served_blocks
@@ -1408,12 +1429,17 @@ class Puller:
     async def _fetch_state(self, resolved: Any, md_t: float) -> SourceState:
         from kvkern.xfer.endpoint import FetchError, fetch_state  # noqa: PLC0415
 
+        if self.credential is None:
+            raise _Fallback(Reason.UNAUTHENTICATED, "this worker has no fleet credential "
+                            "(KVKERN_FLEET_SECRET_FILE / KVKERN_FLEET_SECRET)")
         try:
             body = await fetch_state(resolved, timeout_s=md_t,
-                                     max_bytes=self.config.max_state_bytes)
+                                     max_bytes=self.config.max_state_bytes,
+                                     credential=self.credential)
         except FetchError as exc:
-            reason = (Reason.METADATA_TIMEOUT if exc.reason == "metadata_timeout"
-                      else Reason.METADATA_FETCH_FAILED)
+            reason = {"metadata_timeout": Reason.METADATA_TIMEOUT,
+                      "unauthenticated": Reason.UNAUTHENTICATED}.get(
+                          exc.reason, Reason.METADATA_FETCH_FAILED)
             raise _Fallback(reason, f"{exc.reason}: {exc.detail}") from None
         try:
             return parse_state(body)

@@ -16,6 +16,8 @@ from typing import Any
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.serve.httpjson import get_json, post_json
 from kvkern.serve.procs import WorkerProcess, WorkerStartError, start_workers
+from kvkern.xfer.hints import decode_hint
+from tests.fleet import signed
 
 PEERS = Path(__file__).parent / "peers"
 T = 4  # ModelConfig.tiny().block_size
@@ -25,7 +27,8 @@ SCHEME = "public-xxh3-v1"  # the workers' pool scheme (kvkern worker default)
 LEAK_FIELDS = ("used", "referenced", "pinned", "pins", "leased", "leases", "private")
 COMMON = ["--model", "tiny", "--num-blocks", "8192", "--allow", "127.0.0.0/8",
           "--cost-guard", "off", "--metadata-timeout-s", "2", "--transfer-timeout-s", "5",
-          "--deadline-s", "8", "--max-inflight-pulls", "16", "--log-level", "ERROR"]
+          "--deadline-s", "8", "--max-inflight-pulls", "16", "--log-level", "ERROR",
+          "--remote-read", "host"]
 
 
 class FaultWorker(WorkerProcess):
@@ -52,6 +55,9 @@ class FaultWorker(WorkerProcess):
         return post_json(f"{self.url}/test/blocks", {"hashes": hashes}, timeout=30)
 
     def generate(self, body: dict, timeout: float = 60.0) -> dict:
+        """POST ``body``; a hint in it is signed first, as the fleet's router signs it."""
+        if decode_hint(body).ok:
+            body = signed(body)
         return post_json(f"{self.url}/v1/generate", body, timeout=timeout)
 
     def signal(self, sig: int) -> None:

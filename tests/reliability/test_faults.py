@@ -316,7 +316,9 @@ def test_fault(cluster, record, rng, case: Case):
     assert "error" in result or "out" in result
     assert "error" not in result, result.get("error")
     out = result["out"]
-    pull = out["pull"]
+    pull = dict(out["pull"])
+    pull["detail"] = get_json(f"{dst.url}/test/request?id={out['request_id']}",
+                              timeout=5)["detail"] or ""
     observed = pull["reason"]
     fallback_s = pull["phases"].get("total", result["wall_s"])
     rec = dict(what=case.what, expected=case.expect, observed=observed,

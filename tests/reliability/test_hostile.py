@@ -283,7 +283,7 @@ def run_state_fuzz(loop, record, monkeypatch, case: str, n: int) -> None:
 
     current: dict = {}
 
-    async def fake_fetch(resolved, *, timeout_s, max_bytes, headers=None):
+    async def fake_fetch(resolved, *, timeout_s, max_bytes, headers=None, credential=None):
         return current["body"]
 
     monkeypatch.setattr(endpoint_mod, "fetch_state", fake_fetch)

@@ -5,7 +5,8 @@ worker (:func:`kvkern.serve.worker.main`: engine, pool, source service, puller, 
 ``KVKERN_READY`` line) with its :class:`~kvkern.xfer.source.SourceService` replaced by
 :class:`FaultSource`, a subclass that adds the routes below. No library file changes.
 
-``KVKERN_TEST_MAX_SENDS`` (env) sets the source's ``max_concurrent_sends`` (default 8).
+``KVKERN_TEST_MAX_SENDS`` (env) sets the source's ``max_concurrent_sends`` and its per-peer
+quota of sends (default 8).
 
 State faults, chosen per request by the query of the state URL (so a hint can name a fresh,
 uncached state URL per case)::
@@ -81,7 +82,9 @@ class FaultSource(_BaseSource):
             web.get("/test/stats", self.h_stats), web.post("/test/faults", self.h_faults),
             web.post("/test/evict", self.h_evict), web.post("/test/cancel", self.h_cancel),
             web.get("/test/request", self.h_request), web.post("/test/blocks", self.h_blocks)]
-        kw.setdefault("max_concurrent_sends", int(os.environ.get("KVKERN_TEST_MAX_SENDS", "8")))
+        sends = int(os.environ.get("KVKERN_TEST_MAX_SENDS", "8"))
+        kw.setdefault("max_concurrent_sends", sends)
+        kw.setdefault("quotas", source_mod.PeerQuotas(max_sends_per_peer=sends))
         super().__init__(*args, extra_routes=routes, **kw)
         self.slow_send_ms = 0.0
         self.freeze_after_reply = False
@@ -319,7 +322,10 @@ class FaultSource(_BaseSource):
 
     async def h_request(self, request: web.Request) -> web.Response:
         puller = WORKER["worker"].puller
-        return web.json_response({"state": puller.state(request.query["id"]).value})
+        rid = request.query["id"]
+        outcome = puller.outcome(rid)  # with the detail a tenant's response leaves out
+        return web.json_response({"state": puller.state(rid).value,
+                                  "detail": outcome.detail if outcome is not None else None})
 
     async def h_blocks(self, request: web.Request) -> web.Response:
         hashes = self._hashes(await request.json())
