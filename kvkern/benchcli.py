@@ -368,12 +368,33 @@ async def case_messages(bench: Bench, s: Settings) -> dict[str, Any]:
     rtt = [await bench.fetch(0, 1, in_flight=1) for _ in range(50)]
     serial = await bench.fetch(n * size, size, in_flight=1, verify=True)
     piped = await bench.fetch(n * size, size, in_flight=32, verify=True)
+    connect, auth = await _connect_costs(bench.conn.peer)
     return {"control_rtt_us": round(statistics.median(rtt) * 1e6, 1),
+            # a new connection: endpoint plus the authentication exchange, and the exchange
+            # alone (paid once per connection, never per pull)
+            "connect_ms": round(statistics.median(connect) * 1e3, 3),
+            "auth_ms": round(statistics.median(auth) * 1e3, 3),
+            "auth_ms_range": [round(min(auth) * 1e3, 3), round(max(auth) * 1e3, 3)],
             "n": n, "bytes_each": size,
             "serial_us_per_msg": round(serial / n * 1e6, 1),
             "serial_gbps": round(n * size / serial / 1e9, 3),
             "in_flight_32_us_per_msg": round(piped / n * 1e6, 1),
             "in_flight_32_gbps": round(n * size / piped / 1e9, 3)}
+
+
+async def _connect_costs(peer: tuple[str, int], n: int = 20) -> tuple[list[float], list[float]]:
+    """Seconds of ``n`` fresh authenticated connects to ``peer``, and of their exchange."""
+    from kvkern.xfer.transport import ConnectionPool  # noqa: PLC0415
+
+    connect: list[float] = []
+    auth: list[float] = []
+    for _ in range(n):
+        async with ConnectionPool(connect_timeout=10) as pool:
+            t0 = time.perf_counter()
+            conn = await pool.get(*peer)
+            connect.append(time.perf_counter() - t0)
+            auth.append(conn.auth_s)
+    return connect, auth
 
 
 def _pull_blocks_for(s: Settings) -> int:

@@ -27,7 +27,10 @@ __all__ = ["load_results", "main", "render"]
 
 DEFAULT_RESULTS = Path("tests/reliability/.results")
 DEFAULT_OUT = Path("RELIABILITY.md")
-SECTIONS = ("faults", "load", "hostile")
+SECTIONS = ("faults", "load", "hostile", "zero_trust")
+# record keys every section has; the zero-trust table shows the rest as the case's figures
+_COMMON_KEYS = {"section", "case", "profile", "nodeid", "passed", "test_duration_s", "failure",
+                "what", "attack"}
 SLOW_CASES = ("load/long_512x4", "hostile/hint_dialects_long", "hostile/state_responses_long",
               "hostile/control_messages_long", "hostile/kernel_ids_long")
 
@@ -198,6 +201,18 @@ def render(run: dict, records: list[dict], env: dict[str, str], issues: list[str
         [[r["case"], r.get("target"), r.get("profile"), r.get("inputs_tried"), r.get("seconds"),
           r.get("reasons"), r.get("internal_errors", 0), r.get("leaks"), _status(r)]
          for r in hostile])
+    zero_trust = [r for r in records if r["section"] == "zero_trust"]
+    lines += ["", "## Hostile peers and tenants", "",
+              "Real `kvkern worker` processes on 127.0.0.1 attacked as an outsider, a greedy or "
+              "malicious fleet member, and a hostile tenant would (`tests/reliability/"
+              "test_zero_trust.py`; threat model in SECURITY.md). *Figures* are what the case "
+              "measured: status codes, bytes or keys obtained, pins and memory before and "
+              "after, fallback reasons.", ""]
+    lines += _table(
+        ["case", "attack", "figures", "seconds", "result"],
+        [[r["case"], r.get("attack") or r.get("what"),
+          {k: v for k, v in r.items() if k not in _COMMON_KEYS}, r.get("test_duration_s"),
+          _status(r)] for r in zero_trust])
     if issues:
         lines += ["", "## Problems", ""] + [f"- {i}" for i in issues]
     return "\n".join(lines) + "\n"

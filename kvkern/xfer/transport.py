@@ -234,6 +234,7 @@ class Connection:
         self.codec = codec
         self.max_frame_bytes = max_frame_bytes
         self.peer_id: str | None = None  # the authenticated peer (None: not authenticated)
+        self.auth_s = 0.0  # seconds the client's authentication exchange took
         self.failure: str | None = None  # reason of the failure that killed it
         self._peer_closed = False  # set from the UCX progress thread: a plain flag only
         self._send_lock = asyncio.Lock()
@@ -1017,7 +1018,9 @@ class ConnectionPool:
         self.connects += 1
         conn = Connection(ep, peer=key, codec=self.codec, max_frame_bytes=self.max_frame_bytes)
         if self.credential is not None:
+            t0 = time.perf_counter()
             await authenticate_client(conn, self.credential, timeout=self.connect_timeout)
+            conn.auth_s = time.perf_counter() - t0
         return conn
 
     def discard(self, conn: Connection) -> None:
