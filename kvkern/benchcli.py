@@ -667,16 +667,20 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvkern bench", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="what", required=True)
-    x = sub.add_parser("xfer", help="raw UCXX transfer between two processes on 127.0.0.1")
+    sub = parser.add_subparsers(dest="what", required=True, metavar="{xfer}")
+    x = sub.add_parser("xfer", help="raw UCXX transfer between two processes on 127.0.0.1",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     x.add_argument("--sizes", default="64MiB,256MiB", help="comma list, e.g. 64MiB,256MiB")
     x.add_argument("--chunk", default="16MiB", help="chunk size of the chunked case")
-    x.add_argument("--in-flight", type=int, default=4)
-    x.add_argument("--repeats", type=int, default=Settings.repeats)
+    x.add_argument("--in-flight", type=int, default=4,
+                   help="chunks in flight in the chunked case")
+    x.add_argument("--repeats", type=int, default=Settings.repeats,
+                   help="timed repetitions of each case")
     x.add_argument("--cases", default="raw,chunked,messages,pull",
                    help=f"comma list of {sorted(CASES)}")
     x.add_argument("--progress-mode", default=os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
-                   choices=["thread", "thread-polling", "polling", "blocking"])
+                   choices=["thread", "thread-polling", "polling", "blocking"],
+                   help="ucxx progress mode (UCXPY_PROGRESS_MODE)")
     x.add_argument("--ucx-env", default="kvkern", choices=["kvkern", "off"],
                    help="'off' measures UCX's default error handling (TCP on loopback)")
     x.add_argument("--timeout", type=float, default=60.0, help="hard limit for the run (s)")
@@ -694,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="pull case: read lanes of the headline pull (XferConfig.read_lanes); "
                         "fewer lanes are measured in the same run (lanes1_*, lanes0_*)")
     x.add_argument("--json", action="store_true", help="print one JSON object, last line")
-    p = sub.add_parser("_peer", help=argparse.SUPPRESS)
+    p = sub.add_parser("_peer")  # the benchmark's second process; no help: not listed
     p.add_argument("--port-file", required=True)
     p.add_argument("--max-seconds", type=float, default=60.0)
     p.add_argument("--parent-pid", type=int, default=0)
