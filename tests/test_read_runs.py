@@ -1,4 +1,4 @@
-"""The byte runs a one-sided read moves (``kvkern.xfer.puller._segment_runs``), checked
+"""The byte runs a one-sided read moves (:func:`kvkern.layout.segments.segment_runs`), checked
 without UCX: for random TP/PP topologies on both sides and TRT-LLM / HND pools, every
 destination rank applies its pairs' runs as plain memory copies between the real pool
 addresses that ``RankKV.read_segments`` describes (what ``ucp_get_nbx`` would copy), with
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from kvkern.kernels.reference import reference_pack, reference_unpack
 from kvkern.layout.plan import plan_transfer
+from kvkern.layout.segments import segment_runs
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.kvgroup import RankKV
-from kvkern.xfer.puller import _segment_runs
 
 READABLE = ("trtllm", "vllm_hnd")
 
@@ -73,7 +73,7 @@ def test_segment_runs_move_exactly_each_ranks_layers_and_heads(case):
         for tr in plan.for_destination(d):
             src = sources[tr.src_rank]
             ssegs = src.read_segments
-            runs = _segment_runs(tr.pieces, src.layout, dst.layout, ssegs.nbytes, dsegs.nbytes)
+            runs = segment_runs(tr.pieces, src.layout, dst.layout, ssegs.nbytes, dsegs.nbytes)
             assert sum(r[4] for r in runs) == tr.block_nbytes
             for j, s_off, k, d_off, nbytes in runs:
                 assert s_off + nbytes <= ssegs.nbytes and d_off + nbytes <= dsegs.nbytes

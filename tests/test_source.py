@@ -32,6 +32,7 @@ import torch
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.kernels.pack import pack
+from kvkern.layout.chunks import count_chunks, plan_chunks
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import (
@@ -52,8 +53,6 @@ from kvkern.xfer.source import (
     PeerQuotas,
     SourceService,
     StagingPool,
-    count_chunks,
-    plan_chunks,
 )
 from kvkern.xfer.transport import (
     CONTROL_TAG,

@@ -18,16 +18,23 @@ group is built, so the source service can trust sizes afterwards.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvkern.cache.protocol import KVCacheManager
 from kvkern.layout.kv_layout import KVLayout, LayoutMismatchError
+from kvkern.layout.segments import (
+    BlockSegments,
+    block_rows,
+    layout_signature,
+    native_segments,
+    read_segments,
+    spans_whole_block,
+)
 from kvkern.layout.topology import Topology
 
-__all__ = ["BlockSegments", "KVGroup", "RankKV"]
+__all__ = ["BlockSegments", "KVGroup", "RankKV", "layout_signature"]
 
 _SIZE_FIELDS = ("num_layers", "num_heads", "block_size", "head_dim", "dtype")
 
@@ -64,15 +71,19 @@ class RankKV:
 
     @functools.cached_property
     def _block_rows(self) -> Any:
-        lay = self.layout
-        if lay.per_layer:
-            return None
-        cv = lay.canonical_view(lay.tensors(self.pool)[0])
-        if not cv.is_contiguous():
-            return None
-        import torch  # noqa: PLC0415
+        return block_rows(self.layout, self.layout.tensors(self.pool))
 
-        return cv.reshape(cv.shape[0], -1).view(torch.uint8)
+    def stream_rows(self, layers: tuple[int, int], heads: tuple[int, int],
+                    block_nbytes: int) -> Any:
+        """The pool's :meth:`block_rows` when a stream's bytes per block (``block_nbytes`` of
+        the piece ``layers`` x ``heads``) are exactly a pool block's bytes: one piece of every
+        local layer and head of a pool whose canonical view is contiguous. A chunk of
+        consecutive block ids is then sent from, or received into, the pool directly. Else
+        None."""
+        if not spans_whole_block(self.layout, layers, heads):
+            return None
+        rows = self.block_rows()
+        return rows if rows is not None and rows.shape[1] == block_nbytes else None
 
     @functools.cached_property
     def native_segments(self) -> BlockSegments | None:
@@ -82,7 +93,7 @@ class RankKV:
         block in the same segments whatever their canonical order, so a read may copy
         segment ``j`` to segment ``j`` (vLLM NHD or ``[2, NB, ...]`` pools between workers
         of the same kind). None for a pool whose block chunks are not contiguous."""
-        return _native_segments(self.layout, self.layout.tensors(self.pool))
+        return native_segments(self.layout, self.layout.tensors(self.pool))
 
     @functools.cached_property
     def layout_signature(self) -> tuple:
@@ -94,81 +105,8 @@ class RankKV:
         """The :class:`BlockSegments` of this rank's pool, or None when a block's canonical
         bytes are not whole contiguous segments (NHD and ``[2, NB, ...]`` orders, where a
         block's tokens or its K and V are apart: those pools stream)."""
-        rows = self.block_rows()
-        if rows is not None:
-            return BlockSegments(bases=(rows.data_ptr(),), stride=rows.stride(0),
-                                 nbytes=rows.shape[1], spans=(_span(rows),))
-        lay = self.layout
-        if not lay.per_layer:
-            return None
-        views = [lay.canonical_view(t) for t in lay.tensors(self.pool)]  # [NB, 2, H, T, D]
-        for cv in views:
-            inner = cv[0]
-            if not inner.is_contiguous() or cv.stride(0) < inner.numel() or cv.stride(0) != \
-                    views[0].stride(0):
-                return None
-        isz = views[0].element_size()
-        return BlockSegments(bases=tuple(cv.data_ptr() for cv in views),
-                             stride=views[0].stride(0) * isz,
-                             nbytes=views[0][0].numel() * isz,
-                             spans=tuple(_span(cv) for cv in views))
-
-
-def _native_segments(layout: KVLayout, tensors: Any) -> BlockSegments | None:
-    from kvkern.layout.kv_layout import Axis  # noqa: PLC0415
-
-    pos = layout.order.index(Axis.BLOCK)
-    bases: list[int] = []
-    spans: list[tuple[int, int]] = []
-    shape: tuple[int, int] | None = None
-    for t in tensors:
-        tb = t.movedim(pos, 0)  # [NB, planes stored before the block axis..., rest]
-        for idx in itertools.product(*(range(n) for n in tb.shape[1:pos + 1])):
-            sub = tb[(slice(None), *idx)]
-            isz = sub.element_size()
-            here = (sub.stride(0) * isz, sub[0].numel() * isz)
-            if not sub[0].is_contiguous() or here[0] < here[1] or shape not in (None, here):
-                return None
-            shape = here
-            bases.append(sub.data_ptr())
-            spans.append(_span(t))
-    assert shape is not None
-    return BlockSegments(bases=tuple(bases), stride=shape[0], nbytes=shape[1],
-                         spans=tuple(spans))
-
-
-@dataclass(frozen=True)
-class BlockSegments:
-    """Where a rank's blocks are in memory, for one-sided reads: the canonical bytes of a
-    block (its stream, ``[L, 2, H, T, D]``) are ``len(bases)`` equal segments of ``nbytes``;
-    segment ``j`` of block ``b`` is the ``nbytes`` at ``bases[j] + b * stride``. One segment
-    for a pool of whole block rows (TRT-LLM), one per layer for a per-layer pool whose
-    ``[2, H, T, D]`` per block is contiguous (vLLM/FlashInfer HND). ``spans`` are the
-    ``(address, length)`` of the memory each segment lives in (what a source registers)."""
-
-    bases: tuple[int, ...]
-    stride: int
-    nbytes: int
-    spans: tuple[tuple[int, int], ...]
-
-    @property
-    def block_nbytes(self) -> int:
-        return self.nbytes * len(self.bases)
-
-
-def layout_signature(described: dict) -> tuple:
-    """The fields of a :meth:`KVLayout.describe` dict that fix how one block's bytes are
-    arranged (not the block count, nor strides that scale with it)."""
-    return tuple(described.get(k) if not isinstance(described.get(k), list)
-                 else tuple(described[k]) for k in (
-                     "order", "per_layer", "num_layers", "num_heads", "block_size",
-                     "head_dim", "dtype"))
-
-
-def _span(t: Any) -> tuple[int, int]:
-    """``(lowest address, bytes)`` of the memory a strided tensor touches."""
-    n = sum((size - 1) * st for size, st in zip(t.shape, t.stride(), strict=True)) + 1
-    return t.data_ptr(), n * t.element_size()
+        return read_segments(self.layout, self.layout.tensors(self.pool),
+                             self.block_rows())
 
 
 @dataclass(frozen=True)

@@ -116,6 +116,14 @@ class PlanPiece(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         if self.head_stop <= self.head_start:
             raise ValueError(f"empty head range [{self.head_start}, {self.head_stop})")
 
+    @property
+    def layers(self) -> tuple[int, int]:
+        return (self.layer_start, self.layer_stop)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return (self.head_start, self.head_stop)
+
 
 class PullRequest(_Base, tag="pull_request"):
     """Destination → source: send blocks ``block_hashes[start:start + count]``.

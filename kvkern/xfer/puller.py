@@ -83,6 +83,8 @@ from typing import Any
 import numpy as np
 
 from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, salt_key
+from kvkern.layout.chunks import direct_order
+from kvkern.layout.segments import min_run_bytes, segment_runs, whole_block_pair
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.hints import HintLimits, HintRejected, KvHint, decode_hint
 from kvkern.xfer.messages import READ_CAPABILITY
@@ -338,44 +340,6 @@ class _StreamUnpacker:
         return self.pos == self.total
 
 
-def _direct_view(tr: Any, rkv: Any) -> Any:
-    """``[num_blocks, bytes_per_block]`` uint8 view of the pool when the pair's stream per
-    block is exactly a pool block's bytes (one piece covering every local layer and head of
-    a pool whose canonical view is contiguous, e.g. TRT-LLM's ``[NB, L, 2, H, T, D]``); then
-    whole-block chunks are received straight into consecutive private blocks. Else None."""
-    lay = rkv.layout
-    if len(tr.pieces) != 1:
-        return None
-    p = tr.pieces[0]
-    if p.dst_layers != (0, lay.num_layers) or p.dst_heads != (0, lay.num_heads):
-        return None
-    rows = rkv.block_rows()
-    return rows if rows is not None and rows.shape[1] == p.block_nbytes else None
-
-
-def _direct_order(ids: list[int], per: int) -> list[int]:
-    """Order sorted private ``ids`` for a stream of ``per``-block chunks so that every chunk
-    that can land zero-copy does, and the chunks that cannot (ids from the ends of short
-    runs) come first, where their unpack overlaps the later chunks' transfer instead of
-    trailing the last one (measured: 1.4-1.7 ms of unpack after the last byte of a 64 MiB
-    pull from a fragmented pool). The trailing ``len(ids) % per`` blocks stay last::
-
-        runs [0..119] [512..519], per 32  ->  [96..119, 512..519] [0..31] [32..63] [64..95]
-    """
-    direct: list[int] = []
-    rest: list[int] = []
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            run = ids[start:i]
-            k = len(run) // per * per
-            direct += run[:k]
-            rest += run[k:]
-            start = i
-    lead = len(rest) // per * per  # whole mixed chunks; the remainder is the short last one
-    return rest[:lead] + direct + rest[lead:]
-
-
 # --------------------------------------------------------------------------------- puller
 
 
@@ -385,65 +349,11 @@ LANE_RETRY_S = 60.0  # after its read lanes failed, a source worker is read on t
 _MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
 
 
-def _whole_block_pair(tr: Any, src: Any, dst: Any) -> bool:
-    """The pair moves whole blocks: one piece of every local layer and head of the source
-    layout ``src`` into every local layer and head of the destination layout ``dst``."""
-    if len(tr.pieces) != 1:
-        return False
-    p = tr.pieces[0]
-    return ((p.src_layers, p.src_heads) == ((0, src.num_layers), (0, src.num_heads))
-            and (p.dst_layers, p.dst_heads) == ((0, dst.num_layers), (0, dst.num_heads)))
-
-
-def _min_run_bytes(tr: Any, src: Any, dst: Any) -> int:
-    """The smallest run a reshard pair's read would make per block: a piece's head range of
-    one layer's K or V, or, where a piece has every head of both ranks, its layers' K and V
-    together (contiguous on both sides then)."""
-    row = dst.block_size * dst.head_dim * dst.itemsize
-    out = []
-    for p in tr.pieces:
-        heads = p.dst_heads[1] - p.dst_heads[0]
-        whole = heads == dst.num_heads == src.num_heads
-        out.append(heads * row * (2 * (p.dst_layers[1] - p.dst_layers[0]) if whole else 1))
-    return min(out)
-
-
 @functools.lru_cache(maxsize=256)
 def _source_layout(topology: Any, rank: int) -> Any:
     """A source rank's local layout (sizes only), from its state's topology: once per
     (topology, rank), not per pull."""
     return topology.local_layout(rank, 1)
-
-
-@functools.lru_cache(maxsize=1024)
-def _segment_runs(pieces: Any, src: Any, dst: Any, src_seg: int,
-                  dst_seg: int) -> tuple[tuple[int, int, int, int, int], ...]:
-    """The byte runs that move a pair's plan ``pieces`` from a block of layout ``src`` to a
-    block of layout ``dst`` (each block's canonical ``[L, 2, H, T, D]`` bytes cut into
-    segments of ``src_seg`` / ``dst_seg``), as ``(src segment, offset in it, dst segment,
-    offset in it, nbytes)``: one per layer, K/V and piece, merged where contiguous on both
-    sides (whole blocks: one run per segment), cut where either side's segment ends."""
-    row = src.block_size * src.head_dim * src.itemsize  # one head's [T, D]
-    runs: list[list[int]] = []
-    for p in pieces:
-        (sl0, sl1), (sh0, sh1) = p.src_layers, p.src_heads
-        (dl0, _), (dh0, _) = p.dst_layers, p.dst_heads
-        n = (sh1 - sh0) * row
-        for i in range(sl1 - sl0):
-            for kv in (0, 1):
-                so = (((sl0 + i) * 2 + kv) * src.num_heads + sh0) * row
-                do = (((dl0 + i) * 2 + kv) * dst.num_heads + dh0) * row
-                if runs and runs[-1][0] + runs[-1][2] == so and runs[-1][1] + runs[-1][2] == do:
-                    runs[-1][2] += n
-                else:
-                    runs.append([so, do, n])
-    out = []
-    for so, do, n in runs:
-        while n:
-            cut = min(src_seg - so % src_seg, dst_seg - do % dst_seg, n)
-            out.append((so // src_seg, so % src_seg, do // dst_seg, do % dst_seg, cut))
-            so, do, n = so + cut, do + cut, n - cut
-    return tuple(out)  # cached per (pieces, layouts, segments): immutable
 
 
 def _usable_cpus() -> int:
@@ -1012,7 +922,7 @@ class Puller:
         job.private = sorted(ids)  # ascending: runs of consecutive ids receive zero-copy
         unit = pairs[0].block_nbytes
         if len(pairs) == 1 and cfg.chunk_bytes >= unit:
-            job.private = _direct_order(job.private, cfg.chunk_bytes // unit)
+            job.private = direct_order(job.private, cfg.chunk_bytes // unit)
         job.allocated = True
         job.phases["allocate"] = time.perf_counter() - t
 
@@ -1073,7 +983,9 @@ class Puller:
 
         count, cfg = job.count, self.config
         rkv = self.group.ranks[tr.dst_rank]
-        direct = _direct_view(tr, rkv)  # block rows a stream's chunks land in as they are
+        # block rows a stream's chunks land in as they are (one piece of whole blocks)
+        direct = (rkv.stream_rows(tr.pieces[0].dst_layers, tr.pieces[0].dst_heads,
+                                  tr.pieces[0].block_nbytes) if len(tr.pieces) == 1 else None)
         try:
             async with asyncio.timeout(xfer_t):  # not wait_for: no task per pull
                 conn = await self._pool.get(*addr)
@@ -1222,11 +1134,11 @@ class Puller:
             if rkv.read_segments is None:
                 return False
             src = _source_layout(st.topology, tr.src_rank)
-            return (_whole_block_pair(tr, src, rkv.layout)
-                    or _min_run_bytes(tr, src, rkv.layout) >= self.config.read_min_run_bytes)
+            return (whole_block_pair(tr.pieces, src, rkv.layout)
+                    or min_run_bytes(tr.pieces, src, rkv.layout) >= self.config.read_min_run_bytes)
         return (kind == "native" and rkv.native_segments is not None
                 and st.layouts.get(key) == rkv.layout_signature
-                and _whole_block_pair(tr, rkv.layout, rkv.layout))  # one layout: same dims
+                and whole_block_pair(tr.pieces, rkv.layout, rkv.layout))  # one layout: same dims
 
     async def _read_pair(self, job: _Job, tr: Any, conn: Any, reply: Any, rkv: Any,
                          xfer_t: float, t_req: float) -> None:
@@ -1264,7 +1176,7 @@ class Puller:
                 or stride < seg or max(bases) + top > 1 << 64 or segs is None or (
                     reply.read_native and not (len(keys) == len(segs.bases)
                                                and seg == segs.nbytes
-                                               and _whole_block_pair(tr, src_lay, rkv.layout))):
+                                               and whole_block_pair(tr.pieces, src_lay, rkv.layout))):
             raise _Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
                             f"{reply.total_bytes} B of {served} blocks as {len(keys)} "
                             f"segments of {seg} B at stride {stride}, expected "
@@ -1275,7 +1187,7 @@ class Puller:
         if reply.read_native:  # same layout, whole blocks: segment j into segment j
             runs = [(j, 0, j, 0, seg) for j in range(len(keys))]
         else:
-            runs = _segment_runs(tr.pieces, src_lay, rkv.layout, seg, segs.nbytes)
+            runs = segment_runs(tr.pieces, src_lay, rkv.layout, seg, segs.nbytes)
         for j, s_off, d, d_off, n in runs:
             local = here + np.uint64(segs.bases[d] + d_off)
             remote = there + np.uint64(bases[j] + s_off)

@@ -174,8 +174,9 @@ import torch
 from aiohttp import web
 
 from kvkern.kernels.pack import pack
+from kvkern.layout.chunks import ChunkSpec, count_chunks, plan_chunks
 from kvkern.layout.hostmem import host_buffer
-from kvkern.layout.kv_layout import KVLayout
+from kvkern.layout.segments import piece_nbytes, spans_whole_block
 from kvkern.xfer.auth import (
     AUTH_HEADER,
     AUTH_RESPONSE_HEADER,
@@ -257,74 +258,18 @@ class PeerQuotas:
 # ------------------------------------------------------------------------------ chunking
 
 
-@dataclass(frozen=True)
-class ChunkSpec:
-    """One chunk: blocks ``[b0, b1)`` of piece ``piece`` (index into the offset-sorted
-    pieces), bytes ``[lo, hi)`` of that (piece, block range) slab."""
-
-    piece: int
-    b0: int
-    b1: int
-    lo: int
-    hi: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.hi - self.lo
-
-
-def count_chunks(lengths: Sequence[int], n_blocks: int, limit: int) -> int:
-    """Number of chunks :func:`plan_chunks` makes, without building them."""
-    total = 0
-    for length in lengths:
-        if length <= limit:
-            total += math.ceil(n_blocks / (limit // length))
-        else:
-            total += n_blocks * math.ceil(length / limit)
-    return total
-
-
-def plan_chunks(lengths: Sequence[int], n_blocks: int, limit: int) -> list[ChunkSpec]:
-    """Chunks of the stream of ``n_blocks`` blocks whose pieces (in stream order) have
-    ``lengths`` bytes per block; see the module docstring."""
-    if limit < 1:
-        raise ValueError(f"chunk limit {limit} must be >= 1")
-    out: list[ChunkSpec] = []
-    for p, length in enumerate(lengths):
-        if length <= limit:
-            per = limit // length
-            for b0 in range(0, n_blocks, per):
-                b1 = min(b0 + per, n_blocks)
-                out.append(ChunkSpec(p, b0, b1, 0, (b1 - b0) * length))
-        else:
-            for b in range(n_blocks):
-                for lo in range(0, length, limit):
-                    out.append(ChunkSpec(p, b, b + 1, lo, min(lo + limit, length)))
-    return out
-
-
-def _piece_nbytes(layout: KVLayout, p: PlanPiece) -> int:
-    return ((p.layer_stop - p.layer_start) * 2 * (p.head_stop - p.head_start)
-            * layout.block_size * layout.head_dim * layout.itemsize)
-
-
 def _whole_blocks(rkv: RankKV, pieces: Sequence[PlanPiece]) -> bool:
     """The request moves whole blocks: one piece of every local layer and head."""
-    lay = rkv.layout
-    return len(pieces) == 1 and (pieces[0].layer_start, pieces[0].layer_stop,
-                                 pieces[0].head_start, pieces[0].head_stop) == (
-        0, lay.num_layers, 0, lay.num_heads)
+    return len(pieces) == 1 and spans_whole_block(rkv.layout, pieces[0].layers,
+                                                  pieces[0].heads)
 
 
 def _direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | None:
-    """The pool's ``[num_blocks, bytes_per_block]`` byte rows when the stream of one block is
-    exactly that block's bytes (whole blocks of a CPU pool whose canonical view is
-    contiguous): a chunk of consecutive pinned blocks is then sent straight from the pool.
-    Else None (chunks are packed into staging)."""
-    if rkv.device.type != "cpu" or not _whole_blocks(rkv, pieces):
+    """The pool's byte rows when a chunk of consecutive pinned blocks can be sent straight
+    from the pool (:meth:`RankKV.stream_rows` of a CPU pool), else None (packed to staging)."""
+    if rkv.device.type != "cpu" or len(pieces) != 1:
         return None
-    rows = rkv.block_rows()
-    return rows if rows is not None and rows.shape[1] == pieces[0].length else None
+    return rkv.stream_rows(pieces[0].layers, pieces[0].heads, pieces[0].length)
 
 
 def _worker_address_hex() -> str:
@@ -1035,7 +980,7 @@ class SourceService:
             if p.head_stop > layout.num_heads:
                 raise _Rejected("bad_piece", f"heads [{p.head_start},{p.head_stop}) outside "
                                 f"rank {ctx.rank}'s local [0,{layout.num_heads})")
-            want = _piece_nbytes(layout, p)
+            want = piece_nbytes(layout, p.layers, p.heads)
             if p.length != want:
                 raise _Rejected("bad_piece", f"piece length {p.length} != {want} bytes per "
                                 f"block for layers [{p.layer_start},{p.layer_stop}) x heads "
