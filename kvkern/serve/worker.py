@@ -57,7 +57,22 @@ import time
 import uuid
 from typing import Any
 
-__all__ = ["Worker", "WorkerOptions", "main"]
+from kvkern.serve.cliargs import (
+    BIND_ERRNOS,
+    LOG_LEVELS,
+    Parser,
+    UsageError,
+    bind_error,
+    check_port_free,
+    credential_fix,
+    nonneg_float,
+    port,
+    positive_float,
+    positive_int,
+    report,
+)
+
+__all__ = ["Worker", "WorkerOptions", "check_options", "main"]
 
 log = logging.getLogger("kvkern.worker")
 
@@ -71,69 +86,127 @@ class WorkerOptions(argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="kvkern worker",
         description="One kvkern worker: model + paged KV pool + source service + puller, "
                     "with an HTTP API (POST /v1/generate) and peer endpoints under /kvkern/.")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1",
-                     help="address the HTTP API binds (default loopback; 0.0.0.0 for other "
-                          "machines, with --advertise-host)")
-    net.add_argument("--port", type=int, default=0, help="HTTP port (0: the OS picks)")
+                     help="address the HTTP API binds (0.0.0.0 for other machines, with "
+                          "--advertise-host)")
+    net.add_argument("--port", type=port, default=0, help="HTTP port (0: the OS picks)")
     net.add_argument("--advertise-host", default=None,
-                     help="address peers reach this worker's UCX listener at (default --host; "
+                     help="address peers reach this worker's UCX listener at (default: --host; "
                           "required when --host is 0.0.0.0)")
     net.add_argument("--allow", action="append", default=[], metavar="SPEC",
-                     help="allowlist entry for hint sources (repeat; CIDR, host[:ports]). "
-                          "None: every hint is refused (fail closed). Loopback needs an "
-                          "explicit entry such as 127.0.0.0/8. Also KVKERN_ALLOWLIST.")
+                     help="allowlist entry for hint sources (repeat; CIDR, host[:ports], "
+                          "*.suffix[:ports]); also KVKERN_ALLOWLIST. Without any, every "
+                          "hint is refused (fail closed). Loopback needs an explicit entry such as "
+                          "127.0.0.0/8")
     net.add_argument("--worker-id", default=None,
                      help="this worker's name in logs, metrics and its peers' quotas "
                           "(default: worker-<random>)")
     sec = p.add_argument_group("security")
     sec.add_argument("--fleet-secret-file", default=None, metavar="PATH",
                      help="file holding the fleet secret (make one with `kvkern secret`); "
-                          "default KVKERN_FLEET_SECRET_FILE or KVKERN_FLEET_SECRET. Without "
+                          "default: KVKERN_FLEET_SECRET_FILE or KVKERN_FLEET_SECRET. Without "
                           "one the worker serves no peers and pulls from none")
     sec.add_argument("--trust-unsigned-hints", action="store_true",
-                     help="use hints the fleet's router did not sign (default: such a hint "
+                     help="use hints the fleet's router did not sign (otherwise such a hint "
                           "is ignored with reason hint_untrusted)")
     sec.add_argument("--model-id", default=None,
                      help="the model identity peers must share (default: a fingerprint of "
                           "the model's configuration and weights)")
     model = p.add_argument_group("model and pool")
-    model.add_argument("--model", choices=("tiny", "demo"), default="demo")
+    model.add_argument("--model", choices=("tiny", "demo"), default="demo",
+                       help="the built-in model: tiny (tests) or demo (~30 M parameters)")
     model.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     model.add_argument("--layout", default="trtllm",
-                       choices=("trtllm", "vllm_flash", "vllm_nhd", "vllm_hnd", "cross_layer"))
-    model.add_argument("--num-blocks", type=int, default=1024)
+                       choices=("trtllm", "vllm_flash", "vllm_nhd", "vllm_hnd", "cross_layer"),
+                       help="the KV pool's memory layout")
+    model.add_argument("--num-blocks", type=positive_int, default=1024,
+                       help="KV blocks in the pool")
     model.add_argument("--hash-scheme", default="public-xxh3-v1",
-                       choices=("public-xxh3-v1", "trtllm-v1"))
-    model.add_argument("--threads", type=int, default=1,
+                       choices=("public-xxh3-v1", "trtllm-v1"),
+                       help="block hash scheme of the prefix index")
+    model.add_argument("--threads", type=positive_int, default=1,
                        help="torch intra-op threads; equal on every worker for bit identity")
-    model.add_argument("--prefill-chunk", type=int, default=None)
-    model.add_argument("--max-new-tokens", type=int, default=256, help="cap per request")
+    model.add_argument("--prefill-chunk", type=positive_int, default=None,
+                       help="tokens per prefill step (default: the whole prompt at once)")
+    model.add_argument("--max-new-tokens", type=positive_int, default=256,
+                       help="cap on a request's max_new_tokens")
     pull = p.add_argument_group("pull policy and bounds")
-    pull.add_argument("--policy", choices=("strict", "best_effort"), default="strict")
-    pull.add_argument("--metadata-timeout-s", type=float, default=2.0)
-    pull.add_argument("--transfer-timeout-s", type=float, default=10.0)
-    pull.add_argument("--deadline-s", type=float, default=15.0)
-    pull.add_argument("--lease-s", type=float, default=30.0)
+    pull.add_argument("--policy", choices=("strict", "best_effort"), default="strict",
+                      help="strict: all hinted blocks or none; best_effort: the longest "
+                           "prefix served")
+    pull.add_argument("--metadata-timeout-s", type=positive_float, default=2.0,
+                      help="bound on fetching a source's state document")
+    pull.add_argument("--transfer-timeout-s", type=positive_float, default=10.0,
+                      help="bound on a transfer without progress")
+    pull.add_argument("--deadline-s", type=positive_float, default=15.0,
+                      help="bound on a whole pull")
+    pull.add_argument("--lease-s", type=positive_float, default=30.0,
+                      help="how long pulled blocks wait for their request to claim them")
     pull.add_argument("--cost-guard", choices=("on", "off"), default="on",
                       help="skip pulls estimated slower than recompute (not_worth_it)")
-    pull.add_argument("--max-inflight-pulls", type=int, default=4)
-    pull.add_argument("--chunk-mib", type=int, default=16)
+    pull.add_argument("--max-inflight-pulls", type=positive_int, default=4,
+                      help="pulls at once; more are refused with reason busy")
+    pull.add_argument("--chunk-mib", type=positive_int, default=16,
+                      help="stream chunk size in MiB (at most 16384)")
     pull.add_argument("--remote-read", choices=("host", "off"), default="off",
                       help="one-sided reads of whole blocks: 'host' offers this worker's host "
                            "pool for remote read to authenticated peers. The "
                            "UCX transports available without InfiniBand (TCP, CMA) do not "
                            "bound a remote key to its grant, so every fleet member could "
                            "read the whole pool: opt in only where that is acceptable "
-                           "(see SECURITY.md). 'off' (default) streams")
-    p.add_argument("--log-level", default="WARNING")
-    p.add_argument("--debug-send-delay-s", type=float, default=0.0,
+                           "(see SECURITY.md). 'off' streams")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="stderr log level; INFO shows one line per pull outcome")
+    p.add_argument("--debug-send-delay-s", type=nonneg_float, default=0.0,
                    help=argparse.SUPPRESS)  # fault tests: the source stalls each send
     return p
+
+
+def check_options(opts: argparse.Namespace) -> None:
+    """Raise :class:`UsageError` for flag values the worker cannot start with (beyond what
+    the parser's types check): the allowlist, the device, the listen addresses."""
+    from kvkern.xfer.endpoint import Allowlist  # noqa: PLC0415
+
+    for spec in allow_specs(opts):
+        try:
+            Allowlist.parse([spec])
+        except ValueError as exc:
+            raise UsageError(f"bad allowlist entry: {exc}; use CIDR (10.0.0.0/8), "
+                             "host[:port[-port]] or *.suffix[:ports]") from None
+    if opts.host in ("0.0.0.0", "::") and not opts.advertise_host:
+        raise UsageError(f"--host {opts.host} needs --advertise-host (the address peers reach "
+                         "this machine at)")
+    if opts.chunk_mib > 16384:
+        raise UsageError(f"--chunk-mib {opts.chunk_mib} exceeds 16384 (16 GiB)")
+    _check_device(opts.device)
+    check_port_free(opts.host, opts.port)
+
+
+def allow_specs(opts: argparse.Namespace) -> list[str]:
+    """``--allow`` entries followed by those of ``KVKERN_ALLOWLIST``."""
+    env = os.environ.get("KVKERN_ALLOWLIST", "")
+    return list(opts.allow) + [s for s in env.replace(",", " ").split() if s]
+
+
+def _check_device(name: str) -> None:
+    if name in ("auto", "cpu"):
+        return
+    head, _, index = name.partition(":")
+    if head != "cuda" or (index and not index.isdigit()):
+        raise UsageError(f"--device {name!r} is not one of cpu, cuda, cuda:N, auto")
+    import torch  # noqa: PLC0415
+
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: no CUDA device is available to this process; "
+                         "use --device cpu (or auto)")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this process sees {torch.cuda.device_count()} CUDA "
+                         f"device(s); use cuda:0..cuda:{torch.cuda.device_count() - 1}")
 
 
 def _pin_threads(threads: int) -> None:
@@ -160,13 +233,13 @@ class Worker:
 
         self.opts = opts
         self.worker_id = opts.worker_id or f"worker-{uuid.uuid4().hex[:8]}"
+        self.credential = self._credential()  # first: a bad secret fails before the model loads
         self.device = _device(opts.device)
         config = MODELS[opts.model]()
         self.engine = Engine(config, device=self.device, layout_name=opts.layout,
                              num_blocks=opts.num_blocks, hash_scheme=opts.hash_scheme,
                              prefill_chunk=opts.prefill_chunk)
         self.model_id = opts.model_id or self.engine.model.fingerprint()
-        self.credential = self._credential()
         self.runtime = None
         self.source = None
         self.puller = None
@@ -190,9 +263,7 @@ class Worker:
         from kvkern.xfer.config import XferConfig  # noqa: PLC0415
 
         o = self.opts
-        allow = list(o.allow)
-        env = os.environ.get("KVKERN_ALLOWLIST", "")
-        allow += [s for s in env.replace(",", " ").split() if s]
+        allow = allow_specs(o)
         return XferConfig(
             metadata_timeout_s=o.metadata_timeout_s,
             transfer_timeout_s=o.transfer_timeout_s,
@@ -227,13 +298,19 @@ class Worker:
         from kvkern.xfer.source import BLOCKS_PATH, SourceService  # noqa: PLC0415
 
         o = self.opts
-        if o.host in ("0.0.0.0", "::") and not o.advertise_host:
-            raise SystemExit("kvkern worker: --host 0.0.0.0 needs --advertise-host (the "
-                             "address peers reach this machine at)")
+        check_options(o)
         self.metrics = XferMetrics()
         self.runtime = EventLoopThread()
         group = self._group()
         config = self._xfer_config()
+        if not config.allowlist:
+            log.warning("no source is allowed (no --allow, KVKERN_ALLOWLIST unset): every hint "
+                        "is refused with source_not_allowed; add --allow for the peers' "
+                        "network, e.g. --allow 10.0.0.0/8:8000-8100")
+        if self.credential is None:
+            log.warning("no fleet credential (--fleet-secret-file, KVKERN_FLEET_SECRET_FILE, "
+                        "KVKERN_FLEET_SECRET): this worker serves no peers and pulls from "
+                        "none; make a secret with `kvkern secret`")
         routes = [web.post("/v1/generate", self._http_generate),
                   web.get(BLOCKS_PATH, self._http_blocks),  # fleet members only
                   web.get("/v1/info", self._http_info)]
@@ -252,7 +329,12 @@ class Worker:
                                   max_transfer_timeout_s=config.max_transfer_timeout_s,
                                   max_deadline_s=config.max_deadline_s,
                                   default_policy=config.default_policy)
-        self.runtime.run(self.source.start(), timeout)
+        try:
+            self.runtime.run(self.source.start(), timeout)
+        except OSError as exc:
+            if exc.errno not in BIND_ERRNOS:
+                raise
+            raise bind_error(exc, o.host, o.port) from None
         try:
             from kvkern.xfer.puller import Puller  # noqa: PLC0415
         except ImportError as exc:  # the puller lands separately; run without it meanwhile
@@ -349,7 +431,6 @@ class Worker:
                 # What the pull learned of the source stays in this worker's log: a tenant
                 # sees the outcome, not the detail (ports, fields, redirects, counts).
                 out["pull"] = {k: v for k, v in outcome.to_dict().items() if k != "detail"}
-                log.info("request %s: %s", request_id, outcome.to_log())
                 if not outcome.used or not held:
                     out["fallback"] = outcome.reason.value if not outcome.used else "lease_expired"
                 else:
@@ -446,22 +527,42 @@ def _fmt_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def main(argv: list[str] | None = None) -> int:
-    opts = build_parser().parse_args(argv)
-    logging.basicConfig(level=opts.log_level.upper(), stream=sys.stderr,
+def setup_logging(level: str) -> None:
+    """Log lines on stderr at ``level``; aiohttp's per-request access lines only at DEBUG."""
+    logging.basicConfig(level=level, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if level != "DEBUG":
+        logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvkern.xfer.auth import CredentialError  # noqa: PLC0415
+
+    prog = "kvkern worker"
+    opts = build_parser().parse_args(argv)
+    setup_logging(opts.log_level)
+    try:
+        check_options(opts)
+    except UsageError as exc:
+        return report(prog, str(exc))
     _pin_threads(opts.threads)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    worker = Worker(opts)
+    worker = None
     try:
+        worker = Worker(opts)
         worker.start()
         print(READY_PREFIX + json.dumps(worker.ready_info()), flush=True)
         while not stop.wait(1.0):
             pass
+    except UsageError as exc:
+        return report(prog, str(exc))
+    except CredentialError as exc:
+        return report(prog, credential_fix(exc))
     finally:
-        worker.close()
+        if worker is not None:
+            worker.close()
     return 0
 
 
