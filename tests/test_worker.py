@@ -101,7 +101,9 @@ def workers():
               "--deadline-s", "10", "--log-level", "ERROR"]
     reads = ["--remote-read", "host"]
     procs = start_workers({"A": [*common, *reads, "--worker-id", "A", "--layout", "trtllm"],
-                           "B": [*common, *reads, "--worker-id", "B", "--layout", "vllm_flash"],
+                           # B logs at INFO: its per-pull outcome lines are checked
+                           "B": [*common, *reads, "--worker-id", "B", "--layout", "vllm_flash",
+                                 "--log-level", "INFO"],
                            # C: no allowlist, so every hint is refused (fail closed)
                            "C": ["--model", "tiny", "--num-blocks", "64", "--worker-id", "C",
                                  "--cost-guard", "off", "--log-level", "ERROR",
@@ -203,9 +205,19 @@ def test_router_learns_from_reports_and_routes_with_a_hint(workers):
     d = router.route(prefix + [7, 7, 7], destination="B")
     assert d.hint_source == "A" and d.hint_blocks == 6
     out = gen(b.url, signed({"token_ids": prefix + [7, 7, 7], "max_new_tokens": 1,
-                             **d.hint}))
+                             "request_id": d.request_id, **d.hint}))
     router.finish(d, ok=True)
-    assert out["pulled_tokens"] == 24
+    assert out["pulled_tokens"] == 24 and out["request_id"] == d.request_id
+    # the pull's outcome line at INFO carries the router's request id
+    deadline = time.monotonic() + 5
+    while True:
+        lines = [ln for ln in b.output(400).splitlines()
+                 if " INFO " in ln and '"event":"kvkern.pull"' in ln
+                 and f'"request_id":"{d.request_id}"' in ln]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert len(lines) == 1 and '"reason":"ok"' in lines[0], b.output(20)
 
 
 @pytest.mark.parametrize("body, status", [

@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import logging
@@ -49,10 +50,26 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvkern.cache.hashing import get_scheme, normalize_hashes, salt_key
+from kvkern.serve.cliargs import (
+    BIND_ERRNOS,
+    LOG_LEVELS,
+    Parser,
+    UsageError,
+    bind_error,
+    check_port_free,
+    credential_fix,
+    nonneg_float,
+    port,
+    positive_float,
+    positive_int,
+    report,
+)
 from kvkern.xfer.auth import AUTH_RESPONSE_HEADER, DEFAULT_HINT_TTL_S, FROM_ENV
 
 __all__ = [
     "DIALECTS",
+    "DIALECT_NAMES",
+    "NO_HINT_REASONS",
     "ROUTER_SCHEME",
     "KVRouter",
     "RouteDecision",
@@ -68,6 +85,13 @@ log = logging.getLogger(__name__)
 ROUTER_SCHEME = "public-xxh3-v1"
 BLOCKS_PATH = "/kvkern/v1/blocks"  # a worker's block listing (fleet members only)
 DIALECTS = ("kv_hint", "kv_hints", "dynamo", "llm-d")
+#: ``--dialect`` value -> the dialect's name as a worker reports it (``hint.dialect`` of the
+#: worker's response, :class:`kvkern.xfer.hints.KvHint`), used in responses and metrics
+DIALECT_NAMES = {"kv_hint": "kvkern", "kv_hints": "kv_hints", "dynamo": "dynamo",
+                 "llm-d": "llm-d"}
+#: why a routed request carries no hint (``no_hint_reason``, metric label)
+NO_HINT_REASONS = ("no_other_worker", "no_longer_prefix", "no_credential")
+MAX_REQUEST_ID_CHARS = 256
 
 
 def router_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
@@ -156,12 +180,14 @@ class RouteDecision:
     hint_source: str | None = None
     hint_blocks: int = 0
     hint: dict[str, Any] | None = None
+    hint_dialect: str | None = None  # as a worker names it (DIALECT_NAMES)
+    no_hint_reason: str | None = None  # one of NO_HINT_REASONS when hint is None
 
     def summary(self) -> dict[str, Any]:
         return {"request_id": self.request_id, "destination": self.destination,
                 "matched_blocks": dict(self.matched), "hint_source": self.hint_source,
-                "hint_blocks": self.hint_blocks,
-                "hint_dialect": next(iter(self.hint), None) if self.hint else None}
+                "hint_blocks": self.hint_blocks, "hint_dialect": self.hint_dialect,
+                "no_hint_reason": self.no_hint_reason}
 
 
 class KVRouter:
@@ -223,9 +249,19 @@ class KVRouter:
             raise KeyError(f"unknown worker {worker_id!r}; known: "
                            f"{sorted(self._workers)}") from None
 
-    def set_healthy(self, worker_id: str, healthy: bool) -> None:
+    def set_healthy(self, worker_id: str, healthy: bool, why: str = "") -> bool:
+        """Mark ``worker_id`` (un)healthy; returns whether that changed its state, and logs
+        each change (to unhealthy at WARNING with ``why``, back at INFO)."""
         with self._lock:
-            self._get(worker_id).healthy = healthy
+            w = self._get(worker_id)
+            changed = w.healthy != healthy
+            w.healthy = healthy
+        if changed and healthy:
+            log.info("worker %s (%s) is healthy again", worker_id, w.url)
+        elif changed:
+            log.warning("worker %s (%s) is unhealthy: %s; no requests or hints go to it until "
+                        "it answers a refresh", worker_id, w.url, why or "unknown")
+        return changed
 
     # ------------------------------------------------------------------ learning
 
@@ -288,10 +324,13 @@ class KVRouter:
             best = max((w for w in self._workers.values() if w is not dest and w.healthy),
                        key=lambda w: matched[w.worker_id], default=None)
             hint_source, hint_blocks, hint = None, 0, None
+            no_hint = "no_other_worker" if best is None else None
             if best is not None and (matched[best.worker_id] - matched[dest.worker_id]
                                      >= self.min_hint_blocks):
                 hint_source, hint_blocks = best.worker_id, matched[best.worker_id]
                 hint = hint_fragment(dialect, best.source, hashes[:hint_blocks])
+            elif best is not None:
+                no_hint = "no_longer_prefix"
             dest.in_flight += 1
             dest.tokens_in_flight += len(token_ids)
             dest.last_chosen = next(self._clock)
@@ -300,6 +339,7 @@ class KVRouter:
                 request_id=request_id or uuid.uuid4().hex, destination=dest.worker_id,
                 destination_url=dest.url, num_tokens=len(token_ids), hashes=tuple(hashes),
                 matched=matched, hint_source=hint_source, hint_blocks=hint_blocks, hint=hint,
+                hint_dialect=DIALECT_NAMES[dialect] if hint else None, no_hint_reason=no_hint,
             )
 
     def finish(self, decision: RouteDecision, *, ok: bool) -> None:
@@ -325,23 +365,28 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
     """The ``kvkern router`` HTTP API (aiohttp)::
 
         POST /v1/generate   body: a worker generate body ({"token_ids": [...], ...});
-                            optional "destination": worker id. Routes, removes any hint the
-                            client put in the body, attaches its own hint signed with the
-                            fleet credential (valid ``hint_ttl_s``), forwards to the
-                            destination's POST /v1/generate and returns its JSON plus
-                            "router": the decision summary.
+                            optional "destination": worker id; optional "request_id" (one
+                            is made when absent). Routes, removes any hint the client put in
+                            the body, attaches its own hint signed with the fleet credential
+                            (valid ``hint_ttl_s``), forwards to the destination's
+                            POST /v1/generate with the request id and returns its JSON plus
+                            "request_id" and "router": the decision summary.
         POST /v1/route      body: {"token_ids": [...]}: the decision only (nothing is sent;
                             the request is not counted in flight). Returns summary plus
                             "destination_url" and "hint" (the body fragment).
         GET  /v1/workers    what the router knows of each worker
         POST /v1/refresh    re-read every worker's GET /kvkern/v1/blocks now
+        GET  /metrics       Prometheus text (:mod:`kvkern.serve.routermetrics`)
         GET  /healthz       "ok"
 
-    The router reads the workers' block listings and signs hints with the fleet credential
-    (``credential``, by default the environment's); without one it routes without hints.
+    Errors are ``{"error": "..."}``: 400 malformed body, 503 no (healthy) worker, 502 the
+    destination did not answer. The router reads the workers' block listings and signs hints
+    with the fleet credential (``credential``, by default the environment's); without one it
+    routes without hints.
     """
     from aiohttp import ClientSession, ClientTimeout, web  # noqa: PLC0415 (lazy heavy import)
 
+    from kvkern.serve.routermetrics import CONTENT_TYPE_LATEST, RouterMetrics  # noqa: PLC0415
     from kvkern.xfer.auth import resolve, sign_hint  # noqa: PLC0415
     from kvkern.xfer.hints import KvHint, decode_hint, strip_hints  # noqa: PLC0415
     from kvkern.xfer.httpguard import (  # noqa: PLC0415
@@ -353,12 +398,20 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
 
     cred = resolve(credential, peer_id="router")
     if cred is None:
-        log.warning("the router has no fleet credential: it cannot read block listings or "
-                    "sign hints, so it routes by load only")
+        log.warning("the router has no fleet credential (--fleet-secret-file, "
+                    "KVKERN_FLEET_SECRET_FILE, KVKERN_FLEET_SECRET): it cannot read block "
+                    "listings or sign hints, so it routes by load only")
 
     limits = limits or HttpLimits()
     app = guard_app(web.Application(), limits)
+    metrics = RouterMetrics()
+    for info in router.workers():
+        metrics.add_worker(info["worker_id"])
     state: dict[str, Any] = {}
+
+    def mark(worker_id: str, healthy: bool, why: str = "") -> None:
+        router.set_healthy(worker_id, healthy, why)
+        metrics.healthy.labels(worker_id).set(1 if healthy else 0)
 
     async def refresh_once() -> dict[str, Any]:
         session: ClientSession = state["session"]
@@ -378,10 +431,13 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
                         raise RuntimeError("the block listing is not signed by a fleet member")
                 report = json.loads(raw)
                 out[wid] = router.load_report(wid, report)
-                router.set_healthy(wid, True)
+                metrics.blocks.labels(wid).set(out[wid])
+                mark(wid, True)
             except Exception as exc:  # noqa: BLE001 (a worker down must not stop the router)
-                router.set_healthy(wid, False)
-                out[wid] = f"unreachable: {type(exc).__name__}: {exc}"
+                why = f"{type(exc).__name__}: {exc}"
+                metrics.refresh_failures.labels(wid).inc()
+                mark(wid, False, f"block listing: {why}")
+                out[wid] = f"unreachable: {why}"
         return out
 
     async def refresher() -> None:
@@ -408,37 +464,68 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
 
-    async def read_tokens(request: web.Request) -> tuple[dict, list[int]]:
+    async def read_request(request: web.Request) -> tuple[dict, list[int], str, str]:
+        """The body, its tokens, its cache salt and its request id (made when absent)."""
         body = await read_json_body(request, max_bytes=limits.max_body_bytes,
                                     timeout_s=limits.body_timeout_s)
         tokens = body.get("token_ids") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not tokens or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise json_error(web.HTTPBadRequest, "token_ids must be a non-empty list of ints")
-        return body, tokens
-
-    def signed_hint(decision: RouteDecision, tokens: list[int], salt: str) -> dict:
-        if decision.hint is None or cred is None:
-            return {}
-        hint = decode_hint(decision.hint)
-        if not isinstance(hint, KvHint):  # the router's own fragment always decodes
-            log.error("router hint did not decode: %s", hint)
-            return {}
-        return {**decision.hint, **sign_hint(cred, hint, tokens, cache_salt=salt,
-                                             ttl_s=hint_ttl_s)}
-
-    async def generate(request: web.Request) -> web.Response:
-        body, tokens = await read_tokens(request)
         salt = body.get("cache_salt", "")
         if not isinstance(salt, str):
             raise json_error(web.HTTPBadRequest, "cache_salt must be a string")
+        request_id = body.get("request_id") or uuid.uuid4().hex
+        if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise json_error(web.HTTPBadRequest, f"request_id must be a string of at most "
+                                                 f"{MAX_REQUEST_ID_CHARS} characters")
+        return body, tokens, salt, request_id
+
+    def decide(body: dict, tokens: list[int], salt: str, request_id: str,
+               destination: Any) -> tuple[RouteDecision, dict]:
+        """Route; returns the decision (without a hint when none can be signed) and the
+        signed hint's body fields."""
         try:
-            decision = router.route(tokens, destination=body.pop("destination", None),
-                                    cache_salt=salt)
+            decision = router.route(tokens, destination=destination, cache_salt=salt,
+                                    request_id=request_id)
         except (LookupError, KeyError) as exc:
-            raise web.HTTPServiceUnavailable(text=str(exc)) from None
-        forward = {**strip_hints(body), **signed_hint(decision, tokens, salt)}
+            raise json_error(web.HTTPServiceUnavailable,
+                             str(exc.args[0] if exc.args else exc)) from None
+        if decision.hint is None:
+            return decision, {}
+        if cred is None:
+            return dataclasses.replace(decision, hint=None, hint_source=None, hint_blocks=0,
+                                       hint_dialect=None, no_hint_reason="no_credential"), {}
+        hint = decode_hint(decision.hint)
+        if not isinstance(hint, KvHint):  # the router's own fragment always decodes
+            log.error("router hint did not decode: %s", hint)
+            return decision, {}
+        return decision, {**decision.hint, **sign_hint(cred, hint, tokens, cache_salt=salt,
+                                                       ttl_s=hint_ttl_s)}
+
+    def timed(endpoint: str, handler):
+        async def run(request: web.Request) -> web.StreamResponse:
+            t0 = time.perf_counter()
+            status = 500
+            try:
+                response = await handler(request)
+                status = response.status
+                return response
+            except web.HTTPException as exc:
+                status = exc.status
+                raise
+            finally:
+                metrics.answered(endpoint, status, time.perf_counter() - t0)
+        return run
+
+    async def generate(request: web.Request) -> web.Response:
+        body, tokens, salt, request_id = await read_request(request)
+        decision, hint_fields = decide(body, tokens, salt, request_id,
+                                       body.pop("destination", None))
+        metrics.routed(decision)
+        forward = {**strip_hints(body), **hint_fields, "request_id": request_id}
         ok = False
+        dest = decision.destination
         try:
             async with state["session"].post(
                     f"{decision.destination_url}/v1/generate", json=forward,
@@ -446,31 +533,32 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
                 payload = await r.json(content_type=None)
                 status = r.status
             ok = status == 200
+            if status >= 500:
+                metrics.forward_errors.labels(dest, "http_5xx").inc()
         except Exception as exc:  # noqa: BLE001
-            router.set_healthy(decision.destination, False)
-            payload, status = {"error": f"{type(exc).__name__}: {exc}"}, 502
+            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "unreachable"
+            metrics.forward_errors.labels(dest, kind).inc()
+            why = f"{type(exc).__name__}: {exc}".rstrip(": ")
+            log.warning("request %s: forward to %s failed: %s", request_id, dest, why)
+            mark(dest, False, f"forward of request {request_id}: {why}")
+            payload, status = {"error": f"destination {dest} did not answer: {why}"}, 502
         finally:
             router.finish(decision, ok=ok)
         if not isinstance(payload, dict):
             payload = {"response": payload}
+        payload.setdefault("request_id", request_id)
         payload["router"] = decision.summary()
-        return web.json_response(payload, status=status)
+        log.debug("request %s -> %s, hint %s (%s blocks)", request_id, dest,
+                  decision.hint_source, decision.hint_blocks)
+        return web.json_response(payload, status=status, headers={"X-Request-Id": request_id})
 
     async def route(request: web.Request) -> web.Response:
-        body, tokens = await read_tokens(request)
-        salt = body.get("cache_salt", "")
-        if not isinstance(salt, str):
-            raise json_error(web.HTTPBadRequest, "cache_salt must be a string")
-        try:
-            decision = router.route(tokens, destination=body.get("destination"),
-                                    cache_salt=salt)
-        except (LookupError, KeyError) as exc:
-            raise web.HTTPServiceUnavailable(text=str(exc)) from None
+        body, tokens, salt, request_id = await read_request(request)
+        decision, hint_fields = decide(body, tokens, salt, request_id, body.get("destination"))
         router.finish(decision, ok=False)
         return web.json_response({**decision.summary(),
                                   "destination_url": decision.destination_url,
-                                  "hint": decision.hint and {
-                                      **decision.hint, **signed_hint(decision, tokens, salt)}})
+                                  "hint": hint_fields or None})
 
     async def workers(request: web.Request) -> web.Response:
         return web.json_response({"block_size": router.block_size, "scheme": ROUTER_SCHEME,
@@ -479,12 +567,17 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
     async def refresh(request: web.Request) -> web.Response:
         return web.json_response(await refresh_once())
 
+    async def metrics_page(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     async def healthz(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
-    app.add_routes([web.post("/v1/generate", generate), web.post("/v1/route", route),
+    app.add_routes([web.post("/v1/generate", timed("generate", generate)),
+                    web.post("/v1/route", timed("route", route)),
                     web.get("/v1/workers", workers), web.post("/v1/refresh", refresh),
-                    web.get("/healthz", healthz)])
+                    web.get("/metrics", metrics_page), web.get("/healthz", healthz)])
     return app
 
 
@@ -501,53 +594,97 @@ def _parse_worker(spec: str, index: int) -> tuple[str, str, str | None]:
     return wid, spec, source
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(
         prog="kvkern router",
         description="KV-aware router: destination by load, hint naming the worker with the "
                     "longest cached prefix. Workers are `kvkern worker` processes.")
     p.add_argument("--worker", action="append", default=[], metavar="[ID=]URL[,source=EP]",
-                   help="a worker's HTTP base URL (repeat); source= overrides the endpoint "
-                        "hints name for it (default: the URL)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    p.add_argument("--port", type=int, default=8100)
-    p.add_argument("--block-size", type=int, default=None,
-                   help="tokens per block (default: read from the first worker's report)")
-    p.add_argument("--dialect", choices=DIALECTS, default="kv_hint")
-    p.add_argument("--min-hint-blocks", type=int, default=1)
-    p.add_argument("--refresh-s", type=float, default=5.0,
-                   help="re-read workers' block reports this often (0: only at start)")
-    p.add_argument("--request-timeout-s", type=float, default=120.0)
+                   help="a worker's HTTP base URL (repeat; at least one); source= overrides "
+                        "the endpoint hints name for it (default: the URL)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=port, default=8100, help="HTTP port (0: the OS picks)")
+    p.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per block (default: read from the first worker's "
+                        "GET /v1/info)")
+    p.add_argument("--dialect", choices=DIALECTS, default="kv_hint",
+                   help="how hints are written into forwarded requests (docs/hints.md)")
+    p.add_argument("--min-hint-blocks", type=positive_int, default=1,
+                   help="blocks a source must hold beyond the destination to be named")
+    p.add_argument("--refresh-s", type=nonneg_float, default=5.0,
+                   help="re-read workers' block listings this often (0: only at start)")
+    p.add_argument("--request-timeout-s", type=positive_float, default=120.0,
+                   help="bound on one forwarded request")
     p.add_argument("--fleet-secret-file", default=None, metavar="PATH",
                    help="file holding the fleet secret, to read block listings and sign "
-                        "hints (default KVKERN_FLEET_SECRET_FILE or KVKERN_FLEET_SECRET)")
-    p.add_argument("--hint-ttl-s", type=float, default=DEFAULT_HINT_TTL_S,
-                   help="how long a signed hint stays valid (default %(default)s s)")
-    args = p.parse_args(argv)
-    if not args.worker:
-        p.error("at least one --worker is needed")
-    specs = [_parse_worker(s, i) for i, s in enumerate(args.worker)]
-    block_size = args.block_size
-    if block_size is None:
-        block_size = _fetch_block_size([url for _, url, _ in specs])
-    router = KVRouter(block_size, dialect=args.dialect, min_hint_blocks=args.min_hint_blocks)
-    for wid, url, source in specs:
-        router.add_worker(wid, url, source)
+                        "hints (default: KVKERN_FLEET_SECRET_FILE or KVKERN_FLEET_SECRET)")
+    p.add_argument("--hint-ttl-s", type=positive_float, default=DEFAULT_HINT_TTL_S,
+                   help="how long a signed hint stays valid, in seconds (at most 600)")
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="stderr log level; INFO shows worker health changes")
+    return p
 
 
-    from kvkern.xfer.auth import Credential  # noqa: PLC0415
+def _check_worker(spec: str, index: int) -> tuple[str, str, str | None]:
+    wid, url, source = _parse_worker(spec, index)
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 (raises on a bad port)
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"--worker {spec!r}: not [ID=]URL[,source=EP] with an http(s) URL such "
+                         "as a=http://10.0.0.5:8000")
+    if not wid:
+        raise UsageError(f"--worker {spec!r}: empty worker id before '='")
+    return wid, url, source
 
-    cred = (Credential.from_file(args.fleet_secret_file, peer_id="router")
-            if args.fleet_secret_file else FROM_ENV)
+
+def main(argv: list[str] | None = None) -> int:
+    from kvkern.xfer.auth import MAX_HINT_TTL_S, Credential, CredentialError  # noqa: PLC0415
     from kvkern.xfer.httpguard import HttpLimits, run_guarded  # noqa: PLC0415
 
-    limits = HttpLimits()
-    app = build_app(router, request_timeout_s=args.request_timeout_s,
-                    refresh_s=args.refresh_s or None, credential=cred,
-                    hint_ttl_s=args.hint_ttl_s, limits=limits)
-    print(f"kvkern router on http://{args.host}:{args.port} -> "
-          + ", ".join(f"{w}={u}" for w, u, _ in specs), flush=True)
-    run_guarded(app, host=args.host, port=args.port, limits=limits)
+    prog = "kvkern router"
+    p = build_parser()
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not args.worker:
+        p.error("at least one --worker is needed, e.g. --worker a=http://10.0.0.5:8000")
+    try:
+        if args.hint_ttl_s > MAX_HINT_TTL_S:
+            raise UsageError(f"--hint-ttl-s {args.hint_ttl_s:g} exceeds {MAX_HINT_TTL_S:g} s; "
+                             "pass a shorter validity")
+        specs = [_check_worker(s, i) for i, s in enumerate(args.worker)]
+        ids = [wid for wid, _, _ in specs]
+        if len(set(ids)) != len(ids):
+            raise UsageError(f"--worker ids must be distinct, got {ids}")
+        cred = (Credential.from_file(args.fleet_secret_file, peer_id="router")
+                if args.fleet_secret_file else Credential.from_env(peer_id="router"))
+        check_port_free(args.host, args.port)
+        block_size = args.block_size
+        if block_size is None:
+            block_size = _fetch_block_size([url for _, url, _ in specs])
+        router = KVRouter(block_size, dialect=args.dialect,
+                          min_hint_blocks=args.min_hint_blocks)
+        for wid, url, source in specs:
+            router.add_worker(wid, url, source)
+        limits = HttpLimits()
+        app = build_app(router, request_timeout_s=args.request_timeout_s,
+                        refresh_s=args.refresh_s or None, credential=cred,
+                        hint_ttl_s=args.hint_ttl_s, limits=limits)
+        print(f"kvkern router on http://{args.host}:{args.port} -> "
+              + ", ".join(f"{w}={u}" for w, u, _ in specs), flush=True)
+        try:
+            run_guarded(app, host=args.host, port=args.port, limits=limits)
+        except OSError as exc:
+            if exc.errno not in BIND_ERRNOS:
+                raise
+            raise bind_error(exc, args.host, args.port) from None
+    except UsageError as exc:
+        return report(prog, str(exc))
+    except CredentialError as exc:
+        return report(prog, credential_fix(exc))
     return 0
 
 
@@ -563,9 +700,8 @@ def _fetch_block_size(urls: list[str], timeout_s: float = 10.0) -> int:
             except Exception as exc:  # noqa: BLE001
                 last = exc
         time.sleep(0.5)
-    print(f"kvkern router: no worker answered GET /v1/info ({last}); pass --block-size",
-          file=sys.stderr)
-    raise SystemExit(2)
+    raise UsageError(f"no worker answered GET /v1/info within {timeout_s:g} s ({last}); start "
+                     "the workers first or pass --block-size")
 
 
 if __name__ == "__main__":  # pragma: no cover
