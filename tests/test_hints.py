@@ -146,6 +146,21 @@ def test_llmd_remote_kv_source():
     assert h6.source == "[fd00::5]:1"
 
 
+def test_llmd_real_vllm_p2p_shape():
+    """vLLM's P2P tier sends {kv_request_id, remote_host, remote_port} (what llm-d drives)."""
+    h = decode_hint({"kv_transfer_params": {"remote_kv_source": {
+        "kv_request_id": "cmpl-7", "remote_host": "10.1.2.3", "remote_port": 8200}}})
+    assert isinstance(h, KvHint)
+    assert (h.dialect, h.source, h.hashes_local, h.message_id) == (
+        "llm-d", "10.1.2.3:8200", True, "cmpl-7")
+    for bad in ({"remote_host": "h"}, {"remote_host": "h", "remote_port": 0},
+                {"remote_host": "h", "remote_port": 1, "extra": 1},
+                {"remote_host": "h", "remote_port": 1, "kv_request_id": "x" * 300},
+                {"remote_host": "h", "remote_port": 1, "host": "g"}):
+        got = decode_hint({"kv_transfer_params": {"remote_kv_source": bad}})
+        assert got.reason == "hint_invalid", (bad, got)
+
+
 def test_i64_hashes_normalised():
     h = decode_hint(router_hint(block_hashes=[-1, -(1 << 63), 0, U64]))
     assert h.block_hashes == (U64, 1 << 63, 0, U64)

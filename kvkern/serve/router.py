@@ -130,8 +130,9 @@ def hint_fragment(dialect: str, source: str, block_hashes: Sequence[int], *,
         parts = urlsplit(source if "://" in source else f"http://{source}")
         if parts.hostname is None or parts.port is None:
             raise ValueError(f"llm-d hints need host:port, got source {source!r}")
-        return {"kv_transfer_params": {"remote_kv_source": {"host": parts.hostname,
-                                                            "port": parts.port}}}
+        return {"kv_transfer_params": {"remote_kv_source": {
+            "kv_request_id": message_id or uuid.uuid4().hex, "remote_host": parts.hostname,
+            "remote_port": parts.port}}}
     raise ValueError(f"unknown hint dialect {dialect!r}; known: {', '.join(DIALECTS)}")
 
 

@@ -13,7 +13,9 @@ pass-through), in this order of dialects::
     kvkern     kv_hint                                   this module's own schema (below)
     kv_hints   kv_hints                                  envelope, protocol "0.1", kv.fetch 1.0
     dynamo     kv_transfer_params.router_hint            {source_control_endpoint, block_hashes}
-    llm-d      kv_transfer_params.remote_kv_source       {host, port}; hashes computed locally
+    llm-d      kv_transfer_params.remote_kv_source       {kv_request_id, remote_host, remote_port}
+                                                         (vLLM's P2P tier; the older {host, port}
+                                                         too); hashes computed locally
 
 A location holding ``null`` counts as absent. The first dialect that yields a hint or a
 rejection decides; a dialect that is *ignored* (unknown ``version`` / ``protocol_version``, no
@@ -93,6 +95,7 @@ DIALECTS: tuple[str, ...] = ("kvkern", "kv_hints", "dynamo", "llm-d")
 KV_HINTS_PROTOCOL = "0.1"
 KV_FETCH = ("kv.fetch", "1.0")
 KVKERN_HINT_VERSION = 1
+MAX_KV_REQUEST_ID = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,7 +187,18 @@ class _FetchPayload(msgspec.Struct, kw_only=True):
     source_dp_rank: int | None = None
 
 
-class _RemoteKvSource(msgspec.Struct, kw_only=True):
+class _RemoteKvSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's P2P tier (the shape llm-d drives): ``{kv_request_id, remote_host,
+    remote_port}``."""
+
+    remote_host: str
+    remote_port: int
+    kv_request_id: str | None = None
+
+
+class _LegacyRemoteKvSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``{host, port}`` shape earlier kvkern routers sent."""
+
     host: str
     port: int
 
@@ -384,20 +398,29 @@ def _decode_dynamo(raw: Any, limits: HintLimits) -> KvHint:
 
 
 def _decode_llmd(raw: Any, limits: HintLimits) -> KvHint:
-    src = _convert(raw, _RemoteKvSource, "remote_kv_source")
-    if not 1 <= src.port <= 65535:
-        raise _Reject(HINT_INVALID, f"remote_kv_source: port {src.port} not in [1, 65535]")
-    host = _source(src.host, "remote_kv_source", limits)
+    if isinstance(raw, dict) and ("remote_host" in raw or "remote_port" in raw):
+        real = _convert(raw, _RemoteKvSource, "remote_kv_source")
+        src_host, port, kv_request_id = real.remote_host, real.remote_port, real.kv_request_id
+    else:
+        legacy = _convert(raw, _LegacyRemoteKvSource, "remote_kv_source")
+        src_host, port, kv_request_id = legacy.host, legacy.port, None
+    if kv_request_id is not None and len(kv_request_id) > MAX_KV_REQUEST_ID:
+        raise _Reject(HINT_INVALID, f"remote_kv_source: kv_request_id of {len(kv_request_id)} "
+                      f"characters > {MAX_KV_REQUEST_ID}")
+    if not 1 <= port <= 65535:
+        raise _Reject(HINT_INVALID, f"remote_kv_source: port {port} not in [1, 65535]")
+    host = _source(src_host, "remote_kv_source", limits)
     if any(c in host for c in "/@?#"):
         raise _Reject(HINT_INVALID, f"remote_kv_source: host {host!r} is not a bare host")
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # IPv6 literal
     return KvHint(
-        source=f"{host}:{src.port}",
+        source=f"{host}:{port}",
         block_hashes=None,
         hash_scheme=None,
         dialect="llm-d",
         policy=limits.default_policy,
+        message_id=kv_request_id,
     )
 
 
