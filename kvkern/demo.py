@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import random
 import sys
 import threading
@@ -55,8 +54,7 @@ class DemoOptions:
     dialect: str = "kv_hint"
     num_blocks: int | None = None
     seed: int = 0
-    repeats: int = 3            # sweep points below repeat_below: best TTFT of this many runs
-    repeat_below: int = 512
+    repeats: int = 3            # each sweep point: best TTFT of this many runs
     start_timeout_s: float = 90.0
     request_timeout_s: float = 120.0
     extra_worker_args: tuple[str, ...] = ()
@@ -194,22 +192,25 @@ def _best(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _crossover(rows: list[dict[str, Any]]) -> tuple[int | None, str]:
-    """Prefix length above which the pull's TTFT stays below recompute's, interpolated
-    linearly in log(length) between the last losing and the first winning sweep point."""
+def _crossover(rows: list[dict[str, Any]]) -> tuple[int | None, int | None, str]:
+    """Where pulling starts to win, from measured points only: ``(tokens, below, note)``.
+
+    ``tokens`` is the shortest measured prefix length from which the pull's TTFT is below
+    recompute's at that and every longer measured length, when some shorter length lost;
+    ``below`` is the shortest measured length when the pull won at every one (the crossover
+    lies below it, unmeasured); both are None when the pull never wins at the longest."""
     pts = sorted((r["prefix_tokens"], r["ttft_recompute_s"] - r["ttft_pull_s"])
                  for r in rows if r["fallback"] is None)
     if not pts:
-        return None, "no successful pull"
+        return None, None, "no successful pull"
     last_loss = max((i for i, (_, d) in enumerate(pts) if d <= 0), default=None)
     if last_loss is None:
-        return pts[0][0], f"pull wins at every measured length (from {pts[0][0]} tokens)"
+        return None, pts[0][0], (f"below {pts[0][0]} tokens: the pull wins at every measured "
+                                 f"length, {pts[0][0]}-{pts[-1][0]}")
     if last_loss == len(pts) - 1:
-        return None, f"pull never wins up to {pts[-1][0]} tokens"
-    (x0, d0), (x1, d1) = pts[last_loss], pts[last_loss + 1]
-    t = d0 / (d0 - d1)  # d0 <= 0 < d1
-    x = math.exp(math.log(x0) + t * (math.log(x1) - math.log(x0)))
-    return int(round(x)), f"between {x0} and {x1} tokens"
+        return None, None, f"none: the pull does not win up to {pts[-1][0]} tokens"
+    x0, x1 = pts[last_loss][0], pts[last_loss + 1][0]
+    return x1, None, f"{x1} tokens: the pull wins from {x1} on and loses at {x0}"
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
@@ -217,7 +218,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     from kvkern.serve.procs import start_workers  # noqa: PLC0415
-    from kvkern.serve.router import KVRouter  # noqa: PLC0415
+    from kvkern.serve.router import DIALECT_NAMES, KVRouter  # noqa: PLC0415
 
     t_start = time.perf_counter()
     fleet = _Fleet()
@@ -267,10 +268,10 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         rows = []
         others = [n for n in sweep if n != P]
         _say(opts, f"sweep: {', '.join(map(str, others))} tokens (TTFT, best of "
-                   f"{opts.repeats} below {opts.repeat_below} tokens)")
+                   f"{opts.repeats} runs each)")
         for i, n in enumerate(others):
             row = None
-            for rep in range(opts.repeats if n < opts.repeat_below else 1):
+            for rep in range(opts.repeats):
                 m = _measure(client, "A", "B",
                              _tokens(n, vocab, opts.seed + 1000 + 100 * i + rep), question, 1)
                 r = _row(n, m)
@@ -312,7 +313,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         _say(opts, f"  pulled {r0['blocks_transferred']} blocks, "
                    f"{r0['bytes_transferred'] / 2**20:.1f} MiB in "
                    f"{(r0['pull_total_s'] or 0) * 1e3:.1f} ms"
-                   + (f" ({r0['transfer_gbps']:.2f} GB/s on the wire)"
+                   + (f" ({r0['transfer_gbps']:.2f} GB/s)"
                       if r0["transfer_gbps"] else ""))
         _say(opts, f"  TTFT pull {pulled['ttft_s'] * 1e3:.1f} ms vs recompute "
                    f"{recompute['ttft_s'] * 1e3:.1f} ms "
@@ -322,8 +323,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
                    f"tokens equal: {tokens_equal})")
 
         rows.sort(key=lambda r: r["prefix_tokens"])
-        crossover, crossover_note = _crossover(rows)
-        _say(opts, f"crossover: {crossover} tokens ({crossover_note})")
+        crossover, crossover_below, crossover_note = _crossover(rows)
+        _say(opts, f"crossover: {crossover_note}")
         return {
             "correct": correct,
             "bit_identical": bit_identical,
@@ -334,7 +335,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             "prompt_tokens": len(main_m["prompt"]),
             "source": source,
             "destination": dest,
-            "hint_dialect": opts.dialect,
+            "hint_dialect": DIALECT_NAMES[opts.dialect],  # as workers and the router name it
             "blocks_transferred": r0["blocks_transferred"],
             "bytes_transferred": r0["bytes_transferred"],
             "transfer_gbps": r0["transfer_gbps"],
@@ -345,6 +346,7 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             "speedup": recompute["ttft_s"] / max(pulled["ttft_s"], 1e-9),
             "first_pull_ttft_s": first_pull["ttft_s"] if first_pull else None,
             "crossover_tokens": crossover,
+            "crossover_below": crossover_below,
             "crossover_note": crossover_note,
             "fallbacks": dict(fallbacks),
             "sweep": rows,
@@ -493,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                    choices=("kv_hint", "kv_hints", "dynamo", "llm-d"))
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--repeats", type=int, default=d.repeats,
-                   help=f"best of this many runs per sweep point below {d.repeat_below} tokens")
+                   help="best of this many runs per sweep point")
     p.add_argument("--plot", metavar="FILE.png", default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--kill-source", action="store_true",
@@ -520,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"no plot: {exc} (pip install matplotlib)", file=out, flush=True)
     print(f"done in {res['elapsed_s']:.1f} s: correct={res['correct']}, TTFT pull "
           f"{res['ttft_pull_s'] * 1e3:.1f} ms vs recompute {res['ttft_recompute_s'] * 1e3:.1f} "
-          f"ms at {res['prefix_tokens']} tokens, crossover {res['crossover_tokens']} tokens, "
+          f"ms at {res['prefix_tokens']} tokens, crossover {res['crossover_note']}, "
           f"fallbacks {res['fallbacks'] or 'none'}", file=out, flush=True)
     if a.json:
         print(json.dumps(res), flush=True)

@@ -31,12 +31,15 @@ def test_demo_json_is_correct(tmp_path):
     assert res["blocks_transferred"] == 64 // 4
     assert res["bytes_transferred"] == 16 * 2 * 2 * 2 * 4 * 16 * 4  # blocks*L*kv*H*T*D*fp32
     assert res["ttft_pull_s"] > 0 and res["ttft_recompute_s"] > 0
-    assert "crossover_tokens" in res and res["fallbacks"] == {}
+    assert "crossover_tokens" in res and "crossover_below" in res and res["fallbacks"] == {}
+    assert res["hint_dialect"] == "kv_hints"
+    assert all(r.get("repeats", 1) == 1 for r in res["sweep"])
     assert [r["prefix_tokens"] for r in res["sweep"]] == [8, 32, 64]
     assert all(r["tokens_equal"] for r in res["sweep"])
     if plot.exists():  # matplotlib is in the bench extra
         assert plot.stat().st_size > 1000
     assert "sweep:" in proc.stderr  # progress goes to stderr with --json
+    assert "crossover: " in proc.stderr and "crossover: None" not in proc.stderr
 
 
 def test_killing_the_source_mid_pull_completes_by_recompute():
@@ -50,11 +53,15 @@ def test_killing_the_source_mid_pull_completes_by_recompute():
 
 
 @pytest.mark.parametrize("pairs, expect", [
-    ([(16, 0.10, 0.05), (64, 0.20, 0.10)], 16),      # pull wins everywhere
-    ([(16, 0.10, 0.20), (64, 0.20, 0.10)], 32),      # crosses halfway (log scale)
-    ([(16, 0.10, 0.20), (64, 0.10, 0.30)], None),    # never
-])
-def test_crossover(pairs, expect):
+    ([(16, 0.10, 0.05), (64, 0.20, 0.10)], (None, 16)),          # wins everywhere: below 16
+    ([(16, 0.10, 0.20), (64, 0.20, 0.10)], (64, None)),          # loses at 16, wins at 64
+    ([(16, 0.10, 0.20), (32, 0.2, 0.1), (64, 0.2, 0.3), (128, 0.4, 0.1)], (128, None)),
+    ([(16, 0.10, 0.20), (64, 0.10, 0.30)], (None, None)),        # never
+], ids=["below", "crosses", "wins-again-after-a-loss", "never"])
+def test_crossover_is_a_measured_length(pairs, expect):
     rows = [{"prefix_tokens": n, "ttft_pull_s": pull, "ttft_recompute_s": rec,
              "fallback": None} for n, rec, pull in pairs]
-    assert _crossover(rows)[0] == expect
+    tokens, below, note = _crossover(rows)
+    assert (tokens, below) == expect
+    assert note.startswith(f"below {below} tokens" if below else
+                           f"{tokens} tokens" if tokens else "none")
