@@ -35,7 +35,7 @@ bench-xfer: $(STAMP)
 reliability: $(STAMP)
 	$(VPY) -m pytest -q -m '' tests/reliability && $(VPY) -m kvkern.reliability --require-slow
 
-bench-gpu:
+bench-gpu: $(STAMP)
 	PYTHONPATH=. $(VPY) bench/gpu_kernels.py
 
 lint: $(STAMP)

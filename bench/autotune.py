@@ -7,7 +7,7 @@ pack and unpack for every (tile bytes, warps) candidate, keeps the best by the s
 two, and with ``--write`` merges the winners into ``kvkern/kernels/tuned_configs.json`` under
 this device's name. The kernels read that table at launch (``KVKERN_TUNED_CONFIGS`` points
 elsewhere) and fall back to heuristics for devices or buckets it lacks. Few knobs, a narrow
-key: the tile size and warps are what moved bandwidth in our sweeps; block ids and layer
+key: the tile size and warps are what moved bandwidth in the sweeps; block ids and layer
 counts do not change the best configuration.
 """
 

@@ -1,7 +1,7 @@
 """Block-hash schemes, selected by name.
 
 A request's tokens are split into full blocks of ``block_size`` tokens; the trailing partial
-block is never hashed (no system in REFERENCE.md transfers it, it is always recomputed)::
+block is never hashed (no serving engine transfers it; it is always recomputed)::
 
     tokens     |<- block 0 ->|<- block 1 ->|<- block 2 ->|<- partial ->|
     block hash      b0            b1            b2          (none)

@@ -27,7 +27,7 @@ Threads: torch's CPU kernels split work by shape and intra-op thread count only,
 calls agree bit for bit across runs and processes *with the same* ``torch.get_num_threads()``.
 Across different thread counts they may not: the fused attention kernel rounds a 1- or
 3-token decode differently on 1 and 2 threads (measured, torch 2.13). Run every worker of a
-demo with the same thread count; on a shared 2-core machine, one thread per worker also
+demo with the same thread count; where workers share few cores, one thread per worker also
 avoids OpenMP threads waiting on a busy core (a memcpy was 40x slower that way).
 """
 
@@ -353,9 +353,9 @@ class PagedTransformer:
         ``causal [n, S]`` (True = may attend); returns ``[n, n_heads * D]``."""
         n = q.shape[0]
         # 4-D inputs with enable_gqa reach torch's fused CPU flash kernel (query head h reads
-        # KV head h // group, no repeated KV, no [n, S] scores): at 4096 keys, 8 heads, on
-        # this 2-core box, 0.2 ms to decode one token and 0.36 s to prefill 4096 vs 7 ms and
-        # 2.0 s for 3-D inputs, which fall back to the math kernel.
+        # KV head h // group, no repeated KV, no [n, S] scores): at 4096 keys, 8 heads, one
+        # thread, 0.2 ms to decode one token and 0.36 s to prefill 4096 vs 7 ms and 2.0 s for
+        # 3-D inputs, which fall back to the math kernel.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],                                 # [1, n_heads, n, D]
             k.transpose(0, 1)[None],                                 # [1, n_kv_heads, S, D]

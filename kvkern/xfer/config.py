@@ -79,7 +79,7 @@ class XferConfig:
 
     # ---- retention and data stream
     lease_s: float = 30.0  # committed blocks are leased until claim/release or expiry
-    chunk_bytes: int = 16 << 20  # multi-MiB chunks: per-message cost ~30-270 us (REFERENCE)
+    chunk_bytes: int = 16 << 20  # multi-MiB chunks amortize a per-message cost of ~30-270 us
     chunks_in_flight: int = 4  # staging ring depth per (source rank, destination rank) pair
     # read whole-block pieces one-sided from a source that offers it ("read/1"): one copy
     # from the source's pool into the private blocks, no pack, staging or unpack
@@ -91,7 +91,7 @@ class XferConfig:
     # reads run on this many read lanes (kvkern.xfer.read_lanes: a UCX worker and a thread
     # each; at most one per CPU the process may use), split by bytes with at least
     # read_lane_min_bytes per lane; 0 reads on the control connection's worker. One CMA
-    # copy thread moves 5.8-6.3 GB/s here, two 10.9-11.7 (bench/RESULTS.md, "Read lanes").
+    # copy thread moves 5.8-6.3 GB/s on a 2-vCPU VM, two 10.9-11.7 (bench/RESULTS.md).
     read_lanes: int = 2
     read_lane_min_bytes: int = 4 << 20
 

@@ -1,7 +1,7 @@
 """Read lanes: a pull's one-sided reads split over dedicated UCX workers, one thread each.
 
 On one host UCX moves a read with CMA (``process_vm_readv``), and one thread copies at
-5.8-6.3 GB/s here while two copy 10.9-11.7 GB/s (``bench/RESULTS.md``, "Read lanes"): the
+5.8-6.3 GB/s on a 2-vCPU VM while two copy 10.9-11.7 GB/s (``bench/RESULTS.md``): the
 copy is bound by one core's page walking, not by memory. A UCX worker copies on whichever
 thread progresses it, under its lock, so the reads of ucxx's one worker are copied one at a
 time whatever thread posts them. :class:`ReadLanes` gives each lane its own UCP context and

@@ -23,7 +23,7 @@ requests of up to ~7,000 block hashes) is ONE message on its tag, received into 
 that size; its 20-byte preamble (:mod:`kvkern.xfer.messages`) is checked before the body is
 decoded. A longer frame is two messages: its preamble alone (so the receiver learns the
 length from the preamble, not from UCX), then the body. Each message costs a completion on
-both sides, ~0.1-0.3 ms here, so the common case is kept to one. One sender lock per
+both sides, ~0.1-0.3 ms over TCP loopback, so the common case is kept to one. One sender lock per
 connection keeps a split frame's parts adjacent; each tag has at most one reader at a time.
 
 Authentication and bounds
@@ -52,11 +52,11 @@ cancels them, so after the raise every caller buffer is free to reuse. A
 Progress mode
 -------------
 ``thread`` (ucxx's default; set by :mod:`kvkern.xfer.ucx_env` unless ``UCXPY_PROGRESS_MODE``
-is set). Measured with ``kvkern bench xfer`` on this 2-core loopback machine (table in
+is set). Measured with ``kvkern bench xfer`` on 2 CPU cores over loopback (table in
 :mod:`kvkern.benchcli`): polling wins latency (control round trip 72 us vs 0.25-2.5 ms) and a
 single 256 MiB buffer (11 vs 5.4 GB/s), but loses chunked streams (2.2 vs 4.3 GB/s at 4 MiB x
 4) and spins the event loop at 100% of a core in every process, starving the rest of a
-serving worker (HTTP, scheduling) and here the peer on a shared core. Thread progress keeps
+serving worker (HTTP, scheduling) and, on a shared core, the peer. Thread progress keeps
 the event loop free and lets a packer run while chunks fly; blocking mode had the worst
 per-message cost (780 us). A dedicated transfer process may still set
 ``UCXPY_PROGRESS_MODE=polling``. ``thread-polling`` collapsed on 2 cores (1.3 GB/s, 83 ms
@@ -78,7 +78,7 @@ Buffers
 Host memory: ``bytes``/``bytearray``/``memoryview``, numpy arrays, CPU torch tensors (any
 dtype; sent as their raw bytes). Device memory: any object with
 ``__cuda_array_interface__`` and CUDA torch tensors go to UCX as is, and UCX's CUDA
-transports move them (untested here: no GPU). Non-contiguous buffers raise ``ValueError``:
+transports move them (never run on a GPU yet). Non-contiguous buffers raise ``ValueError``:
 ucxx would silently send the wrong bytes.
 """
 
@@ -116,7 +116,7 @@ INDEX_BITS = 28
 MAX_TRANSFER_ID = (1 << TRANSFER_ID_BITS) - 1
 MAX_CHUNK_INDEX = (1 << INDEX_BITS) - 1
 
-DEFAULT_TIMEOUT_S = 30.0  # the seed prototype's transfer timeout (REFERENCE "Defaults")
+DEFAULT_TIMEOUT_S = 30.0  # bound on one transport operation without its own timeout
 # Unpacked remote keys kept per connection: one per registered region of the source rank
 # (a per-layer pool registers one per layer), as many as a read reply may name.
 MAX_CACHED_RKEYS = 4096

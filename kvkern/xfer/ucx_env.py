@@ -24,8 +24,8 @@ Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1, 2 shared C
 * ``UCXPY_ENABLE_PYTHON_FUTURE=1``: without it every pending ucxx request (a source's idle
   control receive included) is awaited by re-scheduling itself with ``asyncio.sleep(0)``,
   so each process burns a core while it waits; with it a notifier thread completes asyncio
-  futures when UCX does. Measured with ``kvkern bench xfer`` on this 2-core machine: control
-  round trip 3.6 ms -> 0.58 ms, one 64 MiB buffer 4.8-7 -> 12 GB/s. The notifier serves one
+  futures when UCX does. Measured with ``kvkern bench xfer`` on 2 CPU cores over loopback:
+  control round trip 3.6 ms -> 0.58 ms, one 64 MiB buffer 4.8-7 -> 12 GB/s. The notifier serves one
   event loop; :func:`kvkern.xfer.transport.bind_ucxx_loop` moves it to the loop in use.
 
 The full table (progress modes, chunk sizes, per-message cost) is in kvkern.benchcli.
