@@ -469,6 +469,11 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                     argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and each flag's default."""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     if "--kernels" in argv:
@@ -478,25 +483,31 @@ def main(argv: list[str] | None = None) -> int:
         return kernel_main(argv)
     d = DemoOptions()
     p = argparse.ArgumentParser(prog="kvkern demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=_HelpFormatter)
     p.add_argument("--kernels", action="store_true", help="run the kernel demo instead")
-    p.add_argument("--model", choices=("tiny", "demo"), default=d.model)
-    p.add_argument("--device", default=d.device, help="cpu, cuda or auto (default)")
-    p.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens)
-    p.add_argument("--question-tokens", type=int, default=d.question_tokens)
-    p.add_argument("--new-tokens", type=int, default=d.new_tokens)
+    p.add_argument("--model", choices=("tiny", "demo"), default=d.model,
+                   help="the workers' built-in model")
+    p.add_argument("--device", default=d.device, help="cpu, cuda or auto")
+    p.add_argument("--prefix-tokens", type=int, default=d.prefix_tokens,
+                   help="length of the shared prefix B pulls from A")
+    p.add_argument("--question-tokens", type=int, default=d.question_tokens,
+                   help="tokens after the prefix, prefilled by B")
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens,
+                   help="tokens generated per request")
     p.add_argument("--sweep", type=_ints, default=d.sweep,
                    help="comma-separated prefix lengths, or none")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch threads per worker (equal on both for bit identity)")
-    p.add_argument("--source-layout", default=d.source_layout)
-    p.add_argument("--dest-layout", default=d.dest_layout)
+    p.add_argument("--source-layout", default=d.source_layout, help="KV pool layout of A")
+    p.add_argument("--dest-layout", default=d.dest_layout, help="KV pool layout of B")
     p.add_argument("--dialect", default=d.dialect,
-                   choices=("kv_hint", "kv_hints", "dynamo", "llm-d"))
-    p.add_argument("--seed", type=int, default=d.seed)
+                   choices=("kv_hint", "kv_hints", "dynamo", "llm-d"),
+                   help="hint dialect the router writes")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the random prompts")
     p.add_argument("--repeats", type=int, default=d.repeats,
                    help="best of this many runs per sweep point")
-    p.add_argument("--plot", metavar="FILE.png", default=None)
+    p.add_argument("--plot", metavar="FILE.png", default=None,
+                   help="draw TTFT against prefix length into this file (matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--kill-source", action="store_true",
                    help="instead: kill the source mid-pull and check the recompute fallback")
