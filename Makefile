@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkern-installed
 
-.PHONY: demo demo-kill test test-all bench bench-xfer bench-gpu reliability lint clean
+.PHONY: demo demo-kill test test-all bench bench-xfer bench-gpu results reliability lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -37,6 +37,9 @@ reliability: $(STAMP)
 
 bench-gpu: $(STAMP)
 	PYTHONPATH=. $(VPY) bench/gpu_kernels.py
+
+results: $(STAMP)
+	$(VPY) bench/report.py
 
 lint: $(STAMP)
 	$(VPY) -m ruff check kvkern tests bench

@@ -1,0 +1,256 @@
+"""Write ``bench/RESULTS.md`` (and a plot) from the run records under ``bench/results/``.
+
+Run ``make results`` (or ``python bench/report.py``) after adding a record; never edit
+``RESULTS.md`` by hand (``tests/test_results_report.py`` fails when it differs from what this
+script writes).
+
+Records, one JSON object per file:
+
+``bench/results/xfer/*.json``
+    ``kvkern bench xfer --json | tail -1 > bench/results/xfer/NAME.json`` as it is: its
+    ``by_size`` maps a byte count to the run's figures (``ratio``, ``scattered_ratio``,
+    ``lanes1_ratio``, ``lanes0_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
+    ``raw_gbps``, ...) and ``env`` holds its environment (``commit``, ``cpus``, versions).
+    Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``). A record
+    of several runs has a list of values per figure and ``"runs": N``; ``raw_gbps_range``
+    is a ``[low, high]`` pair where only the range was kept.
+``bench/results/cpu_kernels/*.json``
+    ``make bench`` figures: ``cases`` maps a case to GB/s of ``pack``, ``unpack``,
+    ``per_block_loop`` and ``contiguous_copy``.
+``bench/results/kernel_aot.json``
+    ``python -m kvkern.kernels.aot`` (ahead-of-time compile facts, no GPU needed).
+``bench/results/gpu/*.json``
+    ``bash bench/run_device.sh`` step files (``summary.json``, ``targets.json``, ...) of a
+    GPU run, copied from its ``$OUT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+RESULTS_DIR = HERE / "results"
+RESULTS_MD = HERE / "RESULTS.md"
+PLOT = "results/xfer_ratio.png"  # relative to bench/
+
+XFER_METRICS = (("ratio", "`ratio` (2 lanes)"), ("scattered_ratio", "scattered"),
+                ("lanes1_ratio", "one lane"), ("lanes0_ratio", "connection"),
+                ("stream_ratio", "stream"), ("stream_scattered_ratio", "stream scattered"))
+
+
+def _values(v: Any) -> list[float]:
+    if v is None:
+        return []
+    return [float(x) for x in (v if isinstance(v, list) else [v])]
+
+
+def _size(nbytes: str | int) -> str:
+    n = int(nbytes)
+    return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n} B"
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def summarize(values: list[float]) -> str:
+    """``median [min-max] (n)``, or the one value."""
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return _fmt(values[0])
+    return (f"{_fmt(statistics.median(values))} [{_fmt(min(values))}-{_fmt(max(values))}] "
+            f"({len(values)})")
+
+
+def load(results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
+    def read_all(sub: str) -> list[tuple[str, dict]]:
+        return [(p.name, json.loads(p.read_text()))
+                for p in sorted((results_dir / sub).glob("*.json"))]
+
+    aot = results_dir / "kernel_aot.json"
+    return {"xfer": read_all("xfer"), "cpu_kernels": read_all("cpu_kernels"),
+            "gpu": read_all("gpu"), "kernel_aot": json.loads(aot.read_text())
+            if aot.exists() else None}
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
+
+
+def _commit(rec: dict) -> str:
+    return str(rec.get("commit") or rec.get("env", {}).get("commit") or "unknown")
+
+
+def _env_line(env: dict) -> str:
+    return "; ".join(f"{k} {v}" for k, v in env.items() if not isinstance(v, dict))
+
+
+def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Pull vs raw UCXX (`kvkern bench xfer`)", "",
+           "A pull of N blocks through the real source service and puller between two "
+           "processes on one host, against a raw UCXX send of one buffer of the same bytes "
+           "between the same processes, in the same repeats. `ratio` is pull / raw bytes per "
+           "second (median of the run's repeats): above 1 the pull beats the single raw copy, "
+           "because reads on two lanes copy in parallel. `one lane`, `connection` (reads on the "
+           "control connection's worker) and `stream` (pack, send, unpack) are the same pull "
+           "by other paths in the same runs; `scattered` reads from a source whose blocks are "
+           "shuffled in its pool. Cells are median [min-max] (runs) over the records.", ""]
+    if not records:
+        return out + ["No run is recorded.", ""]
+    by_layout: dict[str, list[tuple[str, dict]]] = {}
+    for name, rec in records:
+        by_layout.setdefault(rec.get("pull_layout", "trtllm"), []).append((name, rec))
+    for layout in sorted(by_layout, key=lambda lay: (lay != "trtllm", lay)):
+        recs = by_layout[layout]
+        runs = sum(int(r.get("runs", 1)) for _, r in recs)
+        sizes = sorted({int(s) for _, r in recs for s in r.get("by_size", {})})
+        out += [f"### Pool layout `{layout}` ({_count(runs, 'run')}, "
+                f"{_count(len(recs), 'record')})", "",
+                "| size | " + " | ".join(label for _, label in XFER_METRICS) + " | raw GB/s |",
+                "|---|" + "---|" * (len(XFER_METRICS) + 1)]
+        for size in sizes:
+            cells = []
+            for key, _ in XFER_METRICS:
+                vals = [v for _, r in recs for v in _values(r["by_size"].get(str(size), {})
+                                                            .get(key))]
+                cells.append(summarize(vals))
+            raw = [v for _, r in recs for k in ("raw_gbps", "raw_gbps_range")
+                   for v in _values(r["by_size"].get(str(size), {}).get(k))]
+            raw_cell = f"{_fmt(min(raw))}-{_fmt(max(raw))}" if raw else "-"
+            out.append(f"| {_size(size)} | " + " | ".join(cells) + f" | {raw_cell} |")
+        out.append("")
+        out.append("Records: " + ", ".join(
+            f"`{name}` (commit {_commit(r)}, {_count(int(r.get('runs', 1)), 'run')})"
+            for name, r in recs) + ".")
+        out.append("")
+    envs = {json.dumps(r.get("env", {}), sort_keys=True) for _, r in records}
+    out += ["Environment" + ("s" if len(envs) > 1 else "") + ":", ""]
+    out += [f"- {_env_line(json.loads(e))}" for e in sorted(envs)]
+    notes = [(name, r["note"]) for name, r in records if r.get("note")]
+    if notes:
+        out += ["", "Notes:", ""] + [f"- `{name}`: {note}" for name, note in notes]
+    h2fb = [v for _, r in records for v in _values(r.get("hint_to_first_byte_ms"))]
+    if h2fb:
+        out += ["", f"Hint to first byte (1 block, warm connection): "
+                    f"{_fmt(min(h2fb))}-{_fmt(max(h2fb))} ms."]
+    out += ["", f"![pull / raw per run]({PLOT})", ""]
+    return out
+
+
+def _cpu_section(records: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Kernels on CPU (`make bench`)", "",
+           "The torch pack/unpack path against a per-block `copy_` loop and one contiguous "
+           "`copy_` of the same bytes, measured in the same run. Read the ratios: on a shared "
+           "machine the absolute figures move between runs.", ""]
+    if not records:
+        return out + ["No run is recorded.", ""]
+    for name, rec in records:
+        out += [f"### `{name}` (commit {_commit(rec)})", "",
+                f"{rec.get('unit', 'GB/s')}; {rec.get('moved', '')}. "
+                f"Environment: {_env_line(rec.get('env', {}))}.", "",
+                "| case | pack | unpack | per-block loop | contiguous copy | pack / copy "
+                "| unpack / copy | pack / loop |", "|---|---|---|---|---|---|---|---|"]
+        for case, m in rec["cases"].items():
+            p, u, loop, copy = (m["pack"], m["unpack"], m["per_block_loop"],
+                                m["contiguous_copy"])
+            out.append(f"| {case} | {p:.1f} | {u:.1f} | {loop:.1f} | {copy:.1f} | "
+                       f"{_fmt(p / copy)} | {_fmt(u / copy)} | {p / loop:.1f} |")
+        out.append("")
+    return out
+
+
+def _gpu_section(gpu: list[tuple[str, dict]], aot: dict | None) -> list[str]:
+    out = ["## GPU", ""]
+    if gpu:
+        out += ["Step files of a `bash bench/run_device.sh` run:", ""]
+        for name, rec in gpu:
+            status = rec.get("rc", rec.get("status", ""))
+            out.append(f"- `{name}`" + (f": {status}" if status != "" else ""))
+        out.append("")
+    else:
+        out += ["No GPU run is recorded. `bash bench/run_device.sh` on a GPU machine writes one "
+                "(its step files go under `bench/results/gpu/`); "
+                "[docs/performance.md](../docs/performance.md) explains each step.", ""]
+    if aot:
+        cases = aot.get("cases", [])
+        archs = sorted({c.get("arch") for c in cases if c.get("arch")})
+        spills = sum(1 for c in cases if c.get("n_spills"))
+        regs = [c["n_regs"] for c in cases if "n_regs" in c]
+        out += ["### Kernels compiled ahead of time (no GPU)", "",
+                f"`kernel_aot.json`: {len(cases)} pack/unpack launches compiled for "
+                f"{', '.join(archs)} (Triton {aot.get('triton')}); registers "
+                f"{min(regs)}-{max(regs)} per thread, {spills} with spills, "
+                f"{len(aot.get('failures', []))} failures; without 16-byte data accesses: "
+                + (", ".join(f"`{c}`" for c in aot.get("not_16B", [])) or "none") + ".", ""]
+    return out
+
+
+def render(data: dict[str, Any]) -> str:
+    lines = ["# Recorded benchmark runs", "",
+             "Generated by `make results` (`bench/report.py`) from the run records under "
+             "`bench/results/`; add a record there and regenerate, never edit this file. "
+             "Every figure was measured in the run its record names; ratios compare figures "
+             "measured in the same run. How to run each benchmark: "
+             "[docs/performance.md](../docs/performance.md).", ""]
+    lines += _gpu_section(data["gpu"], data["kernel_aot"])
+    lines += _xfer_section(data["xfer"])
+    lines += _cpu_section(data["cpu_kernels"])
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot(data: dict[str, Any], path: Path) -> bool:
+    """Each recorded run's pull / raw ratio by size and path (needs matplotlib)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    recs = [r for _, r in data["xfer"] if r.get("pull_layout", "trtllm") == "trtllm"]
+    sizes = sorted({int(s) for r in recs for s in r["by_size"]})
+    for j, (key, label) in enumerate(XFER_METRICS):
+        xs, ys = [], []
+        for i, size in enumerate(sizes):
+            vals = [v for r in recs for v in _values(r["by_size"].get(str(size), {}).get(key))]
+            xs += [i + (j - 2.5) * 0.12] * len(vals)
+            ys += vals
+        ax.scatter(xs, ys, s=14, label=label.replace("`", ""))
+    ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax.set_xticks(range(len(sizes)), [_size(s) for s in sizes])
+    ax.set_ylabel("pull / raw UCXX send (bytes per second)")
+    ax.set_title("kvkern bench xfer: one point per recorded run")
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench/report.py", description=__doc__.split("\n")[0])
+    p.add_argument("--check", action="store_true",
+                   help="exit 1 if RESULTS.md differs from what the records give")
+    p.add_argument("--no-plot", action="store_true", help="do not redraw the plot")
+    args = p.parse_args(argv)
+    data = load()
+    text = render(data)
+    if args.check:
+        same = RESULTS_MD.read_text() == text
+        print("RESULTS.md is up to date" if same else "RESULTS.md differs: run make results")
+        return 0 if same else 1
+    RESULTS_MD.write_text(text)
+    drawn = not args.no_plot and plot(data, HERE / PLOT)
+    print(f"wrote {RESULTS_MD}" + (f" and {HERE / PLOT}" if drawn else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""bench/RESULTS.md is generated from the run records under bench/results/ (never edited by
+hand), and a record as `kvkern bench xfer --json` prints it goes into the tables as is."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _report():
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_results_md_is_what_the_records_give():
+    report = _report()
+    assert (ROOT / "bench" / "RESULTS.md").read_text() == report.render(report.load()), \
+        "bench/RESULTS.md differs from its records: run `make results`"
+
+
+def test_summaries_are_median_and_range():
+    report = _report()
+    assert report.summarize([1.0, 3.0, 2.0]) == "2.00 [1.00-3.00] (3)"
+    assert report.summarize([1.5]) == "1.50"
+    assert report.summarize([]) == "-"
+
+
+def test_a_bench_xfer_json_record_is_read_as_printed(tmp_path):
+    """The headline object of `kvkern bench xfer --json` (scalars per size, env with its
+    commit), dropped into results/xfer, shows in the layout's table."""
+    report = _report()
+    (tmp_path / "xfer").mkdir()
+    native = {"bench": "xfer", "bytes": 64 << 20, "ratio": 1.3,
+              "by_size": {str(64 << 20): {"ratio": 1.3, "raw_gbps": 5.0, "lanes1_ratio": 0.9,
+                                          "stream_ratio": 0.8}},
+              "env": {"commit": "abc1234", "cpus": 8, "python": "3.11.7"}}
+    (tmp_path / "xfer" / "run.json").write_text(json.dumps(native))
+    text = report.render(report.load(tmp_path))
+    assert "### Pool layout `trtllm` (1 run, 1 record)" in text
+    assert "| 64 MiB | 1.30 | - | 0.90 | - | 0.80 | - | 5.00-5.00 |" in text
+    assert "`run.json` (commit abc1234, 1 run)" in text
+    assert "No GPU run is recorded." in text and "cpus 8" in text
