@@ -86,7 +86,8 @@ class XferConfig:
     remote_read: bool = True
     # a TP/PP reshard pair reads one-sided only if each of its runs (a head range of one
     # layer's K or V of one block) has at least this many bytes; else it streams. Measured
-    # (bench/RESULTS.md): 16 KiB runs read at 0.23-0.36 of raw, the stream at 0.50-0.70.
+    # (kvkern bench xfer --pull-tp 2:1): 16 KiB runs read at 0.23-0.36 of raw, the stream at
+    # 0.50-0.70.
     read_min_run_bytes: int = 64 << 10
     # reads run on this many read lanes (kvkern.xfer.read_lanes: a UCX worker and a thread
     # each; at most one per CPU the process may use), split by bytes with at least

@@ -144,7 +144,7 @@ def address_usable(address: bytes) -> bool:
 # UCX settings of a lane's own context (on top of the UCX_* environment). CMA progresses at
 # most CMA_TX_QUOTA queued copies per progress call (default 1): a pull from a per-layer
 # pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND
-# pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (bench/RESULTS.md, "Read lanes").
+# pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (kvkern bench xfer --pull-layout vllm_hnd).
 LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
 
 
