@@ -17,7 +17,7 @@ XXH3-64 of the block's tokens; the router indexes their *chained* form (Dynamo's
 hash), so one set lookup per block answers "does this worker hold this whole prefix". A
 worker's holdings are learned two ways: from the prompts the router routed to it (after the
 request finished, so the blocks are committed) and from the worker's report endpoint
-(``GET /v1/blocks``, which replaces what was learned, so evictions are forgotten).
+(``GET /kvkern/v1/blocks``, which replaces what was learned, so evictions are forgotten).
 
 Load is ``(requests in flight, prompt tokens in flight, least recently chosen)``; ties go to
 the worker chosen longest ago, so an idle pair alternates.
@@ -277,8 +277,8 @@ class KVRouter:
         self.learn(worker_id, router_hashes(token_ids, self.block_size))
 
     def load_report(self, worker_id: str, report: dict[str, Any]) -> int:
-        """Replace what is known of ``worker_id`` with its ``GET /v1/blocks`` report; returns
-        the number of blocks. Raises ``ValueError`` when the report's scheme or block size
+        """Replace what is known of ``worker_id`` with its ``GET /kvkern/v1/blocks`` report;
+        returns the number of blocks. Raises ``ValueError`` when the report's scheme or block size
         is not the router's."""
         scheme, bs = report.get("hash_scheme"), report.get("block_size")
         if scheme != ROUTER_SCHEME:

@@ -16,6 +16,7 @@ HTTP API (one port: the source service's app, the worker's routes mounted on it)
                                                              hint ignored (a cold recompute)
                          "return_logits": false,             first token's logits, base64 fp32
                          "request_id": "...",                optional
+                         "cache_salt": "",                   the tenant's cache domain
                          ...plus a hint in any dialect of kvkern.xfer.hints (kv_hint, kv_hints,
                          kv_transfer_params.router_hint / remote_kv_source, or under
                          extra_args)}
@@ -26,9 +27,10 @@ HTTP API (one port: the source service's app, the worker's routes mounted on it)
                          "hint": null | {"dialect", "source"} | {"rejected": reason},
                          "pull": null | PullOutcome.to_dict(),
                          "fallback": null | reason    (a hint that led to no used pull)}
-    GET  /v1/blocks     router report: {"worker_id", "hash_scheme": "public-xxh3-v1",
-                         "block_size", "num_blocks", "blocks": [{"hash", "parent", "local"}]}
-                         (chained router-domain hashes of the blocks cached here)
+    GET  /kvkern/v1/blocks   fleet members only: the router report {"worker_id",
+                         "hash_scheme": "public-xxh3-v1", "block_size", "num_blocks",
+                         "blocks": [{"hash", "parent", "local"}]} (chained router-domain
+                         hashes of the blocks cached here)
     GET  /v1/info       model, layout, device, threads, pool stats, config
     GET  /kvkern/v1/state, /metrics, /healthz     the source service's
 
