@@ -1,9 +1,15 @@
 """Collects each benchmark's median and prints GB/s and ratios against the baselines of the
-same case, measured in the same run; writes them to bench/out/<module>.json."""
+same case, measured in the same run; writes them with the run's environment to
+bench/out/cpu_kernels.json, a record ``bench/report.py`` reads (copy it into
+bench/results/cpu_kernels/ to keep it)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import platform
+import subprocess
 from collections import defaultdict
 from pathlib import Path
 
@@ -43,4 +49,24 @@ def pytest_terminal_summary(terminalreporter):
         tr.write_line(f"{case}: " + "  ".join(parts))
     out = Path(__file__).parent / "out"
     out.mkdir(exist_ok=True)
-    (out / "cpu_kernels.json").write_text(json.dumps(RESULTS, indent=1, sort_keys=True))
+    record = {"bench": "cpu_kernels", "command": "make bench", "env": _environment(),
+              "unit": "GB/s of payload (staging bytes per second), medians",
+              "cases": {case: {m: round(r["gbps"], 2) for m, r in methods.items()}
+                        for case, methods in sorted(RESULTS.items())},
+              "detail": RESULTS}
+    (out / "cpu_kernels.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _environment() -> dict:
+    import torch  # noqa: PLC0415
+
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "machine": platform.machine(), "processor": platform.processor() or "unknown",
+           "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    with contextlib.suppress(OSError):
+        env["load_average"] = round(os.getloadavg()[0], 2)
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
+                                       capture_output=True, text=True, timeout=5,
+                                       cwd=Path(__file__).parent).stdout.strip()
+    return env

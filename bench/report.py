@@ -15,8 +15,9 @@ Records, one JSON object per file:
     of several runs has a list of values per figure and ``"runs": N``; ``raw_gbps_range``
     is a ``[low, high]`` pair where only the range was kept.
 ``bench/results/cpu_kernels/*.json``
-    ``make bench`` figures: ``cases`` maps a case to GB/s of ``pack``, ``unpack``,
-    ``per_block_loop`` and ``contiguous_copy``.
+    ``make bench`` writes one to ``bench/out/cpu_kernels.json``: ``cases`` maps a case to
+    GB/s of ``pack``, ``unpack``, ``per_block_loop`` and ``contiguous_copy``; ``env`` its
+    environment.
 ``bench/results/kernel_aot.json``
     ``python -m kvkern.kernels.aot`` (ahead-of-time compile facts, no GPU needed).
 ``bench/results/gpu/*.json``
@@ -152,17 +153,26 @@ def _cpu_section(records: list[tuple[str, dict]]) -> list[str]:
         return out + ["No run is recorded.", ""]
     for name, rec in records:
         out += [f"### `{name}` (commit {_commit(rec)})", "",
-                f"{rec.get('unit', 'GB/s')}; {rec.get('moved', '')}. "
-                f"Environment: {_env_line(rec.get('env', {}))}.", "",
+                "; ".join(x for x in (rec.get("unit", "GB/s"), rec.get("moved")) if x)
+                + f". Environment: {_env_line(rec.get('env', {}))}.", "",
                 "| case | pack | unpack | per-block loop | contiguous copy | pack / copy "
                 "| unpack / copy | pack / loop |", "|---|---|---|---|---|---|---|---|"]
         for case, m in rec["cases"].items():
-            p, u, loop, copy = (m["pack"], m["unpack"], m["per_block_loop"],
-                                m["contiguous_copy"])
-            out.append(f"| {case} | {p:.1f} | {u:.1f} | {loop:.1f} | {copy:.1f} | "
-                       f"{_fmt(p / copy)} | {_fmt(u / copy)} | {p / loop:.1f} |")
+            p, u, loop, copy = (m.get("pack"), m.get("unpack"), m.get("per_block_loop"),
+                                m.get("contiguous_copy"))
+            cells = [_cell(p), _cell(u), _cell(loop), _cell(copy), _ratio(p, copy, 2),
+                     _ratio(u, copy, 2), _ratio(p, loop, 1)]
+            out.append(f"| {case} | " + " | ".join(cells) + " |")
         out.append("")
     return out
+
+
+def _cell(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def _ratio(a: float | None, b: float | None, digits: int) -> str:
+    return "-" if not a or not b else f"{a / b:.{digits}f}"
 
 
 def _gpu_section(gpu: list[tuple[str, dict]], aot: dict | None) -> list[str]:
