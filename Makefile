@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkern-installed
 
-.PHONY: demo demo-kill test test-all bench bench-xfer bench-gpu results reliability lint clean
+.PHONY: demo demo-kill test test-all bench bench-xfer bench-nixl bench-gpu results reliability lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -31,6 +31,12 @@ bench: $(STAMP)
 
 bench-xfer: $(STAMP)
 	$(VPY) -m kvkern bench xfer
+
+# NIXL's block-list READ on pools shaped like bench-xfer's. nixl's own dependencies would
+# replace the CPU torch build, so the two wheels come without them.
+bench-nixl: $(STAMP)
+	$(VPY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+	$(VPY) bench/nixl_compare.py
 
 reliability: $(STAMP)
 	$(VPY) -m pytest -q -m '' tests/reliability && $(VPY) -m kvkern.reliability --require-slow

@@ -1,0 +1,218 @@
+"""NIXL's block-list READ between two processes, measured the way vLLM's NIXL connector uses
+it, on pools shaped like ``kvkern bench xfer``'s: the peer baseline for kvkern's pull.
+
+    python bench/nixl_compare.py --sizes 16MiB,64MiB,256MiB --json
+
+A target process allocates a host pool (huge pages, as kvkern's pools), fills block ``b`` with
+``arange + b * 1_000_003`` (int64), registers it with a NIXL agent (UCX backend, progress
+thread off) and publishes its agent metadata and pool address. The initiator (this process)
+registers its own pool, loads the target's metadata, prepares one descriptor per block on
+both sides once (``prep_xfer_dlist``), and then, per transfer, ``make_prepped_xfer("READ",
+...)`` + ``transfer`` + polling ``check_xfer_state`` until DONE: no per-transfer control
+message, as in vLLM. Block mappings: ``consecutive`` (remote blocks ``0..n-1``) and
+``scattered`` (remote blocks in the order of ``torch.randperm(n, seed 0)``, kvkern's scattered
+source). Before every transfer the local blocks are poisoned; after it every block is compared
+with what the target holds, so a figure is never of bytes that did not move.
+
+Both processes run with kvkern's UCX settings (:mod:`kvkern.xfer.ucx_env`), so NIXL's UCX
+and kvkern's pull choose among the same transports. NIXL is an optional bench dependency:
+``make bench-nixl`` installs ``nixl`` and ``nixl-cu12`` without their dependencies (they would
+replace the CPU torch build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BLOCK_BYTES = 512 << 10  # kvkern bench xfer's block: 8 layers x 2 x 8 heads x 16 x 128 x bf16
+STRIDE = 1_000_003
+MiB = 1 << 20
+
+
+def _parse_size(text: str) -> int:
+    units = {"KIB": 1 << 10, "MIB": MiB, "GIB": 1 << 30}
+    for u, m in units.items():
+        if text.upper().endswith(u):
+            return int(float(text[: -len(u)]) * m)
+    return int(text)
+
+
+def _agent(name: str):
+    from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
+
+    # vLLM's connector polls its own transfers; the progress thread off is NIXL's fastest
+    # setting for a READ (UCX one-sided: the target need not progress for CMA / RDMA).
+    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+
+
+def _pool(n_blocks: int, fill: bool):
+    import torch  # noqa: PLC0415
+
+    from kvkern.layout.hostmem import host_buffer  # noqa: PLC0415
+
+    buf = host_buffer(n_blocks * BLOCK_BYTES)
+    words = buf.view(torch.int64).view(n_blocks, BLOCK_BYTES // 8)
+    if fill:
+        words.copy_(torch.arange(BLOCK_BYTES // 8, dtype=torch.int64)
+                    + torch.arange(n_blocks, dtype=torch.int64)[:, None] * STRIDE)
+    else:
+        buf.fill_(0xA5)
+    return buf, words
+
+
+def _target(workdir: Path, n_blocks: int, parent: int) -> int:
+    """The target process: hold the pool registered until ``stop`` appears or the parent
+    dies; poll for notifications meanwhile (progress for transports that need it)."""
+    buf, _ = _pool(n_blocks, fill=True)
+    agent = _agent("target")
+    agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
+    (workdir / "meta.tmp").write_bytes(agent.get_agent_metadata())
+    (workdir / "meta.tmp").rename(workdir / "meta.bin")
+    (workdir / "info.json").write_text(json.dumps({"base": buf.data_ptr(),
+                                                   "n_blocks": n_blocks}))
+    deadline = time.monotonic() + 900
+    while not (workdir / "stop").exists() and time.monotonic() < deadline:
+        try:
+            os.kill(parent, 0)
+        except OSError:
+            break
+        agent.get_new_notifs()
+        time.sleep(0.001)
+    return 0
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"NIXL target exited with {proc.returncode} before publishing")
+        if time.monotonic() > end:
+            raise RuntimeError("NIXL target did not publish its metadata in time")
+        time.sleep(0.01)
+
+
+def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Measure NIXL READ of each size, consecutive and scattered; returns the result
+    document (GB/s medians and ranges, every transfer verified)."""
+    import torch  # noqa: PLC0415
+
+    from kvkern.xfer.ucx_env import configure_ucx_env  # noqa: PLC0415
+
+    configure_ucx_env()  # before NIXL loads UCX, in this process and (inherited) the target
+    n_max = max(1, max(sizes) // BLOCK_BYTES)
+    out: dict[str, Any] = {"bench": "nixl_read", "block_bytes": BLOCK_BYTES, "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="kvkern-nixl-") as tmp:
+        work = Path(tmp)
+        proc = subprocess.Popen([sys.executable, __file__, "_target", str(work), str(n_max),
+                                 str(os.getpid())], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, env=dict(os.environ))
+        try:
+            _wait_for(work / "info.json", proc, 60)
+            info = json.loads((work / "info.json").read_text())
+            agent = _agent("initiator")
+            local, words = _pool(n_max, fill=False)
+            agent.register_memory([(local.data_ptr(), local.numel(), 0, "")], "DRAM")
+            remote = agent.add_remote_agent((work / "meta.bin").read_bytes())
+            base = info["base"]
+            local_h = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [
+                (local.data_ptr() + i * BLOCK_BYTES, BLOCK_BYTES, 0) for i in range(n_max)],
+                "DRAM")
+            remote_h = agent.prep_xfer_dlist(remote, [
+                (base + i * BLOCK_BYTES, BLOCK_BYTES, 0) for i in range(n_max)], "DRAM")
+            expect = torch.arange(BLOCK_BYTES // 8, dtype=torch.int64)
+            deadline = time.monotonic() + timeout_s
+
+            def read(n: int, remote_ids: list[int]) -> float:
+                local.fill_(0xA5)
+                h = agent.make_prepped_xfer("READ", local_h, list(range(n)), remote_h,
+                                            remote_ids)
+                t0 = time.perf_counter()
+                state = agent.transfer(h)
+                while state not in ("DONE", "ERR"):
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("NIXL READ did not finish in time")
+                    state = agent.check_xfer_state(h)
+                dt = time.perf_counter() - t0
+                agent.release_xfer_handle(h)
+                if state != "DONE":
+                    raise RuntimeError("NIXL READ failed")
+                for j, r in enumerate(remote_ids):
+                    if not torch.equal(words[j], expect + r * STRIDE):
+                        raise RuntimeError(f"NIXL READ: local block {j} is not remote {r}")
+                return dt
+
+            for size in sizes:
+                n = max(1, size // BLOCK_BYTES)
+                order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+                row: dict[str, Any] = {"bytes": n * BLOCK_BYTES, "blocks": n}
+                for mapping, ids in (("consecutive", list(range(n))), ("scattered", order)):
+                    read(n, ids)  # warm-up: connection, registration caches
+                    times = sorted(read(n, ids) for _ in range(repeats))
+                    gbps = [n * BLOCK_BYTES / t / 1e9 for t in times]
+                    row[mapping] = {"gbps": round(statistics.median(gbps), 3),
+                                    "gbps_range": [round(min(gbps), 3), round(max(gbps), 3)],
+                                    "ms": round(statistics.median(times) * 1e3, 3),
+                                    "verified": repeats + 1}
+                out["cases"][str(n * BLOCK_BYTES)] = row
+        finally:
+            (work / "stop").write_text("")
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+    import nixl  # noqa: PLC0415
+
+    out["env"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                  "nixl": getattr(nixl, "__version__", _dist_version("nixl")),
+                  "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}}
+    return out
+
+
+def _dist_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["_target"]:
+        return _target(Path(argv[1]), int(argv[2]), int(argv[3]))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="16MiB,64MiB,256MiB", help="comma list (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed transfers per case (default %(default)s)")
+    ap.add_argument("--json", action="store_true", help="print the result document as one JSON line")
+    args = ap.parse_args(argv)
+    try:
+        import nixl  # noqa: F401, PLC0415
+    except ImportError:
+        print("nixl is not installed: `make bench-nixl` installs it into the project venv",
+              file=sys.stderr)
+        return 2
+    res = run([_parse_size(s) for s in args.sizes.split(",") if s], repeats=args.repeats)
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for size, row in res["cases"].items():
+            print(f"{int(size) / MiB:8.0f} MiB  consecutive {row['consecutive']['gbps']:6.2f} "
+                  f"GB/s  scattered {row['scattered']['gbps']:6.2f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.exit(main())
