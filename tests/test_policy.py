@@ -175,11 +175,11 @@ def test_request_state_schedulable():
 
 
 def test_source_caches_stay_bounded():
-    from kvkern.xfer.puller import _bounded_put
+    from kvkern.xfer.discovery import bounded_put
 
     cache: dict = {}
     for i in range(10):
-        _bounded_put(cache, i, i, limit=4)
+        bounded_put(cache, i, i, limit=4)
     assert list(cache) == [6, 7, 8, 9]
-    _bounded_put(cache, 7, "fresh", limit=4)  # re-insert becomes the newest
+    bounded_put(cache, 7, "fresh", limit=4)  # re-insert becomes the newest
     assert list(cache) == [6, 8, 9, 7] and cache[7] == "fresh"

@@ -1066,7 +1066,7 @@ def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeyp
     """Read lanes that fail (not by time) cost no pull: the same pull reads again on the
     control connection, and later pulls from that source worker skip the lanes until
     LANE_RETRY_S has passed."""
-    from kvkern.xfer import puller as puller_mod
+    from kvkern.xfer import receive as receive_mod
     from kvkern.xfer.read_lanes import ReadLanes
     from kvkern.xfer.transport import TransportError
 
@@ -1086,7 +1086,7 @@ def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeyp
         assert o.used and o.reason is Reason.OK and o.blocks_transferred == 6, o
         claim_check_release(p, group, src, f"lanes-down-{i}", hashes)
         assert len(calls) == 1  # the second pull did not try the lanes
-    monkeypatch.setattr(puller_mod, "LANE_RETRY_S", 0.0)
+    monkeypatch.setattr(receive_mod, "LANE_RETRY_S", 0.0)
     tokens = fresh_tokens(6 * BS)
     hashes = src.commit(tokens)
     o = pull(p, "lanes-retried", tokens, hint_for(src, tokens))

@@ -170,12 +170,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 from aiohttp import web
 
 from kvkern.kernels.pack import pack
 from kvkern.layout.chunks import ChunkSpec, count_chunks, plan_chunks
-from kvkern.layout.hostmem import host_buffer
 from kvkern.layout.segments import piece_nbytes, spans_whole_block
 from kvkern.xfer.auth import (
     AUTH_HEADER,
@@ -185,12 +185,12 @@ from kvkern.xfer.auth import (
     HttpVerifier,
 )
 from kvkern.xfer.auth import resolve as resolve_credential
+from kvkern.xfer.codes import RejectCode, reply_text
 from kvkern.xfer.httpguard import GuardedSite, HttpLimits, guard_app, start_guarded
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import (
     DEFAULT_CODEC,
     MAX_CHUNKS,
-    MAX_TEXT,
     READ_CAPABILITY,
     Cancel,
     Codec,
@@ -203,6 +203,17 @@ from kvkern.xfer.messages import (
 )
 from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
 from kvkern.xfer.runtime import spawn
+from kvkern.xfer.staging import StagingPool
+from kvkern.xfer.state import (
+    BLOCKS_PATH,
+    CAPABILITIES,
+    PEER_PREFIX,
+    PROTOCOL,
+    STATE_PATH,
+    DpGroupDoc,
+    RankDoc,
+    StateDoc,
+)
 from kvkern.xfer.transport import (
     CONTROL_TAG,
     Connection,
@@ -217,11 +228,6 @@ __all__ = ["BLOCKS_PATH", "CAPABILITIES", "PEER_PREFIX", "PROTOCOL", "STATE_PATH
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = "kvkern/1"
-STATE_PATH = "/kvkern/v1/state"
-BLOCKS_PATH = "/kvkern/v1/blocks"
-PEER_PREFIX = "/kvkern/"  # every path under it answers authenticated fleet members only
-CAPABILITIES = ("pull/1", "strict", "best_effort", "sharded")
 REMOTE_READ_MODES = ("off", "host", "all")
 DEFAULT_MAX_SEND_S = 60.0  # TRT-LLM kv_transfer_timeout_ms (REFERENCE "Defaults")
 DEFAULT_PROGRESS_TIMEOUT_S = 10.0
@@ -298,71 +304,10 @@ async def _keep_hold(s: _Send) -> None:
             continue
 
 
-def _reason(code: str, detail: str) -> str:
-    text = f"{code}: {detail}"
-    return text if len(text) <= MAX_TEXT else text[:MAX_TEXT - 3] + "..."
-
-
 class _Rejected(Exception):
-    def __init__(self, code: str, detail: str) -> None:
-        super().__init__(_reason(code, detail))
+    def __init__(self, code: RejectCode, detail: str) -> None:
+        super().__init__(reply_text(code, detail))
         self.code = code
-
-
-class StagingPool:
-    """Reusable staging buffers, by (device, size class); sizes are powers of two.
-
-    Reusing send buffers saves page faults on the host (measured: a fresh 16 MiB buffer costs
-    ~2-4 ms of first-touch faults on this 2-core machine) and, on GPUs and RDMA NICs, UCX
-    memory registrations (its registration cache keys on addresses). At most ``max_bytes``
-    are kept idle; a buffer is given back only when no send or pack can still touch it.
-    """
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._free: dict[tuple[str, int], list[torch.Tensor]] = {}
-        self._idle_bytes = 0
-
-    @staticmethod
-    def size_class(nbytes: int) -> int:
-        return 1 << max(nbytes - 1, 1).bit_length()
-
-    @property
-    def idle_bytes(self) -> int:
-        return self._idle_bytes
-
-    def take(self, device: torch.device, nbytes: int) -> torch.Tensor:
-        size = self.size_class(nbytes)
-        free = self._free.get((str(device), size))
-        if free:
-            self._idle_bytes -= size
-            return free.pop()
-        if device.type == "cpu":  # huge pages: UCX's CMA reads them 2-5x faster (hostmem)
-            return host_buffer(size)
-        return torch.empty(size, dtype=torch.uint8, device=device)
-
-    def prewarm(self, device: torch.device, nbytes: int, count: int) -> None:
-        """Keep ``count`` buffers of ``nbytes``'s size class ready, their pages faulted in
-        now: a pull's first touch of fresh huge-page memory stalled 50-150 ms on this
-        machine (THP compaction), once per new size class, on the first pulls of a worker."""
-        size = self.size_class(nbytes)
-        have = len(self._free.get((str(device), size), []))
-        fresh = [self.take(device, size) for _ in range(max(0, count - have))]
-        for b in fresh:
-            b.zero_()
-        self.give(fresh)
-
-    def give(self, bufs: Iterable[torch.Tensor]) -> None:
-        for b in bufs:
-            size = b.numel()
-            if self._idle_bytes + size > self.max_bytes:
-                continue  # dropped: the allocator gets it back
-            self._free.setdefault((str(b.device), size), []).append(b)
-            self._idle_bytes += size
-
-    def clear(self) -> None:
-        self._free.clear()
-        self._idle_bytes = 0
 
 
 # ------------------------------------------------------------------------------ one send
@@ -570,32 +515,36 @@ class SourceService:
         return self.groups[0].hash_scheme
 
     def state(self) -> dict:
-        """The state document (see the module docstring)."""
-        dp_groups: dict[str, Any] = {}
+        """The state document (see the module docstring and :mod:`kvkern.xfer.state`)."""
+        return msgspec.to_builtins(self.state_doc())
+
+    def state_doc(self) -> StateDoc:
+        dp_groups: dict[str, DpGroupDoc] = {}
         for g in self.groups:
             ranks = {}
             for r, rkv in g.ranks.items():
                 lst = self._listeners.get(r)
-                ranks[str(r)] = {"ucx_host": self.advertise_host,
-                                 "ucx_port": lst.port if lst is not None else None,
-                                 "layout": rkv.layout.describe()}
+                doc = RankDoc(ucx_host=self.advertise_host,
+                              ucx_port=lst.port if lst is not None else None,
+                              layout=rkv.layout.describe())
                 if r in self._regions:  # how its blocks can be read, and by which worker
-                    ranks[str(r)]["read"] = "native" if self._regions[r][2] else "canonical"
+                    doc.read = "native" if self._regions[r][2] else "canonical"
                     if self._read_worker:
-                        ranks[str(r)]["read_worker"] = self._read_worker
-            dp_groups[str(g.dp_rank)] = {"ranks": ranks}
-        return {
-            "protocol": PROTOCOL,
-            "worker_id": self.worker_id,
-            "incarnation": self.incarnation,
-            "hash_scheme": self.hash_scheme,
-            "block_size": self.topology.model.block_size,
-            "codec_fingerprint": f"{self.codec.fingerprint:016x}",
-            "model": self.model_id,
-            "topology": self.topology.to_dict(),
-            "dp_groups": dp_groups,
-            "capabilities": list(CAPABILITIES) + ([READ_CAPABILITY] if self._regions else []),
-        }
+                        doc.read_worker = self._read_worker
+                ranks[str(r)] = doc
+            dp_groups[str(g.dp_rank)] = DpGroupDoc(ranks=ranks)
+        return StateDoc(
+            protocol=PROTOCOL,
+            worker_id=self.worker_id,
+            incarnation=self.incarnation,
+            hash_scheme=self.hash_scheme,
+            block_size=self.topology.model.block_size,
+            codec_fingerprint=f"{self.codec.fingerprint:016x}",
+            model=self.model_id,
+            topology=self.topology.to_dict(),
+            dp_groups=dp_groups,
+            capabilities=list(CAPABILITIES) + ([READ_CAPABILITY] if self._regions else []),
+        )
 
     # -------------------------------------------------------------------- start / close
 
@@ -890,13 +839,13 @@ class SourceService:
         req = s.req
         try:
             if duplicate:
-                await self._reply_status(s, Status.REJECTED, _reason(
-                    "duplicate_transfer", f"transfer id {req.transfer_id} is already being "
+                await self._reply_status(s, Status.REJECTED, reply_text(
+                    RejectCode.DUPLICATE_TRANSFER, f"transfer id {req.transfer_id} is already being "
                     "served on this connection"))
                 return
             if not s.admitted:
-                await self._reply_status(s, Status.BUSY, _reason(
-                    "busy", f"{self._active} sends in flight (limit "
+                await self._reply_status(s, Status.BUSY, reply_text(
+                    RejectCode.BUSY, f"{self._active} sends in flight (limit "
                     f"{self.max_concurrent_sends}, {self.quotas.max_sends_per_peer} per peer)"))
                 return
             try:
@@ -926,8 +875,8 @@ class SourceService:
             self._failed(s, "internal")
             if not s.replied and s.conn.alive:
                 with contextlib.suppress(Exception, asyncio.CancelledError):
-                    await self._reply_status(s, Status.ERROR, _reason(
-                        "internal", f"{type(exc).__name__}: {exc}"))
+                    await self._reply_status(s, Status.ERROR, reply_text(
+                        RejectCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
         finally:
             cf = s.pack_cf
             if cf is not None and not cf.done():  # the pool is still being read
@@ -956,43 +905,43 @@ class SourceService:
         """Pieces sorted by offset, or :class:`_Rejected`."""
         scheme = ctx.group.hash_scheme
         if req.hash_scheme != scheme:
-            raise _Rejected("hash_scheme_mismatch", f"request scheme {req.hash_scheme!r} != "
+            raise _Rejected(RejectCode.HASH_SCHEME_MISMATCH, f"request scheme {req.hash_scheme!r} != "
                             f"source scheme {scheme!r}")
         if req.model != self.model_id:
-            raise _Rejected("incompatible_model", f"request model {req.model!r} != source "
+            raise _Rejected(RejectCode.INCOMPATIBLE_MODEL, f"request model {req.model!r} != source "
                             f"model {self.model_id!r}")
         layout = ctx.rkv.layout
         if req.count > layout.num_blocks:
-            raise _Rejected("bad_request", f"{req.count} blocks requested, rank {ctx.rank}'s "
+            raise _Rejected(RejectCode.BAD_REQUEST, f"{req.count} blocks requested, rank {ctx.rank}'s "
                             f"pool holds {layout.num_blocks}")
         wanted = req.requested_hashes
         if len(set(wanted)) != len(wanted):
-            raise _Rejected("bad_request", "a block hash is requested more than once")
+            raise _Rejected(RejectCode.BAD_REQUEST, "a block hash is requested more than once")
         pieces = sorted(req.pieces, key=lambda p: p.offset)
         end = 0
         for p in pieces:
             if p.src_rank != ctx.rank:
-                raise _Rejected("wrong_rank", f"piece for source rank {p.src_rank} sent to the "
+                raise _Rejected(RejectCode.WRONG_RANK, f"piece for source rank {p.src_rank} sent to the "
                                 f"listener of rank {ctx.rank}")
             if p.layer_stop > layout.num_layers:
-                raise _Rejected("bad_piece", f"layers [{p.layer_start},{p.layer_stop}) outside "
+                raise _Rejected(RejectCode.BAD_PIECE, f"layers [{p.layer_start},{p.layer_stop}) outside "
                                 f"rank {ctx.rank}'s local [0,{layout.num_layers})")
             if p.head_stop > layout.num_heads:
-                raise _Rejected("bad_piece", f"heads [{p.head_start},{p.head_stop}) outside "
+                raise _Rejected(RejectCode.BAD_PIECE, f"heads [{p.head_start},{p.head_stop}) outside "
                                 f"rank {ctx.rank}'s local [0,{layout.num_heads})")
             want = piece_nbytes(layout, p.layers, p.heads)
             if p.length != want:
-                raise _Rejected("bad_piece", f"piece length {p.length} != {want} bytes per "
+                raise _Rejected(RejectCode.BAD_PIECE, f"piece length {p.length} != {want} bytes per "
                                 f"block for layers [{p.layer_start},{p.layer_stop}) x heads "
                                 f"[{p.head_start},{p.head_stop})")
             if p.offset != end:
-                raise _Rejected("bad_piece", f"piece at per-block offset {p.offset}, expected "
+                raise _Rejected(RejectCode.BAD_PIECE, f"piece at per-block offset {p.offset}, expected "
                                 f"{end} (pieces must tile the per-block stream from 0)")
             end += p.length
         limit = min(req.chunk_bytes, self.chunk_bytes)
         n = count_chunks([p.length for p in pieces], req.count, limit)
         if n > MAX_CHUNKS:
-            raise _Rejected("too_many_chunks", f"{req.count} blocks in chunks of <= {limit} B "
+            raise _Rejected(RejectCode.TOO_MANY_CHUNKS, f"{req.count} blocks in chunks of <= {limit} B "
                             f"make {n} chunks, the protocol allows {MAX_CHUNKS}")
         return pieces
 
@@ -1005,7 +954,7 @@ class SourceService:
             waited += 0.002
             busy = self._over_pin_quota(s)
         if busy is not None:
-            await self._reply_status(s, Status.BUSY, _reason("busy", busy))
+            await self._reply_status(s, Status.BUSY, reply_text(RejectCode.BUSY, busy))
             return
         handle = ctx.group.manager.pin(req.requested_hashes, require_all=req.require_all)
         if handle is not None:
@@ -1021,7 +970,7 @@ class SourceService:
                 detail = f"{have} of {req.count} requested blocks cached (require_all)"
             else:
                 detail = f"none of the {req.count} requested blocks is cached"
-            await self._reply_status(s, Status.MISS, _reason("miss", detail))
+            await self._reply_status(s, Status.MISS, reply_text(RejectCode.MISS, detail))
             return
         block_ids = list(handle.block_ids)
         n = len(block_ids)
@@ -1041,8 +990,8 @@ class SourceService:
                           status=Status.OK if n == req.count else Status.PARTIAL,
                           served_blocks=n, block_hashes=list(handle.hashes),
                           total_bytes=sum(sizes), n_chunks=len(chunks), chunk_sizes=sizes,
-                          reason="" if n == req.count else _reason(
-                              "partial", f"{n} of {req.count} requested blocks cached"))
+                          reason="" if n == req.count else reply_text(
+                              RejectCode.PARTIAL, f"{n} of {req.count} requested blocks cached"))
         await self._reply(s, reply)
         await self._after_reply(req, reply)
         produce = self._producer(s, pieces, block_ids, chunks)
@@ -1092,8 +1041,8 @@ class SourceService:
                           read_segment_bytes=segs.nbytes,
                           read_more_rkeys=[r.rkey for r in regions[1:]],
                           read_more_bases=list(segs.bases[1:]), read_native=native,
-                          reason="" if n == req.count else _reason(
-                              "partial", f"{n} of {req.count} requested blocks cached"))
+                          reason="" if n == req.count else reply_text(
+                              RejectCode.PARTIAL, f"{n} of {req.count} requested blocks cached"))
         await self._before_read_reply(req.transfer_id)
         s.hold_until = s.started + hold_s  # from here on the destination may be reading
         await self._reply(s, reply)

@@ -1,0 +1,138 @@
+"""Admission: whether a hinted request pulls, decided without the network.
+
+:func:`admit` is a pure function of the prompt's tokens, the hint, the worker's local prefix
+and the configuration; it returns an :class:`Admitted` pull or a :class:`Skip` with a named
+reason. The :class:`~kvkern.xfer.puller.Puller` facade applies what follows from it
+(de-duplication, the concurrency cap) and schedules the pull.
+
+Hashes: hint hashes are checked against the prompt in the hint's scheme, either in the
+per-block form (Dynamo's router) or the chained form; the request to the source always
+carries the chained hashes of the worker's scheme from the root. A hint without hashes
+(llm-d) covers every full block of the prompt. The trailing partial block is never pulled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, sequence_hashes
+from kvkern.xfer.config import XferConfig
+from kvkern.xfer.hints import HintLimits, HintRejected, KvHint, decode_hint
+from kvkern.xfer.outcome import Reason
+from kvkern.xfer.policy import CostGuard
+
+__all__ = ["Admitted", "Skip", "WorkerFacts", "admit", "read_hint"]
+
+HINT_REASONS = {"no_hint": Reason.NO_HINT, "unknown_hash_scheme": Reason.HASH_SCHEME_MISMATCH}
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    """What admission needs to know of the destination worker."""
+
+    block_size: int
+    hash_scheme: str
+    bytes_per_block: int  # of every hosted rank together
+    longest_prefix: Callable[[list[int]], int]  # the engine's cached prefix, in blocks
+
+
+@dataclass(frozen=True)
+class Skip:
+    """No pull: ``reason`` and its ``detail``; ``fields`` are outcome fields known so far."""
+
+    reason: Reason
+    detail: str
+    fields: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A pull to run: the chained hashes of the hinted blocks from the root, how many are
+    hinted and how many are cached here, the effective timeouts and common outcome fields."""
+
+    chained: list[int]
+    hinted: int
+    local: int
+    timeouts: tuple[float, float, float]
+    base: dict
+
+    @property
+    def count(self) -> int:
+        return self.hinted - self.local
+
+
+def read_hint(hint: KvHint | HintRejected | dict | None, limits: HintLimits) -> KvHint | Skip:
+    """A decoded hint, or the :class:`Skip` that a missing or rejected one means."""
+    if isinstance(hint, dict):
+        hint = decode_hint(hint, limits=limits)
+    if hint is None:
+        hint = HintRejected(reason="no_hint", detail="no hint given")
+    if isinstance(hint, HintRejected):
+        return Skip(HINT_REASONS.get(hint.reason, Reason.HINT_INVALID),
+                    f"{hint.reason}: {hint.detail}"[:2000], {"dialect": hint.dialect})
+    if not isinstance(hint, KvHint):
+        raise TypeError(f"hint must be a KvHint, HintRejected, dict or None, got "
+                        f"{type(hint).__name__}")
+    return hint
+
+
+def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config: XferConfig,
+          cost_guard: CostGuard, salt: int | None = None) -> Admitted | Skip:
+    """Decide whether ``hint`` is worth a pull for a prompt of ``token_ids`` (CPU only)."""
+    bs = worker.block_size
+    n_full = len(token_ids) // bs
+    tokens = list(token_ids[:n_full * bs])
+    checked = _check_hint_hashes(tokens, hint, bs, n_full, salt)
+    if isinstance(checked, Skip):
+        return checked
+    hinted, scheme_name, mine = checked
+    if hinted == 0:
+        return Skip(Reason.LOCAL_PREFIX_SUFFICIENT,
+                    f"prompt of {len(token_ids)} tokens has no full block of {bs}")
+    if mine is not None and scheme_name == worker.hash_scheme:
+        chained = get_scheme(scheme_name).salted_chain(mine, salt)  # tokens hashed once
+    else:
+        chained = sequence_hashes(tokens[:hinted * bs], bs, worker.hash_scheme,
+                                  cache_salt=salt)
+    local = worker.longest_prefix(chained)
+    counts = dict(blocks_hinted=hinted, blocks_local=local)
+    if local >= hinted:
+        return Skip(Reason.LOCAL_PREFIX_SUFFICIENT,
+                    f"all {hinted} hinted blocks are cached here", counts)
+    count = hinted - local
+    ok, detail = cost_guard.check(blocks=count, nbytes=count * worker.bytes_per_block,
+                                  tokens=count * bs)
+    if not ok:
+        return Skip(Reason.NOT_WORTH_IT, detail, counts)
+    timeouts = config.effective_timeouts(
+        metadata_timeout_s=hint.metadata_timeout_s,
+        transfer_timeout_s=hint.transfer_timeout_s, deadline_s=hint.deadline_s)
+    base = dict(policy=hint.policy, source=hint.source, source_dp_rank=hint.source_dp_rank,
+                dialect=hint.dialect, **counts)
+    return Admitted(chained=chained, hinted=hinted, local=local, timeouts=timeouts, base=base)
+
+
+def _check_hint_hashes(tokens: list[int], hint: KvHint, bs: int, n_full: int,
+                       salt: int | None) -> tuple[int, str, list[int] | None] | Skip:
+    """(hinted blocks, the hint's scheme, the prompt's hashes in it) when the hint's hashes
+    name this prompt; a hint without hashes covers every full block."""
+    if hint.block_hashes is None:
+        return n_full, "", None
+    scheme_name = hint.hash_scheme or DEFAULT_SCHEME
+    try:
+        scheme = get_scheme(scheme_name)
+    except ValueError as exc:
+        return Skip(Reason.HASH_SCHEME_MISMATCH, str(exc))
+    hinted = len(hint.block_hashes)
+    if hinted > n_full:
+        return Skip(Reason.HASH_MISMATCH, f"hint names {hinted} blocks, the prompt has "
+                    f"{n_full} full blocks of {bs} tokens")
+    want = list(hint.block_hashes)
+    mine = scheme.block_hashes(tokens[:hinted * bs], bs,
+                               cache_salt=salt if scheme.chained else None)
+    if mine != want and scheme.salted_chain(mine, salt) != want:
+        i = next(i for i, (a, b) in enumerate(zip(mine, want, strict=True)) if a != b)
+        return Skip(Reason.HASH_MISMATCH, f"hint hash {i} is {want[i]}, the prompt's block "
+                    f"{i} hashes to {mine[i]} in {scheme_name}")
+    return hinted, scheme_name, mine

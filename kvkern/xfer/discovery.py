@@ -1,0 +1,205 @@
+"""Source discovery for the destination side: resolve a hint's endpoint once and check it
+against the allowlist, fetch the source's state (cached per source and incarnation, one fetch
+at a time per source), check that the source can serve this worker at all, and resolve the
+UCX address of every source rank a plan needs (each allowlist-checked too).
+
+Everything here happens before a block is allocated; every refusal is a
+:class:`~kvkern.xfer.pulljob.Fallback` with a named reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from kvkern.xfer.auth import Credential
+from kvkern.xfer.codes import fetch_reason
+from kvkern.xfer.config import XferConfig
+from kvkern.xfer.hints import KvHint
+from kvkern.xfer.outcome import Reason
+from kvkern.xfer.pulljob import Fallback, PullJob
+from kvkern.xfer.state import PROTOCOL, SourceState, parse_state
+
+__all__ = ["MAX_CACHED_SOURCES", "SourceDiscovery", "bounded_put"]
+
+log = logging.getLogger("kvkern.xfer")
+
+MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
+
+
+def bounded_put(cache: dict, key: Any, value: Any, limit: int = MAX_CACHED_SOURCES) -> None:
+    """Insert as the newest entry, dropping the oldest ones beyond ``limit``."""
+    cache.pop(key, None)
+    cache[key] = value
+    while len(cache) > limit:
+        del cache[next(iter(cache))]
+
+
+class SourceDiscovery:
+    """Endpoint verdicts and source states for one puller (loop thread only)."""
+
+    def __init__(self, config: XferConfig, credential: Credential | None,
+                 resolver: Any = None) -> None:
+        self.config = config
+        self.credential = credential
+        self._resolver = resolver  # kvkern.xfer.endpoint resolver (tests pass a fake DNS)
+        self._endpoint_config = None
+        self._state_cache: dict[tuple, tuple[SourceState, float]] = {}
+        self._state_fetches: dict[tuple, asyncio.Future] = {}
+        self._verdicts: dict[tuple, tuple[Any, float]] = {}  # allowed endpoints, with time
+
+    def allowlist(self) -> Any:
+        from kvkern.xfer.endpoint import Allowlist  # noqa: PLC0415
+
+        allow = self.config.allowlist
+        return allow if isinstance(allow, Allowlist) else Allowlist.parse(list(allow))
+
+    async def discover(self, job: PullJob) -> SourceState:
+        """The hinted source's state (sets ``job.state``), or :class:`Fallback`."""
+        md_t = job.timeouts[0]
+        resolved = await self.resolve(job.hint, md_t)
+        return await self.state(job, resolved, md_t)
+
+    async def resolve(self, hint: KvHint, md_t: float) -> Any:
+        """Parse, resolve once and allowlist-check the hint's endpoint. Allowed verdicts are
+        cached for ``state_cache_ttl_s`` (refusals never are), so a warm pull skips the
+        resolver thread; the connection still goes to the address that was checked."""
+        from kvkern.xfer.endpoint import resolve_endpoint_async  # noqa: PLC0415
+
+        if self._endpoint_config is None:
+            self._endpoint_config = self.config.endpoint_config()
+        key = (hint.source, hint.source_dp_rank)
+        hit = self._verdicts.get(key)
+        if hit is not None and time.monotonic() - hit[1] < self.config.state_cache_ttl_s:
+            return hit[0]
+        try:
+            verdict = await asyncio.wait_for(resolve_endpoint_async(
+                hint.source, self.allowlist(), dp_rank=hint.source_dp_rank,
+                config=self._endpoint_config, resolver=self._resolver), md_t)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise Fallback(Reason.METADATA_TIMEOUT, f"resolving {hint.source!r} took over "
+                           f"{md_t} s") from None
+        if not verdict.allowed:
+            raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"{hint.source!r}: {verdict.reason}: "
+                           f"{verdict.detail}")
+        bounded_put(self._verdicts, key, (verdict.endpoint, time.monotonic()))
+        return verdict.endpoint
+
+    @staticmethod
+    def _state_key(resolved: Any) -> tuple:
+        return (resolved.scheme, resolved.host, resolved.ip, resolved.port, resolved.path)
+
+    async def state(self, job: PullJob, resolved: Any, md_t: float) -> SourceState:
+        key = self._state_key(resolved)
+        hit = self._state_cache.get(key)
+        now = time.monotonic()
+        if hit is not None and now - hit[1] < self.config.state_cache_ttl_s:
+            job.state, job.state_cached = hit[0], True
+            return hit[0]
+        fut = self._state_fetches.get(key)
+        if fut is None:  # one fetch per source at a time; concurrent pulls share it
+            fut = asyncio.ensure_future(self._fetch(resolved, md_t))
+            self._state_fetches[key] = fut
+            fut.add_done_callback(lambda f, k=key: self._fetched(k, f))
+        state = await asyncio.shield(fut)
+        job.state = state
+        return state
+
+    def _fetched(self, key: tuple, fut: asyncio.Future) -> None:
+        if self._state_fetches.get(key) is fut:
+            del self._state_fetches[key]
+        if fut.cancelled() or fut.exception() is not None:
+            self._state_cache.pop(key, None)
+            return
+        old = self._state_cache.get(key)
+        if old is not None and old[0].incarnation != fut.result().incarnation:
+            log.info("source %s restarted: incarnation %s -> %s", key[1],
+                     old[0].incarnation, fut.result().incarnation)
+        bounded_put(self._state_cache, key, (fut.result(), time.monotonic()))
+
+    async def _fetch(self, resolved: Any, md_t: float) -> SourceState:
+        from kvkern.xfer.endpoint import FetchError, fetch_state  # noqa: PLC0415
+
+        if self.credential is None:
+            raise Fallback(Reason.UNAUTHENTICATED, "this worker has no fleet credential "
+                           "(KVKERN_FLEET_SECRET_FILE / KVKERN_FLEET_SECRET)")
+        try:
+            body = await fetch_state(resolved, timeout_s=md_t,
+                                     max_bytes=self.config.max_state_bytes,
+                                     credential=self.credential)
+        except FetchError as exc:
+            raise Fallback(fetch_reason(exc.reason), f"{exc.reason}: {exc.detail}") from None
+        try:
+            return parse_state(body)
+        except ValueError as exc:
+            raise Fallback(Reason.METADATA_INVALID, f"{resolved.display_url}: {exc}") from None
+
+    async def connect_failed(self, job: PullJob, exc: Exception) -> None:
+        """A connection to a source rank failed before any data: if its state came from the
+        cache, drop it and re-check the incarnation (the source may have restarted)."""
+        self._verdicts.pop((job.hint.source, job.hint.source_dp_rank), None)
+        if not job.state_cached or job.state is None:
+            return
+        for key, (st, _) in list(self._state_cache.items()):
+            if st is job.state:
+                del self._state_cache[key]
+                try:
+                    fresh = await self.discover(job)
+                except Fallback:
+                    return
+                if fresh.incarnation != st.incarnation:
+                    raise Fallback(Reason.SOURCE_INCARNATION_CHANGED,
+                                   f"source incarnation {st.incarnation} -> "
+                                   f"{fresh.incarnation} ({exc})") from exc
+                return
+
+    # ------------------------------------------------------------------ compatibility
+
+    @staticmethod
+    def check_compatible(state: SourceState, group: Any, codec_fingerprint: int) -> None:
+        """The source speaks our protocol and codec, hashes like us, has our block size and
+        our model; else :class:`Fallback`."""
+        if state.protocol != PROTOCOL or "pull/1" not in state.capabilities:
+            raise Fallback(Reason.PROTOCOL_MISMATCH, f"source speaks {state.protocol!r} "
+                           f"{list(state.capabilities)}, we speak {PROTOCOL!r} pull/1")
+        if state.codec_fingerprint != codec_fingerprint:
+            raise Fallback(Reason.PROTOCOL_MISMATCH,
+                           f"source codec fingerprint {state.codec_fingerprint:#018x} != ours "
+                           f"{codec_fingerprint:#018x}")
+        if state.hash_scheme != group.hash_scheme:
+            raise Fallback(Reason.HASH_SCHEME_MISMATCH, f"source hashes with "
+                           f"{state.hash_scheme!r}, this worker with {group.hash_scheme!r}")
+        if state.block_size != group.block_size:
+            raise Fallback(Reason.INCOMPATIBLE_TOPOLOGY, f"source block size "
+                           f"{state.block_size} != ours {group.block_size}")
+        if state.model != getattr(group, "model_id", ""):
+            raise Fallback(Reason.INCOMPATIBLE_MODEL, f"source model {state.model!r} != "
+                           f"ours {getattr(group, 'model_id', '')!r}")
+
+    def rank_addresses(self, state: SourceState, src_dp: int,
+                       src_ranks: list[int]) -> dict[int, tuple[str, int]]:
+        """The allowlist-checked UCX address of each of ``src_ranks``; else Fallback."""
+        from kvkern.xfer.endpoint import normalize_host  # noqa: PLC0415
+
+        addrs: dict[int, tuple[str, int]] = {}
+        for rank in src_ranks:
+            addr = state.ranks.get((src_dp, rank))
+            if addr is None:
+                raise Fallback(Reason.METADATA_INVALID, f"source state has no UCX address "
+                               f"for DP {src_dp} rank {rank}")
+            try:
+                ip = normalize_host(addr[0])
+            except Exception as exc:  # noqa: BLE001 (endpoint's refusal type is private)
+                raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX host {addr[0]!r}: "
+                               f"{exc}") from None
+            if isinstance(ip, str):
+                raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX host {addr[0]!r} of rank "
+                               f"{rank} is a name, not an address")
+            why, what = self.allowlist().check(ip, None, addr[1])
+            if why != "allowed":
+                raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX address of source rank "
+                               f"{rank}: {why}: {what}")
+            addrs[rank] = (str(ip), addr[1])
+        return addrs

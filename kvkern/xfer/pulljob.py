@@ -1,0 +1,81 @@
+"""What one pull carries between the roles of the destination side: the request's record
+(lifecycle, outcome, lease), the job a running pull fills in, and :class:`Fallback`, the
+exception every step raises to end a pull with a named reason."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvkern.xfer.hints import KvHint
+from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
+from kvkern.xfer.state import SourceState
+
+__all__ = ["Fallback", "PullJob", "PullRecord"]
+
+
+class Fallback(Exception):
+    """Ends a pull: the request runs as if there had been no hint, with ``reason``."""
+
+    def __init__(self, reason: Reason, detail: str = "", **fields: Any) -> None:
+        super().__init__(f"{reason.value}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.fields = fields  # extra outcome fields (block counts known so far)
+
+
+@dataclass(eq=False)
+class PullRecord:
+    """One request as the engine sees it: its state, outcome and unclaimed lease."""
+
+    request_id: str
+    state: RequestState = RequestState.CONTEXT_INIT
+    done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    outcome: PullOutcome | None = None
+    lease: Any = None  # the manager's lease on the committed blocks (kvkern.cache.protocol)
+    future: concurrent.futures.Future | None = None  # the loop task (cancel() cancels it)
+    key: tuple | None = None  # dedup key while leading a pull
+    leader: PullRecord | None = None  # set on dedup followers
+    cancel_requested: bool = False
+
+
+@dataclass(eq=False)
+class PullJob:
+    """Everything one pull needs (from admission) and what it measured while running."""
+
+    rec: PullRecord
+    hint: KvHint
+    policy: str
+    chained: list[int]  # worker-scheme chained hashes of the hinted blocks (from the root)
+    hinted: int
+    local: int
+    t_submit: float
+    timeouts: tuple[float, float, float]  # metadata, transfer, deadline (seconds)
+    base: dict  # common outcome fields
+    # filled while running
+    private: list[int] | None = None  # receive blocks, freed exactly once unless committed
+    open_transfers: list = field(default_factory=list)  # [(conn, tid)] awaiting completion
+    phases: dict = field(default_factory=dict)
+    messages: int = 0
+    reads: int = 0
+    bytes: int = 0
+    t_first_byte: float | None = None
+    state: SourceState | None = None
+    state_cached: bool = False
+    pairs: int = 0
+    unpack_s: float = 0.0
+    allocated: bool = False
+    quarantined: bool = False  # reads outlived their abort: never reuse the private blocks
+
+    @property
+    def count(self) -> int:
+        return self.hinted - self.local
+
+    @property
+    def source_dp(self) -> int:
+        return self.hint.source_dp_rank or 0
+
+    def remaining_s(self, now: float) -> float:
+        """Seconds left of the pull's overall deadline at ``now`` (perf_counter)."""
+        return self.timeouts[2] - (now - self.t_submit)

@@ -1,0 +1,401 @@
+"""The byte-moving roles of the destination side, one per way a pair's blocks arrive.
+
+* :class:`StreamReceiver`: the source streams chunks of the canonical staging format; each
+  lands in a ring of staging buffers (or, whole blocks of a row pool, straight in the
+  receive blocks) and is unpacked into the private blocks as it lands.
+* :class:`ReadReceiver`: the source offers its pinned blocks for one-sided reads; the pair's
+  runs are read straight into the private blocks, on read lanes
+  (:mod:`kvkern.xfer.read_lanes`) or the control connection, then confirmed inside the
+  source's read hold or by ``ReadDone``/``ReadAck``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvkern.layout.segments import min_run_bytes, segment_runs, whole_block_pair
+from kvkern.xfer.config import XferConfig
+from kvkern.xfer.kvgroup import RankKV
+from kvkern.xfer.messages import READ_CAPABILITY, PullReply
+from kvkern.xfer.outcome import Reason
+from kvkern.xfer.pulljob import Fallback, PullJob
+
+__all__ = ["LANE_RETRY_S", "ReadReceiver", "StreamReceiver", "StreamUnpacker", "source_layout"]
+
+log = logging.getLogger("kvkern.xfer")
+
+HOLD_RATE_SLACK = 1e-3  # clock-rate difference allowed between the two hosts' clocks
+HOLD_MARGIN_S = 1e-3  # and a fixed margin, both taken off the source's granted read hold
+LANE_RETRY_S = 60.0  # after its read lanes failed, a source worker is read on the connection
+
+
+@functools.lru_cache(maxsize=256)
+def source_layout(topology: Any, rank: int) -> Any:
+    """A source rank's local layout (sizes only), from its state's topology: once per
+    (topology, rank), not per pull."""
+    return topology.local_layout(rank, 1)
+
+
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+# ------------------------------------------------------------------------------ stream
+
+
+class StreamUnpacker:
+    """Feeds one pair's byte stream, chunk by chunk in order, into the private blocks.
+
+    The stream is, for each piece of the pair in order, the canonical staging
+    ``[n, L, 2, H, T, D]`` of the ``n`` served blocks; whole blocks inside a chunk are
+    unpacked straight from the ring buffer, a block split across chunks through a one-block
+    carry buffer."""
+
+    def __init__(self, transfer: Any, rkv: RankKV, block_ids: Sequence[int], n: int) -> None:
+        import torch  # noqa: PLC0415
+
+        self.rkv = rkv
+        self.layout = rkv.layout
+        self.block_ids = list(block_ids)
+        self.n = n
+        self.segments = []  # (start, stop, piece)
+        for p in transfer.pieces:
+            o = p.byte_offset(n)
+            self.segments.append((o, o + p.byte_length(n), p))
+        self.segments.sort(key=lambda s: s[0])
+        self.total = transfer.nbytes(n)
+        self.pos = 0
+        width = max((p.block_nbytes for p in transfer.pieces), default=1)
+        self.carry = torch.empty(width, dtype=torch.uint8, device=rkv.device)
+
+    def _unpack(self, flat: Any, piece: Any, b0: int, k: int) -> None:
+        from kvkern.kernels.pack import unpack  # noqa: PLC0415
+
+        lay = self.layout
+        shape = piece.staging_shape(k, lay.block_size, lay.head_dim)
+        unpack(flat.view(lay.dtype).view(shape), self.rkv.pool, lay, self.block_ids[b0:b0 + k],
+               layers=piece.dst_layers, heads=piece.dst_heads)
+
+    def feed(self, chunk: Any) -> None:
+        length = int(chunk.numel())
+        if self.pos + length > self.total:
+            raise ValueError(f"stream overrun: {self.pos} + {length} > {self.total} bytes")
+        off = 0
+        while off < length:
+            seg = next((s for s in self.segments if s[0] <= self.pos < s[1]), None)
+            if seg is None:
+                raise ValueError(f"stream byte {self.pos} lies in no plan piece")
+            start, stop, piece = seg
+            bn = piece.block_nbytes
+            rel = self.pos - start
+            b, within = divmod(rel, bn)
+            avail = min(length - off, stop - self.pos)
+            if within or avail < bn:
+                take = min(bn - within, avail)
+                self.carry[within:within + take].copy_(chunk[off:off + take])
+                off += take
+                self.pos += take
+                if within + take == bn:
+                    self._unpack(self.carry[:bn], piece, b, 1)
+                continue
+            k = avail // bn
+            self._unpack(chunk[off:off + k * bn], piece, b, k)
+            off += k * bn
+            self.pos += k * bn
+
+    def skip(self, nbytes: int) -> None:
+        """Bytes that landed in the blocks directly (zero-copy chunk): just advance."""
+        self.pos += nbytes
+
+    @property
+    def complete(self) -> bool:
+        return self.pos == self.total
+
+
+class StreamReceiver:
+    """Receives a pair's stream into the private blocks through a ring of staging buffers
+    taken from ``staging`` (a :class:`kvkern.xfer.staging.StagingPool`, loop thread only)."""
+
+    def __init__(self, config: XferConfig, staging: Any) -> None:
+        self.config = config
+        self.staging = staging
+
+    async def receive(self, job: PullJob, tr: Any, rkv: RankKV, conn: Any, reply: PullReply,
+                      chunk: int, xfer_t: float, entry: tuple) -> None:
+        """Receive and unpack every chunk ``reply`` announced; :class:`Fallback` if the
+        stream is not exactly the served blocks' bytes."""
+        served, unit, cfg = reply.served_blocks, tr.block_nbytes, self.config
+        nbytes = tr.nbytes(served)
+        if reply.total_bytes != nbytes or any(not 0 < s <= chunk for s in reply.chunk_sizes):
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} announces "
+                           f"{reply.total_bytes} B in chunks {reply.chunk_sizes[:4]}..., "
+                           f"expected {nbytes} B in chunks <= {chunk} B")
+        # block rows a stream's chunks land in as they are (one piece of whole blocks)
+        direct = (rkv.stream_rows(tr.pieces[0].dst_layers, tr.pieces[0].dst_heads,
+                                  tr.pieces[0].block_nbytes) if len(tr.pieces) == 1 else None)
+        ring_n = max(1, min(cfg.chunks_in_flight, reply.n_chunks))
+        ring: list[Any] = [None] * ring_n  # staging slots, allocated on first use
+        sizes = reply.chunk_sizes
+        ids = job.private[:served]
+        unpacker = StreamUnpacker(tr, rkv, ids, served)
+        starts = list(itertools.accumulate(sizes, initial=0))
+        landed_direct: set[int] = set()
+
+        def buffer_for(i: int) -> Any:
+            lo, hi = starts[i], starts[i + 1]
+            if direct is not None and lo % unit == 0 and hi % unit == 0:
+                b0, k = lo // unit, (hi - lo) // unit
+                first = ids[b0]
+                if all(ids[b0 + j] == first + j for j in range(k)):
+                    landed_direct.add(i)  # zero-copy: the chunk lands in the blocks
+                    return direct[first:first + k].reshape(-1)
+            slot = i % ring_n
+            if ring[slot] is None:
+                ring[slot] = self.staging.take(rkv.device, max(chunk, cfg.chunk_bytes))
+            return ring[slot][:sizes[i]]
+
+        def on_chunk(i: int, buf: Any) -> None:
+            if job.t_first_byte is None:
+                job.t_first_byte = time.perf_counter()
+            n = int(buf.numel())
+            if i in landed_direct:
+                unpacker.skip(n)
+            else:
+                t = time.perf_counter()
+                unpacker.feed(buf)
+                job.unpack_s += time.perf_counter() - t
+            job.messages += 1
+            job.bytes += n
+
+        try:
+            await conn.recv_stream(reply.transfer_id, buffer_for, reply.n_chunks,
+                                   on_chunk=on_chunk, timeout=xfer_t, max_in_flight=ring_n)
+        except ValueError as exc:
+            raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
+                           f"{tr.src_rank}: {exc}") from None
+        finally:
+            # recv_stream returns only with every posted receive completed, and raises
+            # only after aborting the connection, so UCX holds none of the slots now.
+            self.staging.give(b for b in ring if b is not None)
+        job.open_transfers.remove(entry)
+        if not unpacker.complete:
+            raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank {tr.src_rank} "
+                           f"ended at byte {unpacker.pos} of {nbytes}")
+
+
+# -------------------------------------------------------------------------------- reads
+
+
+class ReadReceiver:
+    """Reads a pair's runs one-sided out of the source's pinned blocks; owns the read lanes
+    (made on first use) and which source workers' lanes failed lately."""
+
+    def __init__(self, config: XferConfig, *, closed: Callable[[], bool],
+                 spawn: Callable[[Any], None]) -> None:
+        self.config = config
+        self._closed = closed
+        self._spawn = spawn
+        self.lanes = None  # kvkern.xfer.read_lanes.ReadLanes, made by the first lane read
+        self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
+
+    def can_read(self, job: PullJob, tr: Any, rkv: RankKV) -> bool:
+        """Ask for a one-sided read: allowed here, into host memory, and the source rank's
+        pool is registered (its state says how). Canonical segments on both sides (TRT-LLM
+        rows, per-layer HND): any plan pieces (a TP or PP reshard reads head and layer
+        ranges). A source pool readable only in its own order (e.g. vLLM NHD): a
+        destination pool of the same layout, whole blocks. Else the stream."""
+        st = job.state
+        if not (self.config.remote_read and st is not None
+                and READ_CAPABILITY in st.capabilities and rkv.device.type == "cpu"):
+            return False
+        key = (job.source_dp, tr.src_rank)
+        kind = st.reads.get(key)
+        if kind == "canonical":
+            if rkv.read_segments is None:
+                return False
+            src = source_layout(st.topology, tr.src_rank)
+            return (whole_block_pair(tr.pieces, src, rkv.layout)
+                    or min_run_bytes(tr.pieces, src, rkv.layout)
+                    >= self.config.read_min_run_bytes)
+        return (kind == "native" and rkv.native_segments is not None
+                and st.layouts.get(key) == rkv.layout_signature
+                and whole_block_pair(tr.pieces, rkv.layout, rkv.layout))  # same dims
+
+    async def receive(self, job: PullJob, tr: Any, conn: Any, reply: PullReply, rkv: RankKV,
+                      xfer_t: float, t_req: float) -> None:
+        """Read the pair's pieces of the served blocks straight from the source's pool into
+        the private blocks of ``rkv``. They count when every read completed inside the
+        source's granted hold, measured from ``t_req`` (before the request was sent; the
+        source counts from its receipt, so our window closes first); else only
+        ``ReadAck(held=True)`` after our ReadDone makes them count. See
+        :mod:`kvkern.xfer.ucp_rma`."""
+        segs = self._check_offer(job, tr, reply, rkv)
+        parts = self._parts(job, tr, reply, rkv, segs)
+        t = time.perf_counter()
+        key = (job.source_dp, tr.src_rank)
+        keys = [reply.read_rkey, *reply.read_more_rkeys]
+        keyed = [(keys[j], runs) for j, runs in parts.items()]
+        first = await self._copy(job, conn, job.state.read_workers.get(key), keyed, xfer_t)
+        if job.t_first_byte is None:
+            job.t_first_byte = first or time.perf_counter()
+        job.reads += sum(len(runs) for runs in parts.values())
+        job.bytes += reply.served_blocks * tr.block_nbytes
+        t_ack = time.perf_counter()
+        job.phases["read"] = job.phases.get("read", 0.0) + (t_ack - t)
+        await self._confirm(job, tr, conn, reply, xfer_t, t_req, t_ack)
+
+    def _check_offer(self, job: PullJob, tr: Any, reply: PullReply, rkv: RankKV) -> Any:
+        """The destination segments the offer's reads land in; Fallback when the offer is
+        not what this pair's state and plan promise."""
+        key = (job.source_dp, tr.src_rank)
+        st = job.state
+        if reply.read_native != (st.reads.get(key) == "native") or (
+                reply.read_native and st.layouts.get(key) != rkv.layout_signature):
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers its "
+                           f"blocks {'in its own order' if reply.read_native else 'canonical'}"
+                           f", its state says {st.reads.get(key)!r} (layout "
+                           f"{st.layouts.get(key)})")
+        segs = rkv.native_segments if reply.read_native else rkv.read_segments
+        served, unit = reply.served_blocks, tr.block_nbytes
+        n_keys = 1 + len(reply.read_more_rkeys)
+        bases = [reply.read_base, *reply.read_more_bases]
+        src_lay = source_layout(st.topology, tr.src_rank)
+        seg, stride = reply.read_segment_bytes or unit, reply.read_stride
+        top = max(reply.read_blocks) * stride + seg
+        if reply.total_bytes != served * unit or seg * n_keys != src_lay.bytes_per_block \
+                or stride < seg or max(bases) + top > 1 << 64 or segs is None or (
+                    reply.read_native and not (n_keys == len(segs.bases)
+                                               and seg == segs.nbytes
+                                               and whole_block_pair(tr.pieces, src_lay,
+                                                                    rkv.layout))):
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
+                           f"{reply.total_bytes} B of {served} blocks as {n_keys} "
+                           f"segments of {seg} B at stride {stride}, expected "
+                           f"{src_lay.bytes_per_block} B blocks ({unit} B of each read)")
+        return segs
+
+    @staticmethod
+    def _parts(job: PullJob, tr: Any, reply: PullReply, rkv: RankKV,
+               segs: Any) -> dict[int, list]:
+        """Per source segment (remote key index), the coalesced ``(local, remote, nbytes)``
+        runs that move the pair's pieces of every served block."""
+        from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
+
+        served = reply.served_blocks
+        n_keys = 1 + len(reply.read_more_rkeys)
+        bases = [reply.read_base, *reply.read_more_bases]
+        seg = reply.read_segment_bytes or tr.block_nbytes
+        here = np.asarray(job.private[:served], dtype=np.uint64) * np.uint64(segs.stride)
+        there = np.asarray(reply.read_blocks, dtype=np.uint64) * np.uint64(reply.read_stride)
+        parts: dict[int, list] = {}
+        if reply.read_native:  # same layout, whole blocks: segment j into segment j
+            runs = [(j, 0, j, 0, seg) for j in range(n_keys)]
+        else:
+            src_lay = source_layout(job.state.topology, tr.src_rank)
+            runs = segment_runs(tr.pieces, src_lay, rkv.layout, seg, segs.nbytes)
+        for j, s_off, d, d_off, n in runs:
+            local = here + np.uint64(segs.bases[d] + d_off)
+            remote = there + np.uint64(bases[j] + s_off)
+            parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))
+        return parts
+
+    async def _copy(self, job: PullJob, conn: Any, worker: bytes | None,
+                    keyed: list[tuple[bytes, list]], xfer_t: float) -> float | None:
+        """Run the reads, on the lanes when there are, else on the connection; returns when
+        the first byte landed (if known)."""
+        from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
+
+        lanes = self._read_lanes(worker)
+        try:
+            if lanes is not None:
+                try:
+                    return await lanes.read(worker, keyed, timeout=xfer_t)
+                except TransportError as exc:
+                    if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck):
+                        raise
+                    # The lanes failed, not the copy's time: read again on the connection
+                    # (the private blocks are ours; the pins are held), and leave this
+                    # source's lanes alone for a while.
+                    self._lanes_failed(worker, exc)
+            return await conn.read_parts(keyed, timeout=xfer_t)
+        except ReadsStuck:
+            job.quarantined = True
+            raise
+
+    async def _confirm(self, job: PullJob, tr: Any, conn: Any, reply: PullReply,
+                       xfer_t: float, t_req: float, t_ack: float) -> None:
+        """Reads inside the granted hold count now (the release goes in the background);
+        later ones count on ``ReadAck(held=True)``."""
+        from kvkern.xfer.messages import ReadAck, ReadDone  # noqa: PLC0415
+        from kvkern.xfer.transport import CONTROL_TAG, Lane, tag_for  # noqa: PLC0415
+
+        tid = reply.transfer_id
+        hold_s = reply.read_hold_ms / 1000
+        if hold_s and t_ack < t_req + hold_s * (1 - HOLD_RATE_SLACK) - HOLD_MARGIN_S:
+            # Read inside the hold: the bytes are the pinned blocks'. Release them in the
+            # background, asking for no ack.
+            self._spawn(self._release_read(conn, tid, xfer_t))
+            job.messages += 1
+            return
+        await conn.send_msg(ReadDone(transfer_id=tid), CONTROL_TAG, timeout=xfer_t)
+        ack = await conn.recv_msg(tag_for(tid, Lane.REPLY, 1), timeout=xfer_t)
+        job.messages += 2
+        job.phases["ack"] = job.phases.get("ack", 0.0) + (time.perf_counter() - t_ack)
+        if not isinstance(ack, ReadAck) or ack.transfer_id != tid or not ack.held:
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} did not "
+                           f"confirm it held the blocks during the read: "
+                           f"{getattr(ack, 'reason', type(ack).__name__)}")
+
+    def _read_lanes(self, worker: bytes | None) -> Any:
+        """The read lanes, made on first use; None where reads stay on the connection (no
+        lanes configured, or the source rank publishes no worker address this UCX can
+        use)."""
+        from kvkern.xfer.read_lanes import ReadLanes, address_usable  # noqa: PLC0415
+
+        if worker is None or not self.config.read_lanes or self._closed() \
+                or not address_usable(worker):
+            return None
+        failed = self._lanes_down.get(worker)
+        if failed is not None:
+            if time.monotonic() - failed < LANE_RETRY_S:
+                return None
+            del self._lanes_down[worker]
+        if self.lanes is None:  # (lanes beyond this process's CPUs could not copy at once)
+            self.lanes = ReadLanes(min(self.config.read_lanes, _usable_cpus()),
+                                   min_bytes=self.config.read_lane_min_bytes)
+        return self.lanes
+
+    def _lanes_failed(self, worker: bytes, exc: Exception) -> None:
+        from kvkern.xfer.discovery import bounded_put  # noqa: PLC0415
+
+        log.warning("read lanes to a source worker failed (%s); reading on the control "
+                    "connection for %s s", exc, LANE_RETRY_S)
+        bounded_put(self._lanes_down, worker, time.monotonic())
+
+    async def _release_read(self, conn: Any, tid: int, xfer_t: float) -> None:
+        """ReadDone for a read that already counts: the source unpins, and answers nothing
+        (``ack=False``)."""
+        from kvkern.xfer.messages import ReadDone  # noqa: PLC0415
+        from kvkern.xfer.transport import CONTROL_TAG  # noqa: PLC0415
+
+        with contextlib.suppress(Exception):
+            await conn.send_msg(ReadDone(transfer_id=tid, ack=False), CONTROL_TAG,
+                                timeout=xfer_t)
+
+    def close(self, timeout: float) -> None:
+        lanes, self.lanes = self.lanes, None
+        if lanes is not None:
+            lanes.close(timeout)

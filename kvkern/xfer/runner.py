@@ -1,0 +1,389 @@
+"""Running one admitted pull on the loop thread: discover the source, plan the pairs,
+allocate the private blocks, move each pair's blocks (:mod:`kvkern.xfer.receive`), apply the
+policy and commit under a lease. Every step is bounded; any failure frees every private block
+exactly once, sends ``Cancel`` for every open transfer and ends with a reason.
+
+Connections: one UCXX connection per source rank, shared by concurrent pulls; a timeout or
+cancel in the middle of a stream, or while a message is awaited, aborts that connection
+(UCX owns posted buffers until an abort), so other pulls on it fail with
+``transfer_failed`` and the next one reconnects. A cancel during one-sided reads lets them
+finish and keeps the connection; a read lane that fails or is stopped closes only its own
+endpoint to that source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvkern.layout.chunks import direct_order
+from kvkern.xfer.codes import CONNECT_FAILURES, reject_reason, transport_reason
+from kvkern.xfer.config import XferConfig
+from kvkern.xfer.discovery import SourceDiscovery
+from kvkern.xfer.kvgroup import KVGroup, RankKV
+from kvkern.xfer.messages import PullReply, PullRequest
+from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
+from kvkern.xfer.policy import CostGuard, apply_policy
+from kvkern.xfer.pulljob import Fallback, PullJob, PullRecord
+from kvkern.xfer.receive import ReadReceiver, StreamReceiver
+
+__all__ = ["CANCEL_SEND_TIMEOUT_S", "PullRunner", "job_outcome"]
+
+log = logging.getLogger("kvkern.xfer")
+
+CANCEL_SEND_TIMEOUT_S = 1.0  # a Cancel is best effort: an aborted connection tells by itself
+
+
+def job_outcome(job: PullJob, reason: Reason, detail: str = "", **kw: Any) -> PullOutcome:
+    """The outcome of ``job`` ending with ``reason`` (its common fields, then ``kw``)."""
+    fields = dict(job.base)
+    fields.update(kw)
+    st = job.state
+    if st is not None:
+        fields.setdefault("worker_id", st.worker_id)
+        fields.setdefault("incarnation", st.incarnation)
+    return PullOutcome(request_id=job.rec.request_id, used=reason in (Reason.OK,
+                                                                      Reason.PARTIAL),
+                       reason=reason, detail=detail[:2000], **fields)
+
+
+class PullRunner:
+    """Runs admitted pulls for one DP group (see the module docstring)."""
+
+    def __init__(self, group: KVGroup, config: XferConfig, *, pool: Any,
+                 discovery: SourceDiscovery, streams: StreamReceiver, reads: ReadReceiver,
+                 cost_guard: CostGuard, metrics: Any, lock: threading.Lock,
+                 finish: Callable[..., None], spawn: Callable[[Any], None]) -> None:
+        self.group = group
+        self.config = config
+        self.pool = pool  # kvkern.xfer.transport.ConnectionPool
+        self.discovery = discovery
+        self.streams = streams
+        self.reads = reads
+        self.cost_guard = cost_guard
+        self.metrics = metrics
+        self.quarantined_blocks = 0  # private blocks never reused (see Connection.read)
+        self._lock = lock
+        self._finish = finish
+        self._spawn = spawn
+        self._tids = itertools.count(random.randrange(1, 1 << 29))
+
+    def _started(self, rec: PullRecord) -> None:
+        with self._lock:
+            rec.state = RequestState.CONTEXT_PREFETCH_IN_PROGRESS
+
+    async def follow(self, job: PullJob, leader: PullRecord) -> None:
+        """A de-duplicated request: wait for the identical pull, then end ``duplicate``."""
+        rec = job.rec
+        self._started(rec)
+        t0 = time.perf_counter()
+        reason, detail = Reason.DUPLICATE, ""
+        try:
+            first = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(leader.done)),
+                                           job.timeouts[2])
+            detail = f"attached to {leader.request_id!r} ({first.reason.value})"
+        except (asyncio.TimeoutError, TimeoutError):
+            reason, detail = Reason.DEADLINE_EXCEEDED, (f"waited {job.timeouts[2]} s for the "
+                                                        f"identical pull {leader.request_id!r}")
+        except asyncio.CancelledError:
+            reason, detail = Reason.CANCELLED, "cancelled while attached"
+        local = self.group.manager.longest_prefix(job.chained)
+        self._finish(rec, job_outcome(job, reason, detail, blocks_local=local,
+                                      phases={"total": time.perf_counter() - t0}))
+
+    async def run(self, job: PullJob) -> None:
+        """The whole pull, ending in exactly one outcome."""
+        from kvkern.xfer.transport import TransportError  # noqa: PLC0415
+
+        rec = job.rec
+        self._started(rec)
+        t0 = job.t_submit
+        deadline_s = job.timeouts[2]
+        remaining = job.remaining_s(time.perf_counter())
+        lease = None
+        reason, detail, result = Reason.INTERNAL_ERROR, "", {}
+        m = self.metrics
+        if m is not None:
+            m.pull_started()
+        try:
+            try:
+                async with asyncio.timeout(max(remaining, 1e-3)) as cm:
+                    lease, reason, detail, result = await self._pull(job)
+            except TimeoutError:
+                if not cm.expired():
+                    raise
+                reason, detail = Reason.DEADLINE_EXCEEDED, (
+                    f"pull not done within deadline_s {deadline_s} s")
+        except Fallback as fb:
+            reason, detail = fb.reason, fb.detail
+        except TransportError as exc:
+            reason, detail = transport_reason(exc.reason), str(exc)
+        except asyncio.CancelledError:
+            reason, detail = Reason.CANCELLED, ("cancelled" if rec.cancel_requested
+                                                else "loop shut down")
+        except Exception as exc:
+            log.exception("pull %r failed unexpectedly", rec.request_id)
+            reason, detail = Reason.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}"
+        finally:
+            self._free_private(job)
+            self._send_cancels(job, reason)
+            if m is not None:
+                m.pull_ended()
+        fields = self._measured(job, t0)
+        fields.update(result)
+        self._finish(rec, job_outcome(job, reason, detail, **fields), lease=lease)
+
+    def _free_private(self, job: PullJob) -> None:
+        """Private blocks not committed go back exactly once (quarantined ones never)."""
+        if job.private is not None and job.quarantined:
+            ids, job.private = job.private, None
+            self.quarantined_blocks += len(ids)
+            log.error("pull %r: %d private blocks quarantined (one-sided reads still "
+                      "running after their endpoint was aborted)", job.rec.request_id, len(ids))
+        if job.private is not None:  # not committed: free every block exactly once
+            ids, job.private = job.private, None
+            self.group.manager.free_private(ids)
+
+    @staticmethod
+    def _measured(job: PullJob, t0: float) -> dict:
+        job.phases["total"] = time.perf_counter() - t0
+        if job.t_first_byte is not None:
+            job.phases["first_byte"] = job.t_first_byte - t0
+        if job.unpack_s:
+            job.phases["unpack"] = job.unpack_s
+        return dict(phases=dict(job.phases), pairs=job.pairs, messages=job.messages,
+                    reads=job.reads, bytes_transferred=job.bytes,
+                    blocks_requested=job.count if job.allocated else 0)
+
+    async def _pull(self, job: PullJob) -> tuple[Any, Reason, str, dict]:
+        group = self.group
+        t = time.perf_counter()
+        state = await self.discovery.discover(job)
+        job.phases["metadata"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        pairs, addrs = self._plan(job, state)
+        job.phases["plan"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        self._allocate(job, pairs)
+        job.phases["allocate"] = time.perf_counter() - t
+
+        t = time.perf_counter()
+        xfer_t = job.timeouts[1]
+        if len(pairs) == 1:  # one pair: no task to spawn and wait for (a loop hop less)
+            served = [await self._pull_pair(job, pairs[0], addrs[pairs[0].src_rank], xfer_t)]
+        else:
+            served = await self._pull_pairs(job, pairs, addrs, xfer_t)
+        xfer_s = time.perf_counter() - t
+        job.phases["transfer"] = xfer_s
+
+        t = time.perf_counter()
+        decision = apply_policy(job.policy, job.count, served)
+        job.phases["validate"] = time.perf_counter() - t
+        if not decision.used:
+            raise Fallback(decision.reason, f"pairs served {served} of {job.count} blocks "
+                           f"({job.policy})")
+        t = time.perf_counter()
+        keep = decision.keep
+        ids, job.private = job.private, None
+        try:
+            lease = group.manager.commit_private(
+                ids[:keep], job.chained[job.local:job.local + keep],
+                lease_s=None if job.hint.no_retain else self.config.lease_s)
+        except BaseException:
+            job.private = ids  # not committed: the caller frees them
+            raise
+        if keep < len(ids):
+            group.manager.free_private(ids[keep:])
+        job.phases["commit"] = time.perf_counter() - t
+        self.cost_guard.observe_pull(job.bytes, max(xfer_s, 1e-9), job.phases.get("rtt"))
+        detail = (f"{keep} of {job.count} blocks from {len(pairs)} pair(s)"
+                  + (f", {len(ids) - keep} skipped" if keep < len(ids) else ""))
+        return lease, decision.reason, detail, {"blocks_transferred": keep,
+                                                "blocks_skipped": decision.skipped,
+                                                "blocks_requested": job.count}
+
+    def _plan(self, job: PullJob, state: Any) -> tuple[list, dict[int, tuple[str, int]]]:
+        """The (source rank, destination rank) pairs hosted here and each source rank's
+        checked UCX address."""
+        from kvkern.layout.plan import plan_transfer  # noqa: PLC0415
+        from kvkern.layout.topology import IncompatibleTopologyError  # noqa: PLC0415
+
+        group = self.group
+        self.discovery.check_compatible(state, group, self.pool.codec.fingerprint)
+        try:
+            plan = plan_transfer(state.topology, job.source_dp, group.topology, group.dp_rank)
+        except (IncompatibleTopologyError, ValueError) as exc:
+            raise Fallback(Reason.INCOMPATIBLE_TOPOLOGY, str(exc)) from None
+        pairs = [tr for tr in plan.transfers if tr.dst_rank in group.ranks]
+        if not pairs:
+            raise Fallback(Reason.INCOMPATIBLE_TOPOLOGY, f"plan has no pair for the hosted "
+                           f"ranks {sorted(group.ranks)}")
+        addrs = self.discovery.rank_addresses(state, job.source_dp,
+                                              [tr.src_rank for tr in pairs])
+        job.pairs = len(pairs)
+        return pairs, addrs
+
+    def _allocate(self, job: PullJob, pairs: list) -> None:
+        ids = self.group.manager.allocate_private(job.count)
+        if ids is None:
+            raise Fallback(Reason.NO_BLOCKS, f"{job.count} private blocks not available")
+        job.private = sorted(ids)  # ascending: runs of consecutive ids receive zero-copy
+        unit = pairs[0].block_nbytes
+        if len(pairs) == 1 and self.config.chunk_bytes >= unit:
+            job.private = direct_order(job.private, self.config.chunk_bytes // unit)
+        job.allocated = True
+
+    async def _pull_pairs(self, job: PullJob, pairs: list, addrs: dict,
+                          xfer_t: float) -> list[int]:
+        """Every pair concurrently; the first failure cancels the others (awaited)."""
+        tasks = [asyncio.ensure_future(self._pull_pair(job, tr, addrs[tr.src_rank], xfer_t))
+                 for tr in pairs]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for tk in tasks:
+                if tk.done() and not tk.cancelled() and tk.exception() is not None:
+                    raise tk.exception()
+            return [tk.result() for tk in tasks]
+        finally:
+            for tk in tasks:
+                tk.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _pull_pair(self, job: PullJob, tr: Any, addr: tuple[str, int],
+                         xfer_t: float) -> int:
+        """One (source rank, destination rank) pair; returns the validated served count."""
+        rkv = self.group.ranks[tr.dst_rank]
+        conn = await self._connect(job, addr, xfer_t)
+        unit = tr.block_nbytes
+        # Whole blocks per chunk (zero-copy landing, no carry); a block larger than
+        # chunk_bytes travels in chunk_bytes slices that the unpacker reassembles.
+        chunk = (self.config.chunk_bytes // unit) * unit or self.config.chunk_bytes
+        req = self._request(job, tr, rkv, chunk)
+        entry = (conn, req.transfer_id)
+        t_req = time.perf_counter()
+        job.open_transfers.append(entry)
+        reply = await self._exchange(job, conn, req, xfer_t)
+        job.phases.setdefault("rtt", time.perf_counter() - t_req)
+        served = self._check_reply(job, tr, req, reply, entry)
+        if reply.read_rkey:
+            if not req.read:
+                raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offered "
+                               f"a read to a request that did not ask for one")
+            await self.reads.receive(job, tr, conn, reply, rkv, xfer_t, t_req)
+            job.open_transfers.remove(entry)
+            return served
+        await self.streams.receive(job, tr, rkv, conn, reply, chunk, xfer_t, entry)
+        return served
+
+    async def _connect(self, job: PullJob, addr: tuple[str, int], xfer_t: float) -> Any:
+        from kvkern.xfer.transport import TransportError  # noqa: PLC0415
+
+        try:
+            async with asyncio.timeout(xfer_t):  # not wait_for: no task per pull
+                return await self.pool.get(*addr)
+        except TimeoutError:
+            raise Fallback(Reason.TRANSFER_TIMEOUT, f"connect to {addr[0]}:{addr[1]} took "
+                           f"over {xfer_t} s") from None
+        except TransportError as exc:
+            await self.discovery.connect_failed(job, exc)
+            raise
+
+    def _request(self, job: PullJob, tr: Any, rkv: RankKV, chunk: int) -> PullRequest:
+        from kvkern.xfer.messages import PlanPiece  # noqa: PLC0415
+
+        pieces = [PlanPiece(src_rank=p.src_rank, layer_start=p.src_layers[0],
+                            layer_stop=p.src_layers[1], head_start=p.src_heads[0],
+                            head_stop=p.src_heads[1], offset=p.block_offset,
+                            length=p.block_nbytes) for p in tr.pieces]  # per block
+        remaining = job.remaining_s(time.perf_counter())
+        return PullRequest(transfer_id=self._next_tid(), request_id=job.rec.request_id[:256],
+                           hash_scheme=self.group.hash_scheme, block_hashes=job.chained,
+                           start=job.local, count=job.count, pieces=pieces, chunk_bytes=chunk,
+                           deadline_ms=max(1, int(remaining * 1000)),
+                           require_all=job.policy == "strict",
+                           read=self.reads.can_read(job, tr, rkv),
+                           model=getattr(self.group, "model_id", ""))
+
+    async def _exchange(self, job: PullJob, conn: Any, req: PullRequest,
+                        xfer_t: float) -> Any:
+        from kvkern.xfer.transport import CONTROL_TAG, Lane, TransportError, tag_for  # noqa: PLC0415
+
+        try:
+            await conn.send_msg(req, CONTROL_TAG, timeout=xfer_t)
+            job.messages += 1
+            reply = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY), timeout=xfer_t)
+            job.messages += 1
+        except TransportError as exc:
+            if exc.reason in CONNECT_FAILURES:
+                await self.discovery.connect_failed(job, exc)
+            raise
+        return reply
+
+    def _check_reply(self, job: PullJob, tr: Any, req: PullRequest, reply: Any,
+                     entry: tuple) -> int:
+        """The served count of a well-formed reply that serves; else Fallback (and the
+        transfer is closed where nothing follows)."""
+        from kvkern.xfer.messages import Status  # noqa: PLC0415
+
+        tid, count = req.transfer_id, job.count
+        if not isinstance(reply, PullReply) or reply.transfer_id != tid:
+            raise Fallback(Reason.TRANSFER_FAILED, f"expected PullReply for transfer {tid}, "
+                           f"got {type(reply).__name__} "
+                           f"{getattr(reply, 'transfer_id', None)}")
+        if reply.status in (Status.MISS,):
+            job.open_transfers.remove(entry)  # nothing follows
+            raise Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} cannot serve "
+                           f"the {count} requested blocks: {reply.reason}")
+        if reply.status == Status.BUSY:
+            job.open_transfers.remove(entry)
+            raise Fallback(Reason.SOURCE_BUSY, f"source rank {tr.src_rank}: {reply.reason}")
+        if reply.status not in (Status.OK, Status.PARTIAL):
+            job.open_transfers.remove(entry)
+            raise Fallback(reject_reason(reply.reason), f"source rank {tr.src_rank} "
+                           f"answered {reply.status.value}: {reply.reason}")
+        served = reply.served_blocks
+        want = job.chained[job.local:job.local + served]
+        if served > count or list(reply.block_hashes) != want:
+            raise Fallback(Reason.HASH_MISMATCH, f"source rank {tr.src_rank} served "
+                           f"{served} blocks with hashes that are not the requested "
+                           f"{count}")
+        if served == 0:
+            job.open_transfers.remove(entry)
+            raise Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} served 0 of "
+                           f"{count} blocks")
+        if served < count and job.policy == "strict":
+            raise Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} holds {served} "
+                           f"of {count} requested blocks (strict)")
+        return served
+
+    def _next_tid(self) -> int:
+        while True:
+            tid = next(self._tids) & ((1 << 30) - 1)
+            if tid:
+                return tid
+
+    def _send_cancels(self, job: PullJob, reason: Reason) -> None:
+        from kvkern.xfer.messages import Cancel  # noqa: PLC0415
+        from kvkern.xfer.transport import CONTROL_TAG  # noqa: PLC0415
+
+        entries, job.open_transfers = job.open_transfers, []
+        for conn, tid in entries:
+            if not conn.alive:
+                continue  # an aborted connection tells the source by itself
+            job.messages += 1
+
+            async def send(conn: Any = conn, tid: int = tid) -> None:
+                with contextlib.suppress(Exception):
+                    await conn.send_msg(Cancel(transfer_id=tid, reason=reason.value),
+                                        CONTROL_TAG, timeout=CANCEL_SEND_TIMEOUT_S)
+
+            self._spawn(send())

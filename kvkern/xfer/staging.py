@@ -1,0 +1,68 @@
+"""Reusable staging buffers for streams, shared by the sends of a source and the receive
+rings of a puller (loop thread only)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from kvkern.layout.hostmem import host_buffer
+
+__all__ = ["StagingPool"]
+
+
+class StagingPool:
+    """Reusable staging buffers, by (device, size class); sizes are powers of two.
+
+    Reusing send buffers saves page faults on the host (measured: a fresh 16 MiB buffer costs
+    ~2-4 ms of first-touch faults on this 2-core machine) and, on GPUs and RDMA NICs, UCX
+    memory registrations (its registration cache keys on addresses). At most ``max_bytes``
+    are kept idle; a buffer is given back only when no send or pack can still touch it.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._free: dict[tuple[str, int], list[torch.Tensor]] = {}
+        self._idle_bytes = 0
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        return 1 << max(nbytes - 1, 1).bit_length()
+
+    @property
+    def idle_bytes(self) -> int:
+        return self._idle_bytes
+
+    def take(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        size = self.size_class(nbytes)
+        free = self._free.get((str(device), size))
+        if free:
+            self._idle_bytes -= size
+            return free.pop()
+        if device.type == "cpu":  # huge pages: UCX's CMA reads them 2-5x faster (hostmem)
+            return host_buffer(size)
+        return torch.empty(size, dtype=torch.uint8, device=device)
+
+    def prewarm(self, device: torch.device, nbytes: int, count: int) -> None:
+        """Keep ``count`` buffers of ``nbytes``'s size class ready, their pages faulted in
+        now: a pull's first touch of fresh huge-page memory stalled 50-150 ms on this
+        machine (THP compaction), once per new size class, on the first pulls of a worker."""
+        size = self.size_class(nbytes)
+        have = len(self._free.get((str(device), size), []))
+        fresh = [self.take(device, size) for _ in range(max(0, count - have))]
+        for b in fresh:
+            b.zero_()
+        self.give(fresh)
+
+    def give(self, bufs: Iterable[torch.Tensor]) -> None:
+        for b in bufs:
+            size = b.numel()
+            if self._idle_bytes + size > self.max_bytes:
+                continue  # dropped: the allocator gets it back
+            self._free.setdefault((str(b.device), size), []).append(b)
+            self._idle_bytes += size
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._idle_bytes = 0

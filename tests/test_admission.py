@@ -1,0 +1,113 @@
+"""Admission as a pure function (:func:`kvkern.xfer.admission.admit`): tokens, hint, local
+prefix and configuration in, a pull or a named skip out. No network, no pool, no loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, salt_key, sequence_hashes
+from kvkern.xfer.admission import Admitted, Skip, WorkerFacts, admit, read_hint
+from kvkern.xfer.config import XferConfig
+from kvkern.xfer.hints import HintLimits, HintRejected, KvHint
+from kvkern.xfer.outcome import Reason
+from kvkern.xfer.policy import CostGuard
+
+BS = 4
+TOKENS = list(range(1, 4 * BS + 3))  # 4 full blocks and a partial one
+CONFIG = XferConfig(allowlist="127.0.0.1", cost_guard=False)
+
+
+def worker(local: int = 0, scheme: str = DEFAULT_SCHEME) -> WorkerFacts:
+    return WorkerFacts(block_size=BS, hash_scheme=scheme, bytes_per_block=1024,
+                       longest_prefix=lambda hashes: min(local, len(hashes)))
+
+
+def hint(**kw) -> KvHint:
+    fields = dict(source="http://127.0.0.1:1/kvkern/v1/state", block_hashes=None,
+                  hash_scheme=None, dialect="kvkern")
+    fields.update(kw)
+    return KvHint(**fields)
+
+
+def run(h: KvHint, *, local: int = 0, config: XferConfig = CONFIG, salt: str = "",
+        tokens=TOKENS) -> Admitted | Skip:
+    return admit(tokens, h, worker=worker(local), config=config,
+                 cost_guard=CostGuard(config), salt=salt_key(salt))
+
+
+def test_a_hint_without_hashes_covers_every_full_block():
+    got = run(hint(), local=1)
+    assert isinstance(got, Admitted)
+    assert (got.hinted, got.local, got.count) == (4, 1, 3)
+    assert got.chained == sequence_hashes(TOKENS[:4 * BS], BS, DEFAULT_SCHEME)
+    assert got.base["blocks_hinted"] == 4 and got.base["blocks_local"] == 1
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["per-block", "chained"])
+def test_hint_hashes_that_name_the_prompt_are_admitted(chained):
+    scheme = get_scheme(DEFAULT_SCHEME)
+    mine = scheme.block_hashes(TOKENS[:3 * BS], BS)
+    hashes = scheme.salted_chain(mine, None) if chained else mine
+    got = run(hint(block_hashes=tuple(hashes)))
+    assert isinstance(got, Admitted) and got.hinted == 3
+
+
+def test_hashes_of_another_prompt_are_a_hash_mismatch():
+    scheme = get_scheme(DEFAULT_SCHEME)
+    other = scheme.block_hashes([t + 1 for t in TOKENS[:2 * BS]], BS)
+    got = run(hint(block_hashes=tuple(other)))
+    assert isinstance(got, Skip) and got.reason is Reason.HASH_MISMATCH
+    assert "hint hash 0" in got.detail
+
+
+def test_more_hinted_blocks_than_the_prompt_has_is_a_hash_mismatch():
+    got = run(hint(block_hashes=tuple(range(1, 7))))
+    assert isinstance(got, Skip) and got.reason is Reason.HASH_MISMATCH
+
+
+def test_unknown_hash_scheme_is_named():
+    got = run(hint(block_hashes=(1,), hash_scheme="no-such-scheme"))
+    assert isinstance(got, Skip) and got.reason is Reason.HASH_SCHEME_MISMATCH
+
+
+def test_a_prompt_without_a_full_block_needs_no_pull():
+    got = run(hint(), tokens=TOKENS[:BS - 1])
+    assert isinstance(got, Skip) and got.reason is Reason.LOCAL_PREFIX_SUFFICIENT
+
+
+def test_everything_cached_here_needs_no_pull():
+    got = run(hint(), local=4)
+    assert isinstance(got, Skip) and got.reason is Reason.LOCAL_PREFIX_SUFFICIENT
+    assert got.fields == {"blocks_hinted": 4, "blocks_local": 4}
+
+
+def test_the_cost_guard_skips_pulls_not_worth_it():
+    config = XferConfig(allowlist="127.0.0.1", cost_guard=True, min_blocks=8)
+    got = run(hint(), config=config)
+    assert isinstance(got, Skip) and got.reason is Reason.NOT_WORTH_IT
+
+
+def test_a_cache_salt_changes_every_hash_asked_for():
+    plain, salted = run(hint()), run(hint(), salt="tenant-a")
+    assert isinstance(plain, Admitted) and isinstance(salted, Admitted)
+    assert not set(plain.chained) & set(salted.chained)
+
+
+def test_hint_timeouts_are_capped_by_the_config():
+    got = run(hint(deadline_s=1e9, metadata_timeout_s=0.5))
+    assert isinstance(got, Admitted)
+    md, _, deadline = got.timeouts
+    assert md == 0.5 and deadline == CONFIG.max_deadline_s
+
+
+def test_missing_and_rejected_hints_are_named_skips():
+    limits = HintLimits()
+    none = read_hint(None, limits)
+    assert isinstance(none, Skip) and none.reason is Reason.NO_HINT
+    bad = read_hint(HintRejected(reason="bad_field", detail="x", dialect="kvkern"), limits)
+    assert isinstance(bad, Skip) and bad.reason is Reason.HINT_INVALID
+    assert bad.fields == {"dialect": "kvkern"}
+    decoded = read_hint({"kv_hint": {"source": "http://127.0.0.1:1/kvkern/v1/state"}}, limits)
+    assert isinstance(decoded, KvHint)
+    with pytest.raises(TypeError):
+        read_hint(42, limits)
