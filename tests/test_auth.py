@@ -61,6 +61,22 @@ def test_from_env_prefers_the_file_and_is_none_when_unset(tmp_path):
         is None
 
 
+@pytest.mark.parametrize("edge", [b" ", b"\n", b"\t", b"\x0b", b"\x0c", b"\r"],
+                         ids=["space", "newline", "tab", "vt", "ff", "cr"])
+def test_secrets_whose_bytes_end_in_whitespace_read_the_same_everywhere(tmp_path, edge):
+    """A random 32-byte secret may begin or end with a whitespace byte; read as hex from the
+    environment or a file, it is the same credential as given directly."""
+    key = edge + bytes(range(1, 31)) + edge
+    text = key.hex()
+    path = tmp_path / "fleet.key"
+    path.write_text(text + "\n")
+    direct = Credential(text, peer_id="p")
+    for cred in (Credential.from_env({"KVKERN_FLEET_SECRET": text}, peer_id="p"),
+                 Credential.from_env({"KVKERN_FLEET_SECRET_FILE": str(path)}, peer_id="p"),
+                 Credential.from_file(str(path), peer_id="p")):
+        assert cred.mac("hint", b"x") == direct.mac("hint", b"x")
+
+
 def test_repr_never_shows_the_secret():
     assert SECRET not in repr(CRED) and "ab" * 8 not in repr(CRED)
 

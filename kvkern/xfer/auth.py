@@ -144,13 +144,23 @@ class Credential:
 
     def __init__(self, secret: bytes | str, *, peer_id: str = "") -> None:
         raw = secret.encode() if isinstance(secret, str) else bytes(secret)
-        key = _parse_secret(raw, "fleet secret")
+        self._init(_parse_secret(raw, "fleet secret"), peer_id)
+
+    def _init(self, key: bytes, peer_id: str) -> None:
+        """Derive the per-purpose keys from ``key``, the secret's bytes as parsed once (a
+        parsed key is binary: parsing it again would strip whitespace bytes off its ends)."""
         if len(peer_id) > MAX_PEER_ID:
             raise CredentialError(f"peer id of {len(peer_id)} characters is longer than "
                                   f"{MAX_PEER_ID}")
         self.peer_id = peer_id or f"peer-{secrets.token_hex(4)}"
         self._keys = {label: hmac.new(key, b"kvkern/auth/v1/" + label.encode(),
                                       hashlib.sha256).digest() for label in _LABELS}
+
+    @classmethod
+    def _from_key(cls, key: bytes, peer_id: str) -> Credential:
+        out = object.__new__(cls)
+        out._init(key, peer_id)
+        return out
 
     def __repr__(self) -> str:  # never the secret
         return f"Credential(peer_id={self.peer_id!r})"
@@ -163,7 +173,7 @@ class Credential:
         except OSError as exc:
             raise CredentialError(f"cannot read the fleet secret file {path!r}: "
                                   f"{exc.strerror or exc}") from None
-        return cls(_parse_secret(raw, path), peer_id=peer_id)
+        return cls._from_key(_parse_secret(raw, path), peer_id)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *,
@@ -176,7 +186,7 @@ class Credential:
             return cls.from_file(path, peer_id=peer_id)
         value = env.get(SECRET_ENV, "")
         if value:
-            return cls(_parse_secret(value.encode(), SECRET_ENV), peer_id=peer_id)
+            return cls._from_key(_parse_secret(value.encode(), SECRET_ENV), peer_id)
         return None
 
     def with_peer_id(self, peer_id: str) -> Credential:
