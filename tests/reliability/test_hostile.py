@@ -405,11 +405,12 @@ def _flip(frame: bytes, pos: int, bit: int) -> bytes:
 
 
 def run_codec_fuzz(record, case: str, n: int) -> None:
-    from kvkern.xfer.source import SourceService, _RankCtx
+    from kvkern.xfer.send import RankCtx, Rejected, validate_request
+    from kvkern.xfer.source import SourceService
 
     group = make_group()
     service = SourceService([group], worker_id="fuzz")
-    ctx = _RankCtx(group, group.ranks[0])
+    ctx = RankCtx(group, group.ranks[0])
     lay = group.ranks[0].layout
     counts: Counter = Counter()
     t0 = time.perf_counter()
@@ -427,9 +428,10 @@ def run_codec_fuzz(record, case: str, n: int) -> None:
         assert DEFAULT_CODEC.decode(DEFAULT_CODEC.encode(msg)) == msg  # round trip
         if isinstance(msg, PullRequest):  # the source's request validation
             try:
-                valid = service._validate(ctx, msg)
-            except Exception as exc:  # noqa: BLE001 (only _Rejected is allowed)
-                assert type(exc).__name__ == "_Rejected", repr(exc)
+                valid = validate_request(ctx, msg, model_id=service.model_id,
+                                         chunk_bytes=service.config.chunk_bytes)
+            except Exception as exc:  # noqa: BLE001 (only Rejected is allowed)
+                assert isinstance(exc, Rejected), repr(exc)
                 counts["request_rejected"] += 1
                 return
             counts["request_valid"] += 1

@@ -1,0 +1,105 @@
+"""The source's registry of pools registered with UCX for one-sided reads: per rank, the
+pool's segments, one :class:`kvkern.xfer.ucp_rma.Region` per memory span, and whether the
+segments are in the pool's own order (native) rather than canonical. Registered at start,
+released at close."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvkern.layout.segments import BlockSegments
+from kvkern.xfer.kvgroup import RankKV
+
+__all__ = ["RegionRegistry", "RegisteredPool", "worker_address_hex"]
+
+log = logging.getLogger("kvkern.xfer.source")
+
+
+@dataclass(frozen=True)
+class RegisteredPool:
+    segments: BlockSegments
+    regions: list[Any]  # kvkern.xfer.ucp_rma.Region, one per segment
+    native: bool  # segments in the pool's own order: same-layout destinations, whole blocks
+
+
+def worker_address_hex() -> str:
+    """This process's ucxx worker address, hex: what a destination's read lanes
+    (:mod:`kvkern.xfer.read_lanes`) open their endpoints to. Empty if unavailable."""
+    from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+
+    try:
+        return import_ucxx().core._get_ctx().worker.address.tobytes().hex()
+    except Exception as exc:  # noqa: BLE001 (no lanes: destinations read on the connection)
+        log.warning("UCX worker address unavailable, no read lanes: %s", exc)
+        return ""
+
+
+class RegionRegistry:
+    """rank -> :class:`RegisteredPool`; empty unless ``remote_read`` allows reads."""
+
+    def __init__(self, remote_read: str) -> None:
+        self.remote_read = remote_read
+        self._pools: dict[int, RegisteredPool] = {}
+        self.read_worker = ""  # hex of this process's UCX worker address (read lanes)
+
+    def __bool__(self) -> bool:
+        return bool(self._pools)
+
+    def __contains__(self, rank: int) -> bool:
+        return rank in self._pools
+
+    def get(self, rank: int) -> RegisteredPool | None:
+        return self._pools.get(rank)
+
+    def register(self, ranks: Iterable[RankKV]) -> None:
+        """Register each rank's pool for remote reads where ``remote_read`` allows it: by
+        canonical segments (:attr:`RankKV.read_segments`: block rows, or each layer of a
+        per-layer HND pool; any destination and plan pieces), else by the pool's own
+        segments (:attr:`RankKV.native_segments`: destinations of the same layout, whole
+        blocks). A rank with neither is served by the stream (logged, not an error)."""
+        if self.remote_read == "off":
+            return
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        why = ucp_rma.rma_unavailable()
+        if why is not None:
+            log.warning("remote reads unavailable, streaming only: %s", why)
+            return
+        for rkv in ranks:
+            if rkv.device.type != "cpu" and self.remote_read != "all":
+                continue
+            segs, native = rkv.read_segments, False
+            if segs is None:  # same-layout destinations may still read it, block for block
+                segs, native = rkv.native_segments, True
+            if segs is None:
+                continue
+            regions = self._regions_for(rkv, segs, ucp_rma)
+            if regions is not None:
+                self._pools[rkv.rank] = RegisteredPool(segs, regions, native)
+        if self._pools:
+            self.read_worker = worker_address_hex()
+
+    @staticmethod
+    def _regions_for(rkv: RankKV, segs: BlockSegments, ucp_rma: Any) -> list[Any] | None:
+        mem = "host" if rkv.device.type == "cpu" else "cuda"
+        made: dict[tuple[int, int], Any] = {}  # one region per span (K/V planes share)
+        try:
+            for span in segs.spans:
+                if span not in made:
+                    made[span] = ucp_rma.Region(*span, memory_type=mem)
+        except (ucp_rma.RmaError, ValueError) as exc:
+            log.warning("rank %d pool not registered for remote reads: %s", rkv.rank, exc)
+            for region in made.values():
+                region.close()
+            return None
+        return [made[span] for span in segs.spans]
+
+    def close(self) -> None:
+        """Deregister every pool (every connection is aborted first: nobody reads now)."""
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            for region in pool.regions:
+                region.close()

@@ -1,0 +1,106 @@
+"""Configuration of the source side of the pull path: one frozen :class:`SourceConfig`,
+validated once (a bad value is a ``ValueError`` naming the field and the value), and the
+per-peer :class:`PeerQuotas` it holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from kvkern.xfer.checks import (
+    check_finite_positive,
+    check_fraction,
+    check_non_negative_int,
+    check_positive_int,
+)
+from kvkern.xfer.httpguard import HttpLimits
+
+__all__ = ["DEFAULT_MAX_SEND_S", "DEFAULT_PROGRESS_TIMEOUT_S", "DEFAULT_READ_HOLD_S",
+           "REMOTE_READ_MODES", "PeerQuotas", "SourceConfig"]
+
+REMOTE_READ_MODES = ("off", "host", "all")
+DEFAULT_MAX_SEND_S = 60.0  # TRT-LLM kv_transfer_timeout_ms (REFERENCE "Defaults")
+DEFAULT_PROGRESS_TIMEOUT_S = 10.0  # a stream that moves nothing this long is stuck
+DEFAULT_READ_HOLD_S = 5.0  # read pins are granted this long (capped by the request deadline)
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerQuotas:
+    """What one authenticated peer, and all peers together, may hold of a source.
+
+    ``max_sends_per_peer``: admitted requests of one peer at a time. ``peer_pin_fraction``:
+    the share of a rank's pool one peer may have pinned; ``total_pin_fraction``: the share
+    all peers together may have pinned, so the rest always stays evictable for the source's
+    own requests. A request over a quota gets BUSY (``source_busy`` at the destination)
+    before anything is pinned."""
+
+    max_sends_per_peer: int = 4
+    peer_pin_fraction: float = 0.25
+    total_pin_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        check_positive_int("max_sends_per_peer", self.max_sends_per_peer)
+        for name in ("peer_pin_fraction", "total_pin_fraction"):
+            check_fraction(name, getattr(self, name))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceConfig:
+    """Everything a :class:`~kvkern.xfer.source.SourceService` is tuned by.
+
+    ``host`` is where HTTP and the listeners bind; ``advertise_host`` (default ``host``) is
+    the address peers dial, required when ``host`` binds every interface. ``chunk_bytes`` caps
+    a stream's chunks, ``chunks_in_flight`` the chunks packed ahead, ``max_concurrent_sends``
+    the admitted requests of all peers; ``max_send_s`` caps one request's time and
+    ``progress_timeout_s`` a stream without progress. ``staging_cache_bytes`` of staging
+    buffers are kept idle for reuse. ``remote_read`` (``off``/``host``/``all``) registers
+    pools for one-sided reads (an opt-in, see SECURITY.md), whose pins are held
+    ``read_hold_s`` at most."""
+
+    worker_id: str
+    host: str = "127.0.0.1"
+    http_port: int = 0
+    advertise_host: str | None = None
+    chunk_bytes: int = 16 << 20
+    chunks_in_flight: int = 4
+    max_concurrent_sends: int = 8
+    max_send_s: float = DEFAULT_MAX_SEND_S
+    progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S
+    pack_threads: int = 2
+    staging_cache_bytes: int = 256 << 20
+    remote_read: str = "off"
+    read_hold_s: float = DEFAULT_READ_HOLD_S
+    quotas: PeerQuotas = field(default_factory=PeerQuotas)
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+
+    def __post_init__(self) -> None:
+        for name in ("chunk_bytes", "chunks_in_flight", "max_concurrent_sends",
+                     "pack_threads"):
+            check_positive_int(name, getattr(self, name))
+        if self.remote_read not in REMOTE_READ_MODES:
+            raise ValueError(f"remote_read must be one of {REMOTE_READ_MODES}, got "
+                             f"{self.remote_read!r}")
+        check_non_negative_int("staging_cache_bytes", self.staging_cache_bytes)
+        if not (isinstance(self.read_hold_s, (int, float)) and math.isfinite(self.read_hold_s)
+                and 0 <= self.read_hold_s <= self.max_send_s):
+            raise ValueError(f"read_hold_s must be a finite number in [0, max_send_s], got "
+                             f"{self.read_hold_s!r}")
+        for name in ("max_send_s", "progress_timeout_s"):
+            check_finite_positive(name, getattr(self, name))
+        if self.peer_host in _WILDCARD_HOSTS:
+            raise ValueError(f"host {self.host!r} binds every interface; pass the address "
+                             f"peers should dial as advertise_host (got "
+                             f"{self.advertise_host!r})")
+        object.__setattr__(self, "max_send_s", float(self.max_send_s))
+        object.__setattr__(self, "progress_timeout_s", float(self.progress_timeout_s))
+        object.__setattr__(self, "read_hold_s", float(self.read_hold_s))
+
+    @property
+    def peer_host(self) -> str:
+        """The address peers dial (``advertise_host``, else ``host``)."""
+        return self.advertise_host or self.host
+
+    def replace(self, **changes: object) -> SourceConfig:
+        return dataclasses.replace(self, **changes)

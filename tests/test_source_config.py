@@ -1,0 +1,51 @@
+"""SourceConfig: one frozen configuration of the source, validated once; SourceService
+accepts it or its fields as keywords."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvkern.xfer.source_config import PeerQuotas, SourceConfig
+
+
+def test_keywords_and_config_build_the_same_service():
+    from kvkern.cache.pool import BlockPool
+    from kvkern.xfer.kvgroup import KVGroup, RankKV
+    from kvkern.xfer.source import SourceService
+    from tests.test_layout_segments import topo
+
+    t = topo()
+    lay = t.local_layout(0, 8, "trtllm")
+    group = KVGroup(t, 0, BlockPool(8, block_size=t.model.block_size),
+                    {0: RankKV(0, lay, lay.allocate(fill="zeros"))})
+    cfg = SourceConfig(worker_id="w", chunk_bytes=1 << 20, read_hold_s=1.0)
+    a = SourceService([group], config=cfg, credential=None)
+    b = SourceService([group], worker_id="w", chunk_bytes=1 << 20, read_hold_s=1.0,
+                      credential=None, quotas=None)
+    assert a.config == b.config
+    assert a.chunk_bytes == 1 << 20 and a.read_hold_s == 1.0 and a.advertise_host == "127.0.0.1"
+    c = SourceService([group], config=cfg, chunk_bytes=4096, credential=None)
+    assert c.config.chunk_bytes == 4096 and c.config.read_hold_s == 1.0
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"chunk_bytes": 0}, "chunk_bytes must be a positive int, got 0"),
+    ({"pack_threads": True}, "pack_threads must be a positive int"),
+    ({"staging_cache_bytes": -1}, "staging_cache_bytes must be an int >= 0"),
+    ({"remote_read": "yes"}, "remote_read must be one of"),
+    ({"read_hold_s": 120.0}, "read_hold_s must be a finite number in"),
+    ({"max_send_s": float("inf")}, "max_send_s must be a finite number > 0"),
+    ({"host": "0.0.0.0"}, "advertise_host"),
+])
+def test_bad_values_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SourceConfig(worker_id="w", **kw)
+
+
+def test_quotas_are_checked():
+    with pytest.raises(ValueError, match="max_sends_per_peer must be a positive int"):
+        PeerQuotas(max_sends_per_peer=0)
+    with pytest.raises(ValueError, match=r"peer_pin_fraction must be in \(0, 1\]"):
+        PeerQuotas(peer_pin_fraction=1.5)
+    assert SourceConfig(worker_id="w", host="0.0.0.0", advertise_host="10.0.0.1").peer_host \
+        == "10.0.0.1"
