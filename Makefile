@@ -39,7 +39,7 @@ bench-nixl: $(STAMP)
 	$(VPY) bench/nixl_compare.py
 
 reliability: $(STAMP)
-	$(VPY) -m pytest -q -m '' tests/reliability && $(VPY) -m kvkern.reliability --require-slow
+	$(VPY) -m pytest -q -m '' tests/reliability && $(VPY) -m kvkern.tools.reliability --require-slow
 
 bench-gpu: $(STAMP)
 	PYTHONPATH=. $(VPY) bench/gpu_kernels.py

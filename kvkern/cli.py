@@ -9,8 +9,8 @@ import sys
 # name -> (module, function, help). The function takes the remaining argv and returns an
 # exit code; each module owns its own argparse so its flags live beside its code.
 SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
-    "demo": ("kvkern.demo", "main", "run the demo on the embedded default (CPU, loopback)"),
-    "bench": ("kvkern.benchcli", "main", "benchmarks: `kvkern bench xfer`"),
+    "demo": ("kvkern.tools.demo", "main", "run the demo on the embedded default (CPU, loopback)"),
+    "bench": ("kvkern.tools.benchcli", "main", "benchmarks: `kvkern bench xfer`"),
     "check-endpoint": ("kvkern.xfer.endpoint", "check_endpoint_main",
                        "resolve an endpoint and check it against an allowlist"),
     "worker": ("kvkern.serve.worker", "main", "run one worker (model, pool, source, puller)"),

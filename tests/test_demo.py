@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kvkern.demo import DemoOptions, _crossover, run_kill_check
+from kvkern.tools.demo import DemoOptions, _crossover, run_kill_check
 
 SMALL = ["--model", "tiny", "--prefix-tokens", "64", "--question-tokens", "6",
          "--new-tokens", "4", "--sweep", "8,32", "--repeats", "1"]

@@ -26,7 +26,7 @@ def test_cli_help_lists_subcommands():
 
 
 def test_kernel_demo_is_bit_exact_small():
-    from kvkern.kernel_demo import run
+    from kvkern.tools.kernel_demo import run
 
     r = run(num_blocks=64, n_pull=16, num_layers=2, num_heads=2, block_size=4, head_dim=16,
             iters=1)

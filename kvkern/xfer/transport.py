@@ -53,7 +53,7 @@ Progress mode
 -------------
 ``thread`` (ucxx's default; set by :mod:`kvkern.xfer.ucx_env` unless ``UCXPY_PROGRESS_MODE``
 is set). Measured with ``kvkern bench xfer`` on 2 CPU cores over loopback (table in
-:mod:`kvkern.benchcli`): polling wins latency (control round trip 72 us vs 0.25-2.5 ms) and a
+:mod:`kvkern.tools.benchcli`): polling wins latency (control round trip 72 us vs 0.25-2.5 ms) and a
 single 256 MiB buffer (11 vs 5.4 GB/s), but loses chunked streams (2.2 vs 4.3 GB/s at 4 MiB x
 4) and spins the event loop at 100% of a core in every process, starving the rest of a
 serving worker (HTTP, scheduling) and, on a shared core, the peer. Thread progress keeps

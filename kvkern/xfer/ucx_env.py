@@ -13,7 +13,7 @@ Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1, 2 shared C
   to TCP on loopback. Measured here with ``kvkern bench xfer`` (thread progress, median):
   without them (``--ucx-env off``) 0.79-0.85 GB/s for 64-256 MiB, i.e. TCP; with them
   4.5-5.4 GB/s for one 64-256 MiB buffer (p80 8.6) and 9.0 GB/s as 16 MiB chunks 8 in
-  flight: shared memory / CMA. (2 cores shared with other jobs; see kvkern.benchcli.)
+  flight: shared memory / CMA. (2 cores shared with other jobs; see kvkern.tools.benchcli.)
 * ``UCX_WARN_UNUSED_ENV_VARS=n``: UCX prints a warning on stdout for every ``UCX_*`` variable
   a transport did not consume; these settings are exactly such variables on some builds.
 * ``UCX_TLS``: left alone. If the user restricts it, it must keep ``tcp`` for listener
@@ -28,7 +28,7 @@ Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1, 2 shared C
   control round trip 3.6 ms -> 0.58 ms, one 64 MiB buffer 4.8-7 -> 12 GB/s. The notifier serves one
   event loop; :func:`kvkern.xfer.transport.bind_ucxx_loop` moves it to the loop in use.
 
-The full table (progress modes, chunk sizes, per-message cost) is in kvkern.benchcli.
+The full table (progress modes, chunk sizes, per-message cost) is in kvkern.tools.benchcli.
 """
 
 from __future__ import annotations

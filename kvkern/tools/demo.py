@@ -15,7 +15,7 @@ What it does (CPU by default, the GPU when one is present; loopback only)::
     7 sweep prefix lengths (steps 3-5 with fresh prompts) -> the pull/recompute crossover
 
 ``--json`` prints one JSON object as the last line; ``--plot FILE.png`` draws TTFT against
-prefix length; ``--kernels`` runs the kernel demo instead (:mod:`kvkern.kernel_demo`);
+prefix length; ``--kernels`` runs the kernel demo instead (:mod:`kvkern.tools.kernel_demo`);
 ``--kill-source`` runs the fault check instead: the source is killed mid-pull and the request
 must complete by recompute with the right tokens.
 
@@ -477,7 +477,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter,
 def main(argv: list[str] | None = None) -> int:
     argv = list(argv or [])
     if "--kernels" in argv:
-        from kvkern.kernel_demo import main as kernel_main  # noqa: PLC0415
+        from kvkern.tools.kernel_demo import main as kernel_main  # noqa: PLC0415
 
         argv.remove("--kernels")
         return kernel_main(argv)

@@ -1,0 +1,737 @@
+"""``kvkern bench``: transfer benchmarks between two OS processes on 127.0.0.1.
+
+``kvkern bench xfer`` starts a peer process (the *source*: a :class:`~kvkern.xfer.transport.
+Listener` answering PullRequest messages from preallocated buffers), connects to it from this
+process (the *destination*) and measures, per size:
+
+* ``raw``      one buffer of N bytes (request -> reply -> one data message)
+* ``chunked``  the same N bytes as a stream of ``--chunk`` byte chunks, ``--in-flight`` posted
+* ``messages`` per-message cost: a control round trip (PullRequest -> PullReply, no data),
+               and 64 KiB chunks received one at a time vs 32 in flight
+* ``pull``     the real path: the peer also runs a :class:`~kvkern.xfer.source.SourceService`
+               over a pool of 512 KiB blocks (8 layers x 8 KV heads x 128 dims x 16 tokens,
+               bf16); this process pulls N blocks (N x 512 KiB = each size) with a
+               :class:`~kvkern.xfer.puller.Puller` (hint -> state from cache -> plan ->
+               private blocks -> PullRequest -> one-sided reads of the pinned blocks on
+               ``--read-lanes`` read lanes -> commit, ReadDone), from a source whose
+               blocks are consecutive and from one whose blocks are shuffled
+               (``scattered_*``); the same read on one lane (``lanes1_*``) and on the
+               control connection's worker (``lanes0_*``); with ``--data-path both``
+               (default) also through the chunk stream (``stream_*``: packed, sent,
+               unpacked). Every repeat runs each variant and a raw one-buffer fetch of the
+               same bytes once, in a shuffled order. Reports ``pull_gbps`` (bytes /
+               hint-to-commit time), ``raw_gbps``, ``ratio``, ``messages`` per pull
+               (control + chunks), ``reads`` and the hint-to-first-byte median of 1-block
+               pulls on the warm connection.
+
+Every case is a function ``case_<name>(bench, settings) -> dict`` over one shared
+:class:`Bench` connection, and both processes run with the same :class:`Settings` (UCX
+environment, progress mode), so a ``pull`` case added later is measured under exactly the
+conditions of the raw baseline. ``--json`` prints one JSON object as the LAST stdout line
+(the peer's stdout, where UCX may print warnings, goes to stderr).
+
+Measured here (2 cores shared with other jobs, so the spread is wide; loopback, ucxx 0.52 /
+libucx 1.21; median GB/s of 5-9 repeats, [p20-p80] where it matters)::
+
+    UCX env        progress  raw 64 MiB       raw 256 MiB      chunked 4 MiB x4   ctl RTT
+                                                               64 MiB / 256 MiB
+    kvkern         thread    4.5 [2.8-8.6]    5.4 [5.2-5.7]    3.8 / 4.3          0.25-2.5 ms
+    kvkern         polling   4.2              11.2 [7.1-11.4]  2.1 / 2.2          72 us
+    kvkern         blocking  4.2              4.4              5.1 / 2.1          77 us
+    off (UCX dflt) thread    0.82             0.79             0.78 / 0.85        241 us
+
+    thread, chunked 16 MiB x 8 in flight: 9.0 / 9.0 GB/s; 1 MiB x 8: 4.7 / 4.6 GB/s.
+    64 KiB messages, thread: 670 us each awaited one by one, 208 us each with 32 in flight.
+
+Pulls should use >= 16 MiB chunks with several in flight: per-message cost dominates below.
+
+The pull case (same machine, thread progress, 16 MiB chunks x 4, 512 KiB blocks; load
+average 4-6 from other jobs on the 2 cores; pull / paired raw, median of 5)::
+
+    size      blocks  messages  pull GB/s    raw GB/s    ratio       hint-to-first-byte
+    64 MiB    128     6         0.9 - 2.8    3.3 - 9.1   0.27 - 0.55  3.5 - 6.4 ms median
+    256 MiB   512     18        0.9 - 2.9    2.6 - 8.4   0.33 - 0.41  (1 block, warm)
+
+Messages grow with chunks (request + reply + one per chunk), never with blocks. That
+table predates huge-page host memory and the source's zero-copy sends; with both (commit
+7f28c4b, 6 runs, load 1.4) the ratio is 0.96 [0.61-1.53] at 64 MiB and 0.90 [0.82-1.04] at
+256 MiB, hint-to-first-byte 0.9 ms: see bench/RESULTS.md "Pull vs raw UCXX (loopback)".
+All the tables above predate python-future completions, which made raw 2x faster (12-15
+GB/s) and the control round trip 0.35-0.6 ms; the current figures (one-sided reads: 4
+messages per pull, 0.82 / 0.90 of raw at 64 / 256 MiB, 0.78 / 0.85 from a scattered source)
+are in bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env
+
+MiB = 1 << 20
+_PATTERN_PERIOD = 251  # prime, so chunk boundaries never line up with the pattern
+
+
+def _parse_tp(text: str, parser: Any) -> tuple[int, int]:
+    try:
+        src, dst = (int(x) for x in text.split(":"))
+        if src < 1 or dst < 1 or PULL_MODEL["num_kv_heads"] % src or \
+                PULL_MODEL["num_kv_heads"] % dst:
+            raise ValueError
+    except ValueError:
+        parser.error(f"--pull-tp {text!r}: want S:D, each dividing the "
+                     f"{PULL_MODEL['num_kv_heads']} KV heads")
+    return src, dst
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().lower()
+    for suffix, mult in (("gib", 1 << 30), ("mib", MiB), ("kib", 1 << 10), ("g", 1 << 30),
+                         ("m", MiB), ("k", 1 << 10), ("b", 1)):
+        if text.endswith(suffix):
+            return int(float(text[: -len(suffix)]) * mult)
+    return int(text)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What both peers share. ``ucx_env='kvkern'`` applies kvkern.xfer.ucx_env; ``'off'``
+    pins the three error-handling settings to ``n`` (UCX's default: TCP on loopback)."""
+
+    ucx_env: str = "kvkern"
+    progress_mode: str = "thread"
+    sizes: tuple[int, ...] = (64 * MiB, 256 * MiB)
+    chunk_bytes: int = 16 * MiB
+    in_flight: int = 4
+    repeats: int = 11  # medians of 5 moved by 0.05 between runs on 2 shared cores
+    cases: tuple[str, ...] = ("raw", "chunked", "messages", "pull")
+    peer_timeout_s: float = 60.0
+    data_path: str = "both"  # pull case: "read", "stream" or both (read is the headline)
+    pull_layout: str = "trtllm"  # pull case: the engine layout of both pools
+    pull_tp: tuple[int, int] = (1, 1)  # pull case: TP size of the source and the destination
+    read_lanes: int = 2  # pull case: XferConfig.read_lanes of the headline puller
+
+    def apply_env(self, env: dict[str, str] | Any) -> None:
+        if self.ucx_env == "off":
+            for name in ("UCX_POSIX_ERROR_HANDLING", "UCX_SYSV_ERROR_HANDLING",
+                         "UCX_CMA_MEMORY_INVALIDATE"):
+                env[name] = "n"
+        env["UCXPY_PROGRESS_MODE"] = self.progress_mode
+        configure_ucx_env(env)
+
+
+# ------------------------------------------------------------------------------ the peer
+
+
+def _pattern(nbytes: int) -> np.ndarray:
+    return np.resize(np.arange(_PATTERN_PERIOD, dtype=np.uint8), nbytes)
+
+
+def _chunk_sizes(total: int, chunk: int) -> list[int]:
+    sizes = [chunk] * (total // chunk)
+    if total % chunk or total == 0:
+        sizes.append(total % chunk)
+    return sizes
+
+
+# The pull case's model: 8 layers x 2 x 8 KV heads x 16 tokens x 128 dims x 2 B = 512 KiB
+# per block on one TP1 rank (a mid-size model's per-rank block).
+PULL_MODEL = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "block_size": 16,
+              "dtype": "bfloat16"}
+
+
+def _pull_topology(tp: int = 1) -> Any:
+    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
+
+    return Topology(model=ModelKVSpec(**PULL_MODEL), parallel=Parallelism(tp_size=tp))
+
+
+def _rank_pools(topo: Any, n_blocks: int, layout_name: str) -> dict[int, Any]:
+    """rank -> RankKV of every rank of DP group 0, pages faulted in."""
+    from kvkern.xfer.kvgroup import RankKV  # noqa: PLC0415
+
+    out = {}
+    for r in topo.ranks_of_dp(0):
+        layout = topo.local_layout(r, n_blocks, layout_name)
+        out[r] = RankKV(r, layout, layout.allocate(fill="zeros"))
+    return out
+
+
+def _block_value(i: int) -> int:
+    """The value every element of the source's block ``i`` (in request order) holds."""
+    return i % 251 + 1
+
+
+def _fill_block(layout: Any, kv: Any, b: int, value: int) -> None:
+    for t in layout.tensors(kv):  # any layout: the block's slice of each canonical view
+        layout.canonical_view(t)[b].fill_(value)
+
+
+def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
+    return all(bool((layout.canonical_view(t)[b] == value).all()) for t in layout.tensors(kv))
+
+
+async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
+                             scattered: bool = False, layout_name: str = "trtllm",
+                             tp: int = 1) -> Any:
+    """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
+    ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
+    so every chunk goes through the pack kernel instead of the zero-copy send."""
+    import torch  # noqa: PLC0415
+
+    from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
+    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup  # noqa: PLC0415
+    from kvkern.xfer.source import PeerQuotas, SourceService  # noqa: PLC0415
+
+    topo = _pull_topology(tp)
+    bs = topo.model.block_size
+    ranks = _rank_pools(topo, n_blocks, layout_name)
+    pool = BlockPool(n_blocks, block_size=bs)
+    hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
+    ids = pool.allocate(n_blocks)
+    if scattered:
+        order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        ids = [ids[k] for k in order]
+    for i, b in enumerate(ids):
+        for rkv in ranks.values():
+            _fill_block(rkv.layout, rkv.pool, b, _block_value(i))
+    pool.commit(ids, hashes)
+    pool.release(ids)
+    group = KVGroup(topo, 0, pool, ranks)
+    # The bench's pool holds exactly the pulled blocks and its one destination pulls them
+    # all: no peer quota, and the one-sided reads it measures offered (an opt-in).
+    return await SourceService([group], worker_id="bench-source", chunk_bytes=chunk_bytes,
+                               chunks_in_flight=in_flight, remote_read="host",
+                               quotas=PeerQuotas(peer_pin_fraction=1.0,
+                                                 total_pin_fraction=1.0)).start()
+
+
+async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
+                     in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
+                     pull_layout: str = "trtllm", pull_tp: int = 1) -> None:
+    from kvkern.xfer.messages import Cancel, PullReply, Status  # noqa: PLC0415
+    from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
+
+    buffers: dict[int, np.ndarray] = {}
+
+    async def serve(conn) -> None:
+        while True:
+            try:
+                req = await conn.recv_msg(timeout=None)
+            except TransportError:
+                return
+            if isinstance(req, Cancel):
+                continue
+            total = sum(p.length for p in req.pieces)
+            sizes = _chunk_sizes(total, req.chunk_bytes)
+            reply = PullReply(transfer_id=req.transfer_id, status=Status.OK,
+                              served_blocks=req.count, block_hashes=req.requested_hashes,
+                              total_bytes=total, n_chunks=len(sizes), chunk_sizes=sizes)
+            await conn.send_msg(reply, tag_for(req.transfer_id, Lane.REPLY))
+            if total == 0:
+                continue
+            if total not in buffers:
+                buffers.clear()  # one size at a time keeps the peer's memory bounded
+                buffers[total] = _pattern(total)
+            data = buffers[total]
+            offs = np.cumsum([0, *sizes])
+            await conn.send_stream(req.transfer_id,
+                                   lambda i, d=data, o=offs: d[o[i]:o[i + 1]],
+                                   len(sizes), timeout=10, max_in_flight=in_flight)
+
+    listener = await Listener(serve, host="127.0.0.1").start()
+    source = None
+    info: dict[str, Any] = {"port": listener.port}
+    if pull_blocks:
+        source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
+                                          layout_name=pull_layout, tp=pull_tp)
+        scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
+                                             layout_name=pull_layout, tp=pull_tp,
+                                             scattered=True)
+        info["http_port"] = source.http_port
+        info["scattered_http_port"] = scattered.http_port
+    tmp = port_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(info))
+    os.replace(tmp, port_file)
+    deadline = time.monotonic() + max_seconds
+    while time.monotonic() < deadline and os.getppid() == parent_pid:
+        await asyncio.sleep(0.2)
+    if source is not None:
+        await source.close()
+        await scattered.close()
+    await listener.close()
+
+
+# ------------------------------------------------------------------------ the destination
+
+
+class Bench:
+    """The destination side: one connection to the peer, and the pull primitive every case
+    uses (request ``total`` bytes in ``chunk`` byte chunks, receive with ``in_flight``)."""
+
+    def __init__(self, conn: Any, *, pull_http_port: int | None = None,
+                 scattered_http_port: int | None = None,
+                 loop: Any = None) -> None:
+        self.conn = conn
+        self.pull_http_port = pull_http_port
+        self.scattered_http_port = scattered_http_port
+        self.loop = loop  # the EventLoopThread the cases run on (the puller shares it)
+        self._next_tid = 1
+        self._dst: dict[int, np.ndarray] = {}
+
+    def _buffer(self, nbytes: int) -> np.ndarray:
+        if nbytes not in self._dst:
+            self._dst.clear()
+            self._dst[nbytes] = np.empty(nbytes, dtype=np.uint8)
+            self._dst[nbytes].fill(0)  # fault the pages in outside the timed region
+        return self._dst[nbytes]
+
+    async def fetch(self, total: int, chunk: int, *, in_flight: int,
+                    verify: bool = False) -> float:
+        """Seconds for request -> reply -> every chunk landed."""
+        from kvkern.xfer.messages import PlanPiece, PullRequest  # noqa: PLC0415
+        from kvkern.xfer.transport import Lane, tag_for  # noqa: PLC0415
+
+        tid, self._next_tid = self._next_tid, self._next_tid % 1_000_000 + 1
+        req = PullRequest(transfer_id=tid, request_id="bench", hash_scheme="none",
+                          block_hashes=[0], start=0, count=1,
+                          pieces=[PlanPiece(src_rank=0, layer_start=0, layer_stop=1,
+                                            head_start=0, head_stop=1, offset=0,
+                                            length=total)],
+                          chunk_bytes=max(chunk, 1), deadline_ms=10_000)
+        dst = self._buffer(total)
+        t0 = time.perf_counter()
+        await self.conn.send_msg(req, timeout=10)
+        reply = await self.conn.recv_msg(tag_for(tid, Lane.REPLY), timeout=10)
+        if total:
+            offs = np.cumsum([0, *reply.chunk_sizes])
+            await self.conn.recv_stream(tid, lambda i: dst[offs[i]:offs[i + 1]],
+                                        reply.n_chunks, timeout=10, max_in_flight=in_flight)
+        dt = time.perf_counter() - t0
+        if verify and total:
+            idx = np.unique(np.r_[np.arange(0, total, 4099), offs[1:-1] - 1, offs[1:-1],
+                                  total - 1])
+            expect = (idx % _PATTERN_PERIOD).astype(np.uint8)
+            if not np.array_equal(dst[idx], expect):
+                raise RuntimeError(f"bench transfer of {total} B delivered wrong bytes")
+        return dt
+
+
+def _summary(nbytes: int, times: list[float]) -> dict[str, float]:
+    gbps = sorted(nbytes / t / 1e9 for t in times)
+    q = statistics.quantiles(gbps, n=5) if len(gbps) >= 2 else [gbps[0]] * 4
+    return {"gbps": round(statistics.median(gbps), 3), "gbps_p20": round(q[0], 3),
+            "gbps_p80": round(q[3], 3), "ms": round(statistics.median(times) * 1e3, 3)}
+
+
+async def case_raw(bench: Bench, s: Settings) -> dict[str, Any]:
+    out = {}
+    for size in s.sizes:
+        await bench.fetch(size, size, in_flight=1, verify=True)  # warm-up
+        times = [await bench.fetch(size, size, in_flight=1)
+                 for _ in range(s.repeats)]
+        out[str(size)] = _summary(size, times)
+    return out
+
+
+async def case_chunked(bench: Bench, s: Settings) -> dict[str, Any]:
+    out = {}
+    for size in s.sizes:
+        kw = {"in_flight": s.in_flight}
+        await bench.fetch(size, s.chunk_bytes, verify=True, **kw)
+        times = [await bench.fetch(size, s.chunk_bytes, **kw) for _ in range(s.repeats)]
+        out[str(size)] = _summary(size, times) | {"chunk_bytes": s.chunk_bytes,
+                                                  "in_flight": s.in_flight}
+    return out
+
+
+async def case_messages(bench: Bench, s: Settings) -> dict[str, Any]:
+    n, size = 256, 64 << 10
+    await bench.fetch(0, 1, in_flight=1)
+    rtt = [await bench.fetch(0, 1, in_flight=1) for _ in range(50)]
+    serial = await bench.fetch(n * size, size, in_flight=1, verify=True)
+    piped = await bench.fetch(n * size, size, in_flight=32, verify=True)
+    connect, auth = await _connect_costs(bench.conn.peer)
+    return {"control_rtt_us": round(statistics.median(rtt) * 1e6, 1),
+            # a new connection: endpoint plus the authentication exchange, and the exchange
+            # alone (paid once per connection, never per pull)
+            "connect_ms": round(statistics.median(connect) * 1e3, 3),
+            "auth_ms": round(statistics.median(auth) * 1e3, 3),
+            "auth_ms_range": [round(min(auth) * 1e3, 3), round(max(auth) * 1e3, 3)],
+            "n": n, "bytes_each": size,
+            "serial_us_per_msg": round(serial / n * 1e6, 1),
+            "serial_gbps": round(n * size / serial / 1e9, 3),
+            "in_flight_32_us_per_msg": round(piped / n * 1e6, 1),
+            "in_flight_32_gbps": round(n * size / piped / 1e9, 3)}
+
+
+async def _connect_costs(peer: tuple[str, int], n: int = 20) -> tuple[list[float], list[float]]:
+    """Seconds of ``n`` fresh authenticated connects to ``peer``, and of their exchange."""
+    from kvkern.xfer.transport import ConnectionPool  # noqa: PLC0415
+
+    connect: list[float] = []
+    auth: list[float] = []
+    for _ in range(n):
+        async with ConnectionPool(connect_timeout=10) as pool:
+            t0 = time.perf_counter()
+            conn = await pool.get(*peer)
+            connect.append(time.perf_counter() - t0)
+            auth.append(conn.auth_s)
+    return connect, auth
+
+
+def _pull_blocks_for(s: Settings) -> int:
+    per_block = _pull_topology().local_layout(0, 1).bytes_per_block
+    return max(1, max(s.sizes) // per_block)
+
+
+async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
+    from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
+    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
+    from kvkern.xfer.config import XferConfig  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup  # noqa: PLC0415
+    from kvkern.xfer.puller import Puller  # noqa: PLC0415
+
+    class _ColdPool(BlockPool):
+        """Never reports a local prefix, so the same blocks can be pulled again (a commit
+        of an already cached hash keeps the old block and frees the received one)."""
+
+        def longest_prefix(self, hashes: Any) -> int:
+            return 0
+
+    topo = _pull_topology(s.pull_tp[1])
+    bs = topo.model.block_size
+    n_max = _pull_blocks_for(s)
+    ranks = _rank_pools(topo, n_max + 8, s.pull_layout)  # faulted in outside the timing
+    group = KVGroup(topo, 0, _ColdPool(n_max + 8, block_size=bs), ranks)
+    cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False, chunk_bytes=s.chunk_bytes,
+                     chunks_in_flight=s.in_flight, deadline_s=60.0, transfer_timeout_s=20.0,
+                     remote_read=s.data_path != "stream", read_lanes=s.read_lanes)
+    puller = Puller(group, config=cfg, loop=bench.loop)
+    # "both": a second puller on the same pool that always streams, measured in the same run
+    streamer = (Puller(group, config=cfg.replace(remote_read=False), loop=bench.loop)
+                if s.data_path == "both" else None)
+    # and the read with fewer lanes: one read lane, and none (the control connection's
+    # worker), so the headline's gain from parallel copies is visible in the same run
+    fewer = {f"lanes{n}": Puller(group, config=cfg.replace(read_lanes=n), loop=bench.loop)
+             for n in (1, 0) if s.data_path != "stream" and n < s.read_lanes}
+    per_block = sum(rkv.layout.bytes_per_block for rkv in ranks.values())
+    rid = iter(range(1 << 30))
+
+    async def pull(n: int, port: int | None = None, via: Any = None) -> Any:
+        via = via or puller
+        r = f"bench-{next(rid)}"
+        hint = {"kv_hint": {"source": f"127.0.0.1:{port or bench.pull_http_port}",
+                            "no_retain": True}}
+        via.submit(r, list(range(n * bs)), hint)
+        o = await via.wait(r, 60)
+        if not o.used:
+            raise RuntimeError(f"bench pull of {n} blocks fell back: {o.reason.value}: "
+                               f"{o.detail}")
+        return o
+
+    try:
+        out: dict[str, Any] = {"block_bytes": per_block, "data_path": s.data_path,
+                               "layout": s.pull_layout,
+                               "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}",
+                               "read_lanes": s.read_lanes}
+        all_hashes = sequence_hashes(list(range(n_max * bs)), bs)
+        ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
+        for via in [p for p in (puller, streamer, *fewer.values()) if p is not None]:
+            for port in ports:  # warm-up (connection, state cache) and a correctness check
+                await pull(n_max, port, via)
+                ids = group.manager.match_prefix(all_hashes)
+                for i in sorted({0, n_max // 2, n_max - 1}):
+                    if not all(_block_holds(r.layout, r.pool, ids[i], _block_value(i))
+                               for r in ranks.values()):
+                        raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
+                group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
+        for size in s.sizes:
+            n = max(1, size // per_block)
+            nbytes = n * per_block
+            await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
+            raw_t, msgs, reads = [], [], []
+            times: dict[str, list[float]] = {"pull": [], "scattered": [], "stream": [],
+                                             "stream_scattered": [],
+                                             **{k: [] for k in fewer}}
+            scat = bench.scattered_http_port
+            variants = [("raw", None, None), ("pull", None, puller)]
+            if scat:
+                variants.append(("scattered", scat, puller))
+            if streamer is not None:
+                variants.append(("stream", None, streamer))
+                if scat:
+                    variants.append(("stream_scattered", scat, streamer))
+            variants += [(k, None, via) for k, via in fewer.items()]
+            order = random.Random(size)
+            for _ in range(s.repeats):  # every variant once per repeat, in a shuffled order
+                order.shuffle(variants)  # (a fixed order favoured whichever ran after raw)
+                for kind, port, via in variants:
+                    if kind == "raw":
+                        raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
+                        continue
+                    o = await pull(n, port, via)
+                    times[kind].append(o.total_s)
+                    if kind == "pull":
+                        msgs.append(o.messages)
+                        reads.append(o.reads)
+                        last = o
+            pull_t, scat_t = times["pull"], times["scattered"]
+            st_t, st_scat_t = times["stream"], times["stream_scattered"]
+            ps, rs = _summary(nbytes, pull_t), _summary(nbytes, raw_t)
+            ss = _summary(nbytes, scat_t) if scat_t else None
+            out[str(size)] = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
+                              "pull_gbps_p20": ps["gbps_p20"], "pull_gbps_p80": ps["gbps_p80"],
+                              "raw_gbps": rs["gbps"], "ratio": round(ps["gbps"] / rs["gbps"], 3),
+                              "pull_ms": ps["ms"], "raw_ms": rs["ms"],
+                              "messages": statistics.median(msgs),
+                              "chunk_bytes": s.chunk_bytes,
+                              "phases_ms": {k: round(v * 1e3, 3)
+                                            for k, v in last.phases.items()}}
+            out[str(size)]["reads"] = statistics.median(reads)
+            if ss is not None:  # source blocks at shuffled ids: one read (or pack) per block
+                out[str(size)].update(scattered_pull_gbps=ss["gbps"],
+                                      scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
+            for key, ts in (("stream", st_t), ("stream_scattered", st_scat_t),
+                            *((k, times[k]) for k in fewer)):
+                if ts:  # the stream path and fewer lanes in the same run, for comparison
+                    t = _summary(nbytes, ts)
+                    out[str(size)].update({f"{key}_pull_gbps": t["gbps"],
+                                           f"{key}_ratio": round(t["gbps"] / rs["gbps"], 3)})
+        fb = []
+        for _ in range(max(20, s.repeats)):
+            o = await pull(1)
+            fb.append(o.phases["first_byte"])
+        out["hint_to_first_byte_ms"] = round(statistics.median(fb) * 1e3, 3)
+        out["hint_to_first_byte_p80_ms"] = round(
+            statistics.quantiles(fb, n=5)[3] * 1e3, 3)
+        out["one_block_total_ms"] = round(o.total_s * 1e3, 3)
+        return out
+    finally:
+        for p in (puller, streamer, *fewer.values()):
+            if p is not None:
+                await asyncio.get_running_loop().run_in_executor(None, p.close)
+
+
+CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages,
+         "pull": case_pull}
+
+
+def _environment(s: Settings) -> dict[str, Any]:
+    env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                           "machine": platform.machine(), "progress_mode": s.progress_mode,
+                           "ucx_env": {k: os.environ.get(k) for k in UCX_DEFAULTS
+                                       | {"UCX_TLS": ""}}}
+    with contextlib.suppress(Exception):
+        import ucxx  # noqa: PLC0415 (already imported by the transport at this point)
+
+        env["ucxx"] = ucxx.__version__
+        env["libucx"] = ucxx.__ucx_version__
+    with contextlib.suppress(Exception):
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
+                                       capture_output=True, text=True, timeout=5,
+                                       cwd=os.path.dirname(__file__)).stdout.strip()
+    return env
+
+
+async def _run_cases(info: dict, s: Settings, loop: Any) -> dict[str, Any]:
+    from kvkern.xfer.transport import ConnectionPool  # noqa: PLC0415
+
+    async with ConnectionPool(connect_timeout=10) as pool:
+        t0 = time.perf_counter()
+        conn = await pool.get("127.0.0.1", info["port"])
+        result: dict[str, Any] = {"connect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
+        bench = Bench(conn, pull_http_port=info.get("http_port"),
+                      scattered_http_port=info.get("scattered_http_port"), loop=loop)
+        for name in s.cases:
+            result[name] = await CASES[name](bench, s)
+    return result
+
+
+def run_xfer(s: Settings) -> dict[str, Any]:
+    """Start the peer, run the cases, always kill the peer. Returns the result object."""
+    s.apply_env(os.environ)
+    from kvkern.xfer.auth import SECRET_ENV, SECRET_FILE_ENV, Credential, generate_secret  # noqa: PLC0415
+
+    if Credential.from_env() is None:  # the bench and its peer form a fleet of their own
+        os.environ[SECRET_ENV] = generate_secret()
+        os.environ.pop(SECRET_FILE_ENV, None)
+    with tempfile.TemporaryDirectory(prefix="kvkern-bench-") as tmp:
+        port_file = os.path.join(tmp, "port")
+        cmd = [sys.executable, "-m", "kvkern.tools.benchcli", "_peer", "--port-file", port_file,
+               "--max-seconds", str(s.peer_timeout_s), "--parent-pid", str(os.getpid()),
+               "--in-flight", str(s.in_flight), "--chunk-bytes", str(s.chunk_bytes),
+               "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0),
+               "--pull-layout", s.pull_layout, "--pull-tp", str(s.pull_tp[0])]
+        peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
+                                stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 30
+            while not os.path.exists(port_file):
+                if peer.poll() is not None:
+                    raise RuntimeError(f"bench peer exited with {peer.returncode} before "
+                                       "listening")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("bench peer did not listen within 30 s")
+                time.sleep(0.02)
+            with open(port_file) as f:
+                info = json.loads(f.read())
+            from kvkern.xfer.runtime import EventLoopThread  # noqa: PLC0415
+
+            # One loop for everything (ucxx binds progress to a loop; the puller shares it).
+            rt = EventLoopThread("kvkern-bench")
+            try:
+                result = rt.run(_run_cases(info, s, rt), s.peer_timeout_s)
+            finally:
+                rt.close()
+        finally:
+            peer.kill()
+            peer.wait(timeout=10)
+    biggest = str(max(s.sizes))
+    out: dict[str, Any] = {"bench": "xfer", "bytes": max(s.sizes)}
+    if "pull" in result:  # the headline: pull vs a raw one-buffer send of the same bytes
+        pr = result["pull"][biggest]
+        out |= {"bytes": pr["bytes"], "blocks": pr["blocks"], "pull_gbps": pr["pull_gbps"],
+                "raw_gbps": pr["raw_gbps"], "ratio": pr["ratio"],
+                "messages": pr["messages"],
+                "hint_to_first_byte_ms": result["pull"]["hint_to_first_byte_ms"],
+                "scattered_ratio": pr.get("scattered_ratio"),
+                "data_path": result["pull"]["data_path"],
+                "by_size": {size: {k: r[k] for k in ("bytes", "blocks", "pull_gbps",
+                                                     "raw_gbps", "ratio", "messages", "reads",
+                                                     "scattered_pull_gbps", "scattered_ratio",
+                                                     "stream_ratio", "stream_scattered_ratio",
+                                                     "lanes1_ratio", "lanes0_ratio")
+                                   if k in r}
+                            for size, r in result["pull"].items() if isinstance(r, dict)}}
+    elif "raw" in result:
+        out["raw_gbps"] = result["raw"][biggest]["gbps"]
+    if "chunked" in result:
+        out["chunked_gbps"] = result["chunked"][biggest]["gbps"]
+    out["connect_ms"] = result.pop("connect_ms")
+    out["cases"] = result
+    out["env"] = _environment(s)
+    return out
+
+
+def _print_human(res: dict[str, Any]) -> None:
+    env = res["env"]
+    print(f"kvkern bench xfer: progress={env['progress_mode']} "
+          f"ucx={env.get('libucx')} ucxx={env.get('ucxx')} connect={res['connect_ms']} ms")
+    cases = res["cases"]
+    for case in ("raw", "chunked"):
+        for size, r in cases.get(case, {}).items():
+            print(f"  {case:8s} {int(size) // MiB:5d} MiB  {r['gbps']:7.2f} GB/s "
+                  f"[p20 {r['gbps_p20']:.2f}, p80 {r['gbps_p80']:.2f}]  {r['ms']:.2f} ms")
+    for size, r in cases.get("pull", {}).items():
+        if isinstance(r, dict):
+            print(f"  pull     {int(size) // MiB:5d} MiB  {r['pull_gbps']:7.2f} GB/s "
+                  f"[p20 {r['pull_gbps_p20']:.2f}, p80 {r['pull_gbps_p80']:.2f}]  "
+                  f"raw {r['raw_gbps']:.2f} GB/s  ratio {r['ratio']:.2f}  {r['blocks']} blocks "
+                  f"{r['messages']} messages {r['reads']} reads")
+            extra = [f"{k} {r[k]:.2f}" for k in ("scattered_ratio", "stream_ratio",
+                                                 "stream_scattered_ratio", "lanes1_ratio",
+                                                 "lanes0_ratio") if k in r]
+            if extra:
+                print(f"  pull     {int(size) // MiB:5d} MiB  " + "  ".join(extra))
+    if "pull" in cases:
+        print(f"  pull     hint-to-first-byte median {cases['pull']['hint_to_first_byte_ms']} ms "
+              f"(1 block, warm connection)")
+    if "messages" in cases:
+        m = cases["messages"]
+        print(f"  messages control rtt {m['control_rtt_us']} us; {m['n']} x 64 KiB: "
+              f"serial {m['serial_us_per_msg']} us/msg ({m['serial_gbps']} GB/s), "
+              f"32 in flight {m['in_flight_32_us_per_msg']} us/msg "
+              f"({m['in_flight_32_gbps']} GB/s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvkern.layout import LAYOUT_CONSTRUCTORS  # noqa: PLC0415
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="kvkern bench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True, metavar="{xfer}")
+    x = sub.add_parser("xfer", help="raw UCXX transfer between two processes on 127.0.0.1",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    x.add_argument("--sizes", default="64MiB,256MiB", help="comma list, e.g. 64MiB,256MiB")
+    x.add_argument("--chunk", default="16MiB", help="chunk size of the chunked case")
+    x.add_argument("--in-flight", type=int, default=4,
+                   help="chunks in flight in the chunked case")
+    x.add_argument("--repeats", type=int, default=Settings.repeats,
+                   help="timed repetitions of each case")
+    x.add_argument("--cases", default="raw,chunked,messages,pull",
+                   help=f"comma list of {sorted(CASES)}")
+    x.add_argument("--progress-mode", default=os.environ.get("UCXPY_PROGRESS_MODE", "thread"),
+                   choices=["thread", "thread-polling", "polling", "blocking"],
+                   help="ucxx progress mode (UCXPY_PROGRESS_MODE)")
+    x.add_argument("--ucx-env", default="kvkern", choices=["kvkern", "off"],
+                   help="'off' measures UCX's default error handling (TCP on loopback)")
+    x.add_argument("--timeout", type=float, default=60.0, help="hard limit for the run (s)")
+    x.add_argument("--data-path", default="both", choices=["read", "stream", "both"],
+                   help="pull case: one-sided reads (the default path), the chunk stream, "
+                        "or both in the same run (read is the headline)")
+    x.add_argument("--pull-layout", default="trtllm", choices=sorted(LAYOUT_CONSTRUCTORS),
+                   help="pull case: engine layout of both pools (trtllm: block rows, one "
+                        "read per run of blocks; vllm_hnd: per layer, one read per layer "
+                        "and run; the others stream)")
+    x.add_argument("--pull-tp", default="1:1", metavar="S:D",
+                   help="pull case: TP size of the source and of the destination (e.g. 2:1, "
+                        "a reshard: each destination block gathers every source rank's heads)")
+    x.add_argument("--read-lanes", type=int, default=Settings.read_lanes,
+                   help="pull case: read lanes of the headline pull (XferConfig.read_lanes); "
+                        "fewer lanes are measured in the same run (lanes1_*, lanes0_*)")
+    x.add_argument("--json", action="store_true", help="print one JSON object, last line")
+    p = sub.add_parser("_peer")  # the benchmark's second process; no help: not listed
+    p.add_argument("--port-file", required=True)
+    p.add_argument("--max-seconds", type=float, default=60.0)
+    p.add_argument("--parent-pid", type=int, default=0)
+    p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--chunk-bytes", type=int, default=16 * MiB)
+    p.add_argument("--pull-blocks", type=int, default=0)
+    p.add_argument("--pull-layout", default="trtllm")
+    p.add_argument("--pull-tp", type=int, default=1)
+    ns = parser.parse_args(argv)
+
+    if ns.what == "_peer":
+        asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
+                               ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
+                               ns.pull_layout, ns.pull_tp))
+        return 0
+    cases = tuple(c for c in ns.cases.split(",") if c)
+    unknown = set(cases) - set(CASES)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; known: {sorted(CASES)}")
+    s = Settings(ucx_env=ns.ucx_env, progress_mode=ns.progress_mode,
+                 sizes=tuple(_parse_size(t) for t in ns.sizes.split(",") if t),
+                 chunk_bytes=_parse_size(ns.chunk), in_flight=ns.in_flight,
+                 repeats=ns.repeats, cases=cases, peer_timeout_s=ns.timeout,
+                 data_path=ns.data_path, pull_layout=ns.pull_layout,
+                 pull_tp=_parse_tp(ns.pull_tp, parser), read_lanes=ns.read_lanes)
+    res = run_xfer(s)
+    if ns.json:
+        sys.stdout.flush()
+        print(json.dumps(res), flush=True)
+    else:
+        _print_human(res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
