@@ -84,3 +84,18 @@ def test_transport_and_fetch_failures_map_through_one_table():
     assert fetch_reason("metadata_timeout") is Reason.METADATA_TIMEOUT
     assert fetch_reason("unauthenticated") is Reason.UNAUTHENTICATED
     assert fetch_reason("redirect") is Reason.METADATA_FETCH_FAILED
+
+
+def test_the_package_exports_what_users_need_lazily():
+    import subprocess
+    import sys
+
+    import kvkern.xfer as xfer
+
+    for name in xfer.__all__:
+        assert getattr(xfer, name) is not None, name
+    code = ("import sys, kvkern.xfer; print(sorted(m for m in ('msgspec', 'aiohttp', 'ucxx') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out
