@@ -220,6 +220,50 @@ def _nbytes(ucx_buf: Any) -> int:
 # ------------------------------------------------------------------------------- connection
 
 
+class _RemoteKeys:
+    """A connection's unpacked remote keys: packed rkey -> [RemoteKey, reads using it]. A
+    source's keys are the same for every pull (its registered regions), and unpacking one
+    costs ~0.1 ms; at most :data:`MAX_CACHED_RKEYS` are kept, beyond that a key lives for one
+    read."""
+
+    def __init__(self) -> None:
+        self._keys: dict[bytes, list] = {}
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @property
+    def in_use(self) -> int:
+        """Reads holding a cached key now."""
+        return sum(entry[1] for entry in self._keys.values())
+
+    def acquire(self, packed: bytes, ep: Any) -> list:
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        entry = self._keys.get(packed)
+        if entry is None:
+            entry = [ucp_rma.RemoteKey(ep.ucp_endpoint, packed), 0]
+            if len(self._keys) < MAX_CACHED_RKEYS:
+                self._keys[packed] = entry
+        entry[1] += 1
+        return entry
+
+    def release(self, packed: bytes, entry: list, *, dead: bool) -> None:
+        """One read of ``entry`` ended; ``dead``: its connection is closed."""
+        entry[1] -= 1
+        cached = self._keys.get(packed) is entry
+        if entry[1] == 0 and (dead or not cached):  # dead connection or one-off
+            if cached:
+                del self._keys[packed]
+            entry[0].destroy()
+
+    def drop_idle(self) -> None:
+        for packed, entry in list(self._keys.items()):
+            if entry[1] == 0:
+                del self._keys[packed]
+                entry[0].destroy()
+
+
 class Connection:
     """One UCX endpoint with kvkern's framing, timeouts and error mapping.
 
@@ -239,9 +283,7 @@ class Connection:
         self._peer_closed = False  # set from the UCX progress thread: a plain flag only
         self._send_lock = asyncio.Lock()
         self._posting = threading.Lock()  # held while reads are posted on the endpoint
-        # packed rkey -> [RemoteKey, reads using it]: a source's keys are the same for every
-        # pull (its registered regions), and unpacking one costs ~0.1 ms
-        self._rkeys: dict[bytes, list] = {}
+        self._rkeys = _RemoteKeys()
         ep.set_close_callback(self._on_peer_close)
 
     def _on_peer_close(self, *_: Any) -> None:
@@ -267,33 +309,9 @@ class Connection:
                 ep.abort()
             except Exception as exc:  # noqa: BLE001 (closing a broken endpoint may complain)
                 log.debug("abort of %r raised %r", self, exc)
-        for packed, entry in list(self._rkeys.items()):
-            if entry[1] == 0:  # keys still in use go with their last read (see read())
-                del self._rkeys[packed]
-                entry[0].destroy()
+        self._rkeys.drop_idle()  # keys still in use go with their last read (see read())
 
     close = abort
-
-    def _acquire_rkey(self, packed: bytes, ep: Any) -> list:
-        """The unpacked key for ``packed``, cached per connection (at most
-        :data:`MAX_CACHED_RKEYS`; beyond that a key lives for one read)."""
-        from kvkern.xfer import ucp_rma  # noqa: PLC0415
-
-        entry = self._rkeys.get(packed)
-        if entry is None:
-            entry = [ucp_rma.RemoteKey(ep.ucp_endpoint, packed), 0]
-            if len(self._rkeys) < MAX_CACHED_RKEYS:
-                self._rkeys[packed] = entry
-        entry[1] += 1
-        return entry
-
-    def _release_rkey(self, packed: bytes, entry: list) -> None:
-        entry[1] -= 1
-        cached = self._rkeys.get(packed) is entry
-        if entry[1] == 0 and (self._ep is None or not cached):  # dead connection or one-off
-            if cached:
-                del self._rkeys[packed]
-            entry[0].destroy()
 
     def _require(self) -> Any:
         if self._ep is None:
@@ -571,43 +589,22 @@ class Connection:
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         ep = self._require()
-        loop = asyncio.get_running_loop()
         batches: list[Any] = []
         entries: list[tuple[bytes, list]] = []
         n_runs = sum(len(runs) for _, runs in parts)
         stop = threading.Event()
         finished = False  # cancelled, but every read completed within the grace
-
-        def post_and_wait() -> float | None:
-            with self._posting:
-                if self._ep is None:
-                    raise TransportError("closed", f"connection closed ({self.failure})")
-                for batch in batches:
-                    batch.post(ep.ucp_endpoint)
-            deadline = time.perf_counter() + timeout
-            firsts = [batch.wait(max(deadline - time.perf_counter(), 0.0), stop)
-                      for batch in batches]
-            return min((f for f in firsts if f is not None), default=None)
-
         try:
             worker = _worker_handle()
             for rkey, runs in parts:
-                entries.append((rkey, self._acquire_rkey(rkey, ep)))
+                entries.append((rkey, self._rkeys.acquire(rkey, ep)))
                 batches.append(ucp_rma.ReadBatch(entries[-1][1][0], runs, worker_handle=worker))
-            wait = loop.run_in_executor(_read_waiters(), post_and_wait)
+            wait = asyncio.get_running_loop().run_in_executor(
+                _read_waiters(), self._post_and_wait, ep, batches, timeout, stop)
             try:
                 return await asyncio.shield(wait)
             except asyncio.CancelledError:
-                # The copies are local and short: let them finish rather than abort the
-                # connection, which every other pull from this source rank shares. Reads
-                # that outlast READ_CANCEL_GRACE_S are stopped by the abort below.
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(wait), READ_CANCEL_GRACE_S)
-                    finished = wait.exception() is None
-                if not finished:
-                    stop.set()
-                    with contextlib.suppress(BaseException):
-                        await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
+                finished = await _read_grace(wait, stop)
                 raise
         except asyncio.CancelledError:
             if not finished:
@@ -619,19 +616,38 @@ class Connection:
                 err = TransportError("transfer_failed", f"one-sided read: {exc}")
             raise self._fail(err, f"read of {n_runs} runs") from exc
         finally:
-            stuck = [batch for batch in batches if batch.stuck]
-            if stuck:
-                self.abort(self.failure or "cancelled")  # cancels the reads still running
-                try:
-                    drained = all([await _drain(batch) for batch in stuck])
-                except asyncio.CancelledError:  # cancelled again while draining: unknown
-                    drained = False
-                if not drained:
-                    entries = []  # reads may still use them: leak the keys, not memory safety
-                    raise ReadsStuck(f"{n_runs} reads still running after the endpoint "
-                                     f"was aborted (waited up to {READ_DRAIN_S} s)")
-            for rkey, entry in entries:
-                self._release_rkey(rkey, entry)
+            await self._end_reads(batches, entries, n_runs)
+
+    def _post_and_wait(self, ep: Any, batches: list[Any], timeout: float,
+                       stop: threading.Event) -> float | None:
+        """On a helper thread: post every batch (never while the endpoint is being aborted),
+        then wait for them; the time the first run was seen complete."""
+        with self._posting:
+            if self._ep is None:
+                raise TransportError("closed", f"connection closed ({self.failure})")
+            for batch in batches:
+                batch.post(ep.ucp_endpoint)
+        deadline = time.perf_counter() + timeout
+        firsts = [batch.wait(max(deadline - time.perf_counter(), 0.0), stop)
+                  for batch in batches]
+        return min((f for f in firsts if f is not None), default=None)
+
+    async def _end_reads(self, batches: list[Any], entries: list[tuple[bytes, list]],
+                         n_runs: int) -> None:
+        """Abort and drain reads still running; then release the keys, unless a read
+        outlived the drain (:class:`ReadsStuck`: the keys are leaked, not memory safety)."""
+        stuck = [batch for batch in batches if batch.stuck]
+        if stuck:
+            self.abort(self.failure or "cancelled")  # cancels the reads still running
+            try:
+                drained = all([await _drain(batch) for batch in stuck])
+            except asyncio.CancelledError:  # cancelled again while draining: unknown
+                drained = False
+            if not drained:
+                raise ReadsStuck(f"{n_runs} reads still running after the endpoint "
+                                 f"was aborted (waited up to {READ_DRAIN_S} s)")
+        for rkey, entry in entries:
+            self._rkeys.release(rkey, entry, dead=self._ep is None)
 
     def _abort_streams(self, inflight: collections.deque, reason: str) -> None:
         # Abort first: only an endpoint abort makes UCX let go of posted buffers.
@@ -686,6 +702,22 @@ def _read_waiters() -> concurrent.futures.ThreadPoolExecutor:
 def _worker_handle() -> int:
     """ucxx's ``ucp_worker_h`` (reads progress it while they wait)."""
     return int(import_ucxx().get_ucp_worker())
+
+
+async def _read_grace(wait: asyncio.Future, stop: threading.Event) -> bool:
+    """A cancelled read: the copies are local and short, so let them finish rather than abort
+    the connection, which every other pull from this source rank shares. Reads that outlast
+    :data:`READ_CANCEL_GRACE_S` are told to stop (the caller then aborts). True when every
+    read completed within the grace."""
+    finished = False
+    with contextlib.suppress(BaseException):
+        await asyncio.wait_for(asyncio.shield(wait), READ_CANCEL_GRACE_S)
+        finished = wait.exception() is None
+    if not finished:
+        stop.set()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
+    return finished
 
 
 async def _drain(batch: Any) -> bool:
