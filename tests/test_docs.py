@@ -169,3 +169,18 @@ def test_every_route_is_documented():
     page = (ROOT / "docs" / "http-api.md").read_text()
     missing = sorted(p for p in paths if f"{p}`" not in page)
     assert not missing, missing
+
+
+def test_every_allowlist_entry_in_the_docs_parses():
+    from kvkern.xfer.endpoint import Allowlist
+
+    entries = {(_rel(p), v.strip("'\""))
+               for p in PAGES for v in re.findall(r"--allow[ =](\S+)", _code_text(p.read_text()))}
+    assert len(entries) >= 3, entries
+    bad = []
+    for page, entry in sorted(entries):
+        try:
+            Allowlist.parse([entry])
+        except ValueError as exc:
+            bad.append(f"{page}: {exc}")
+    assert not bad, bad
