@@ -184,3 +184,18 @@ def test_every_allowlist_entry_in_the_docs_parses():
         except ValueError as exc:
             bad.append(f"{page}: {exc}")
     assert not bad, bad
+
+
+def test_the_pages_speak_about_the_product_only():
+    """No dates, commit hashes, development phases or "here" measurements in the README or
+    the guides (recorded results live in bench/results/ with their environment)."""
+    patterns = {"a date": r"\b20\d\d-\d\d-\d\d\b", "a session": r"\bsessions?\b",
+                "a commit": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b",
+                "'here'": r"\bhere\b", "'this machine'": r"\bthis (machine|box|host)\b"}
+    found = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        text = page.read_text()
+        for what, pattern in patterns.items():
+            for m in re.finditer(pattern, text, re.I if what != "a commit" else 0):
+                found.append(f"{_rel(page)}: {what}: {text[max(0, m.start() - 30):m.end() + 30]!r}")
+    assert not found, "\n".join(found)
