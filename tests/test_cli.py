@@ -183,7 +183,8 @@ UNSET_DEFAULT_OK = {"--advertise-host", "--allow", "--worker-id", "--fleet-secre
                     "--block-size", "--json"}
 
 
-@pytest.mark.parametrize("command", [("worker",), ("router",), ("bench", "xfer"), ("demo",)],
+@pytest.mark.parametrize("command", [("worker",), ("router",), ("bench", "xfer"), ("demo",),
+                                     ("check-endpoint",)],
                          ids=lambda c: " ".join(c))
 def test_help_gives_every_flag_a_text_and_a_default(command):
     r = kvkern(*command, "--help")

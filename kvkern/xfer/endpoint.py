@@ -714,24 +714,30 @@ async def fetch_state(
 
 def check_endpoint_main(argv: Sequence[str] | None = None) -> int:
     """``kvkern check-endpoint URL --allow SPEC ...``: exit 0 allowed, 3 refused, 2 usage."""
+    from kvkern.serve.cliargs import DefaultsFormatter  # noqa: PLC0415
+
     ap = argparse.ArgumentParser(
         prog="kvkern check-endpoint",
         description="Resolve a source endpoint once and check every address against an "
                     "allowlist. Without --allow, KVKERN_ALLOWLIST (comma or space separated) "
                     "is used; an empty allowlist refuses everything.",
+        formatter_class=DefaultsFormatter,
     )
     ap.add_argument("endpoint", help="http(s) URL, host[:port] or tcp://host:port")
     ap.add_argument("--allow", action="append", default=[], metavar="SPEC",
                     help="allowlist entry: 10.0.0.0/8, host:8000, [::1]:9000, "
-                         "*.svc.cluster.local, host:8000-8010 (repeatable)")
-    ap.add_argument("--dp-rank", type=int, default=None, help="source attention-DP rank")
+                         "*.svc.cluster.local, host:8000-8010 (repeatable; default: "
+                         "KVKERN_ALLOWLIST)")
+    ap.add_argument("--dp-rank", type=int, default=None,
+                    help="source attention-DP rank (default: none, the endpoint as given)")
     ap.add_argument("--dp-port-stride", type=int, default=1,
-                    help="tcp control port of DP rank N = port + N * stride (default 1)")
+                    help="tcp control port of DP rank N = port + N * stride")
     ap.add_argument("--state-port-offset", type=int, default=None,
-                    help="state port = rank-adjusted tcp control port + OFFSET")
+                    help="state port = rank-adjusted tcp control port + OFFSET (default: "
+                         "none, tcp:// endpoints are refused)")
     ap.add_argument("--default-port", type=int, default=DEFAULT_CONFIG.default_port,
                     help="state port for host-only endpoints")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (default: text)")
     try:
         ns = ap.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:
