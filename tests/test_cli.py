@@ -203,3 +203,25 @@ def test_bench_help_lists_no_internal_subcommand():
     r = kvkern("bench", "--help")
     assert r.returncode == 0
     assert "_peer" not in r.stdout and "SUPPRESS" not in r.stdout
+
+
+def test_router_prints_the_port_it_listens_on():
+    """With --port 0 the start line names the port the OS chose, once it listens."""
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "kvkern", "router", "--worker",
+                             "a=http://127.0.0.1:1", "--block-size", "4", "--port", "0",
+                             "--refresh-s", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        line = proc.stdout.readline()
+        m = re.match(r"kvkern router on http://127\.0\.0\.1:(\d+) -> a=http://127\.0\.0\.1:1$",
+                     line.strip())
+        assert m and int(m.group(1)) > 0, line
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        with opener.open(f"http://127.0.0.1:{m.group(1)}/healthz", timeout=10) as r:
+            assert r.read() == b"ok"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert proc.returncode == 0, proc.stderr.read()

@@ -674,10 +674,13 @@ def main(argv: list[str] | None = None) -> int:
         app = build_app(router, request_timeout_s=args.request_timeout_s,
                         refresh_s=args.refresh_s or None, credential=cred,
                         hint_ttl_s=args.hint_ttl_s, limits=limits)
-        print(f"kvkern router on http://{args.host}:{args.port} -> "
-              + ", ".join(f"{w}={u}" for w, u, _ in specs), flush=True)
+        def listening(bound: int) -> None:
+            print(f"kvkern router on http://{args.host}:{bound} -> "
+                  + ", ".join(f"{w}={u}" for w, u, _ in specs), flush=True)
+
         try:
-            run_guarded(app, host=args.host, port=args.port, limits=limits)
+            run_guarded(app, host=args.host, port=args.port, limits=limits,
+                        on_listening=listening)
         except OSError as exc:
             if exc.errno not in BIND_ERRNOS:
                 raise

@@ -407,10 +407,12 @@ async def start_guarded(runner: web.BaseRunner, host: str | None, port: int,
 
 
 def run_guarded(app: web.Application, *, host: str, port: int, limits: HttpLimits,
-                access_log: Any = None) -> None:
+                access_log: Any = None,
+                on_listening: Callable[[int], None] | None = None) -> None:
     """Serve ``app`` on a :class:`GuardedSite` until SIGINT or SIGTERM, then clean up and
     return: ``web.run_app`` with the guard (``app`` goes through :func:`guard_app` here unless
-    it already did)."""
+    it already did). ``on_listening(port)`` is called once the site listens (the bound port,
+    also for ``port=0``)."""
     if _REGISTRY not in app:
         guard_app(app, limits)
 
@@ -423,6 +425,8 @@ def run_guarded(app: web.Application, *, host: str, port: int, limits: HttpLimit
         await runner.setup()
         try:
             await start_guarded(runner, host, port, limits)
+            if on_listening is not None:
+                on_listening(runner.addresses[0][1])
             await stop.wait()
         finally:
             await runner.cleanup()
