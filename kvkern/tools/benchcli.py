@@ -402,122 +402,81 @@ def _pull_blocks_for(s: Settings) -> int:
     return max(1, max(s.sizes) // per_block)
 
 
-async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
-    from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
-    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
-    from kvkern.xfer.config import XferConfig  # noqa: PLC0415
-    from kvkern.xfer.kvgroup import KVGroup  # noqa: PLC0415
-    from kvkern.xfer.puller import Puller  # noqa: PLC0415
+class _PullBench:
+    """The pullers of ``case_pull`` on one cold pool: the headline one, and (in the same run)
+    one that always streams and ones with fewer read lanes."""
 
-    class _ColdPool(BlockPool):
-        """Never reports a local prefix, so the same blocks can be pulled again (a commit
-        of an already cached hash keeps the old block and frees the received one)."""
+    def __init__(self, bench: Bench, s: Settings) -> None:
+        from kvkern.cache.pool import BlockPool  # noqa: PLC0415
+        from kvkern.xfer.config import XferConfig  # noqa: PLC0415
+        from kvkern.xfer.kvgroup import KVGroup  # noqa: PLC0415
+        from kvkern.xfer.puller import Puller  # noqa: PLC0415
 
-        def longest_prefix(self, hashes: Any) -> int:
-            return 0
+        class _ColdPool(BlockPool):
+            """Never reports a local prefix, so the same blocks can be pulled again (a commit
+            of an already cached hash keeps the old block and frees the received one)."""
 
-    topo = _pull_topology(s.pull_tp[1])
-    bs = topo.model.block_size
-    n_max = _pull_blocks_for(s)
-    ranks = _rank_pools(topo, n_max + 8, s.pull_layout)  # faulted in outside the timing
-    group = KVGroup(topo, 0, _ColdPool(n_max + 8, block_size=bs), ranks)
-    cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False, chunk_bytes=s.chunk_bytes,
-                     chunks_in_flight=s.in_flight, deadline_s=60.0, transfer_timeout_s=20.0,
-                     remote_read=s.data_path != "stream", read_lanes=s.read_lanes)
-    puller = Puller(group, config=cfg, loop=bench.loop)
-    # "both": a second puller on the same pool that always streams, measured in the same run
-    streamer = (Puller(group, config=cfg.replace(remote_read=False), loop=bench.loop)
-                if s.data_path == "both" else None)
-    # and the read with fewer lanes: one read lane, and none (the control connection's
-    # worker), so the headline's gain from parallel copies is visible in the same run
-    fewer = {f"lanes{n}": Puller(group, config=cfg.replace(read_lanes=n), loop=bench.loop)
-             for n in (1, 0) if s.data_path != "stream" and n < s.read_lanes}
-    per_block = sum(rkv.layout.bytes_per_block for rkv in ranks.values())
-    rid = iter(range(1 << 30))
+            def longest_prefix(self, hashes: Any) -> int:
+                return 0
 
-    async def pull(n: int, port: int | None = None, via: Any = None) -> Any:
-        via = via or puller
-        r = f"bench-{next(rid)}"
-        hint = {"kv_hint": {"source": f"127.0.0.1:{port or bench.pull_http_port}",
+        self.bench = bench
+        topo = _pull_topology(s.pull_tp[1])
+        self.bs = topo.model.block_size
+        self.n_max = _pull_blocks_for(s)
+        self.ranks = _rank_pools(topo, self.n_max + 8, s.pull_layout)  # faulted in untimed
+        self.group = KVGroup(topo, 0, _ColdPool(self.n_max + 8, block_size=self.bs),
+                             self.ranks)
+        cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False,
+                         chunk_bytes=s.chunk_bytes, chunks_in_flight=s.in_flight,
+                         deadline_s=60.0, transfer_timeout_s=20.0,
+                         remote_read=s.data_path != "stream", read_lanes=s.read_lanes)
+        self.puller = Puller(self.group, config=cfg, loop=bench.loop)
+        # "both": a second puller on the same pool that always streams, measured in the
+        # same run
+        self.streamer = (Puller(self.group, config=cfg.replace(remote_read=False),
+                                loop=bench.loop) if s.data_path == "both" else None)
+        # and the read with fewer lanes: one read lane, and none (the control connection's
+        # worker), so the headline's gain from parallel copies is visible in the same run
+        self.fewer = {f"lanes{n}": Puller(self.group, config=cfg.replace(read_lanes=n),
+                                          loop=bench.loop)
+                      for n in (1, 0) if s.data_path != "stream" and n < s.read_lanes}
+        self.per_block = sum(rkv.layout.bytes_per_block for rkv in self.ranks.values())
+        self._rid = iter(range(1 << 30))
+
+    @property
+    def pullers(self) -> list[Any]:
+        return [p for p in (self.puller, self.streamer, *self.fewer.values()) if p is not None]
+
+    async def pull(self, n: int, port: int | None = None, via: Any = None) -> Any:
+        via = via or self.puller
+        r = f"bench-{next(self._rid)}"
+        hint = {"kv_hint": {"source": f"127.0.0.1:{port or self.bench.pull_http_port}",
                             "no_retain": True}}
-        via.submit(r, list(range(n * bs)), hint)
+        via.submit(r, list(range(n * self.bs)), hint)
         o = await via.wait(r, 60)
         if not o.used:
             raise RuntimeError(f"bench pull of {n} blocks fell back: {o.reason.value}: "
                                f"{o.detail}")
         return o
 
+    async def close(self) -> None:
+        for p in self.pullers:
+            await asyncio.get_running_loop().run_in_executor(None, p.close)
+
+
+async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
+    pb = _PullBench(bench, s)
     try:
-        out: dict[str, Any] = {"block_bytes": per_block, "data_path": s.data_path,
+        out: dict[str, Any] = {"block_bytes": pb.per_block, "data_path": s.data_path,
                                "layout": s.pull_layout,
                                "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}",
                                "read_lanes": s.read_lanes}
-        all_hashes = sequence_hashes(list(range(n_max * bs)), bs)
-        ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
-        for via in [p for p in (puller, streamer, *fewer.values()) if p is not None]:
-            for port in ports:  # warm-up (connection, state cache) and a correctness check
-                await pull(n_max, port, via)
-                ids = group.manager.match_prefix(all_hashes)
-                for i in sorted({0, n_max // 2, n_max - 1}):
-                    if not all(_block_holds(r.layout, r.pool, ids[i], _block_value(i))
-                               for r in ranks.values()):
-                        raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
-                group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
+        await _check_pulls(pb)
         for size in s.sizes:
-            n = max(1, size // per_block)
-            nbytes = n * per_block
-            await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
-            raw_t, msgs, reads = [], [], []
-            times: dict[str, list[float]] = {"pull": [], "scattered": [], "stream": [],
-                                             "stream_scattered": [],
-                                             **{k: [] for k in fewer}}
-            scat = bench.scattered_http_port
-            variants = [("raw", None, None), ("pull", None, puller)]
-            if scat:
-                variants.append(("scattered", scat, puller))
-            if streamer is not None:
-                variants.append(("stream", None, streamer))
-                if scat:
-                    variants.append(("stream_scattered", scat, streamer))
-            variants += [(k, None, via) for k, via in fewer.items()]
-            order = random.Random(size)
-            for _ in range(s.repeats):  # every variant once per repeat, in a shuffled order
-                order.shuffle(variants)  # (a fixed order favoured whichever ran after raw)
-                for kind, port, via in variants:
-                    if kind == "raw":
-                        raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
-                        continue
-                    o = await pull(n, port, via)
-                    times[kind].append(o.total_s)
-                    if kind == "pull":
-                        msgs.append(o.messages)
-                        reads.append(o.reads)
-                        last = o
-            pull_t, scat_t = times["pull"], times["scattered"]
-            st_t, st_scat_t = times["stream"], times["stream_scattered"]
-            ps, rs = _summary(nbytes, pull_t), _summary(nbytes, raw_t)
-            ss = _summary(nbytes, scat_t) if scat_t else None
-            out[str(size)] = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
-                              "pull_gbps_p20": ps["gbps_p20"], "pull_gbps_p80": ps["gbps_p80"],
-                              "raw_gbps": rs["gbps"], "ratio": round(ps["gbps"] / rs["gbps"], 3),
-                              "pull_ms": ps["ms"], "raw_ms": rs["ms"],
-                              "messages": statistics.median(msgs),
-                              "chunk_bytes": s.chunk_bytes,
-                              "phases_ms": {k: round(v * 1e3, 3)
-                                            for k, v in last.phases.items()}}
-            out[str(size)]["reads"] = statistics.median(reads)
-            if ss is not None:  # source blocks at shuffled ids: one read (or pack) per block
-                out[str(size)].update(scattered_pull_gbps=ss["gbps"],
-                                      scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
-            for key, ts in (("stream", st_t), ("stream_scattered", st_scat_t),
-                            *((k, times[k]) for k in fewer)):
-                if ts:  # the stream path and fewer lanes in the same run, for comparison
-                    t = _summary(nbytes, ts)
-                    out[str(size)].update({f"{key}_pull_gbps": t["gbps"],
-                                           f"{key}_ratio": round(t["gbps"] / rs["gbps"], 3)})
+            out[str(size)] = await _pull_size(pb, s, size)
         fb = []
         for _ in range(max(20, s.repeats)):
-            o = await pull(1)
+            o = await pb.pull(1)
             fb.append(o.phases["first_byte"])
         out["hint_to_first_byte_ms"] = round(statistics.median(fb) * 1e3, 3)
         out["hint_to_first_byte_p80_ms"] = round(
@@ -525,9 +484,76 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         out["one_block_total_ms"] = round(o.total_s * 1e3, 3)
         return out
     finally:
-        for p in (puller, streamer, *fewer.values()):
-            if p is not None:
-                await asyncio.get_running_loop().run_in_executor(None, p.close)
+        await pb.close()
+
+
+async def _check_pulls(pb: _PullBench) -> None:
+    """Warm-up (connection, state cache) and a correctness check of every puller."""
+    from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
+
+    n_max, bench = pb.n_max, pb.bench
+    all_hashes = sequence_hashes(list(range(n_max * pb.bs)), pb.bs)
+    ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
+    for via in pb.pullers:
+        for port in ports:
+            await pb.pull(n_max, port, via)
+            ids = pb.group.manager.match_prefix(all_hashes)
+            for i in sorted({0, n_max // 2, n_max - 1}):
+                if not all(_block_holds(r.layout, r.pool, ids[i], _block_value(i))
+                           for r in pb.ranks.values()):
+                    raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
+            pb.group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
+
+
+async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
+    """Every variant once per repeat, in a shuffled order, at one size."""
+    bench = pb.bench
+    n = max(1, size // pb.per_block)
+    nbytes = n * pb.per_block
+    await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
+    raw_t, msgs, reads = [], [], []
+    times: dict[str, list[float]] = {"pull": [], "scattered": [], "stream": [],
+                                     "stream_scattered": [], **{k: [] for k in pb.fewer}}
+    scat = bench.scattered_http_port
+    variants = [("raw", None, None), ("pull", None, pb.puller)]
+    if scat:
+        variants.append(("scattered", scat, pb.puller))
+    if pb.streamer is not None:
+        variants.append(("stream", None, pb.streamer))
+        if scat:
+            variants.append(("stream_scattered", scat, pb.streamer))
+    variants += [(k, None, via) for k, via in pb.fewer.items()]
+    order = random.Random(size)
+    for _ in range(s.repeats):  # every variant once per repeat, in a shuffled order
+        order.shuffle(variants)  # (a fixed order favoured whichever ran after raw)
+        for kind, port, via in variants:
+            if kind == "raw":
+                raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
+                continue
+            o = await pb.pull(n, port, via)
+            times[kind].append(o.total_s)
+            if kind == "pull":
+                msgs.append(o.messages)
+                reads.append(o.reads)
+                last = o
+    ps, rs = _summary(nbytes, times["pull"]), _summary(nbytes, raw_t)
+    row = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
+           "pull_gbps_p20": ps["gbps_p20"], "pull_gbps_p80": ps["gbps_p80"],
+           "raw_gbps": rs["gbps"], "ratio": round(ps["gbps"] / rs["gbps"], 3),
+           "pull_ms": ps["ms"], "raw_ms": rs["ms"], "messages": statistics.median(msgs),
+           "chunk_bytes": s.chunk_bytes,
+           "phases_ms": {k: round(v * 1e3, 3) for k, v in last.phases.items()}}
+    row["reads"] = statistics.median(reads)
+    if times["scattered"]:  # source blocks at shuffled ids: one read (or pack) per block
+        ss = _summary(nbytes, times["scattered"])
+        row.update(scattered_pull_gbps=ss["gbps"],
+                   scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
+    for key in ("stream", "stream_scattered", *pb.fewer):
+        if times[key]:  # the stream path and fewer lanes in the same run, for comparison
+            t = _summary(nbytes, times[key])
+            row.update({f"{key}_pull_gbps": t["gbps"],
+                        f"{key}_ratio": round(t["gbps"] / rs["gbps"], 3)})
+    return row
 
 
 CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages,

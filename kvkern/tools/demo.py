@@ -215,10 +215,8 @@ def _crossover(rows: list[dict[str, Any]]) -> tuple[int | None, int | None, str]
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     """Run the demo; returns the result dictionary (see :func:`main` for the printout)."""
-    import torch  # noqa: PLC0415
-
     from kvkern.serve.procs import start_workers  # noqa: PLC0415
-    from kvkern.serve.router import DIALECT_NAMES, KVRouter  # noqa: PLC0415
+    from kvkern.serve.router import KVRouter  # noqa: PLC0415
 
     t_start = time.perf_counter()
     fleet = _Fleet()
@@ -244,106 +242,16 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         client = _Client(router, {n: p.url for n, p in procs.items()}, opts.request_timeout_s,
                          fleet.credential)
         fallbacks: Counter[str] = Counter()
-
-        # -- warm-up: first forwards, first UCX connection and state fetch (both ways)
-        _say(opts, "warm-up: first forwards and a first small pull each way")
-        vocab = cfg.vocab_size
-        for name in ("A", "B"):
-            client.generate(name, {"token_ids": _tokens(3 * T, vocab, 99), "max_new_tokens": 2,
-                                   "use_cache": False})
-        first_pull = None
-        # B -> A first, so that A was chosen longest ago and the load rule sends the
-        # main prefix to A and the main prompt to B.
-        for src, dst, seed in (("B", "A", 102), ("A", "B", 101)):
-            m = _measure(client, src, dst, _tokens(2 * T, vocab, seed), [1, 2, 3], 1)
-            fb = m["pulled"].get("fallback")
-            if fb:
-                fallbacks[fb] += 1
-            if src == "A":
-                first_pull = m["pulled"]
-
-        # -- sweep (before the main run, so the main run sees warm buffers and connections)
-        P = opts.prefix_tokens
-        question = _tokens(opts.question_tokens, vocab, opts.seed + 1)
-        rows = []
-        others = [n for n in sweep if n != P]
-        _say(opts, f"sweep: {', '.join(map(str, others))} tokens (TTFT, best of "
-                   f"{opts.repeats} runs each)")
-        for i, n in enumerate(others):
-            row = None
-            for rep in range(opts.repeats):
-                m = _measure(client, "A", "B",
-                             _tokens(n, vocab, opts.seed + 1000 + 100 * i + rep), question, 1)
-                r = _row(n, m)
-                if r["fallback"]:
-                    fallbacks[r["fallback"]] += 1
-                row = r if row is None else _best(row, r)
-            rows.append(row)
-            _say(opts, f"  {n:6d} tokens: pull {row['ttft_pull_s'] * 1e3:8.1f} ms  recompute "
-                       f"{row['ttft_recompute_s'] * 1e3:8.1f} ms"
-                       + (f"  [fallback {row['fallback']}]" if row["fallback"] else ""))
-
-        # -- the main run: destination and hint chosen by the router
-        _say(opts, f"main: shared prefix of {P} tokens + a {opts.question_tokens}-token "
-                   "question")
-        prefix = _tokens(P, vocab, opts.seed)
-        main_m = _measure(client, "A", "B", prefix, question, opts.new_tokens, via_load=True)
-        source, dest = main_m["warm"].destination, main_m["decision"].destination
-        pulled, recompute = main_m["pulled"], main_m["recompute"]
-        if pulled.get("fallback"):
-            fallbacks[pulled["fallback"]] += 1
-        _say(opts, f"  router: prefix -> {source} (load); prompt -> {dest} (load), hint "
-                   f"source {main_m['decision'].hint_source} with "
-                   f"{main_m['decision'].hint_blocks} blocks")
-        reference = client.generate(source, {"token_ids": main_m["prompt"],
-                                             "max_new_tokens": opts.new_tokens,
-                                             "return_logits": True})
-        lp, lr, lf = _logits(pulled), _logits(reference), _logits(recompute)
-        bit_identical = bool(torch.equal(lp.view(torch.int32), lr.view(torch.int32)))
-        max_abs_diff = float((lp - lf).abs().max())
-        scale = float(lf.abs().max())
-        close = bool(torch.allclose(lp, lf, rtol=1e-4, atol=1e-4 * max(1.0, scale)))
-        tokens_equal = pulled["tokens"] == reference["tokens"] == recompute["tokens"]
-        same_prefix = (pulled["cached_tokens"] == reference["cached_tokens"]
-                       and pulled["pulled_tokens"] > 0)
-        correct = bit_identical and close and tokens_equal and same_prefix \
-            and source != dest and main_m["decision"].hint_source == source
-        r0 = _row(P, main_m)
-        rows.append(r0)
-        _say(opts, f"  pulled {r0['blocks_transferred']} blocks, "
-                   f"{r0['bytes_transferred'] / 2**20:.1f} MiB in "
-                   f"{(r0['pull_total_s'] or 0) * 1e3:.1f} ms"
-                   + (f" ({r0['transfer_gbps']:.2f} GB/s)"
-                      if r0["transfer_gbps"] else ""))
-        _say(opts, f"  TTFT pull {pulled['ttft_s'] * 1e3:.1f} ms vs recompute "
-                   f"{recompute['ttft_s'] * 1e3:.1f} ms "
-                   f"({recompute['ttft_s'] / max(pulled['ttft_s'], 1e-9):.1f}x)")
-        _say(opts, f"  correct: {correct} (bit-identical to {source}'s own cache: "
-                   f"{bit_identical}; vs full prefill max |diff| {max_abs_diff:.2e}; "
-                   f"tokens equal: {tokens_equal})")
-
+        first_pull = _warm_up(opts, client, cfg, fallbacks)
+        question = _tokens(opts.question_tokens, cfg.vocab_size, opts.seed + 1)
+        rows = _sweep(opts, client, cfg.vocab_size,
+                      [n for n in sweep if n != opts.prefix_tokens], question, fallbacks)
+        res = _main_run(opts, client, cfg.vocab_size, question, fallbacks)
+        rows.append(res.pop("_row"))
         rows.sort(key=lambda r: r["prefix_tokens"])
         crossover, crossover_below, crossover_note = _crossover(rows)
         _say(opts, f"crossover: {crossover_note}")
-        return {
-            "correct": correct,
-            "bit_identical": bit_identical,
-            "max_abs_diff_vs_recompute": max_abs_diff,
-            "tokens_equal": tokens_equal,
-            "tokens": pulled["tokens"],
-            "prefix_tokens": P,
-            "prompt_tokens": len(main_m["prompt"]),
-            "source": source,
-            "destination": dest,
-            "hint_dialect": DIALECT_NAMES[opts.dialect],  # as workers and the router name it
-            "blocks_transferred": r0["blocks_transferred"],
-            "bytes_transferred": r0["bytes_transferred"],
-            "transfer_gbps": r0["transfer_gbps"],
-            "pull_total_s": r0["pull_total_s"],
-            "pull_phases_s": (pulled.get("pull") or {}).get("phases"),
-            "ttft_pull_s": pulled["ttft_s"],
-            "ttft_recompute_s": recompute["ttft_s"],
-            "speedup": recompute["ttft_s"] / max(pulled["ttft_s"], 1e-9),
+        res.update({
             "first_pull_ttft_s": first_pull["ttft_s"] if first_pull else None,
             "crossover_tokens": crossover,
             "crossover_below": crossover_below,
@@ -355,10 +263,132 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             "layouts": {"A": opts.source_layout, "B": opts.dest_layout},
             "threads": opts.threads,
             "elapsed_s": time.perf_counter() - t_start,
-        }
+        })
+        return res
     finally:
         for p in procs.values():
             p.stop()
+
+
+def _warm_up(opts: DemoOptions, client: _Client, cfg: Any,
+             fallbacks: Counter[str]) -> dict | None:
+    """First forwards, first UCX connection and state fetch (both ways); the first pull
+    A -> B."""
+    T, vocab = cfg.block_size, cfg.vocab_size
+    _say(opts, "warm-up: first forwards and a first small pull each way")
+    for name in ("A", "B"):
+        client.generate(name, {"token_ids": _tokens(3 * T, vocab, 99), "max_new_tokens": 2,
+                               "use_cache": False})
+    first_pull = None
+    # B -> A first, so that A was chosen longest ago and the load rule sends the
+    # main prefix to A and the main prompt to B.
+    for src, dst, seed in (("B", "A", 102), ("A", "B", 101)):
+        m = _measure(client, src, dst, _tokens(2 * T, vocab, seed), [1, 2, 3], 1)
+        fb = m["pulled"].get("fallback")
+        if fb:
+            fallbacks[fb] += 1
+        if src == "A":
+            first_pull = m["pulled"]
+    return first_pull
+
+
+def _sweep(opts: DemoOptions, client: _Client, vocab: int, sizes: list[int],
+           question: list[int], fallbacks: Counter[str]) -> list[dict]:
+    """TTFT with a pull and by recompute per prefix size, best of ``opts.repeats`` (before
+    the main run, so the main run sees warm buffers and connections)."""
+    rows = []
+    _say(opts, f"sweep: {', '.join(map(str, sizes))} tokens (TTFT, best of "
+               f"{opts.repeats} runs each)")
+    for i, n in enumerate(sizes):
+        row = None
+        for rep in range(opts.repeats):
+            m = _measure(client, "A", "B",
+                         _tokens(n, vocab, opts.seed + 1000 + 100 * i + rep), question, 1)
+            r = _row(n, m)
+            if r["fallback"]:
+                fallbacks[r["fallback"]] += 1
+            row = r if row is None else _best(row, r)
+        rows.append(row)
+        _say(opts, f"  {n:6d} tokens: pull {row['ttft_pull_s'] * 1e3:8.1f} ms  recompute "
+                   f"{row['ttft_recompute_s'] * 1e3:8.1f} ms"
+                   + (f"  [fallback {row['fallback']}]" if row["fallback"] else ""))
+    return rows
+
+
+def _main_run(opts: DemoOptions, client: _Client, vocab: int, question: list[int],
+              fallbacks: Counter[str]) -> dict[str, Any]:
+    """The main run: destination and hint chosen by the router; the correctness check."""
+    from kvkern.serve.router import DIALECT_NAMES  # noqa: PLC0415
+
+    P = opts.prefix_tokens
+    _say(opts, f"main: shared prefix of {P} tokens + a {opts.question_tokens}-token "
+               "question")
+    prefix = _tokens(P, vocab, opts.seed)
+    main_m = _measure(client, "A", "B", prefix, question, opts.new_tokens, via_load=True)
+    source, dest = main_m["warm"].destination, main_m["decision"].destination
+    pulled, recompute = main_m["pulled"], main_m["recompute"]
+    if pulled.get("fallback"):
+        fallbacks[pulled["fallback"]] += 1
+    _say(opts, f"  router: prefix -> {source} (load); prompt -> {dest} (load), hint "
+               f"source {main_m['decision'].hint_source} with "
+               f"{main_m['decision'].hint_blocks} blocks")
+    reference = client.generate(source, {"token_ids": main_m["prompt"],
+                                         "max_new_tokens": opts.new_tokens,
+                                         "return_logits": True})
+    check = _check(pulled, reference, recompute)
+    correct = check["correct"] and source != dest \
+        and main_m["decision"].hint_source == source
+    r0 = _row(P, main_m)
+    _say(opts, f"  pulled {r0['blocks_transferred']} blocks, "
+               f"{r0['bytes_transferred'] / 2**20:.1f} MiB in "
+               f"{(r0['pull_total_s'] or 0) * 1e3:.1f} ms"
+               + (f" ({r0['transfer_gbps']:.2f} GB/s)"
+                  if r0["transfer_gbps"] else ""))
+    _say(opts, f"  TTFT pull {pulled['ttft_s'] * 1e3:.1f} ms vs recompute "
+               f"{recompute['ttft_s'] * 1e3:.1f} ms "
+               f"({recompute['ttft_s'] / max(pulled['ttft_s'], 1e-9):.1f}x)")
+    _say(opts, f"  correct: {correct} (bit-identical to {source}'s own cache: "
+               f"{check['bit_identical']}; vs full prefill max |diff| "
+               f"{check['max_abs_diff']:.2e}; tokens equal: {check['tokens_equal']})")
+    return {
+        "correct": correct,
+        "bit_identical": check["bit_identical"],
+        "max_abs_diff_vs_recompute": check["max_abs_diff"],
+        "tokens_equal": check["tokens_equal"],
+        "tokens": pulled["tokens"],
+        "prefix_tokens": P,
+        "prompt_tokens": len(main_m["prompt"]),
+        "source": source,
+        "destination": dest,
+        "hint_dialect": DIALECT_NAMES[opts.dialect],  # as workers and the router name it
+        "blocks_transferred": r0["blocks_transferred"],
+        "bytes_transferred": r0["bytes_transferred"],
+        "transfer_gbps": r0["transfer_gbps"],
+        "pull_total_s": r0["pull_total_s"],
+        "pull_phases_s": (pulled.get("pull") or {}).get("phases"),
+        "ttft_pull_s": pulled["ttft_s"],
+        "ttft_recompute_s": recompute["ttft_s"],
+        "speedup": recompute["ttft_s"] / max(pulled["ttft_s"], 1e-9),
+        "_row": r0,
+    }
+
+
+def _check(pulled: dict, reference: dict, recompute: dict) -> dict[str, Any]:
+    """Pulled logits bit-identical to the source's own cache and close to a full prefill;
+    tokens equal on all three; the pull really used the source's prefix."""
+    import torch  # noqa: PLC0415
+
+    lp, lr, lf = _logits(pulled), _logits(reference), _logits(recompute)
+    bit_identical = bool(torch.equal(lp.view(torch.int32), lr.view(torch.int32)))
+    max_abs_diff = float((lp - lf).abs().max())
+    scale = float(lf.abs().max())
+    close = bool(torch.allclose(lp, lf, rtol=1e-4, atol=1e-4 * max(1.0, scale)))
+    tokens_equal = pulled["tokens"] == reference["tokens"] == recompute["tokens"]
+    same_prefix = (pulled["cached_tokens"] == reference["cached_tokens"]
+                   and pulled["pulled_tokens"] > 0)
+    return {"correct": bit_identical and close and tokens_equal and same_prefix,
+            "bit_identical": bit_identical, "max_abs_diff": max_abs_diff,
+            "tokens_equal": tokens_equal}
 
 
 def run_kill_check(opts: DemoOptions, *, stall_s: float = 30.0) -> dict[str, Any]:

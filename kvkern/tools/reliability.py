@@ -122,6 +122,19 @@ def render(run: dict, records: list[dict], env: dict[str, str], issues: list[str
     faults = [r for r in records if r["section"] == "faults"]
     load = [r for r in records if r["section"] == "load"]
     hostile = [r for r in records if r["section"] == "hostile"]
+    zero_trust = [r for r in records if r["section"] == "zero_trust"]
+    lines = _summary(run, records, env, issues, faults, load, hostile)
+    lines += _faults_section(faults)
+    lines += _load_section(load)
+    lines += _hostile_section(hostile)
+    lines += _zero_trust_section(zero_trust)
+    if issues:
+        lines += ["", "## Problems", ""] + [f"- {i}" for i in issues]
+    return "\n".join(lines) + "\n"
+
+
+def _summary(run: dict, records: list[dict], env: dict[str, str], issues: list[str],
+             faults: list[dict], load: list[dict], hostile: list[dict]) -> list[str]:
     leaks = sum((r.get("leaks") or 0) + (r.get("leaks_dst") or 0) + (r.get("leaks_src") or 0)
                 for r in records)
     survived = sum(1 for r in faults if r.get("passed") and r.get("observed") == r.get("expected"))
@@ -157,6 +170,11 @@ def render(run: dict, records: list[dict], env: dict[str, str], issues: list[str
         ["hostile inputs tried", inputs],
         ["leaks found (blocks, pins, leases, private blocks, sends, pulls)", leaks],
     ])
+    return lines
+
+
+def _faults_section(faults: list[dict]) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## Fault matrix", "",
               "Destination D1 and sources are real `kvkern worker` processes (plus test routes, "
               "`tests/reliability/peers/fault_worker.py`). Hint bounds unless stated: metadata "
@@ -174,6 +192,11 @@ def render(run: dict, records: list[dict], env: dict[str, str], issues: list[str
                                   if r.get("observed") == "partial" else None),
           f"{_fmt(r.get('leaks_dst'))}/{_fmt(r.get('leaks_src'))}", r.get("next_pull"),
           _status(r)] for r in faults])
+    return lines
+
+
+def _load_section(load: list[dict]) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## Load", "",
               "One source, four destination processes (trtllm, vllm_flash, vllm_nhd, trtllm "
               "pools), random shared prefixes, all four hint dialects. Latency is the client's "
@@ -190,6 +213,11 @@ def render(run: dict, records: list[dict], env: dict[str, str], issues: list[str
           "/".join(_fmt(r.get("latency_s", {}).get(q)) for q in ("p50", "p90", "p99")),
           "/".join(_fmt(r.get("pull_s", {}).get(q)) for q in ("p50", "p90", "p99")),
           r.get("reasons"), r.get("outputs"), r.get("leaks"), _status(r)] for r in load])
+    return lines
+
+
+def _hostile_section(hostile: list[dict]) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## Hostile input", "",
               "Hypothesis profiles: quick (default `make test`) and long (`-m slow`, >= 10,000 "
               "examples per target). *Inputs* counts every input fed (the hint fuzz feeds a "
@@ -201,7 +229,11 @@ def render(run: dict, records: list[dict], env: dict[str, str], issues: list[str
         [[r["case"], r.get("target"), r.get("profile"), r.get("inputs_tried"), r.get("seconds"),
           r.get("reasons"), r.get("internal_errors", 0), r.get("leaks"), _status(r)]
          for r in hostile])
-    zero_trust = [r for r in records if r["section"] == "zero_trust"]
+    return lines
+
+
+def _zero_trust_section(zero_trust: list[dict]) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## Hostile peers and tenants", "",
               "Real `kvkern worker` processes on 127.0.0.1 attacked as an outsider, a greedy or "
               "malicious fleet member, and a hostile tenant would (`tests/reliability/"
@@ -213,9 +245,7 @@ def render(run: dict, records: list[dict], env: dict[str, str], issues: list[str
         [[r["case"], r.get("attack") or r.get("what"),
           {k: v for k, v in r.items() if k not in _COMMON_KEYS}, r.get("test_duration_s"),
           _status(r)] for r in zero_trust])
-    if issues:
-        lines += ["", "## Problems", ""] + [f"- {i}" for i in issues]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
