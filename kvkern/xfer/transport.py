@@ -811,6 +811,18 @@ Handler = Callable[[Connection], Awaitable[None]]
 AUTH_REPLY_TAG = tag_for(0, Lane.REPLY, 0)
 
 
+@contextlib.contextmanager
+def _auth_failure(conn: Connection):
+    """Any failure of the exchange aborts ``conn`` and is ``TransportError('auth_failed')``."""
+    try:
+        yield
+    except TransportError as exc:
+        conn.abort("auth_failed")
+        if exc.reason == "auth_failed":
+            raise
+        raise TransportError("auth_failed", f"authentication exchange: {exc}") from exc
+
+
 async def authenticate_server(conn: Connection, credential: Credential, *,
                               timeout: float = DEFAULT_AUTH_TIMEOUT_S) -> str:
     """The server's half of :mod:`kvkern.xfer.auth`'s ``ctl`` exchange. Reads at most two
@@ -823,7 +835,7 @@ async def authenticate_server(conn: Connection, credential: Credential, *,
     def left() -> float:
         return max(deadline - time.monotonic(), 0.001)
 
-    try:
+    with _auth_failure(conn):
         hello = await conn.recv_msg(CONTROL_TAG, timeout=left(), max_bytes=AUTH_FRAME_BYTES)
         if not isinstance(hello, Hello):
             raise TransportError("auth_failed", f"first frame is {type(hello).__name__}, "
@@ -839,11 +851,6 @@ async def authenticate_server(conn: Connection, credential: Credential, *,
                 credential.peer_id):
             raise TransportError("auth_failed", f"peer {hello.peer_id!r} did not prove the "
                                  "fleet secret")
-    except TransportError as exc:
-        conn.abort("auth_failed")
-        if exc.reason == "auth_failed":
-            raise
-        raise TransportError("auth_failed", f"authentication exchange: {exc}") from exc
     conn.peer_id = hello.peer_id
     return hello.peer_id
 
@@ -858,7 +865,7 @@ async def authenticate_client(conn: Connection, credential: Credential, *,
 
     deadline = time.monotonic() + timeout
     nonce_c = secrets.token_bytes(NONCE_BYTES)
-    try:
+    with _auth_failure(conn):
         await conn.send_msg(Hello(nonce=nonce_c, peer_id=credential.peer_id), CONTROL_TAG,
                             timeout=timeout)
         ch = await conn.recv_msg(AUTH_REPLY_TAG, timeout=max(deadline - time.monotonic(), 0.001),
@@ -869,11 +876,6 @@ async def authenticate_client(conn: Connection, credential: Credential, *,
         await conn.send_msg(Proof(proof=credential.client_proof(
             nonce_c, ch.nonce, credential.peer_id, ch.peer_id)), CONTROL_TAG,
             timeout=max(deadline - time.monotonic(), 0.001))
-    except TransportError as exc:
-        conn.abort("auth_failed")
-        if exc.reason == "auth_failed":
-            raise
-        raise TransportError("auth_failed", f"authentication exchange: {exc}") from exc
     conn.peer_id = ch.peer_id
     return ch.peer_id
 
