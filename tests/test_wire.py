@@ -99,3 +99,17 @@ def test_the_package_exports_what_users_need_lazily():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out
+
+
+def test_the_ucxx_transport_implements_the_seam():
+    from kvkern.xfer import seam
+    from kvkern.xfer.transport import Connection, ConnectionPool
+
+    for proto in (seam.TransferConnection, seam.Connector):
+        impl = Connection if proto is seam.TransferConnection else ConnectionPool
+        for name in proto.__protocol_attrs__ if hasattr(proto, "__protocol_attrs__") else ():
+            if name != "codec":  # an instance attribute of the pool
+                assert hasattr(impl, name), (impl.__name__, name)
+    for name in ("alive", "send_msg", "recv_msg", "recv_stream", "read_parts"):
+        assert hasattr(Connection, name), name
+    assert hasattr(ConnectionPool, "get")

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -28,6 +28,10 @@ from kvkern.xfer.kvgroup import RankKV
 from kvkern.xfer.messages import READ_CAPABILITY, PullReply
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
+from kvkern.xfer.seam import TransferConnection
+
+if TYPE_CHECKING:
+    from kvkern.layout.plan import PeerTransfer
 
 __all__ = ["LANE_RETRY_S", "ReadReceiver", "StreamReceiver", "StreamUnpacker", "source_layout"]
 
@@ -133,8 +137,9 @@ class StreamReceiver:
         self.config = config
         self.staging = staging
 
-    async def receive(self, job: PullJob, tr: Any, rkv: RankKV, conn: Any, reply: PullReply,
-                      chunk: int, xfer_t: float, entry: tuple) -> None:
+    async def receive(self, job: PullJob, tr: PeerTransfer, rkv: RankKV,
+                      conn: TransferConnection, reply: PullReply, chunk: int, xfer_t: float,
+                      entry: tuple) -> None:
         """Receive and unpack every chunk ``reply`` announced; :class:`Fallback` if the
         stream is not exactly the served blocks' bytes."""
         served, unit, cfg = reply.served_blocks, tr.block_nbytes, self.config
@@ -211,7 +216,7 @@ class ReadReceiver:
         self.lanes = None  # kvkern.xfer.read_lanes.ReadLanes, made by the first lane read
         self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
 
-    def can_read(self, job: PullJob, tr: Any, rkv: RankKV) -> bool:
+    def can_read(self, job: PullJob, tr: PeerTransfer, rkv: RankKV) -> bool:
         """Ask for a one-sided read: allowed here, into host memory, and the source rank's
         pool is registered (its state says how). Canonical segments on both sides (TRT-LLM
         rows, per-layer HND): any plan pieces (a TP or PP reshard reads head and layer
@@ -234,8 +239,8 @@ class ReadReceiver:
                 and st.layouts.get(key) == rkv.layout_signature
                 and whole_block_pair(tr.pieces, rkv.layout, rkv.layout))  # same dims
 
-    async def receive(self, job: PullJob, tr: Any, conn: Any, reply: PullReply, rkv: RankKV,
-                      xfer_t: float, t_req: float) -> None:
+    async def receive(self, job: PullJob, tr: PeerTransfer, conn: TransferConnection,
+                      reply: PullReply, rkv: RankKV, xfer_t: float, t_req: float) -> None:
         """Read the pair's pieces of the served blocks straight from the source's pool into
         the private blocks of ``rkv``. They count when every read completed inside the
         source's granted hold, measured from ``t_req`` (before the request was sent; the
@@ -257,7 +262,7 @@ class ReadReceiver:
         job.phases["read"] = job.phases.get("read", 0.0) + (t_ack - t)
         await self._confirm(job, tr, conn, reply, xfer_t, t_req, t_ack)
 
-    def _check_offer(self, job: PullJob, tr: Any, reply: PullReply, rkv: RankKV) -> Any:
+    def _check_offer(self, job: PullJob, tr: PeerTransfer, reply: PullReply, rkv: RankKV) -> Any:
         """The destination segments the offer's reads land in; Fallback when the offer is
         not what this pair's state and plan promise."""
         key = (job.source_dp, tr.src_rank)
@@ -288,7 +293,7 @@ class ReadReceiver:
         return segs
 
     @staticmethod
-    def _parts(job: PullJob, tr: Any, reply: PullReply, rkv: RankKV,
+    def _parts(job: PullJob, tr: PeerTransfer, reply: PullReply, rkv: RankKV,
                segs: Any) -> dict[int, list]:
         """Per source segment (remote key index), the coalesced ``(local, remote, nbytes)``
         runs that move the pair's pieces of every served block."""
@@ -312,7 +317,7 @@ class ReadReceiver:
             parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))
         return parts
 
-    async def _copy(self, job: PullJob, conn: Any, worker: bytes | None,
+    async def _copy(self, job: PullJob, conn: TransferConnection, worker: bytes | None,
                     keyed: list[tuple[bytes, list]], xfer_t: float) -> float | None:
         """Run the reads, on the lanes when there are, else on the connection; returns when
         the first byte landed (if known)."""
@@ -335,8 +340,8 @@ class ReadReceiver:
             job.quarantined = True
             raise
 
-    async def _confirm(self, job: PullJob, tr: Any, conn: Any, reply: PullReply,
-                       xfer_t: float, t_req: float, t_ack: float) -> None:
+    async def _confirm(self, job: PullJob, tr: PeerTransfer, conn: TransferConnection,
+                       reply: PullReply, xfer_t: float, t_req: float, t_ack: float) -> None:
         """Reads inside the granted hold count now (the release goes in the background);
         later ones count on ``ReadAck(held=True)``."""
         from kvkern.xfer.messages import ReadAck, ReadDone  # noqa: PLC0415
@@ -385,7 +390,8 @@ class ReadReceiver:
                     "connection for %s s", exc, LANE_RETRY_S)
         bounded_put(self._lanes_down, worker, time.monotonic())
 
-    async def _release_read(self, conn: Any, tid: int, xfer_t: float) -> None:
+    async def _release_read(self, conn: TransferConnection, tid: int,
+                            xfer_t: float) -> None:
         """ReadDone for a read that already counts: the source unpins, and answers nothing
         (``ack=False``)."""
         from kvkern.xfer.messages import ReadDone  # noqa: PLC0415

@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvkern.layout.chunks import direct_order
 from kvkern.xfer.codes import CONNECT_FAILURES, reject_reason, transport_reason
@@ -33,6 +33,10 @@ from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.policy import CostGuard, apply_policy
 from kvkern.xfer.pulljob import Fallback, PullJob, PullRecord
 from kvkern.xfer.receive import ReadReceiver, StreamReceiver
+from kvkern.xfer.seam import Connector, TransferConnection
+
+if TYPE_CHECKING:
+    from kvkern.layout.plan import PeerTransfer
 
 __all__ = ["CANCEL_SEND_TIMEOUT_S", "PullRunner", "job_outcome"]
 
@@ -57,13 +61,13 @@ def job_outcome(job: PullJob, reason: Reason, detail: str = "", **kw: Any) -> Pu
 class PullRunner:
     """Runs admitted pulls for one DP group (see the module docstring)."""
 
-    def __init__(self, group: KVGroup, config: XferConfig, *, pool: Any,
+    def __init__(self, group: KVGroup, config: XferConfig, *, pool: Connector,
                  discovery: SourceDiscovery, streams: StreamReceiver, reads: ReadReceiver,
                  cost_guard: CostGuard, metrics: Any, lock: threading.Lock,
                  finish: Callable[..., None], spawn: Callable[[Any], None]) -> None:
         self.group = group
         self.config = config
-        self.pool = pool  # kvkern.xfer.transport.ConnectionPool
+        self.pool = pool  # kvkern.xfer.transport.ConnectionPool behind the seam
         self.discovery = discovery
         self.streams = streams
         self.reads = reads
@@ -258,7 +262,7 @@ class PullRunner:
                 tk.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _pull_pair(self, job: PullJob, tr: Any, addr: tuple[str, int],
+    async def _pull_pair(self, job: PullJob, tr: PeerTransfer, addr: tuple[str, int],
                          xfer_t: float) -> int:
         """One (source rank, destination rank) pair; returns the validated served count."""
         rkv = self.group.ranks[tr.dst_rank]
@@ -284,7 +288,8 @@ class PullRunner:
         await self.streams.receive(job, tr, rkv, conn, reply, chunk, xfer_t, entry)
         return served
 
-    async def _connect(self, job: PullJob, addr: tuple[str, int], xfer_t: float) -> Any:
+    async def _connect(self, job: PullJob, addr: tuple[str, int],
+                       xfer_t: float) -> TransferConnection:
         from kvkern.xfer.transport import TransportError  # noqa: PLC0415
 
         try:
@@ -297,7 +302,7 @@ class PullRunner:
             await self.discovery.connect_failed(job, exc)
             raise
 
-    def _request(self, job: PullJob, tr: Any, rkv: RankKV, chunk: int) -> PullRequest:
+    def _request(self, job: PullJob, tr: PeerTransfer, rkv: RankKV, chunk: int) -> PullRequest:
         from kvkern.xfer.messages import PlanPiece  # noqa: PLC0415
 
         pieces = [PlanPiece(src_rank=p.src_rank, layer_start=p.src_layers[0],
@@ -313,7 +318,7 @@ class PullRunner:
                            read=self.reads.can_read(job, tr, rkv),
                            model=getattr(self.group, "model_id", ""))
 
-    async def _exchange(self, job: PullJob, conn: Any, req: PullRequest,
+    async def _exchange(self, job: PullJob, conn: TransferConnection, req: PullRequest,
                         xfer_t: float) -> Any:
         from kvkern.xfer.transport import CONTROL_TAG, Lane, TransportError, tag_for  # noqa: PLC0415
 
@@ -328,7 +333,7 @@ class PullRunner:
             raise
         return reply
 
-    def _check_reply(self, job: PullJob, tr: Any, req: PullRequest, reply: Any,
+    def _check_reply(self, job: PullJob, tr: PeerTransfer, req: PullRequest, reply: Any,
                      entry: tuple) -> int:
         """The served count of a well-formed reply that serves; else Fallback (and the
         transfer is closed where nothing follows)."""
