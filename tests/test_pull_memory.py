@@ -1,0 +1,204 @@
+"""The pull path's control logic on the in-memory transport (:mod:`kvkern.xfer.memtransport`):
+admission, de-duplication, policies, leases, cancels and fallback reasons, in milliseconds
+and without a process or a socket. The real-process tests (test_pull.py) cover UCXX."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import kvkern.xfer.endpoint as endpoint_mod
+from kvkern.cache.hashing import sequence_hashes
+from kvkern.cache.pool import BlockPool
+from kvkern.kernels.pack import pack, unpack
+from kvkern.layout.kv_layout import allocate_staging
+from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+from kvkern.xfer.config import XferConfig
+from kvkern.xfer.kvgroup import KVGroup, RankKV
+from kvkern.xfer.memtransport import MemoryConnector, MemorySource
+from kvkern.xfer.outcome import Reason
+from kvkern.xfer.puller import Puller
+from kvkern.xfer.runtime import EventLoopThread
+
+BS = 4
+MODEL = ModelKVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=BS, dtype="float16")
+TOPO = Topology(model=MODEL, parallel=Parallelism())
+ADDR = ("127.0.0.1", 5000)
+HINT = {"kv_hint": {"source": "http://127.0.0.1:8000/kvkern/v1/state"}}
+
+
+def make_group(num_blocks: int = 64) -> KVGroup:
+    lay = TOPO.local_layout(0, num_blocks, "trtllm")
+    return KVGroup(TOPO, 0, BlockPool(num_blocks, block_size=BS),
+                   {0: RankKV(0, lay, lay.allocate(fill="zeros"))})
+
+
+def commit(group: KVGroup, tokens: list[int], seed: int = 0) -> list[int]:
+    """Cache ``tokens``' full blocks in ``group`` with random KV; their hashes."""
+    pool, rkv = group.manager, group.ranks[0]
+    hs = sequence_hashes(tokens, BS)
+    ids = pool.allocate(len(hs))
+    staging = allocate_staging(rkv.layout, len(ids))
+    raw = torch.randint(0, 256, (staging.numel() * staging.element_size(),), dtype=torch.uint8,
+                        generator=torch.Generator().manual_seed(seed))
+    staging.view(-1).view(torch.uint8).copy_(raw)
+    unpack(staging, rkv.pool, rkv.layout, ids)
+    pool.commit(ids, hs)
+    pool.release(ids)
+    return hs
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lp = EventLoopThread("memory-pull")
+    yield lp
+    lp.close()
+
+
+@pytest.fixture
+def fleet(loop, monkeypatch):
+    src = MemorySource(make_group())
+
+    async def fake_fetch(resolved, **kw):
+        return src.state_body(*ADDR)
+
+    monkeypatch.setattr(endpoint_mod, "fetch_state", fake_fetch)
+    pullers = []
+
+    def make(**kw):
+        cfg = XferConfig(allowlist="127.0.0.1", cost_guard=False, transfer_timeout_s=0.3,
+                         deadline_s=2.0, **kw)
+        p = Puller(make_group(), config=cfg, loop=loop, pool=MemoryConnector({ADDR: src}))
+        pullers.append(p)
+        return p
+
+    yield src, make
+    for p in pullers:
+        p.close()
+
+
+def tokens(n_blocks: int, seed: int) -> list[int]:
+    return [seed * 1000 + i for i in range(n_blocks * BS)]
+
+
+def same_bytes(src: MemorySource, dst: KVGroup, hashes: list[int], ids: list[int]) -> bool:
+    a, b = src.group.ranks[0], dst.ranks[0]
+    want = pack(a.pool, a.layout, src.group.manager.match_prefix(hashes))
+    return torch.equal(want.view(torch.int16), pack(b.pool, b.layout, ids).view(torch.int16))
+
+
+def test_a_pull_lands_the_source_bytes_and_is_claimed(fleet):
+    src, make = fleet
+    toks = tokens(6, 1)
+    hs = commit(src.group, toks)
+    p = make()
+    t0 = time.perf_counter()
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.used and o.reason is Reason.OK and o.blocks_transferred == 6, o
+    assert time.perf_counter() - t0 < 1.0
+    ids = p.claim("r")
+    assert ids is not None and same_bytes(src, p.group, hs, ids)
+    assert p.claim("r") is None  # a lease is claimed once
+    p.group.manager.release(ids)
+    p.group.manager.check_invariants()
+    assert src.pins_outstanding == 0
+
+
+def test_an_identical_pull_attaches_to_the_first(fleet):
+    src, make = fleet
+    toks = tokens(4, 2)
+    commit(src.group, toks)
+    src.faults.delay_s = 0.05
+    p = make()
+    p.submit("first", toks, HINT)
+    p.submit("second", toks, HINT)
+    first, second = p.result("first", 5), p.result("second", 5)
+    assert first.reason is Reason.OK and second.reason is Reason.DUPLICATE, (first, second)
+    assert second.blocks_local == 4 and len(src.requests) == 1
+    assert p.release("first")
+
+
+def test_the_concurrency_cap_answers_busy(fleet):
+    src, make = fleet
+    a, b = tokens(3, 3), tokens(3, 4)
+    commit(src.group, a)
+    commit(src.group, b, seed=1)
+    src.faults.delay_s = 0.05
+    p = make(max_inflight_pulls=1)
+    p.submit("a", a, HINT)
+    p.submit("b", b, HINT)
+    assert p.result("b", 5).reason is Reason.BUSY
+    assert p.result("a", 5).reason is Reason.OK
+
+
+@pytest.mark.parametrize("policy,reason,kept", [("strict", Reason.SOURCE_MISS, 0),
+                                                ("best_effort", Reason.PARTIAL, 3)])
+def test_policies_on_a_source_short_of_blocks(fleet, policy, reason, kept):
+    src, make = fleet
+    toks = tokens(5, 5)
+    commit(src.group, toks[:3 * BS])
+    p = make(default_policy=policy)
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.reason is reason and o.blocks_transferred == kept, o
+    p.release("r")  # the kept blocks stay cached (and evictable)
+    p.group.manager.check_invariants()
+    assert p.group.manager.longest_prefix(sequence_hashes(toks, BS)) == kept
+    assert p.group.manager.num_free == p.group.manager.num_blocks
+
+
+@pytest.mark.parametrize("fault,value,reason", [
+    ("drop", True, Reason.TRANSFER_TIMEOUT),
+    ("stall_after", 0, Reason.TRANSFER_TIMEOUT),
+    ("corrupt", "hashes", Reason.HASH_MISMATCH),
+    ("disconnect", "request", Reason.TRANSFER_FAILED),
+    ("disconnect", "stream", Reason.TRANSFER_FAILED),
+    ("disconnect", "connect", Reason.TRANSFER_FAILED),
+])
+def test_faults_fall_back_with_their_reason_and_free_every_block(fleet, fault, value, reason):
+    src, make = fleet
+    toks = tokens(4, 6)
+    commit(src.group, toks)
+    setattr(src.faults, fault, value)
+    p = make(chunk_bytes=1024, chunks_in_flight=2)
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert not o.used and o.reason is reason, o
+    p.group.manager.check_invariants()
+    assert p.group.manager.num_free == p.group.manager.num_blocks
+    assert src.pins_outstanding == 0
+
+
+def test_a_cancel_ends_the_pull_and_tells_the_source(fleet):
+    src, make = fleet
+    toks = tokens(4, 7)
+    commit(src.group, toks)
+    src.faults.delay_s = 0.2
+    p = make()
+    p.submit("r", toks, HINT)
+    time.sleep(0.05)
+    assert p.cancel("r")
+    o = p.result("r", 5)
+    assert o.reason is Reason.CANCELLED, o
+    assert p.group.manager.num_free == p.group.manager.num_blocks
+    deadline = time.monotonic() + 2
+    while not src.cancels and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [c.reason for c in src.cancels] == ["cancelled"]
+
+
+def test_a_rejected_request_names_the_source_code(fleet):
+    src, make = fleet
+    toks = tokens(3, 8)
+    commit(src.group, toks)
+    body = src.state_body(*ADDR)  # names our model ("")
+    src.state_body = lambda *a: body
+    object.__setattr__(src.group, "model_id", "another-model")  # the source now holds another
+    p = make()
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.reason is Reason.INCOMPATIBLE_MODEL and len(src.requests) == 1, o
+    assert "incompatible_model" in o.detail
