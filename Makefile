@@ -36,7 +36,7 @@ bench-xfer: $(STAMP)
 # replace the CPU torch build, so the two wheels come without them.
 bench-nixl: $(STAMP)
 	$(VPY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
-	$(VPY) bench/nixl_compare.py
+	$(VPY) -m kvkern bench xfer --compare nixl --sizes 16MiB,64MiB,256MiB
 
 reliability: $(STAMP)
 	$(VPY) -m pytest -q -m '' tests/reliability && $(VPY) -m kvkern.tools.reliability --require-slow

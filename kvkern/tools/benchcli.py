@@ -680,6 +680,14 @@ def _print_human(res: dict[str, Any]) -> None:
     if "pull" in cases:
         print(f"  pull     hint-to-first-byte median {cases['pull']['hint_to_first_byte_ms']} ms "
               f"(1 block, warm connection)")
+    nixl = res.get("compare", {}).get("nixl")
+    if nixl is not None and "error" in nixl:
+        print(f"  nixl     {nixl['error']}")
+    for size, r in (nixl or {}).get("cases", {}).items():
+        print(f"  nixl     {int(size) // MiB:5d} MiB  READ {r['consecutive']['gbps']:.2f} GB/s "
+              f"(scattered {r['scattered']['gbps']:.2f})  kvkern / NIXL "
+              f"{r.get('kvkern_vs_nixl', float('nan')):.2f} "
+              f"(scattered {r.get('kvkern_vs_nixl_scattered', float('nan')):.2f})")
     if "messages" in cases:
         m = cases["messages"]
         print(f"  messages control rtt {m['control_rtt_us']} us; {m['n']} x 64 KiB: "
@@ -723,6 +731,9 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--read-lanes", type=int, default=Settings.read_lanes,
                    help="pull case: read lanes of the headline pull (XferConfig.read_lanes); "
                         "fewer lanes are measured in the same run (lanes1_*, lanes0_*)")
+    x.add_argument("--compare", choices=["nixl"], default=None,
+                   help="also measure NIXL's block-list READ on the same pool shapes and sizes "
+                        "in this run, with kvkern / NIXL ratios (needs nixl: make bench-nixl)")
     x.add_argument("--json", action="store_true", help="print one JSON object, last line")
     p = sub.add_parser("_peer")  # the benchmark's second process; no help: not listed
     p.add_argument("--port-file", required=True)
@@ -751,6 +762,10 @@ def main(argv: list[str] | None = None) -> int:
                  data_path=ns.data_path, pull_layout=ns.pull_layout,
                  pull_tp=_parse_tp(ns.pull_tp, parser), read_lanes=ns.read_lanes)
     res = run_xfer(s)
+    if ns.compare == "nixl":
+        from kvkern.tools.nixlbench import compare  # noqa: PLC0415
+
+        res["compare"] = {"nixl": compare(res)}
     if ns.json:
         sys.stdout.flush()
         print(json.dumps(res), flush=True)

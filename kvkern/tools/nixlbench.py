@@ -1,7 +1,8 @@
 """NIXL's block-list READ between two processes, measured the way vLLM's NIXL connector uses
 it, on pools shaped like ``kvkern bench xfer``'s: the peer baseline for kvkern's pull.
 
-    python bench/nixl_compare.py --sizes 16MiB,64MiB,256MiB --json
+    python -m kvkern.tools.nixlbench --sizes 16MiB,64MiB,256MiB --json
+    kvkern bench xfer --compare nixl          # both, in one run, with kvkern / NIXL ratios
 
 A target process allocates a host pool (huge pages, as kvkern's pools), fills block ``b`` with
 ``arange + b * 1_000_003`` (int64), registers it with a NIXL agent (UCX backend, progress
@@ -33,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+__all__ = ["BLOCK_BYTES", "compare", "main", "run"]
 
 BLOCK_BYTES = 512 << 10  # kvkern bench xfer's block: 8 layers x 2 x 8 heads x 16 x 128 x bf16
 STRIDE = 1_000_003
@@ -113,8 +116,8 @@ def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0) -> dict[st
     out: dict[str, Any] = {"bench": "nixl_read", "block_bytes": BLOCK_BYTES, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="kvkern-nixl-") as tmp:
         work = Path(tmp)
-        proc = subprocess.Popen([sys.executable, __file__, "_target", str(work), str(n_max),
-                                 str(os.getpid())], stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, "-m", "kvkern.tools.nixlbench", "_target",
+                                 str(work), str(n_max), str(os.getpid())], stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, env=dict(os.environ))
         try:
             _wait_for(work / "info.json", proc, 60)
@@ -179,6 +182,36 @@ def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0) -> dict[st
     return out
 
 
+def compare(kvkern_result: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
+    """Run this benchmark in a process of its own (NIXL and ucxx each load a UCX) for the
+    sizes of ``kvkern_result`` (a ``kvkern bench xfer`` result with its pull case) and add
+    kvkern / NIXL ratios per size: the pull against NIXL's consecutive READ, the scattered
+    pull against NIXL's scattered READ."""
+    pull = kvkern_result.get("cases", {}).get("pull", {})
+    sizes = [s for s, r in pull.items() if isinstance(r, dict)]
+    if not sizes:
+        return {"error": "no pull case to compare (run with --cases including pull)"}
+    cmd = [sys.executable, "-m", "kvkern.tools.nixlbench", "--json",
+           "--sizes", ",".join(sizes)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return {"error": f"NIXL benchmark did not finish within {timeout_s:.0f} s"}
+    if done.returncode != 0:
+        tail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        return {"error": f"NIXL benchmark failed: {tail[0]}"}
+    nixl = json.loads(done.stdout.strip().splitlines()[-1])
+    for size, row in nixl["cases"].items():
+        ours = pull.get(size, {})
+        if "pull_gbps" in ours:
+            row["kvkern_vs_nixl"] = round(ours["pull_gbps"] / row["consecutive"]["gbps"], 3)
+        if "scattered_pull_gbps" in ours:
+            row["kvkern_vs_nixl_scattered"] = round(
+                ours["scattered_pull_gbps"] / row["scattered"]["gbps"], 3)
+    return nixl
+
+
 def _dist_version(name: str) -> str:
     from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
 
@@ -214,5 +247,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     sys.exit(main())
