@@ -144,6 +144,50 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
     return out
 
 
+def _two(x: float | None) -> str:
+    return "-" if x is None else _fmt(x)
+
+
+def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
+    """NIXL's READ against kvkern's pull in the same runs, and the authentication cost."""
+    out = ["## kvkern against NIXL (`kvkern bench xfer --compare nixl`)", "",
+           "NIXL's block-list READ (descriptors prepared once, no per-transfer control "
+           "message, as vLLM's connector uses it) between two processes on pools of the same "
+           "512 KiB blocks and sizes, right after kvkern's pull in the same run; every "
+           "transfer of both verified. Cells: GB/s median [min-max] of the run's repeats.", ""]
+    runs = [(name, r) for name, r in records
+            if isinstance(r.get("compare", {}).get("nixl", {}).get("cases"), dict)]
+    if not runs:
+        out += ["No run is recorded.", ""]
+    for name, rec in runs:
+        nixl, pull = rec["compare"]["nixl"], rec.get("cases", {}).get("pull", {})
+        out += [f"Record `{name}` (commit {_commit(rec)}):", "",
+                "| size | NIXL READ | NIXL READ scattered | kvkern pull | kvkern scattered | "
+                "kvkern / NIXL | scattered |", "|---|---|---|---|---|---|---|"]
+        for size in sorted(nixl["cases"], key=int):
+            row, ours = nixl["cases"][size], pull.get(size, {})
+
+            def gb(c: dict) -> str:
+                lo, hi = c["gbps_range"]
+                return f"{_fmt(c['gbps'])} [{_fmt(lo)}-{_fmt(hi)}]"
+
+            out.append(f"| {_size(size)} | {gb(row['consecutive'])} | {gb(row['scattered'])} "
+                       f"| {_two(ours.get('pull_gbps'))} | {_two(ours.get('scattered_pull_gbps'))}"
+                       f" | {_two(row.get('kvkern_vs_nixl'))} "
+                       f"| {_two(row.get('kvkern_vs_nixl_scattered'))} |")
+        out.append("")
+    auth = [(name, r["cases"]["messages"]) for name, r in records
+            if "auth_ms" in r.get("cases", {}).get("messages", {})]
+    if auth:
+        med = [m["auth_ms"] for _, m in auth]
+        rtt = [m["control_rtt_us"] / 1000 for _, m in auth]
+        out += ["Peer authentication costs one exchange per connection, never per pull: "
+                f"{_fmt(min(med))}-{_fmt(max(med))} ms median per connection over "
+                f"{_count(len(auth), 'run')}, against a control round trip of "
+                f"{_fmt(min(rtt))}-{_fmt(max(rtt))} ms in the same runs.", ""]
+    return out
+
+
 def _cpu_section(records: list[tuple[str, dict]]) -> list[str]:
     out = ["## Kernels on CPU (`make bench`)", "",
            "The torch pack/unpack path against a per-block `copy_` loop and one contiguous "
@@ -210,6 +254,7 @@ def render(data: dict[str, Any]) -> str:
              "[docs/performance.md](../docs/performance.md).", ""]
     lines += _gpu_section(data["gpu"], data["kernel_aot"])
     lines += _xfer_section(data["xfer"])
+    lines += _peer_section(data["xfer"])
     lines += _cpu_section(data["cpu_kernels"])
     return "\n".join(lines).rstrip() + "\n"
 
