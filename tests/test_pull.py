@@ -726,14 +726,20 @@ def test_reads_inside_the_granted_hold_count_without_the_ack(src, make_puller):
         o = pull(p, "held", tokens, hint_for(src, tokens))
         assert o.used and o.reason is Reason.OK and o.reads >= 1, o
         assert "ack" not in o.phases and o.total_s < 1.0, o  # did not wait for the ack
-        t0 = time.monotonic()
-        src.wait_no_pins(timeout=5.0)  # ReadDone (sent after the reads) released them
-        assert time.monotonic() - t0 < 1.0  # long before the source's 1.5 s deadline
+        # ReadDone (sent after the reads) releases the pins; the frozen send itself stays
+        # active until the source's 1.5 s deadline
+        t0, st = time.monotonic(), src.http("GET", "/test/stats")
+        while st["pins_outstanding"] and time.monotonic() - t0 < 5.0:
+            time.sleep(0.02)
+            st = src.http("GET", "/test/stats")
+        assert st["pins_outstanding"] == 0 and st["pool"]["pinned"] == 0, st
+        assert time.monotonic() - t0 < 1.0, st  # long before the deadline
     finally:
         src.faults(freeze_after_reply=False)
     assert served_kinds(src, sent) == {"read": 1, "stream": 0}
     claim_check_release(p, group, src, "held", hashes)
     assert_clean(group)
+    src.wait_no_pins()  # the frozen send ended at its deadline
 
 
 def test_source_killed_mid_transfer(make_puller):
