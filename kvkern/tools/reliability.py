@@ -80,6 +80,13 @@ def _fmt(v: Any, nd: int = 3) -> str:
     return str(v)
 
 
+def _count_of(v: Any) -> int:
+    """A leak or error figure as one count: a number, or per-worker counts summed."""
+    if isinstance(v, dict):
+        return sum(_count_of(x) for x in v.values())
+    return int(v or 0)
+
+
 def _status(r: dict) -> str:
     return "PASS" if r.get("passed") else "**FAIL**"
 
@@ -104,7 +111,7 @@ def problems(records: list[dict], *, require_slow: bool) -> list[str]:
             out.append(f"{name} failed")
         for key in ("leaks", "leaks_dst", "leaks_src", "blocks_corrupted", "blocks_missing",
                     "internal_errors"):
-            if r.get(key):
+            if _count_of(r.get(key)):
                 out.append(f"{name}: {key} = {r[key]}")
         if r["section"] == "faults" and r.get("observed") != r.get("expected"):
             out.append(f"{name}: reason {r.get('observed')} != expected {r.get('expected')}")
@@ -135,7 +142,8 @@ def render(run: dict, records: list[dict], env: dict[str, str], issues: list[str
 
 def _summary(run: dict, records: list[dict], env: dict[str, str], issues: list[str],
              faults: list[dict], load: list[dict], hostile: list[dict]) -> list[str]:
-    leaks = sum((r.get("leaks") or 0) + (r.get("leaks_dst") or 0) + (r.get("leaks_src") or 0)
+    leaks = sum(_count_of(r.get("leaks")) + _count_of(r.get("leaks_dst"))
+                + _count_of(r.get("leaks_src"))
                 for r in records)
     survived = sum(1 for r in faults if r.get("passed") and r.get("observed") == r.get("expected"))
     inputs = sum(r.get("inputs_tried", 0) for r in hostile)
