@@ -83,8 +83,8 @@ def bind_error(exc: OSError, host: str, port: int) -> UsageError:
     if exc.errno == errno.EACCES:
         return UsageError(f"no permission to listen on port {port}; use a port above 1023")
     why = exc.strerror or str(exc)
-    return UsageError(f"cannot listen on {host}:{port} ({why}); pass a --host that is an "
-                      "address of this machine (127.0.0.1, 0.0.0.0, ...)")
+    return UsageError(f"cannot listen on {host}:{port} ({why}); pass a --host the worker's "
+                      "host owns (127.0.0.1, 0.0.0.0, ...)")
 
 
 def check_port_free(host: str, port: int) -> None:
