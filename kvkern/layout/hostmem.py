@@ -3,9 +3,9 @@
 On one host UCX moves a large message by CMA: the receiver reads the sender's pages with
 ``process_vm_readv``, which walks (and pins) the sender's page tables page by page. Memory
 from torch's CPU allocator is plain 4 KiB pages (THP is ``madvise`` on most hosts and torch
-does not ask for it); numpy asks for huge pages on arrays of 4 MiB and more. Measured on this
-2-core loopback machine (ucxx 0.52, libucx 1.21, one 64 MiB send, thread progress, median
-of 9): sender buffer from ``torch.empty`` 1.0-2.7 GB/s, from numpy 4.9-5.2 GB/s, from
+does not ask for it); numpy asks for huge pages on arrays of 4 MiB and more. Measured on
+loopback between two processes on 2 cores (ucxx 0.52, libucx 1.21, one 64 MiB send, thread
+progress, median of 9): sender buffer from ``torch.empty`` 1.0-2.7 GB/s, from numpy 4.9-5.2 GB/s, from
 :func:`host_buffer` 4.0-5.9 GB/s. The receiver's side matters less (4.2 vs 4.9 GB/s).
 
 :func:`host_buffer` maps anonymous memory with ``mmap`` (2 MiB aligned, padded if the kernel

@@ -98,7 +98,7 @@ def check_port_free(host: str, port: int) -> None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
         raise UsageError(f"--host {host!r} does not resolve ({exc.strerror}); pass an address "
-                         "of this machine") from None
+                         "the worker's host owns") from None
     family, kind, proto, _, addr = infos[0]
     with socket.socket(family, kind, proto) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind

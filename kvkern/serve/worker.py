@@ -182,7 +182,7 @@ def check_options(opts: argparse.Namespace) -> None:
                              "host[:port[-port]] or *.suffix[:ports]") from None
     if opts.host in ("0.0.0.0", "::") and not opts.advertise_host:
         raise UsageError(f"--host {opts.host} needs --advertise-host (the address peers reach "
-                         "this machine at)")
+                         "the worker at)")
     if opts.chunk_mib > 16384:
         raise UsageError(f"--chunk-mib {opts.chunk_mib} exceeds 16384 (16 GiB)")
     _check_device(opts.device)

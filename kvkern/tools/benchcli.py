@@ -30,36 +30,9 @@ environment, progress mode), so a ``pull`` case added later is measured under ex
 conditions of the raw baseline. ``--json`` prints one JSON object as the LAST stdout line
 (the peer's stdout, where UCX may print warnings, goes to stderr).
 
-Measured here (2 cores shared with other jobs, so the spread is wide; loopback, ucxx 0.52 /
-libucx 1.21; median GB/s of 5-9 repeats, [p20-p80] where it matters)::
-
-    UCX env        progress  raw 64 MiB       raw 256 MiB      chunked 4 MiB x4   ctl RTT
-                                                               64 MiB / 256 MiB
-    kvkern         thread    4.5 [2.8-8.6]    5.4 [5.2-5.7]    3.8 / 4.3          0.25-2.5 ms
-    kvkern         polling   4.2              11.2 [7.1-11.4]  2.1 / 2.2          72 us
-    kvkern         blocking  4.2              4.4              5.1 / 2.1          77 us
-    off (UCX dflt) thread    0.82             0.79             0.78 / 0.85        241 us
-
-    thread, chunked 16 MiB x 8 in flight: 9.0 / 9.0 GB/s; 1 MiB x 8: 4.7 / 4.6 GB/s.
-    64 KiB messages, thread: 670 us each awaited one by one, 208 us each with 32 in flight.
-
-Pulls should use >= 16 MiB chunks with several in flight: per-message cost dominates below.
-
-The pull case (same machine, thread progress, 16 MiB chunks x 4, 512 KiB blocks; load
-average 4-6 from other jobs on the 2 cores; pull / paired raw, median of 5)::
-
-    size      blocks  messages  pull GB/s    raw GB/s    ratio       hint-to-first-byte
-    64 MiB    128     6         0.9 - 2.8    3.3 - 9.1   0.27 - 0.55  3.5 - 6.4 ms median
-    256 MiB   512     18        0.9 - 2.9    2.6 - 8.4   0.33 - 0.41  (1 block, warm)
-
-Messages grow with chunks (request + reply + one per chunk), never with blocks. That
-table predates huge-page host memory and the source's zero-copy sends; with both (commit
-7f28c4b, 6 runs, load 1.4) the ratio is 0.96 [0.61-1.53] at 64 MiB and 0.90 [0.82-1.04] at
-256 MiB, hint-to-first-byte 0.9 ms: see bench/RESULTS.md "Pull vs raw UCXX (loopback)".
-All the tables above predate python-future completions, which made raw 2x faster (12-15
-GB/s) and the control round trip 0.35-0.6 ms; the current figures (one-sided reads: 4
-messages per pull, 0.82 / 0.90 of raw at 64 / 256 MiB, 0.78 / 0.85 from a scattered source)
-are in bench/RESULTS.md.
+Per-message cost dominates below 16 MiB chunks: pulls use >= 16 MiB chunks with several in
+flight. Recorded runs, with their environment, are in ``bench/results/`` and
+``bench/RESULTS.md`` (``make results``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ class StagingPool:
     """Reusable staging buffers, by (device, size class); sizes are powers of two.
 
     Reusing send buffers saves page faults on the host (measured: a fresh 16 MiB buffer costs
-    ~2-4 ms of first-touch faults on this 2-core machine) and, on GPUs and RDMA NICs, UCX
+    ~2-4 ms of first-touch faults on a 2-core host) and, on GPUs and RDMA NICs, UCX
     memory registrations (its registration cache keys on addresses). At most ``max_bytes``
     are kept idle; a buffer is given back only when no send or pack can still touch it.
     """
