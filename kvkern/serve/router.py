@@ -385,90 +385,119 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
     with the fleet credential (``credential``, by default the environment's); without one it
     routes without hints.
     """
-    from aiohttp import ClientSession, ClientTimeout, web  # noqa: PLC0415 (lazy heavy import)
+    return _RouterService(router, request_timeout_s=request_timeout_s,
+                          report_timeout_s=report_timeout_s, refresh_s=refresh_s,
+                          credential=credential, hint_ttl_s=hint_ttl_s, limits=limits).app
 
-    from kvkern.serve.routermetrics import CONTENT_TYPE_LATEST, RouterMetrics  # noqa: PLC0415
-    from kvkern.xfer.auth import resolve, sign_hint  # noqa: PLC0415
-    from kvkern.xfer.hints import KvHint, decode_hint, strip_hints  # noqa: PLC0415
-    from kvkern.xfer.httpguard import (  # noqa: PLC0415
-        HttpLimits,
-        guard_app,
-        json_error,
-        read_json_body,
-    )
 
-    cred = resolve(credential, peer_id="router")
-    if cred is None:
-        log.warning("the router has no fleet credential (--fleet-secret-file, "
-                    "KVKERN_FLEET_SECRET_FILE, KVKERN_FLEET_SECRET): it cannot read block "
-                    "listings or sign hints, so it routes by load only")
+class _RouterService:
+    """The state and handlers behind :func:`build_app`'s aiohttp app."""
 
-    limits = limits or HttpLimits()
-    app = guard_app(web.Application(), limits)
-    metrics = RouterMetrics()
-    for info in router.workers():
-        metrics.add_worker(info["worker_id"])
-    state: dict[str, Any] = {}
+    def __init__(self, router: KVRouter, *, request_timeout_s: float,
+                 report_timeout_s: float, refresh_s: float | None, credential: Any,
+                 hint_ttl_s: float, limits: Any) -> None:
+        from aiohttp import web  # noqa: PLC0415 (lazy heavy import)
 
-    def mark(worker_id: str, healthy: bool, why: str = "") -> None:
-        router.set_healthy(worker_id, healthy, why)
-        metrics.healthy.labels(worker_id).set(1 if healthy else 0)
+        from kvkern.serve.routermetrics import RouterMetrics  # noqa: PLC0415
+        from kvkern.xfer.auth import resolve  # noqa: PLC0415
+        from kvkern.xfer.httpguard import HttpLimits, guard_app  # noqa: PLC0415
 
-    async def refresh_once() -> dict[str, Any]:
-        session: ClientSession = state["session"]
-        out: dict[str, Any] = {}
+        self.router = router
+        self.request_timeout_s = request_timeout_s
+        self.report_timeout_s = report_timeout_s
+        self.refresh_s = refresh_s
+        self.hint_ttl_s = hint_ttl_s
+        self.cred = resolve(credential, peer_id="router")
+        if self.cred is None:
+            log.warning("the router has no fleet credential (--fleet-secret-file, "
+                        "KVKERN_FLEET_SECRET_FILE, KVKERN_FLEET_SECRET): it cannot read block "
+                        "listings or sign hints, so it routes by load only")
+        self.limits = limits or HttpLimits()
+        self.metrics = RouterMetrics()
         for info in router.workers():
+            self.metrics.add_worker(info["worker_id"])
+        self.session: Any = None
+        self.task: asyncio.Task | None = None
+        app = guard_app(web.Application(), self.limits)
+        app.on_startup.append(self.on_startup)
+        app.on_cleanup.append(self.on_cleanup)
+        app.add_routes([web.post("/v1/generate", self.timed("generate", self.generate)),
+                        web.post("/v1/route", self.timed("route", self.route)),
+                        web.get("/v1/workers", self.workers),
+                        web.post("/v1/refresh", self.refresh),
+                        web.get("/metrics", self.metrics_page),
+                        web.get("/healthz", self.healthz)])
+        self.app = app
+
+    # ------------------------------------------------------------------ worker listings
+
+    def mark(self, worker_id: str, healthy: bool, why: str = "") -> None:
+        self.router.set_healthy(worker_id, healthy, why)
+        self.metrics.healthy.labels(worker_id).set(1 if healthy else 0)
+
+    async def _listing(self, url: str) -> dict[str, Any]:
+        """A worker's signed block listing; raises naming what is wrong."""
+        from aiohttp import ClientTimeout  # noqa: PLC0415
+
+        cred = self.cred
+        if cred is None:
+            raise RuntimeError("no fleet credential")
+        headers, nonce = cred.sign_request("GET", BLOCKS_PATH)
+        async with self.session.get(f"{url}{BLOCKS_PATH}", headers=headers,
+                                    timeout=ClientTimeout(total=self.report_timeout_s)) as r:
+            r.raise_for_status()
+            raw = await r.read()
+            if not cred.verify_response(nonce, raw, r.headers.get(AUTH_RESPONSE_HEADER)):
+                raise RuntimeError("the block listing is not signed by a fleet member")
+        return json.loads(raw)
+
+    async def refresh_once(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for info in self.router.workers():
             wid = info["worker_id"]
             try:
-                if cred is None:
-                    raise RuntimeError("no fleet credential")
-                headers, nonce = cred.sign_request("GET", BLOCKS_PATH)
-                async with session.get(f"{info['url']}{BLOCKS_PATH}", headers=headers,
-                                       timeout=ClientTimeout(total=report_timeout_s)) as r:
-                    r.raise_for_status()
-                    raw = await r.read()
-                    if not cred.verify_response(nonce, raw, r.headers.get(
-                            AUTH_RESPONSE_HEADER)):
-                        raise RuntimeError("the block listing is not signed by a fleet member")
-                report = json.loads(raw)
-                out[wid] = router.load_report(wid, report)
-                metrics.blocks.labels(wid).set(out[wid])
-                mark(wid, True)
+                out[wid] = self.router.load_report(wid, await self._listing(info["url"]))
+                self.metrics.blocks.labels(wid).set(out[wid])
+                self.mark(wid, True)
             except Exception as exc:  # noqa: BLE001 (a worker down must not stop the router)
                 why = f"{type(exc).__name__}: {exc}"
-                metrics.refresh_failures.labels(wid).inc()
-                mark(wid, False, f"block listing: {why}")
+                self.metrics.refresh_failures.labels(wid).inc()
+                self.mark(wid, False, f"block listing: {why}")
                 out[wid] = f"unreachable: {why}"
         return out
 
-    async def refresher() -> None:
+    async def refresher(self) -> None:
         while True:
             with contextlib.suppress(Exception):
-                await refresh_once()
-            await asyncio.sleep(refresh_s)
+                await self.refresh_once()
+            await asyncio.sleep(self.refresh_s)
 
-    async def on_startup(app_: web.Application) -> None:
-        state["session"] = ClientSession(trust_env=False)
-        if refresh_s:
-            state["task"] = asyncio.create_task(refresher())
+    async def on_startup(self, app: Any) -> None:
+        from aiohttp import ClientSession  # noqa: PLC0415
+
+        self.session = ClientSession(trust_env=False)
+        if self.refresh_s:
+            self.task = asyncio.create_task(self.refresher())
         else:
-            await refresh_once()
+            await self.refresh_once()
 
-    async def on_cleanup(app_: web.Application) -> None:
-        task = state.get("task")
-        if task is not None:
-            task.cancel()
+    async def on_cleanup(self, app: Any) -> None:
+        if self.task is not None:
+            self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        await state["session"].close()
+                await self.task
+        await self.session.close()
 
-    app.on_startup.append(on_startup)
-    app.on_cleanup.append(on_cleanup)
+    # ------------------------------------------------------------------ requests
 
-    async def read_request(request: web.Request) -> tuple[dict, list[int], str, str]:
+    async def read_request(self, request: Any) -> tuple[dict, list[int], str, str]:
         """The body, its tokens, its cache salt and its request id (made when absent)."""
-        body = await read_json_body(request, max_bytes=limits.max_body_bytes,
-                                    timeout_s=limits.body_timeout_s)
+        from aiohttp import web  # noqa: PLC0415
+
+        from kvkern.xfer.httpguard import json_error, read_json_body  # noqa: PLC0415
+
+        body = await read_json_body(request, max_bytes=self.limits.max_body_bytes,
+                                    timeout_s=self.limits.body_timeout_s)
         tokens = body.get("token_ids") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not tokens or not all(
                 isinstance(t, int) and not isinstance(t, bool) for t in tokens):
@@ -482,30 +511,38 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
                                                  f"{MAX_REQUEST_ID_CHARS} characters")
         return body, tokens, salt, request_id
 
-    def decide(body: dict, tokens: list[int], salt: str, request_id: str,
+    def decide(self, tokens: list[int], salt: str, request_id: str,
                destination: Any) -> tuple[RouteDecision, dict]:
         """Route; returns the decision (without a hint when none can be signed) and the
         signed hint's body fields."""
+        from aiohttp import web  # noqa: PLC0415
+
+        from kvkern.xfer.auth import sign_hint  # noqa: PLC0415
+        from kvkern.xfer.hints import KvHint, decode_hint  # noqa: PLC0415
+        from kvkern.xfer.httpguard import json_error  # noqa: PLC0415
+
         try:
-            decision = router.route(tokens, destination=destination, cache_salt=salt,
-                                    request_id=request_id)
+            decision = self.router.route(tokens, destination=destination, cache_salt=salt,
+                                         request_id=request_id)
         except (LookupError, KeyError) as exc:
             raise json_error(web.HTTPServiceUnavailable,
                              str(exc.args[0] if exc.args else exc)) from None
         if decision.hint is None:
             return decision, {}
-        if cred is None:
+        if self.cred is None:
             return dataclasses.replace(decision, hint=None, hint_source=None, hint_blocks=0,
                                        hint_dialect=None, no_hint_reason="no_credential"), {}
         hint = decode_hint(decision.hint)
         if not isinstance(hint, KvHint):  # the router's own fragment always decodes
             log.error("router hint did not decode: %s", hint)
             return decision, {}
-        return decision, {**decision.hint, **sign_hint(cred, hint, tokens, cache_salt=salt,
-                                                       ttl_s=hint_ttl_s)}
+        return decision, {**decision.hint, **sign_hint(self.cred, hint, tokens,
+                                                       cache_salt=salt, ttl_s=self.hint_ttl_s)}
 
-    def timed(endpoint: str, handler):
-        async def run(request: web.Request) -> web.StreamResponse:
+    def timed(self, endpoint: str, handler: Any) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        async def run(request: Any) -> Any:
             t0 = time.perf_counter()
             status = 500
             try:
@@ -516,70 +553,90 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
                 status = exc.status
                 raise
             finally:
-                metrics.answered(endpoint, status, time.perf_counter() - t0)
+                self.metrics.answered(endpoint, status, time.perf_counter() - t0)
         return run
 
-    async def generate(request: web.Request) -> web.Response:
-        body, tokens, salt, request_id = await read_request(request)
-        decision, hint_fields = decide(body, tokens, salt, request_id,
-                                       body.pop("destination", None))
-        metrics.routed(decision)
-        forward = {**strip_hints(body), **hint_fields, "request_id": request_id}
-        ok = False
+    async def _forward(self, decision: RouteDecision, forward: dict,
+                       request_id: str) -> tuple[Any, int]:
+        """POST ``forward`` to the destination; (payload, status), 502 when it did not
+        answer (the worker is then marked unhealthy)."""
+        from aiohttp import ClientTimeout  # noqa: PLC0415
+
         dest = decision.destination
         try:
-            async with state["session"].post(
+            async with self.session.post(
                     f"{decision.destination_url}/v1/generate", json=forward,
-                    timeout=ClientTimeout(total=request_timeout_s)) as r:
+                    timeout=ClientTimeout(total=self.request_timeout_s)) as r:
                 payload = await r.json(content_type=None)
                 status = r.status
-            ok = status == 200
             if status >= 500:
-                metrics.forward_errors.labels(dest, "http_5xx").inc()
+                self.metrics.forward_errors.labels(dest, "http_5xx").inc()
+            return payload, status
         except Exception as exc:  # noqa: BLE001
             kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "unreachable"
-            metrics.forward_errors.labels(dest, kind).inc()
+            self.metrics.forward_errors.labels(dest, kind).inc()
             why = f"{type(exc).__name__}: {exc}".rstrip(": ")
             log.warning("request %s: forward to %s failed: %s", request_id, dest, why)
-            mark(dest, False, f"forward of request {request_id}: {why}")
-            payload, status = {"error": f"destination {dest} did not answer: {why}"}, 502
+            self.mark(dest, False, f"forward of request {request_id}: {why}")
+            return {"error": f"destination {dest} did not answer: {why}"}, 502
+
+    async def generate(self, request: Any) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        from kvkern.xfer.hints import strip_hints  # noqa: PLC0415
+
+        body, tokens, salt, request_id = await self.read_request(request)
+        decision, hint_fields = self.decide(tokens, salt, request_id,
+                                            body.pop("destination", None))
+        self.metrics.routed(decision)
+        forward = {**strip_hints(body), **hint_fields, "request_id": request_id}
+        status = 502
+        try:
+            payload, status = await self._forward(decision, forward, request_id)
         finally:
-            router.finish(decision, ok=ok)
+            self.router.finish(decision, ok=status == 200)
         if not isinstance(payload, dict):
             payload = {"response": payload}
         payload.setdefault("request_id", request_id)
         payload["router"] = decision.summary()
-        log.debug("request %s -> %s, hint %s (%s blocks)", request_id, dest,
+        log.debug("request %s -> %s, hint %s (%s blocks)", request_id, decision.destination,
                   decision.hint_source, decision.hint_blocks)
         return web.json_response(payload, status=status, headers={"X-Request-Id": request_id})
 
-    async def route(request: web.Request) -> web.Response:
-        body, tokens, salt, request_id = await read_request(request)
-        decision, hint_fields = decide(body, tokens, salt, request_id, body.get("destination"))
-        router.finish(decision, ok=False)
+    async def route(self, request: Any) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        body, tokens, salt, request_id = await self.read_request(request)
+        decision, hint_fields = self.decide(tokens, salt, request_id, body.get("destination"))
+        self.router.finish(decision, ok=False)
         return web.json_response({**decision.summary(),
                                   "destination_url": decision.destination_url,
                                   "hint": hint_fields or None})
 
-    async def workers(request: web.Request) -> web.Response:
-        return web.json_response({"block_size": router.block_size, "scheme": ROUTER_SCHEME,
-                                  "dialect": router.dialect, "workers": router.workers()})
+    async def workers(self, request: Any) -> Any:
+        from aiohttp import web  # noqa: PLC0415
 
-    async def refresh(request: web.Request) -> web.Response:
-        return web.json_response(await refresh_once())
+        return web.json_response({"block_size": self.router.block_size,
+                                  "scheme": ROUTER_SCHEME, "dialect": self.router.dialect,
+                                  "workers": self.router.workers()})
 
-    async def metrics_page(request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(),
+    async def refresh(self, request: Any) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        return web.json_response(await self.refresh_once())
+
+    async def metrics_page(self, request: Any) -> Any:
+        from aiohttp import web  # noqa: PLC0415
+
+        from kvkern.serve.routermetrics import CONTENT_TYPE_LATEST  # noqa: PLC0415
+
+        return web.Response(body=self.metrics.render(),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def healthz(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
+    async def healthz(self, request: Any) -> Any:
+        from aiohttp import web  # noqa: PLC0415
 
-    app.add_routes([web.post("/v1/generate", timed("generate", generate)),
-                    web.post("/v1/route", timed("route", route)),
-                    web.get("/v1/workers", workers), web.post("/v1/refresh", refresh),
-                    web.get("/metrics", metrics_page), web.get("/healthz", healthz)])
-    return app
+        return web.Response(text="ok")
 
 
 def _parse_worker(spec: str, index: int) -> tuple[str, str, str | None]:
