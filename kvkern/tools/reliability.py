@@ -29,8 +29,7 @@ DEFAULT_RESULTS = Path("tests/reliability/.results")
 DEFAULT_OUT = Path("RELIABILITY.md")
 SECTIONS = ("faults", "load", "hostile", "zero_trust")
 # record keys every section has; the zero-trust table shows the rest as the case's figures
-_COMMON_KEYS = {"section", "case", "profile", "nodeid", "passed", "test_duration_s", "failure",
-                "what", "attack"}
+_COMMON_KEYS = {"section", "case", "profile", "nodeid", "passed", "test_duration_s", "failure"}
 SLOW_CASES = ("load/long_512x4", "hostile/hint_dialects_long", "hostile/state_responses_long",
               "hostile/control_messages_long", "hostile/kernel_ids_long")
 
@@ -249,10 +248,9 @@ def _zero_trust_section(zero_trust: list[dict]) -> list[str]:
               "measured: status codes, bytes or keys obtained, pins and memory before and "
               "after, fallback reasons.", ""]
     lines += _table(
-        ["case", "attack", "figures", "seconds", "result"],
-        [[r["case"], r.get("attack") or r.get("what"),
-          {k: v for k, v in r.items() if k not in _COMMON_KEYS}, r.get("test_duration_s"),
-          _status(r)] for r in zero_trust])
+        ["case", "figures", "seconds", "result"],
+        [[r["case"], {k: v for k, v in r.items() if k not in _COMMON_KEYS},
+          r.get("test_duration_s"), _status(r)] for r in zero_trust])
     return lines
 
 
