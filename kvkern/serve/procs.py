@@ -142,13 +142,16 @@ class WorkerProcess:
 
 def start_workers(specs: dict[str, list[str]], *, threads: int = 1, timeout: float = 90.0,
                   env: dict[str, str] | None = None,
-                  worker_cls: type[WorkerProcess] = WorkerProcess) -> dict[str, WorkerProcess]:
+                  worker_cls: type[WorkerProcess] = WorkerProcess,
+                  envs: dict[str, dict[str, str]] | None = None) -> dict[str, WorkerProcess]:
     """Start every worker at once (they import and build in parallel), then wait for all.
+    ``env`` is added to every worker's environment, ``envs[name]`` to that worker's only.
     On any failure every started worker is stopped before the error propagates."""
     procs: dict[str, WorkerProcess] = {}
     try:
         for name, args in specs.items():
-            procs[name] = worker_cls(name, args, threads=threads, env=env)
+            own = {**(env or {}), **((envs or {}).get(name) or {})}
+            procs[name] = worker_cls(name, args, threads=threads, env=own or None)
         deadline = time.monotonic() + timeout
         for p in procs.values():
             p.wait_ready(max(1.0, deadline - time.monotonic()))

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvkern.cache.hashing import salt_key, sequence_hashes
 from kvkern.serve.httpjson import get_json, get_text
+from kvkern.serve.procs import start_workers
 from kvkern.xfer.auth import AUTH_HEADER, AUTH_RESPONSE_HEADER, Credential
 from kvkern.xfer.messages import (
     _PREAMBLE,
@@ -39,7 +40,7 @@ from kvkern.xfer.messages import (
 )
 from kvkern.xfer.runtime import EventLoopThread
 from kvkern.xfer.transport import CONTROL_TAG, ConnectionPool, Lane, TransportError, tag_for
-from tests.reliability.harness import SCHEME, FaultWorker, T, stop_hard
+from tests.reliability.harness import SCHEME, FaultWorker, T
 
 HOST = "127.0.0.1"
 NUM_BLOCKS = 256
@@ -59,20 +60,10 @@ _TIDS = itertools.count(1)
 
 def start_fleet(specs: dict[str, tuple[list[str], dict[str, str] | None]], *,
                 timeout: float = 120.0) -> dict[str, FaultWorker]:
-    """Start every worker at once (each with its own extra environment), then wait for all;
-    on any failure every started worker is stopped before the error propagates."""
-    procs: dict[str, FaultWorker] = {}
-    try:
-        for name, (args, env) in specs.items():
-            procs[name] = FaultWorker(name, args, env=env)
-        deadline = time.monotonic() + timeout
-        for p in procs.values():
-            p.wait_ready(max(1.0, deadline - time.monotonic()))
-        return procs
-    except BaseException:
-        for p in procs.values():
-            stop_hard(p)
-        raise
+    """Start every worker at once, each with its own extra environment, then wait for all."""
+    return start_workers({n: args for n, (args, _) in specs.items()}, timeout=timeout,
+                         worker_cls=FaultWorker,
+                         envs={n: env for n, (_, env) in specs.items() if env})
 
 
 def ucx_port(w: FaultWorker) -> int:
