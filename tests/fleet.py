@@ -7,7 +7,7 @@ import json
 import urllib.request
 from collections.abc import Sequence
 
-from kvkern.xfer.auth import Credential, sign_hint
+from kvkern.xfer.auth import Credential, HttpVerifier, sign_hint
 from kvkern.xfer.hints import KvHint, decode_hint
 
 CREDENTIAL = Credential.from_env(peer_id="test-suite")
@@ -39,3 +39,17 @@ def signed(body: dict, *, cache_salt: str = "", credential: Credential | None = 
     tokens: Sequence[int] = body["token_ids"]
     return {**body, **sign_hint(credential or CREDENTIAL, hint, tokens,
                                 cache_salt=body.get("cache_salt", cache_salt))}
+
+
+def signed_listing(request, body: dict):
+    """An aiohttp answer as a fleet member gives it to a peer path: 401 unless ``request``
+    is signed with the test fleet's secret, else ``body`` with the answer's signature."""
+    from aiohttp import web  # noqa: PLC0415
+
+    verdict = HttpVerifier(CREDENTIAL).check("GET", request.raw_path,
+                                             request.headers.get("X-Kvkern-Auth"))
+    if not verdict.ok:
+        return web.json_response({"error": "unauthorized"}, status=401)
+    resp = web.json_response(body)
+    resp.headers["X-Kvkern-Auth-Response"] = CREDENTIAL.response_mac(verdict.nonce, resp.body)
+    return resp

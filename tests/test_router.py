@@ -9,9 +9,9 @@ import pytest
 
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.serve.router import DIALECTS, KVRouter, hint_fragment, router_hashes
-from kvkern.xfer.auth import HttpVerifier, check_hint
+from kvkern.xfer.auth import check_hint
 from kvkern.xfer.hints import KvHint, decode_hint
-from tests.fleet import CREDENTIAL
+from tests.fleet import CREDENTIAL, signed_listing
 
 T = 4
 
@@ -154,15 +154,8 @@ async def test_http_front_forwards_with_the_hint():
         return web.json_response({"tokens": [1]})
 
     async def fake_blocks(request):  # a fleet member's listing: signed, for a signed request
-        verdict = HttpVerifier(CREDENTIAL).check("GET", request.raw_path,
-                                                 request.headers.get("X-Kvkern-Auth"))
-        if not verdict.ok:
-            return web.json_response({"error": "unauthorized"}, status=401)
-        resp = web.json_response({"hash_scheme": "public-xxh3-v1", "block_size": T,
-                                  "blocks": []})
-        resp.headers["X-Kvkern-Auth-Response"] = CREDENTIAL.response_mac(verdict.nonce,
-                                                                         resp.body)
-        return resp
+        return signed_listing(request, {"hash_scheme": "public-xxh3-v1", "block_size": T,
+                                        "blocks": []})
 
     runners = []
 

@@ -12,9 +12,8 @@ from aiohttp import ClientSession, ClientTimeout, web
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvkern.serve.router import KVRouter, build_app
-from kvkern.xfer.auth import HttpVerifier
 from kvkern.xfer.hints import decode_hint
-from tests.fleet import CREDENTIAL
+from tests.fleet import CREDENTIAL, signed_listing
 
 T = 4
 
@@ -53,15 +52,8 @@ class FakeWorker:
     async def blocks(self, request):
         if self.listing_fails:
             return web.json_response({"error": "down"}, status=500)
-        verdict = HttpVerifier(CREDENTIAL).check("GET", request.raw_path,
-                                                 request.headers.get("X-Kvkern-Auth"))
-        if not verdict.ok:
-            return web.json_response({"error": "unauthorized"}, status=401)
-        resp = web.json_response({"hash_scheme": "public-xxh3-v1", "block_size": T,
-                                  "blocks": []})
-        resp.headers["X-Kvkern-Auth-Response"] = CREDENTIAL.response_mac(verdict.nonce,
-                                                                         resp.body)
-        return resp
+        return signed_listing(request, {"hash_scheme": "public-xxh3-v1", "block_size": T,
+                                        "blocks": []})
 
 
 async def test_metrics_request_ids_and_health_changes(caplog):
