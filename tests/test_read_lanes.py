@@ -23,7 +23,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkern.layout.hostmem import host_buffer
-from kvkern.xfer import read_lanes, transport, ucp_rma
+from kvkern.xfer import read_lanes, transport, ucp_rma, ucxcompat
 from kvkern.xfer.read_lanes import ReadLanes, address_usable, split_parts
 from kvkern.xfer.transport import Listener, ReadsStuck, TransportError
 
@@ -102,9 +102,7 @@ async def source():
             await conn.recv_msg(timeout=None)
 
     async with Listener(hold):
-        from kvkern.xfer.ucx_env import import_ucxx
-
-        address = import_ucxx().core._get_ctx().worker.address.tobytes()
+        address = ucxcompat.worker_address()
         buf = random_host_buffer(SRC_BYTES)
         region = ucp_rma.Region(buf.data_ptr(), SRC_BYTES)
         try:
@@ -408,14 +406,14 @@ import numpy as np
 def serve(q, stop):
     from kvkern.xfer import ucp_rma
     from kvkern.xfer.transport import Listener
-    from kvkern.xfer.ucx_env import import_ucxx
+    from kvkern.xfer.ucxcompat import worker_address
     async def main():
         async def hold(conn):
             await asyncio.sleep(60)
         async with Listener(hold):
             buf = np.arange(8 << 20, dtype=np.uint8)
             reg = ucp_rma.Region(buf.ctypes.data, buf.nbytes)
-            q.put((import_ucxx().core._get_ctx().worker.address.tobytes(), reg.rkey,
+            q.put((worker_address(), reg.rkey,
                    buf.ctypes.data))
             while not stop.is_set():
                 await asyncio.sleep(0.02)

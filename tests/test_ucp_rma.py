@@ -40,7 +40,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkern.layout.hostmem import host_buffer
-from kvkern.xfer import transport, ucp_rma
+from kvkern.xfer import transport, ucp_rma, ucxcompat
 from kvkern.xfer.transport import ConnectionPool, Listener, ReadsStuck, TransportError
 from kvkern.xfer.ucp_rma import RmaError, coalesce
 
@@ -57,7 +57,7 @@ UCX_INCLUDE = (Path(__file__).resolve().parents[1] / ".venv" / "lib" / "python3.
 
 # ------------------------------------------------------------------ binding vs headers
 
-# The libucp prototypes ucp_rma binds (ucp/api/ucp.h), checked by the compiler below.
+# The libucp prototypes ucxcompat binds (ucp/api/ucp.h), checked by the compiler below.
 SIGNATURES = {
     "ucp_mem_map": ("ucs_status_t", ["ucp_context_h", "const ucp_mem_map_params_t *",
                                      "ucp_mem_h *"]),
@@ -72,25 +72,25 @@ SIGNATURES = {
     "ucp_request_free": ("void", ["void *"]),
     "ucp_worker_progress": ("unsigned", ["ucp_worker_h"]),
 }
-CONSTANTS = {  # header name -> the value ucp_rma uses
-    "UCP_MEM_MAP_PARAM_FIELD_ADDRESS": ucp_rma._MAP_FIELD_ADDRESS,
-    "UCP_MEM_MAP_PARAM_FIELD_LENGTH": ucp_rma._MAP_FIELD_LENGTH,
-    "UCP_MEM_MAP_PARAM_FIELD_PROT": ucp_rma._MAP_FIELD_PROT,
-    "UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE": ucp_rma._MAP_FIELD_MEMORY_TYPE,
-    "UCP_MEM_MAP_PROT_LOCAL_READ": ucp_rma._PROT_LOCAL_READ,
-    "UCP_MEM_MAP_PROT_LOCAL_WRITE": ucp_rma._PROT_LOCAL_WRITE,
-    "UCP_MEM_MAP_PROT_REMOTE_READ": ucp_rma._PROT_REMOTE_READ,
-    "UCP_OP_ATTR_FIELD_MEMORY_TYPE": ucp_rma._OP_ATTR_FIELD_MEMORY_TYPE,
-    "UCP_FEATURE_RMA": ucp_rma._UCP_FEATURE_RMA,
+CONSTANTS = {  # header name -> the value kvkern uses
+    "UCP_MEM_MAP_PARAM_FIELD_ADDRESS": ucxcompat.MAP_FIELD_ADDRESS,
+    "UCP_MEM_MAP_PARAM_FIELD_LENGTH": ucxcompat.MAP_FIELD_LENGTH,
+    "UCP_MEM_MAP_PARAM_FIELD_PROT": ucxcompat.MAP_FIELD_PROT,
+    "UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE": ucxcompat.MAP_FIELD_MEMORY_TYPE,
+    "UCP_MEM_MAP_PROT_LOCAL_READ": ucxcompat.PROT_LOCAL_READ,
+    "UCP_MEM_MAP_PROT_LOCAL_WRITE": ucxcompat.PROT_LOCAL_WRITE,
+    "UCP_MEM_MAP_PROT_REMOTE_READ": ucxcompat.PROT_REMOTE_READ,
+    "UCP_OP_ATTR_FIELD_MEMORY_TYPE": ucxcompat.OP_ATTR_FIELD_MEMORY_TYPE,
+    "UCP_FEATURE_RMA": ucxcompat.UCP_FEATURE_RMA,
     "UCS_MEMORY_TYPE_HOST": ucp_rma.MEMORY_TYPES["host"],
     "UCS_MEMORY_TYPE_CUDA": ucp_rma.MEMORY_TYPES["cuda"],
     "UCS_OK": ucp_rma.UCS_OK,
     "UCS_INPROGRESS": ucp_rma.UCS_INPROGRESS,
     "UCS_ERR_CANCELED": ucp_rma.UCS_ERR_CANCELED,
-    "UCS_ERR_LAST": ucp_rma._UCS_ERR_LAST,
+    "UCS_ERR_LAST": ucxcompat.UCS_ERR_LAST,
 }
-STRUCTS = {"ucp_mem_map_params_t": ucp_rma._MemMapParams,
-           "ucp_request_param_t": ucp_rma._RequestParam}
+STRUCTS = {"ucp_mem_map_params_t": ucxcompat.MemMapParams,
+           "ucp_request_param_t": ucxcompat.RequestParam}
 # ucs_status_ptr_t values at the edges of UCS_PTR_IS_PTR / UCS_PTR_IS_ERR
 PTR_PROBES = [0, 1, 4096, (1 << 63) - 1, 1 << 63, 2**64 - 101, 2**64 - 100, 2**64 - 25,
               2**64 - 16, 2**64 - 1]
@@ -157,9 +157,9 @@ def test_constants_match_header(header_facts):
 
 
 def test_argument_types_match_header(header_facts):
-    """Every function ucp_rma binds is listed here (and so checked by the compiler), and
+    """Every function ucxcompat binds is listed here (and so checked by the compiler), and
     its argument (and non-status return) sizes match the prototype."""
-    lib = ucp_rma._ucp()
+    lib = ucxcompat.libucp()
     bound = {name for name in dir(lib) if name.startswith("ucp_")
              and getattr(lib, name).argtypes is not None}
     assert bound and bound <= set(SIGNATURES), f"not checked here: {bound - set(SIGNATURES)}"
@@ -177,7 +177,7 @@ def test_argument_types_match_header(header_facts):
 
 
 def test_status_return_type_matches_header(header_facts):
-    lib = ucp_rma._ucp()
+    lib = ucxcompat.libucp()
     for fn, (ret, _) in SIGNATURES.items():
         if ret == "ucs_status_t":
             f = getattr(lib, fn)
@@ -188,8 +188,8 @@ def test_status_return_type_matches_header(header_facts):
 def test_ptr_status_matches_header_macros(header_facts):
     for p in PTR_PROBES:
         is_ptr, status = header_facts["ptr"][str(p)]
-        assert ucp_rma._ptr_status(p) == (None if is_ptr else status), hex(p)
-    assert ucp_rma._ptr_status(None) == ucp_rma.UCS_OK  # ctypes turns NULL into None
+        assert ucxcompat.ptr_status(p) == (None if is_ptr else status), hex(p)
+    assert ucxcompat.ptr_status(None) == ucp_rma.UCS_OK  # ctypes turns NULL into None
 
 
 def test_status_names_match_header():
@@ -278,11 +278,11 @@ def test_coalesce_examples():
 @example(2**64 - 101)
 def test_ptr_status_property(ptr):
     """``ucs_status_ptr_t`` decoding as UCS_PTR_IS_ERR / UCS_PTR_IS_PTR define it."""
-    got = ucp_rma._ptr_status(ptr)
+    got = ucxcompat.ptr_status(ptr)
     if not ptr:
         assert got == ucp_rma.UCS_OK
     elif ptr >= 2**64 - 100:  # (uintptr_t)ptr >= (uintptr_t)UCS_ERR_LAST
-        assert got == ptr - 2**64 and ucp_rma._UCS_ERR_LAST <= got < 0
+        assert got == ptr - 2**64 and ucxcompat.UCS_ERR_LAST <= got < 0
     else:
         assert got is None  # a request handle
 

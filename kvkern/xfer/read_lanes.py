@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvkern.xfer import transport
+from kvkern.xfer import transport, ucxcompat
 from kvkern.xfer.transport import ReadsStuck, TransportError
 
 __all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
@@ -134,10 +134,7 @@ def address_usable(address: bytes) -> bool:
     if not address or len(address) > MAX_WORKER_ADDRESS_BYTES:
         return False
     if _local_version is None:
-        from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
-
-        local = import_ucxx().core._get_ctx().worker.address.tobytes()
-        _local_version = local[0] & _ADDRESS_VERSION_MASK
+        _local_version = ucxcompat.worker_address()[0] & _ADDRESS_VERSION_MASK
     return address[0] & _ADDRESS_VERSION_MASK == _local_version
 
 
@@ -148,12 +145,12 @@ def address_usable(address: bytes) -> bool:
 LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
 
 
-def _lane_context(lib: Any) -> Any:
+def _lane_context() -> Any:
     """A UCP context for one lane: RMA only, LANE_UCX_CONFIG where this UCX knows it."""
     try:
-        return lib.UCXContext(dict(LANE_UCX_CONFIG), (lib.Feature.RMA,))
+        return ucxcompat.new_rma_context(LANE_UCX_CONFIG)
     except Exception:  # noqa: BLE001 (e.g. a UCX built without CMA: no such setting)
-        return lib.UCXContext({}, (lib.Feature.RMA,))
+        return ucxcompat.new_rma_context({})
 
 
 class _Stuck(Exception):
@@ -164,10 +161,10 @@ class _Peer:
     """One lane's endpoint to one source worker, and the rkeys unpacked on it. Keeps the
     address object the endpoint was made from for as long as the endpoint."""
 
-    def __init__(self, ep: Any, address: Any) -> None:
+    def __init__(self, ep: Any, address: Any, handle: int) -> None:
         self.ep = ep
         self.address = address
-        self.handle = int(ep.handle)
+        self.handle = handle
         self.rkeys: dict[bytes, Any] = {}
 
     def make_room(self, packed: Sequence[bytes]) -> None:
@@ -214,42 +211,35 @@ class _Lane:
         if peer is not None:
             self._peers.move_to_end(address)
             return peer
-        from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
-
-        lib = import_ucxx()._lib.libucxx
         if self._worker is None:
             # A UCP context of its own: ucxx creates its context without
             # mt_workers_shared, so workers of that context must not run on several threads
-            self._context = _lane_context(lib)
-            self._worker = lib.UCXWorker(self._context)
-            self._worker_handle = int(self._worker.handle)
+            self._context = _lane_context()
+            self._worker, self._worker_handle = ucxcompat.new_worker(self._context)
         while len(self._peers) >= MAX_PEERS:
             _, old = self._peers.popitem(last=False)
             self._close_peer(old, [])
         if not address_usable(address):
             raise ValueError(f"unusable UCX worker address ({len(address)} B, first byte "
                              f"{address[:1].hex()})")
-        ucx_address = lib.UCXAddress.create_from_buffer(memoryview(bytearray(address)))
-        ep = self._worker.create_endpoint_from_worker_address(ucx_address, True)
-        peer = self._peers[address] = _Peer(ep, ucx_address)
+        ep, ucx_address, handle = ucxcompat.endpoint_to_address(self._worker, address)
+        peer = self._peers[address] = _Peer(ep, ucx_address, handle)
         return peer
 
     def _close_peer(self, peer: _Peer, batches: list[Any]) -> None:
         """Close the endpoint (UCX cancels its running reads), drain ``batches``, then
         destroy the keys (libucp 1.21 releases a key through its worker, so after the
         endpoint is fine). Raises _Stuck if reads outlive READ_DRAIN_S."""
-        from kvkern.xfer import ucp_rma  # noqa: PLC0415
-
         with contextlib.suppress(Exception):
             peer.ep.close_blocking()
         deadline = time.monotonic() + transport.READ_DRAIN_S
-        lib = ucp_rma._ucp()
+        progress = ucxcompat.request_calls()[2]
         while not all(b.poll() for b in batches):
             if time.monotonic() >= deadline:
                 self.stuck_batches.extend(b for b in batches if b.stuck)
                 raise _Stuck(f"{sum(b.posted for b in batches)} reads still running after "
                              f"their endpoint was closed (waited {transport.READ_DRAIN_S} s)")
-            if not lib.ucp_worker_progress(self._worker_handle):
+            if not progress(self._worker_handle):
                 time.sleep(_DRAIN_POLL_S)
         peer.destroy_keys()
         peer.ep = peer.address = None  # released here, on the lane's thread

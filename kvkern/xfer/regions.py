@@ -28,10 +28,10 @@ class RegisteredPool:
 def worker_address_hex() -> str:
     """This process's ucxx worker address, hex: what a destination's read lanes
     (:mod:`kvkern.xfer.read_lanes`) open their endpoints to. Empty if unavailable."""
-    from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+    from kvkern.xfer import ucxcompat  # noqa: PLC0415
 
     try:
-        return import_ucxx().core._get_ctx().worker.address.tobytes().hex()
+        return ucxcompat.worker_address().hex()
     except Exception as exc:  # noqa: BLE001 (no lanes: destinations read on the connection)
         log.warning("UCX worker address unavailable, no read lanes: %s", exc)
         return ""

@@ -65,6 +65,9 @@ see :mod:`kvkern.xfer.ucx_env` and :func:`bind_ucxx_loop`): in thread mode witho
 await spins the event loop, which put the control round trip at 3.6 ms against 0.58 ms with
 it (same run, ``--cases messages``).
 
+This module uses ucxx's public API only; what it needs of ucxx's internals (the notifier
+thread, the worker handle) is in :mod:`kvkern.xfer.ucxcompat`.
+
 One-sided reads
 ---------------
 :meth:`Connection.read` reads runs of a peer's registered memory (:mod:`kvkern.xfer.ucp_rma`)
@@ -97,6 +100,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from enum import IntEnum
 from typing import Any
 
+from kvkern.xfer import ucxcompat
 from kvkern.xfer.auth import FROM_ENV, NONCE_BYTES, Credential
 from kvkern.xfer.auth import resolve as resolve_credential
 from kvkern.xfer.messages import (
@@ -701,7 +705,7 @@ def _read_waiters() -> concurrent.futures.ThreadPoolExecutor:
 
 def _worker_handle() -> int:
     """ucxx's ``ucp_worker_h`` (reads progress it while they wait)."""
-    return int(import_ucxx().get_ucp_worker())
+    return ucxcompat.worker_handle()
 
 
 async def _read_grace(wait: asyncio.Future, stop: threading.Event) -> bool:
@@ -755,19 +759,9 @@ def bind_ucxx_loop() -> None:
     loop = asyncio.get_running_loop()
     if _NOTIFIER_LOOP is loop:
         return
-    ucxx = import_ucxx()
-    ctx = ucxx.core._get_ctx()  # created here (and bound to this loop) on first use
-    if ctx.enable_python_future and ctx.notifier_thread is not None:
-        args = getattr(ctx.notifier_thread, "_args", ())
-        if not args or args[0] is not loop:
-            ctx.stop_notifier_thread()
-            # Futures pooled for the old loop must not serve this one's requests: refill the
-            # pool from this thread (its running loop) before any request is created.
-            ctx.worker.clear_python_futures_pool()
-            ctx.worker.populate_python_futures_pool()
-            ctx.start_notifier_thread()
-        if _NOTIFIER_LOOP is None:
-            _register_exit_hook()
+    # ucxx's context is created here (and bound to this loop) on first use
+    if ucxcompat.rebind_notifier(loop) and _NOTIFIER_LOOP is None:
+        _register_exit_hook()
     _NOTIFIER_LOOP = loop
 
 
@@ -789,15 +783,8 @@ def stop_ucxx_notifier() -> None:
     """Stop ucxx's notifier thread for good (process exit): requests awaiting it afterwards
     are never completed. Wakes it first, so exit does not wait out its 1 s poll."""
     global _NOTIFIER_LOOP
-    ucxx = import_ucxx()
-    ctx = ucxx.core._ctx
-    if ctx is None or not ctx.enable_python_future or ctx.notifier_thread is None:
-        return
-    with contextlib.suppress(Exception):
-        ctx.worker.stop_request_notifier_thread()
-    with contextlib.suppress(Exception):
-        ctx.stop_notifier_thread()
-    _NOTIFIER_LOOP = None
+    if ucxcompat.stop_notifier():
+        _NOTIFIER_LOOP = None
 
 
 # --------------------------------------------------------------------------------- listener

@@ -1,9 +1,10 @@
-"""One-sided UCX reads (``ucp_get_nbx``) for the pull path, through the libucp ucxx loaded.
+"""One-sided UCX reads (``ucp_get_nbx``) for the pull path, through the libucp ucxx loaded
+(bound in :mod:`kvkern.xfer.ucxcompat`).
 
 ucxx 0.52's Python API has tags, streams and active messages but no RMA, while its UCX
 context is created with ``UCP_FEATURE_RMA`` and its worker is thread-safe
-(``UCS_THREAD_MODE_MULTI``). This module binds the few libucp calls a remote read needs with
-:mod:`ctypes`, on the handles ucxx already owns::
+(``UCS_THREAD_MODE_MULTI``). :mod:`kvkern.xfer.ucxcompat` binds the few libucp calls a remote
+read needs, on the handles ucxx already owns; this module keeps their rules::
 
     source                                         destination
     Region(pool address, length)   rkey bytes ->   RemoteKey(conn, rkey bytes)
@@ -42,26 +43,19 @@ transports (``memory_type`` below), but no GPU has run this code yet.
 
 from __future__ import annotations
 
-import ctypes
-import os
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvkern.xfer import ucxcompat
+
 __all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "coalesce", "coalesce_arrays",
            "rma_unavailable", "MEMORY_TYPES"]
 
-UCS_OK = 0
+UCS_OK = ucxcompat.UCS_OK
 UCS_INPROGRESS = 1
-_UCS_ERR_LAST = -100
-
-_MAP_FIELD_ADDRESS, _MAP_FIELD_LENGTH, _MAP_FIELD_PROT, _MAP_FIELD_MEMORY_TYPE = 1, 2, 8, 16
-_PROT_LOCAL_READ, _PROT_LOCAL_WRITE, _PROT_REMOTE_READ = 1, 2, 1 << 8
-_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 MEMORY_TYPES = {"host": 0, "cuda": 1}  # ucs_memory_type_t
-_UCP_FEATURE_RMA = 1 << 1
-_RKEY_PAD = 4096  # zero bytes after a received rkey (see RemoteKey)
 
 # names of the UCS status codes (ucs/type/status.h: -1 .. -25 in this order)
 _ERR_NAMES = ("NO_MESSAGE", "NO_RESOURCE", "IO_ERROR", "NO_MEMORY", "INVALID_PARAM",
@@ -83,106 +77,15 @@ class RmaError(Exception):
         self.status = status
 
 
-class _MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t (ucp/api/ucp.h)
-    _fields_ = [("field_mask", ctypes.c_uint64), ("address", ctypes.c_void_p),
-                ("length", ctypes.c_size_t), ("flags", ctypes.c_uint),
-                ("prot", ctypes.c_uint), ("memory_type", ctypes.c_int),
-                ("exported_memh_buffer", ctypes.c_void_p)]
-
-
-class _RequestParam(ctypes.Structure):  # ucp_request_param_t (ucp/api/ucp.h)
-    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32),
-                ("request", ctypes.c_void_p), ("cb", ctypes.c_void_p),
-                ("datatype", ctypes.c_uint64), ("user_data", ctypes.c_void_p),
-                ("reply_buffer", ctypes.c_void_p), ("memory_type", ctypes.c_int),
-                ("recv_info", ctypes.c_void_p), ("memh", ctypes.c_void_p)]
-
-
-_lib: Any = None
-_lib_lock = threading.Lock()
-_V = ctypes.c_void_p
-_STATUS = ctypes.c_int8  # ucs_status_t is a packed (1-byte) signed enum in ucs/type/status.h
-
-
-def _loaded_libucp() -> str | None:
-    """Path of the libucp this process already mapped (the one ucxx uses), if any."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rsplit(None, 1)[-1]
-                if "/libucp.so" in path and os.path.exists(path):
-                    return path
-    except OSError:
-        return None
-    return None
-
-
-def _ucp() -> Any:
-    """libucp with the signatures used here, bound to the copy ucxx loaded."""
-    global _lib
-    if _lib is not None:
-        return _lib
-    with _lib_lock:
-        if _lib is not None:
-            return _lib
-        from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
-
-        import_ucxx()
-        path = _loaded_libucp() or "libucp.so.0"
-        lib = ctypes.CDLL(path)
-        sig = {
-            "ucp_mem_map": (_STATUS, [_V, ctypes.POINTER(_MemMapParams),
-                                           ctypes.POINTER(_V)]),
-            "ucp_mem_unmap": (_STATUS, [_V, _V]),
-            "ucp_rkey_pack": (_STATUS, [_V, _V, ctypes.POINTER(_V),
-                                             ctypes.POINTER(ctypes.c_size_t)]),
-            "ucp_rkey_buffer_release": (None, [_V]),
-            "ucp_ep_rkey_unpack": (_STATUS, [_V, ctypes.c_char_p, ctypes.POINTER(_V)]),
-            "ucp_rkey_destroy": (None, [_V]),
-            "ucp_get_nbx": (_V, [_V, _V, ctypes.c_size_t, ctypes.c_uint64, _V,
-                                 ctypes.POINTER(_RequestParam)]),
-            "ucp_request_check_status": (_STATUS, [_V]),
-            "ucp_request_free": (None, [_V]),
-            "ucp_worker_progress": (ctypes.c_uint, [_V]),
-        }
-        for name, (res, args) in sig.items():
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = res, args
-        _lib = lib
-        return lib
-
-
-def _context_handle() -> int:
-    """The ``ucp_context_h`` of ucxx's application context (created on first use)."""
-    from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
-
-    ucxx = import_ucxx()
-    ctx = ucxx.core._get_ctx()  # ucxx exposes the worker handle publicly, not the context's
-    return int(ctx.context.handle)
-
-
 def rma_unavailable() -> str | None:
     """Why one-sided reads cannot be used in this process, or None when they can."""
     try:
-        _ucp()
-        from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
-
-        ctx = import_ucxx().core._get_ctx()
-        if not int(ctx.context.feature_flags) & _UCP_FEATURE_RMA:
+        ucxcompat.libucp()
+        if not ucxcompat.context_has_rma():
             return "the UCX context was created without UCP_FEATURE_RMA"
-        _context_handle()
+        ucxcompat.ucp_context_handle()
     except Exception as exc:  # noqa: BLE001 (any binding failure means: use the stream)
         return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def _ptr_status(ptr: int | None) -> int | None:
-    """``ucs_status_ptr_t`` -> status when it is one (NULL = UCS_OK), None for a request."""
-    if not ptr:
-        return UCS_OK
-    signed = ptr - (1 << 64) if ptr >= 1 << 63 else ptr
-    if _UCS_ERR_LAST <= signed < 0:
-        return signed
     return None
 
 
@@ -196,29 +99,19 @@ class Region:
             raise ValueError(f"cannot register {length} bytes at {address:#x}")
         if memory_type not in MEMORY_TYPES:
             raise ValueError(f"memory_type {memory_type!r} not in {sorted(MEMORY_TYPES)}")
-        lib = _ucp()
-        self._ctx = _context_handle()
+        self._ctx = ucxcompat.ucp_context_handle()
         self.address = int(address)
         self.length = int(length)
         self.memory_type = memory_type
-        params = _MemMapParams(
-            field_mask=_MAP_FIELD_ADDRESS | _MAP_FIELD_LENGTH | _MAP_FIELD_PROT
-            | _MAP_FIELD_MEMORY_TYPE,
-            address=self.address, length=self.length,
-            prot=_PROT_LOCAL_READ | _PROT_LOCAL_WRITE | _PROT_REMOTE_READ,
-            memory_type=MEMORY_TYPES[memory_type])
-        memh = _V()
-        st = lib.ucp_mem_map(self._ctx, ctypes.byref(params), ctypes.byref(memh))
+        st, memh = ucxcompat.map_for_remote_read(self._ctx, self.address, self.length,
+                                                 MEMORY_TYPES[memory_type])
         if st != UCS_OK:
             raise RmaError(f"ucp_mem_map of {length} B at {address:#x}", st)
-        self._memh: int | None = memh.value
-        buf, size = _V(), ctypes.c_size_t()
-        st = lib.ucp_rkey_pack(self._ctx, self._memh, ctypes.byref(buf), ctypes.byref(size))
+        self._memh: int | None = memh
+        st, self.rkey = ucxcompat.pack_rkey(self._ctx, memh)
         if st != UCS_OK:
             self.close()
             raise RmaError("ucp_rkey_pack", st)
-        self.rkey = ctypes.string_at(buf, size.value)
-        lib.ucp_rkey_buffer_release(buf)
 
     def contains(self, address: int, nbytes: int) -> bool:
         return self.address <= address and address + nbytes <= self.address + self.length
@@ -226,7 +119,7 @@ class Region:
     def close(self) -> None:
         memh, self._memh = self._memh, None
         if memh is not None:
-            _ucp().ucp_mem_unmap(self._ctx, memh)
+            ucxcompat.unmap(self._ctx, memh)
 
     def __repr__(self) -> str:
         state = "mapped" if self._memh is not None else "closed"
@@ -240,20 +133,16 @@ class RemoteKey:
     def __init__(self, ep_handle: int, packed: bytes) -> None:
         if not packed:
             raise ValueError("empty remote key")
-        # ucp_ep_rkey_unpack takes no length: a truncated key from the wire would make UCX
-        # parse past its end. Zero padding keeps any over-read inside this buffer.
-        buf = ctypes.create_string_buffer(bytes(packed), len(packed) + _RKEY_PAD)
-        rkey = _V()
-        st = _ucp().ucp_ep_rkey_unpack(ep_handle, buf, ctypes.byref(rkey))
+        st, handle = ucxcompat.unpack_rkey(ep_handle, packed)  # (zero-padded: see there)
         if st != UCS_OK:
             raise RmaError("ucp_ep_rkey_unpack", st)
         self.ep_handle = ep_handle
-        self.handle: int | None = rkey.value
+        self.handle: int | None = handle
 
     def destroy(self) -> None:
         handle, self.handle = self.handle, None
         if handle is not None:
-            _ucp().ucp_rkey_destroy(handle)
+            ucxcompat.destroy_rkey(handle)
 
 
 class ReadBatch:
@@ -272,12 +161,11 @@ class ReadBatch:
 
     def __init__(self, key: RemoteKey, runs: Sequence[tuple[int, int, int]], *,
                  memory_type: str = "host", worker_handle: int | None = None) -> None:
-        self._lib = _ucp()
+        self._post = ucxcompat.read_poster(MEMORY_TYPES[memory_type])
+        self._check, self._free, self._progress = ucxcompat.request_calls()
         self._worker = worker_handle
         self._key = key
         self._runs = runs
-        self._param = _RequestParam(op_attr_mask=_OP_ATTR_FIELD_MEMORY_TYPE,
-                                    memory_type=MEMORY_TYPES[memory_type])
         self._reqs: list[int | None] = []  # None: completed (at post time or retired)
         self._failed: tuple[int, int] | None = None  # (run index, status)
         self._next = 0  # reads before this index are complete and freed
@@ -287,10 +175,10 @@ class ReadBatch:
         """Issue the reads on ``ep_handle`` (the caller keeps the endpoint alive meanwhile)."""
         if self._key.handle is None:
             raise ValueError("remote key already destroyed")
-        get, pref, rkey = self._lib.ucp_get_nbx, ctypes.byref(self._param), self._key.handle
+        get, rkey, status = self._post, self._key.handle, ucxcompat.ptr_status
         for i, (local, remote, n) in enumerate(self._runs):
-            ptr = get(ep_handle, local, n, remote, rkey, pref)
-            st = _ptr_status(ptr)
+            ptr = get(ep_handle, local, n, remote, rkey)
+            st = status(ptr)
             if st is None:
                 self._reqs.append(ptr)
             elif st == UCS_OK:
@@ -310,7 +198,7 @@ class ReadBatch:
 
     def poll(self) -> bool:
         """Retire completed reads in order; True when all are done (no blocking)."""
-        check, free = self._lib.ucp_request_check_status, self._lib.ucp_request_free
+        check, free = self._check, self._free
         reqs = self._reqs
         while self._next < len(reqs):
             req = reqs[self._next]
@@ -345,7 +233,7 @@ class ReadBatch:
                                    f"reads still running after {timeout} s")
             if cancelled is not None and cancelled.is_set():
                 raise TimeoutError("read cancelled")
-            if self._worker is not None and self._lib.ucp_worker_progress(self._worker):
+            if self._worker is not None and self._progress(self._worker):
                 # Progress the worker here: ucxx's progress thread sleeps up to 1 ms in
                 # epoll between rounds and no event wakes it for a read, which made every
                 # read wait ~0.9 ms and a 512-block read take twice one big one.

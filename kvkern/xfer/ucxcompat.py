@@ -1,0 +1,286 @@
+"""Every use of ucxx internals, in one place: what kvkern needs from ucxx beyond its public
+Python API (``create_listener``, ``create_endpoint``, ``get_ucp_worker``, ``exceptions``,
+``stop_notifier_thread``), behind a small documented API. A new ucxx release is checked here
+(and by tests/test_ucp_rma.py against the UCX headers), not across the transfer path.
+
+=========================  ==========================================================
+application context        :func:`worker_address`, :func:`ucp_context_handle`,
+                           :func:`context_has_rma`, :func:`worker_handle`
+notifier thread            :func:`rebind_notifier`, :func:`stop_notifier`
+lane workers (``_lib``)    :func:`new_rma_context`, :func:`new_worker`,
+                           :func:`endpoint_to_address`
+libucp (ctypes)            :func:`libucp`, :func:`map_for_remote_read`, :func:`pack_rkey`,
+                           :func:`unmap`,
+                           :func:`unpack_rkey`, :func:`destroy_rkey`, :func:`read_poster`,
+                           :func:`request_calls`, :func:`ptr_status`
+=========================  ==========================================================
+
+The private pieces used: ucxx's application context (``ucxx.core._get_ctx()`` /
+``ucxx.core._ctx``: its ``context.handle``, ``context.feature_flags``, ``worker.address``,
+notifier thread and Python-future pool), the Cython binding ``ucxx._lib.libucxx``
+(``UCXContext``, ``UCXWorker``, ``UCXAddress``, ``Feature``), and the libucp that ucxx loaded,
+bound with :mod:`ctypes` (ucxx 0.52's Python API has no RMA): the calls' signatures and the
+two parameter structs of ``ucp/api/ucp.h``.
+
+Everything here is lazy: importing this module imports neither ucxx nor libucp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvkern.xfer.ucx_env import import_ucxx
+
+__all__ = ["MemMapParams", "RequestParam", "UCS_OK", "context_has_rma", "destroy_rkey",
+           "endpoint_to_address", "libucp", "map_for_remote_read", "new_rma_context",
+           "new_worker", "pack_rkey", "ptr_status", "read_poster", "rebind_notifier", "request_calls",
+           "stop_notifier", "ucp_context_handle", "unmap", "unpack_rkey", "worker_address",
+           "worker_handle"]
+
+UCS_OK = 0
+UCS_ERR_LAST = -100  # the lowest ucs_status_t (UCS_ERR_LAST in ucs/type/status.h)
+
+# ucp/api/ucp.h values (checked against the header by tests/test_ucp_rma.py)
+MAP_FIELD_ADDRESS, MAP_FIELD_LENGTH, MAP_FIELD_PROT, MAP_FIELD_MEMORY_TYPE = 1, 2, 8, 16
+PROT_LOCAL_READ, PROT_LOCAL_WRITE, PROT_REMOTE_READ = 1, 2, 1 << 8
+OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+UCP_FEATURE_RMA = 1 << 1
+RKEY_PAD = 4096  # zero bytes after a received rkey (see unpack_rkey)
+
+
+# ---------------------------------------------------------------- application context
+
+def _app_context() -> Any:
+    """ucxx's application context, created (and bound to the running loop) on first use."""
+    return import_ucxx().core._get_ctx()
+
+
+def worker_address() -> bytes:
+    """This process's ucxx worker address (what read lanes open their endpoints to)."""
+    return _app_context().worker.address.tobytes()
+
+
+def ucp_context_handle() -> int:
+    """The ``ucp_context_h`` of ucxx's application context (ucxx exposes the worker handle
+    publicly, not the context's)."""
+    return int(_app_context().context.handle)
+
+
+def context_has_rma() -> bool:
+    """Whether ucxx's context was created with ``UCP_FEATURE_RMA``."""
+    return bool(int(_app_context().context.feature_flags) & UCP_FEATURE_RMA)
+
+
+def worker_handle() -> int:
+    """ucxx's ``ucp_worker_h`` (public API; here so that reads find every handle in one
+    place)."""
+    return int(import_ucxx().get_ucp_worker())
+
+
+# ---------------------------------------------------------------- notifier thread
+
+def rebind_notifier(loop: asyncio.AbstractEventLoop) -> bool:
+    """Make ucxx's notifier thread resolve request futures on ``loop``: restart it for that
+    loop if it serves another, with the Python-future pool refilled from this thread (futures
+    pooled for the old loop must not serve the new one's requests). False when ucxx runs
+    without the notifier (``UCXPY_ENABLE_PYTHON_FUTURE`` off): nothing to bind."""
+    ctx = _app_context()
+    if not ctx.enable_python_future or ctx.notifier_thread is None:
+        return False
+    args = getattr(ctx.notifier_thread, "_args", ())
+    if not args or args[0] is not loop:
+        ctx.stop_notifier_thread()
+        ctx.worker.clear_python_futures_pool()
+        ctx.worker.populate_python_futures_pool()
+        ctx.start_notifier_thread()
+    return True
+
+
+def stop_notifier() -> bool:
+    """Stop ucxx's notifier thread for good, waking it first so that this does not wait out
+    its 1 s poll; False when there was none (no context yet, or no notifier)."""
+    ctx = import_ucxx().core._ctx
+    if ctx is None or not ctx.enable_python_future or ctx.notifier_thread is None:
+        return False
+    with contextlib.suppress(Exception):
+        ctx.worker.stop_request_notifier_thread()
+    with contextlib.suppress(Exception):
+        ctx.stop_notifier_thread()
+    return True
+
+
+# ---------------------------------------------------------------- lane workers
+
+def _libucxx() -> Any:
+    return import_ucxx()._lib.libucxx
+
+
+def new_rma_context(config: dict[str, str]) -> Any:
+    """A UCP context of its own with RMA only and ``config`` (UCX settings without the
+    ``UCX_`` prefix, on top of the environment); raises if this UCX rejects a setting."""
+    lib = _libucxx()
+    return lib.UCXContext(dict(config), (lib.Feature.RMA,))
+
+
+def new_worker(context: Any) -> tuple[Any, int]:
+    """A UCX worker of ``context`` and its ``ucp_worker_h``."""
+    worker = _libucxx().UCXWorker(context)
+    return worker, int(worker.handle)
+
+
+def endpoint_to_address(worker: Any, address: bytes) -> tuple[Any, Any, int]:
+    """An endpoint of ``worker`` to the worker at ``address`` (with error handling): the
+    endpoint, the address object it was made from (keep it as long as the endpoint) and its
+    ``ucp_ep_h``. The caller checks ``address`` first (a foreign UCX address version makes
+    libucp abort)."""
+    ucx_address = _libucxx().UCXAddress.create_from_buffer(memoryview(bytearray(address)))
+    ep = worker.create_endpoint_from_worker_address(ucx_address, True)
+    return ep, ucx_address, int(ep.handle)
+
+
+# ---------------------------------------------------------------- libucp (ctypes)
+
+class MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t (ucp/api/ucp.h)
+    _fields_ = [("field_mask", ctypes.c_uint64), ("address", ctypes.c_void_p),
+                ("length", ctypes.c_size_t), ("flags", ctypes.c_uint),
+                ("prot", ctypes.c_uint), ("memory_type", ctypes.c_int),
+                ("exported_memh_buffer", ctypes.c_void_p)]
+
+
+class RequestParam(ctypes.Structure):  # ucp_request_param_t (ucp/api/ucp.h)
+    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+                ("request", ctypes.c_void_p), ("cb", ctypes.c_void_p),
+                ("datatype", ctypes.c_uint64), ("user_data", ctypes.c_void_p),
+                ("reply_buffer", ctypes.c_void_p), ("memory_type", ctypes.c_int),
+                ("recv_info", ctypes.c_void_p), ("memh", ctypes.c_void_p)]
+
+
+_lib: Any = None
+_lib_lock = threading.Lock()
+_V = ctypes.c_void_p
+_STATUS = ctypes.c_int8  # ucs_status_t is a packed (1-byte) signed enum in ucs/type/status.h
+
+
+def _loaded_libucp() -> str | None:
+    """Path of the libucp this process already mapped (the one ucxx uses), if any."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rsplit(None, 1)[-1]
+                if "/libucp.so" in path and os.path.exists(path):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def libucp() -> Any:
+    """libucp with the signatures used here, bound to the copy ucxx loaded."""
+    global _lib
+    if _lib is not None:
+        return _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        import_ucxx()
+        lib = ctypes.CDLL(_loaded_libucp() or "libucp.so.0")
+        sig = {
+            "ucp_mem_map": (_STATUS, [_V, ctypes.POINTER(MemMapParams), ctypes.POINTER(_V)]),
+            "ucp_mem_unmap": (_STATUS, [_V, _V]),
+            "ucp_rkey_pack": (_STATUS, [_V, _V, ctypes.POINTER(_V),
+                                        ctypes.POINTER(ctypes.c_size_t)]),
+            "ucp_rkey_buffer_release": (None, [_V]),
+            "ucp_ep_rkey_unpack": (_STATUS, [_V, ctypes.c_char_p, ctypes.POINTER(_V)]),
+            "ucp_rkey_destroy": (None, [_V]),
+            "ucp_get_nbx": (_V, [_V, _V, ctypes.c_size_t, ctypes.c_uint64, _V,
+                                 ctypes.POINTER(RequestParam)]),
+            "ucp_request_check_status": (_STATUS, [_V]),
+            "ucp_request_free": (None, [_V]),
+            "ucp_worker_progress": (ctypes.c_uint, [_V]),
+        }
+        for name, (res, args) in sig.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+        _lib = lib
+        return lib
+
+
+def ptr_status(ptr: int | None) -> int | None:
+    """``ucs_status_ptr_t`` -> status when it is one (NULL = UCS_OK), None for a request."""
+    if not ptr:
+        return UCS_OK
+    signed = ptr - (1 << 64) if ptr >= 1 << 63 else ptr
+    if UCS_ERR_LAST <= signed < 0:
+        return signed
+    return None
+
+
+def map_for_remote_read(context: int, address: int, length: int,
+                        memory_type: int) -> tuple[int, int | None]:
+    """``ucp_mem_map`` of ``length`` bytes at ``address`` for local read/write and **remote
+    read** only: ``(status, memh)``, memh None on failure."""
+    params = MemMapParams(
+        field_mask=MAP_FIELD_ADDRESS | MAP_FIELD_LENGTH | MAP_FIELD_PROT | MAP_FIELD_MEMORY_TYPE,
+        address=address, length=length,
+        prot=PROT_LOCAL_READ | PROT_LOCAL_WRITE | PROT_REMOTE_READ, memory_type=memory_type)
+    memh = _V()
+    st = libucp().ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh))
+    return st, (memh.value if st == UCS_OK else None)
+
+
+def pack_rkey(context: int, memh: int) -> tuple[int, bytes]:
+    """``ucp_rkey_pack`` of a mapped ``memh``: ``(status, packed remote key)``."""
+    lib = libucp()
+    buf, size = _V(), ctypes.c_size_t()
+    st = lib.ucp_rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size))
+    if st != UCS_OK:
+        return st, b""
+    rkey = ctypes.string_at(buf, size.value)
+    lib.ucp_rkey_buffer_release(buf)
+    return UCS_OK, rkey
+
+
+def unmap(context: int, memh: int) -> None:
+    libucp().ucp_mem_unmap(context, memh)
+
+
+def unpack_rkey(ep_handle: int, packed: bytes) -> tuple[int, int | None]:
+    """``ucp_ep_rkey_unpack``: ``(status, rkey handle)``. The function takes no length, so a
+    truncated key from the wire would make UCX parse past its end: zero padding keeps any
+    over-read inside the buffer."""
+    buf = ctypes.create_string_buffer(bytes(packed), len(packed) + RKEY_PAD)
+    rkey = _V()
+    st = libucp().ucp_ep_rkey_unpack(ep_handle, buf, ctypes.byref(rkey))
+    return st, (rkey.value if st == UCS_OK else None)
+
+
+def destroy_rkey(handle: int) -> None:
+    libucp().ucp_rkey_destroy(handle)
+
+
+def read_poster(memory_type: int) -> Callable[[int, int, int, int, int], int | None]:
+    """``post(ep_handle, local, nbytes, remote, rkey)``: one ``ucp_get_nbx`` into local
+    memory of ``memory_type``; returns its ``ucs_status_ptr_t`` (see :func:`ptr_status`)."""
+    get = libucp().ucp_get_nbx
+    param = RequestParam(op_attr_mask=OP_ATTR_FIELD_MEMORY_TYPE, memory_type=memory_type)
+    pref = ctypes.byref(param)
+
+    def post(ep_handle: int, local: int, nbytes: int, remote: int, rkey: int) -> int | None:
+        return get(ep_handle, local, nbytes, remote, rkey, pref)  # pref keeps param alive
+
+    return post
+
+
+def request_calls() -> tuple[Callable[[int], int], Callable[[int], None],
+                             Callable[[int], int]]:
+    """The bound ``ucp_request_check_status(request)``, ``ucp_request_free(request)`` and
+    ``ucp_worker_progress(worker)`` (nonzero when it did something), for polling loops that
+    call them per request."""
+    lib = libucp()
+    return lib.ucp_request_check_status, lib.ucp_request_free, lib.ucp_worker_progress
