@@ -1,11 +1,13 @@
 """The pull path's control logic on the in-memory transport (:mod:`kvkern.xfer.memtransport`):
-admission, de-duplication, policies, leases, cancels and fallback reasons, in milliseconds
-and without a process or a socket. The real-process tests (test_pull.py) cover UCXX."""
+admission, de-duplication, policies, leases, cancels and fallback reasons, for streams and
+for one-sided reads (grants, read holds, ReadDone/ReadAck), in milliseconds and without a
+process or a socket. The real-process tests (test_pull.py) cover UCXX."""
 
 from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import torch
 
@@ -202,3 +204,167 @@ def test_a_rejected_request_names_the_source_code(fleet):
     o = p.result("r", 5)
     assert o.reason is Reason.INCOMPATIBLE_MODEL and len(src.requests) == 1, o
     assert "incompatible_model" in o.detail
+
+
+# ------------------------------------------------------------------ one-sided reads
+
+
+@pytest.fixture
+def reading(fleet):
+    """The fleet's source made a reading one (its pool registered for one-sided reads)."""
+    src, make = fleet
+    src.__init__(src.group, remote_read=True)
+    return src, make
+
+
+def wait_unpinned(src: MemorySource, timeout: float = 2.0) -> None:
+    deadline = time.monotonic() + timeout
+    while src.pins_outstanding and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert src.pins_outstanding == 0
+
+
+def test_a_read_pull_lands_the_source_bytes_inside_the_hold(reading):
+    src, make = reading
+    toks = tokens(5, 11)
+    hs = commit(src.group, toks)
+    p = make()
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.used and o.reason is Reason.OK and o.blocks_transferred == 5, o
+    assert o.reads >= 1 and src.requests[0].read, o
+    ids = p.claim("r")
+    assert ids is not None and same_bytes(src, p.group, hs, ids)
+    wait_unpinned(src)  # the background ReadDone, asking for no ack: read inside the hold
+    assert [d.ack for d in src.read_dones] == [False]
+    p.group.manager.release(ids)
+    p.group.manager.check_invariants()
+
+
+def test_a_source_granting_no_hold_is_asked_to_confirm(reading):
+    src, make = reading
+    src.read_hold_s = 0.0
+    toks = tokens(3, 12)
+    hs = commit(src.group, toks)
+    p = make()
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.reason is Reason.OK and o.messages == 4, o  # request, grant, ReadDone, ReadAck
+    assert [d.ack for d in src.read_dones] == [True] and src.pins_outstanding == 0
+    ids = p.claim("r")
+    assert ids is not None and same_bytes(src, p.group, hs, ids)
+
+
+def test_reads_after_the_hold_expired_are_not_committed(reading):
+    src, make = reading
+    src.read_hold_s = 0.02
+    src.faults.delay_s = 0.05  # the grant arrives after its hold ended: the pins are gone
+    toks = tokens(3, 13)
+    commit(src.group, toks)
+    p = make()
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.reason is Reason.TRANSFER_FAILED and "did not confirm" in o.detail, o
+    assert [d.ack for d in src.read_dones] == [True] and src.pins_outstanding == 0
+    assert p.group.manager.num_free == p.group.manager.num_blocks
+    assert p.group.manager.longest_prefix(sequence_hashes(toks, BS)) == 0
+
+
+@pytest.mark.parametrize("fault,value,reason", [
+    ("drop", True, Reason.TRANSFER_TIMEOUT),
+    ("stall_after", 0, Reason.TRANSFER_TIMEOUT),
+    ("corrupt", "hashes", Reason.HASH_MISMATCH),
+    ("corrupt", "rkey", Reason.TRANSFER_FAILED),
+    ("disconnect", "read", Reason.TRANSFER_FAILED),
+])
+def test_read_faults_fall_back_with_their_reason_and_release_everything(reading, fault,
+                                                                        value, reason):
+    src, make = reading
+    toks = tokens(4, 14)
+    commit(src.group, toks)
+    setattr(src.faults, fault, value)
+    p = make()
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert not o.used and o.reason is reason, o
+    assert src.requests[0].read
+    p.group.manager.check_invariants()
+    assert p.group.manager.num_free == p.group.manager.num_blocks
+    wait_unpinned(src)  # by Cancel, or by the aborted connection
+
+
+def test_a_cancel_during_the_read_releases_the_pins(reading):
+    src, make = reading
+    toks = tokens(4, 15)
+    commit(src.group, toks)
+    src.faults.stall_after = 0  # the read hangs until the transfer timeout (0.3 s)
+    p = make()
+    p.submit("r", toks, HINT)
+    deadline = time.monotonic() + 2
+    while not src.requests and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.05)
+    assert p.cancel("r")
+    o = p.result("r", 5)
+    assert o.reason is Reason.CANCELLED, o
+    assert p.group.manager.num_free == p.group.manager.num_blocks
+    wait_unpinned(src)
+    assert [c.reason for c in src.cancels] == ["cancelled"]
+
+
+@pytest.mark.parametrize("policy,reason,kept", [("strict", Reason.SOURCE_MISS, 0),
+                                                ("best_effort", Reason.PARTIAL, 2)])
+def test_read_policies_on_a_source_short_of_blocks(reading, policy, reason, kept):
+    src, make = reading
+    toks = tokens(5, 16)
+    commit(src.group, toks[:2 * BS])
+    p = make(default_policy=policy)
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.reason is reason and o.blocks_transferred == kept, o
+    assert o.reads == (1 if kept else 0), o
+    assert p.release("r") == bool(kept)
+    assert p.group.manager.longest_prefix(sequence_hashes(toks, BS)) == kept
+    wait_unpinned(src)
+
+
+def test_a_destination_that_does_not_read_gets_a_stream(reading):
+    src, make = reading
+    toks = tokens(3, 17)
+    hs = commit(src.group, toks)
+    p = make(remote_read=False)
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.reason is Reason.OK and o.reads == 0 and not src.requests[0].read, o
+    assert not src.read_dones and src.pins_outstanding == 0
+    ids = p.claim("r")
+    assert ids is not None and same_bytes(src, p.group, hs, ids)
+
+
+def test_an_unasked_read_grant_is_refused(reading):
+    src, make = reading
+    toks = tokens(3, 18)
+    commit(src.group, toks)
+    serve = src.serve
+    src.serve = lambda req: serve(msgspec.structs.replace(req, read=True))
+    p = make(remote_read=False)
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.reason is Reason.TRANSFER_FAILED and "did not ask" in o.detail, o
+    assert p.group.manager.num_free == p.group.manager.num_blocks
+    wait_unpinned(src)
+
+
+def test_a_grant_unlike_the_published_state_is_refused(reading):
+    src, make = reading
+    toks = tokens(3, 19)
+    commit(src.group, toks)
+    body = src.state_body(*ADDR)  # says "canonical"
+    src.state_body = lambda *a: body
+    src.registered[0].native = True  # the grant says "in its own order"
+    p = make()
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.reason is Reason.TRANSFER_FAILED and "own order" in o.detail, o
+    assert o.reads == 0 and p.group.manager.num_free == p.group.manager.num_blocks
+    wait_unpinned(src)
