@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -343,8 +344,10 @@ class MemoryConnection:
             buf = buffer_for(i)
             buf.copy_(chunks[i])
             total += int(buf.numel())
-            if on_chunk is not None:
-                on_chunk(i, buf)
+            if on_chunk is not None:  # sync or async, as the UCXX transport's
+                done = on_chunk(i, buf)
+                if inspect.isawaitable(done):
+                    await done
         return total
 
     async def read_parts(self, parts: Sequence[ReadPart], *,

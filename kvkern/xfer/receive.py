@@ -68,9 +68,8 @@ class StreamUnpacker:
     unpacked straight from the ring buffer, a block split across chunks through a one-block
     carry buffer."""
 
-    def __init__(self, transfer: Any, rkv: RankKV, block_ids: Sequence[int], n: int) -> None:
-        import torch  # noqa: PLC0415
-
+    def __init__(self, transfer: Any, rkv: RankKV, block_ids: Sequence[int], n: int, *,
+                 max_programs: int | None = None) -> None:
         self.rkv = rkv
         self.layout = rkv.layout
         self.block_ids = list(block_ids)
@@ -82,8 +81,9 @@ class StreamUnpacker:
         self.segments.sort(key=lambda s: s[0])
         self.total = transfer.nbytes(n)
         self.pos = 0
-        width = max((p.block_nbytes for p in transfer.pieces), default=1)
-        self.carry = torch.empty(width, dtype=torch.uint8, device=rkv.device)
+        self.width = max((p.block_nbytes for p in transfer.pieces), default=1)
+        self.carry: Any = None  # made by the first split block, on the stream feed runs on
+        self.max_programs = max_programs
 
     def _unpack(self, flat: Any, piece: Any, b0: int, k: int) -> None:
         from kvkern.kernels.pack import unpack  # noqa: PLC0415
@@ -91,9 +91,13 @@ class StreamUnpacker:
         lay = self.layout
         shape = piece.staging_shape(k, lay.block_size, lay.head_dim)
         unpack(flat.view(lay.dtype).view(shape), self.rkv.pool, lay, self.block_ids[b0:b0 + k],
-               layers=piece.dst_layers, heads=piece.dst_heads)
+               layers=piece.dst_layers, heads=piece.dst_heads, max_programs=self.max_programs)
 
     def feed(self, chunk: Any) -> None:
+        """Unpack ``chunk``, the next bytes of the stream. On a device pool every copy is
+        a launch on the current stream (the caller's side stream), the carry's included."""
+        import torch  # noqa: PLC0415
+
         length = int(chunk.numel())
         if self.pos + length > self.total:
             raise ValueError(f"stream overrun: {self.pos} + {length} > {self.total} bytes")
@@ -108,6 +112,9 @@ class StreamUnpacker:
             b, within = divmod(rel, bn)
             avail = min(length - off, stop - self.pos)
             if within or avail < bn:
+                if self.carry is None:
+                    self.carry = torch.empty(self.width, dtype=torch.uint8,
+                                             device=self.rkv.device)
                 take = min(bn - within, avail)
                 self.carry[within:within + take].copy_(chunk[off:off + take])
                 off += take
@@ -131,7 +138,23 @@ class StreamUnpacker:
 
 class StreamReceiver:
     """Receives a pair's stream into the private blocks through a ring of staging buffers
-    taken from ``staging`` (a :class:`kvkern.xfer.staging.StagingPool`, loop thread only)."""
+    taken from ``staging`` (a :class:`kvkern.xfer.staging.StagingPool`, loop thread only).
+
+    On a device pool (:mod:`kvkern.xfer.devstream`) each chunk's unpack is launched on the
+    device's side stream, after a fence on the engine's compute stream (kernels may still
+    read the private blocks' previous contents), and records an event:
+
+    * a ring slot receives its next chunk only after the event of the unpack that read it
+      fired (awaited off the loop thread before ``on_chunk`` returns);
+    * the ring goes back to the staging pool with the last event, so no later pull reuses a
+      slot an unpack may still read;
+    * chunks landing straight in the blocks (zero-copy) wait for the fence on the host first,
+      since UCX writes them outside any stream's order;
+    * at the pair's completion, before :meth:`receive` returns (so before the runner
+      validates and commits the blocks and the engine may schedule the prefill), the
+      compute stream is made to wait for the last unpack's event (``publish``): the host
+      does not wait for it, the engine's next kernels do.
+    """
 
     def __init__(self, config: XferConfig, staging: Any) -> None:
         self.config = config
@@ -142,6 +165,8 @@ class StreamReceiver:
                       entry: tuple) -> None:
         """Receive and unpack every chunk ``reply`` announced; :class:`Fallback` if the
         stream is not exactly the served blocks' bytes."""
+        from kvkern.xfer import devstream  # noqa: PLC0415
+
         served, unit, cfg = reply.served_blocks, tr.block_nbytes, self.config
         nbytes = tr.nbytes(served)
         if reply.total_bytes != nbytes or any(not 0 < s <= chunk for s in reply.chunk_sizes):
@@ -155,9 +180,14 @@ class StreamReceiver:
         ring: list[Any] = [None] * ring_n  # staging slots, allocated on first use
         sizes = reply.chunk_sizes
         ids = job.private[:served]
-        unpacker = StreamUnpacker(tr, rkv, ids, served)
+        ds = devstream.for_device(rkv.device)
+        unpacker = StreamUnpacker(tr, rkv, ids, served, max_programs=ds.max_programs)
         starts = list(itertools.accumulate(sizes, initial=0))
         landed_direct: set[int] = set()
+        fence = ds.fence()
+        if direct is not None:
+            await ds.wait(fence, xfer_t)
+        last: list[Any] = [None]  # the event after the latest unpack launched
 
         def buffer_for(i: int) -> Any:
             lo, hi = starts[i], starts[i + 1]
@@ -172,7 +202,7 @@ class StreamReceiver:
                 ring[slot] = self.staging.take(rkv.device, max(chunk, cfg.chunk_bytes))
             return ring[slot][:sizes[i]]
 
-        def on_chunk(i: int, buf: Any) -> None:
+        async def on_chunk(i: int, buf: Any) -> None:
             if job.t_first_byte is None:
                 job.t_first_byte = time.perf_counter()
             n = int(buf.numel())
@@ -180,8 +210,11 @@ class StreamReceiver:
                 unpacker.skip(n)
             else:
                 t = time.perf_counter()
-                unpacker.feed(buf)
+                _, ready = ds.run(functools.partial(unpacker.feed, buf), after=fence)
+                last[0] = ready
                 job.unpack_s += time.perf_counter() - t
+                if i + ring_n < reply.n_chunks:  # recv_stream reuses this slot next
+                    await ds.wait(ready, xfer_t)
             job.messages += 1
             job.bytes += n
 
@@ -193,8 +226,13 @@ class StreamReceiver:
                            f"{tr.src_rank}: {exc}") from None
         finally:
             # recv_stream returns only with every posted receive completed, and raises
-            # only after aborting the connection, so UCX holds none of the slots now.
-            self.staging.give(b for b in ring if b is not None)
+            # only after aborting the connection, so UCX holds none of the slots now; an
+            # unpack may still read them until its event fires.
+            self.staging.give((b for b in ring if b is not None), ready=last[0])
+            if last[0] is not None:
+                # The engine's next kernels (the prefill; after a failure, whatever reuses
+                # the freed private blocks) run after every unpack of this pair.
+                ds.publish(last[0])
         job.open_transfers.remove(entry)
         if not unpacker.complete:
             raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank {tr.src_rank} "

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ import torch
 from kvkern.kernels.pack import pack
 from kvkern.layout.chunks import ChunkSpec, count_chunks, plan_chunks
 from kvkern.layout.segments import piece_nbytes, spans_whole_block
+from kvkern.xfer import devstream
 from kvkern.xfer.codes import RejectCode, reply_text
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import MAX_CHUNKS, PlanPiece, PullReply, PullRequest, ReadAck, Status
@@ -422,7 +424,11 @@ class Sender:
 
     def producer(self, s: SendSession, pieces: list[PlanPiece], block_ids: list[int],
                  chunks: list[ChunkSpec]):
-        """``produce(i)`` for send_stream: packs chunk ``i`` into ring slot ``i % ring``."""
+        """``produce(i)`` for send_stream: packs chunk ``i`` into ring slot ``i % ring``.
+
+        Slot ``k`` is packed again (chunk ``i + ring``) only after both that slot's send of
+        chunk ``i`` completed (send_stream calls ``produce(i + ring)`` no earlier) and the
+        event of chunk ``i``'s pack fired (waited before chunk ``i`` was handed over)."""
         svc = self.svc
         rkv = s.ctx.rkv
         layout = rkv.layout
@@ -434,16 +440,23 @@ class Sender:
         big: dict[str, Any] = {"key": None, "buf": None}  # one oversized block, sliced
         loop = asyncio.get_running_loop()
         tid = s.req.transfer_id
+        ds = devstream.for_device(device)
+        # The pinned blocks were written by engine kernels enqueued before the pin: every
+        # pack of this send starts after them (kvkern.xfer.devstream).
+        fence = ds.fence()
 
         def pack_slab(p: PlanPiece, b0: int, b1: int, out: torch.Tensor | None) -> torch.Tensor:
+            """Runs on a packing thread: launches the pack on the device's side stream and
+            waits for exactly its event, since UCX reads the staging as soon as the send is
+            posted (no stream or device synchronisation)."""
             shape = (b1 - b0, p.layer_stop - p.layer_start, 2, p.head_stop - p.head_start,
                      layout.block_size, layout.head_dim)
             view = None if out is None else out.view(layout.dtype).view(shape)
-            staged = pack(rkv.pool, layout, block_ids[b0:b1], out=view,
-                          layers=(p.layer_start, p.layer_stop),
-                          heads=(p.head_start, p.head_stop))
-            if staged.is_cuda:  # UCX reads the memory as soon as the send is posted
-                torch.cuda.current_stream(staged.device).synchronize()
+            staged, ready = ds.run(functools.partial(
+                pack, rkv.pool, layout, block_ids[b0:b1], out=view,
+                layers=(p.layer_start, p.layer_stop), heads=(p.head_start, p.head_stop),
+                max_programs=ds.max_programs), after=fence)
+            ds.synchronize(ready)
             return staged.reshape(-1).view(torch.uint8)
 
         async def run(fn, *args):
