@@ -1,0 +1,436 @@
+"""The device-stream ordering of the transfer path (:mod:`kvkern.xfer.devstream`).
+
+Off-GPU, :class:`CudaStream` is driven by recording fakes of CUDA streams and events, and the
+source's producer and the destination's stream receiver run on it over CPU pools, through the
+real chunk-stream logic of :class:`kvkern.xfer.transport.Connection` on a fake endpoint: the
+send of chunk ``i`` follows the wait on exactly chunk ``i``'s pack event; a staging slot is
+packed or received into again only after its send completed and its event fired; no stream
+or device is ever synchronised as a whole; the compute stream waits for the last unpack.
+The ``gpu`` tests run the same paths on real CUDA streams with bit-exact checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvkern.kernels.pack import pack
+from kvkern.kernels.sharded import pack_for_peer
+from kvkern.layout.chunks import plan_chunks
+from kvkern.layout.plan import plan_transfer
+from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+from kvkern.xfer import devstream
+from kvkern.xfer.config import XferConfig
+from kvkern.xfer.devstream import DONE, HOST, CudaStream, StreamConfig, wait_ready
+from kvkern.xfer.kvgroup import RankKV
+from kvkern.xfer.messages import DEFAULT_CODEC, PlanPiece, PullReply, Status
+from kvkern.xfer.receive import StreamReceiver
+from kvkern.xfer.send import Sender
+from kvkern.xfer.staging import StagingPool
+from kvkern.xfer.transport import Connection
+
+MODEL = ModelKVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
+TOPO = Topology(model=MODEL, parallel=Parallelism())
+BLOCK_BYTES = 2 * 2 * 2 * 4 * 8 * 2  # layers x kv x heads x tokens x head_dim x fp16
+BLOCK_IDS = [5, 2, 7, 0, 3, 6]  # not consecutive: every chunk goes through staging
+RING = 2
+
+
+# ------------------------------------------------------------------------- recording fakes
+
+
+class FakeEvent:
+    """A CUDA event that fires only when someone synchronises on it (or :meth:`fire`)."""
+
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name, self.fired = log, name, False
+
+    def record(self, stream: FakeStream) -> None:
+        self.log.append(("record", self.name, stream.name))
+
+    def query(self) -> bool:
+        return self.fired
+
+    def synchronize(self) -> None:
+        self.log.append(("sync", self.name, threading.current_thread().name))
+        self.fired = True
+
+    def fire(self) -> None:
+        self.fired = True
+
+
+class FakeStream:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait_event(self, ev: FakeEvent) -> None:
+        self.log.append(("wait_event", self.name, ev.name))
+
+    def synchronize(self) -> None:  # a whole-stream wait: never allowed
+        self.log.append(("stream_sync", self.name))
+
+
+def fake_cuda_stream(log: list, max_programs: int | None = 3) -> CudaStream:
+    count = iter(range(1 << 30))
+
+    def new_event() -> FakeEvent:
+        return FakeEvent(log, f"ev{next(count)}")
+
+    @contextlib.contextmanager
+    def use(stream: FakeStream):
+        log.append(("enter", stream.name))
+        try:
+            yield
+        finally:
+            log.append(("exit", stream.name))
+
+    return CudaStream(side=FakeStream(log, "side"), compute=FakeStream(log, "compute"),
+                      max_programs=max_programs, new_event=new_event, use=use)
+
+
+def at(log: list, entry: tuple) -> int:
+    """Index of the first log entry starting with ``entry``."""
+    for k, e in enumerate(log):
+        if e[:len(entry)] == entry:
+            return k
+    raise AssertionError(f"{entry} not in the log:\n" + "\n".join(map(str, log)))
+
+
+@pytest.fixture
+def no_device_sync(monkeypatch):
+    """Fail on any whole-device or whole-stream synchronisation."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("device"))
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize",
+                        lambda self: calls.append("stream"), raising=False)
+    yield calls
+    assert calls == []
+
+
+# ------------------------------------------------------------------------ the abstraction
+
+
+def test_program_cap_is_a_fraction_of_the_sms():
+    assert StreamConfig().max_programs(132) == 33
+    assert StreamConfig(program_fraction=0.5).max_programs(108) == 54
+    assert StreamConfig(program_fraction=0.01).max_programs(16) == 1  # at least one
+    assert StreamConfig(program_fraction=1.0).max_programs(132) is None  # uncapped
+    for bad in (0, -0.5, 1.5, True, "0.25"):
+        with pytest.raises(ValueError, match="program_fraction"):
+            StreamConfig(program_fraction=bad)
+    with pytest.raises(ValueError, match="sm_count 0"):
+        StreamConfig().max_programs(0)
+
+
+def test_run_orders_the_side_stream_after_the_fence_and_records_inside():
+    log: list = []
+    ds = fake_cuda_stream(log)
+    fence = ds.fence()
+    out, ready = ds.run(lambda: log.append(("kernel",)) or 42, after=fence)
+    assert out == 42 and ready.name == "ev1"
+    assert log == [("record", "ev0", "compute"), ("wait_event", "side", "ev0"),
+                   ("enter", "side"), ("kernel",), ("record", "ev1", "side"),
+                   ("exit", "side")]
+    log.clear()
+    ds.publish(ready)  # the compute stream waits; the host does not
+    assert log == [("wait_event", "compute", "ev1")] and not ready.fired
+
+
+def test_host_stream_runs_at_once_and_every_event_has_fired():
+    ran = []
+    out, ready = HOST.run(lambda: ran.append(1) or "x", after=HOST.fence())
+    assert out == "x" and ran == [1] and ready is DONE and ready.query()
+    assert HOST.max_programs is None
+    HOST.publish(ready)
+    asyncio.run(HOST.wait(ready, 0.1))
+
+
+def test_for_device_gives_host_for_cpu_and_the_installed_stream():
+    assert devstream.for_device("cpu") is HOST
+    fake = fake_cuda_stream([])
+    with devstream.installed("cpu", fake):
+        assert devstream.for_device(torch.device("cpu")) is fake
+    assert devstream.for_device("cpu") is HOST
+
+
+async def test_wait_never_blocks_the_loop_and_is_bounded():
+    loop_thread = threading.current_thread().name
+    log: list = []
+    done = FakeEvent(log, "done")
+    done.fire()
+    await wait_ready(done, 0.1)
+    assert log == []  # already fired: one query, no synchronize
+
+    release = threading.Event()
+
+    class Slow(FakeEvent):
+        def synchronize(self) -> None:  # returns when the loop sets ``release``
+            assert release.wait(5)
+            super().synchronize()
+
+    ev = Slow(log, "slow")
+    waiter = asyncio.ensure_future(wait_ready(ev, 5))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    release.set()  # only possible because the loop thread is free while the waiter waits
+    await waiter
+    assert log == [("sync", "slow", log[0][2])] and log[0][2] != loop_thread
+
+    stuck = Slow(log, "stuck")
+    release.clear()
+    with pytest.raises(asyncio.TimeoutError):
+        await wait_ready(stuck, 0.05)
+    release.set()
+
+
+def test_staging_pool_keeps_a_buffer_until_its_event_fired():
+    log: list = []
+    cpu = torch.device("cpu")
+    sp = StagingPool(max_bytes=4096)
+    a = sp.take(cpu, 4096)
+    ev = FakeEvent(log, "unpack")
+    sp.give([a], ready=ev)
+    assert sp.pending == 1 and sp.idle_bytes == 0
+    b = sp.take(cpu, 4096)
+    assert b.data_ptr() != a.data_ptr()  # a kernel may still read ``a``
+    sp.give([b])  # nothing touches b: idle at once, and the cap is reached
+    sp.clear()
+    assert sp.pending == 1  # not dropped to the allocator either
+    ev.fire()
+    assert sp.take(cpu, 4096).data_ptr() == a.data_ptr()
+    assert sp.pending == 0
+    sp.give([b], ready=DONE)
+    assert sp.idle_bytes == 4096
+
+
+# ---------------------------------------------------------------- source and destination
+
+
+class FakeEp:
+    """A UCX endpoint: sends snapshot the buffer when posted and check it is unchanged when
+    they complete (a staging slot overwritten while UCX reads it fails); receives copy the
+    next chunk of ``stream`` in."""
+
+    closed = False
+
+    def __init__(self, log: list, stream: torch.Tensor | None = None,
+                 starts: list[int] | None = None) -> None:
+        self.log, self.stream, self.starts = log, stream, starts
+        self.sent: dict[int, bytes] = {}
+
+    def set_close_callback(self, cb) -> None:
+        pass
+
+    def abort(self) -> None:
+        self.closed = True
+
+    async def send(self, buf, tag: int) -> None:
+        i = tag & 0xFFFF
+        t = torch.as_tensor(buf) if not isinstance(buf, torch.Tensor) else buf
+        posted = t.cpu().numpy().tobytes()
+        self.log.append(("send", i))
+        for _ in range(3):  # on the wire for a few loop turns
+            await asyncio.sleep(0)
+        assert t.cpu().numpy().tobytes() == posted, f"chunk {i} overwritten while sending"
+        self.sent[i] = posted
+        self.log.append(("sent", i))
+
+    async def recv(self, buf, tag: int) -> None:
+        i = tag & 0xFFFF
+        self.log.append(("recv", i))
+        await asyncio.sleep(0)
+        t = torch.as_tensor(buf) if not isinstance(buf, torch.Tensor) else buf
+        t.copy_(self.stream[self.starts[i]:self.starts[i + 1]])
+        if t.is_cuda:  # UCX completes a receive once the bytes are in device memory
+            torch.cuda.current_stream(t.device).synchronize()
+        self.log.append(("received", i))
+
+
+def rank_kv(device: str, seed: int, fill: str = "random") -> RankKV:
+    lay = TOPO.local_layout(0, 8, "trtllm")
+    pool = lay.allocate(fill=fill, generator=torch.Generator().manual_seed(seed)) \
+        if fill == "random" else lay.allocate(fill=fill)
+    return RankKV(0, lay, pool.to(device))
+
+
+def whole_piece() -> PlanPiece:
+    return PlanPiece(src_rank=0, layer_start=0, layer_stop=2, head_start=0, head_stop=2,
+                     offset=0, length=BLOCK_BYTES)
+
+
+async def send_all(device: str, log: list) -> FakeEp:
+    """The source's producer over ``send_stream``: 6 blocks in 3 chunks, a ring of 2; the
+    stream fakes, the producer's hook and the endpoint all append to ``log``."""
+    rkv = rank_kv(device, seed=1)
+    chunks = plan_chunks([BLOCK_BYTES], len(BLOCK_IDS), 2 * BLOCK_BYTES)
+    assert len(chunks) == 3
+    executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="test-pack")
+
+    async def before_chunk(tid: int, i: int) -> None:
+        log.append(("produce", i))
+
+    svc = SimpleNamespace(config=SimpleNamespace(chunks_in_flight=RING,
+                                                 chunk_bytes=2 * BLOCK_BYTES),
+                          staging=StagingPool(1 << 20), executor=executor,
+                          _before_chunk=before_chunk)
+    s = SimpleNamespace(ctx=SimpleNamespace(rkv=rkv), req=SimpleNamespace(transfer_id=9),
+                        pack_cf=None, staging=[])
+    ep = FakeEp(log)
+    conn = Connection(ep, peer=None, codec=DEFAULT_CODEC)
+    try:
+        produce = Sender(svc).producer(s, [whole_piece()], list(BLOCK_IDS), chunks)
+        await conn.send_stream(9, produce, len(chunks), timeout=5, max_in_flight=RING)
+    finally:
+        executor.shutdown()
+    want = pack(rkv.pool, rkv.layout, BLOCK_IDS).reshape(-1).view(torch.uint8).cpu()
+    got = b"".join(ep.sent[i] for i in range(len(chunks)))
+    assert got == want.numpy().tobytes()  # bit-exact
+    assert len({b.data_ptr() for b in s.staging}) == RING  # the ring was reused
+    return ep
+
+
+async def test_source_sends_a_chunk_only_after_its_pack_event(no_device_sync):
+    log: list = []
+    with devstream.installed("cpu", fake_cuda_stream(log)):
+        await send_all("cpu", log)
+    # the fence is on the compute stream, before any pack; every pack waits for it
+    assert at(log, ("record", "ev0", "compute")) < at(log, ("enter", "side"))
+    assert sum(e == ("wait_event", "side", "ev0") for e in log) == 3
+    for i in range(3):
+        ev = f"ev{i + 1}"  # chunk i's pack event
+        recorded = at(log, ("record", ev, "side"))
+        synced = at(log, ("sync", ev))
+        assert log[synced][2].startswith("test-pack")  # waited on the packing thread
+        assert recorded < synced < at(log, ("send", i)), log
+    # slot 0 is packed again for chunk 2 only after chunk 0 was sent and its event fired
+    assert at(log, ("sent", 0)) < at(log, ("produce", 2))
+    assert at(log, ("sync", "ev1")) < at(log, ("produce", 2))
+    assert not any(e[0] == "stream_sync" for e in log)
+
+
+async def receive_all(device: str, log: list) -> tuple[RankKV, StagingPool, list]:
+    """The destination's stream receiver: 6 blocks in chunks that split blocks (carry)."""
+    src = rank_kv("cpu", seed=2)
+    plan = plan_transfer(TOPO, 0, TOPO, 0)
+    tr = plan.pair(0, 0)
+    n = len(BLOCK_IDS)
+    stream = pack_for_peer(plan, 0, 0, src.pool, src.layout, list(range(n)))
+    sizes = [700, 700, 700, 700, n * BLOCK_BYTES - 2800]
+    starts = [0, 700, 1400, 2100, 2800, n * BLOCK_BYTES]
+    dst = rank_kv(device, seed=0, fill="zeros")
+    ep = FakeEp(log, stream.to(device), starts)
+    conn = Connection(ep, peer=None, codec=DEFAULT_CODEC)
+    staging = StagingPool(1 << 20)
+    cfg = XferConfig(chunks_in_flight=RING, chunk_bytes=1024)
+    job = SimpleNamespace(private=list(BLOCK_IDS), t_first_byte=None, unpack_s=0.0,
+                          messages=0, bytes=0, open_transfers=["entry"])
+    reply = PullReply(transfer_id=11, status=Status.OK, served_blocks=n, block_hashes=list(range(n)),
+                      total_bytes=n * BLOCK_BYTES, n_chunks=len(sizes), chunk_sizes=sizes)
+    await StreamReceiver(cfg, staging).receive(job, tr, dst, conn, reply, 1024, 5.0, "entry")
+    want = src.layout.logical(src.pool)[:n]
+    got = dst.layout.logical(dst.pool).cpu()[BLOCK_IDS]
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit-exact
+    return dst, staging, sizes
+
+
+async def test_destination_reuses_a_slot_only_after_its_unpack_event(no_device_sync):
+    log: list = []
+    fake = fake_cuda_stream(log)
+    with devstream.installed("cpu", fake):
+        _, staging, sizes = await receive_all("cpu", log)
+    n_chunks = len(sizes)
+    fence = "ev0"
+    assert at(log, ("record", fence, "compute")) < at(log, ("enter", "side"))
+    for i in range(n_chunks):
+        ev = f"ev{i + 1}"  # chunk i's unpack event
+        launched = at(log, ("record", ev, "side"))
+        assert at(log, ("received", i)) < launched
+        if i + RING < n_chunks:  # its slot receives chunk i + RING next
+            assert launched < at(log, ("sync", ev)) < at(log, ("recv", i + RING)), log
+        else:  # not reused within the pull: nobody waits on the host
+            assert ("sync", ev) not in [e[:2] for e in log]
+    last = f"ev{n_chunks}"
+    # the compute stream waits for the last unpack at the pair's completion
+    assert log[-1] == ("wait_event", "compute", last)
+    # the ring went back with the last event, not yet fired: no later pull may take it
+    assert staging.pending == RING and staging.idle_bytes == 0
+    assert not any(e[0] == "stream_sync" for e in log)
+
+
+async def test_destination_with_host_streams_needs_no_wait():
+    log: list = []
+    _, staging, _ = await receive_all("cpu", log)
+    assert staging.pending == 0 and staging.idle_bytes > 0
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+async def test_gpu_source_and_destination_on_side_streams_are_bit_exact(no_device_sync):
+    assert devstream.for_device("cuda").max_programs is not None
+    await send_all("cuda", [])  # bytes checked against the pack of the same pool
+    log: list = []
+    await receive_all("cuda", log)
+    assert [e for e in log if e[0] == "recv"]  # ran through the ring
+
+
+@pytest.mark.gpu
+def test_gpu_pack_on_a_side_stream_overlaps_a_matmul(no_device_sync):
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ds = CudaStream.create(dev)
+    assert ds.side != torch.cuda.default_stream(dev) and ds.max_programs >= 1
+    rkv = rank_kv("cuda", seed=3)
+    fence = ds.fence()  # taken before the forward pass below is enqueued
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    for _ in range(40):  # tens of milliseconds of work on the compute stream
+        a = (a @ a).clamp_(-1, 1)
+    forward_done = torch.cuda.Event()
+    forward_done.record(torch.cuda.default_stream(dev))
+    staged, ready = ds.run(lambda: pack(rkv.pool, rkv.layout, BLOCK_IDS,
+                                        max_programs=ds.max_programs), after=fence)
+    ds.synchronize(ready)
+    assert not forward_done.query(), "the pack waited for the matmuls"
+    want = pack(rkv.pool.cpu(), rkv.layout, BLOCK_IDS)
+    assert torch.equal(staged.cpu().view(torch.int16), want.view(torch.int16))
+    forward_done.synchronize()
+
+
+@pytest.mark.gpu
+def test_gpu_publish_orders_the_compute_stream_after_the_unpack(no_device_sync):
+    from kvkern.kernels.pack import unpack
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ds = CudaStream.create(dev)
+    rkv = rank_kv("cuda", seed=0, fill="zeros")
+    src = rank_kv("cuda", seed=4)
+    staging = pack(src.pool, src.layout, [0, 1, 2])
+
+    def slow_unpack() -> None:
+        torch.cuda._sleep(50_000_000)  # the side stream is busy for tens of milliseconds
+        unpack(staging, rkv.pool, rkv.layout, [4, 1, 6], max_programs=ds.max_programs)
+
+    _, ready = ds.run(slow_unpack, after=ds.fence())
+    ds.publish(ready)
+    seen = rkv.layout.logical(rkv.pool)[[4, 1, 6]].clone()  # on the compute stream
+    want = src.layout.logical(src.pool)[[0, 1, 2]]
+    assert torch.equal(seen.cpu().view(torch.int16), want.cpu().view(torch.int16))
+
+
+@pytest.mark.gpu
+def test_gpu_staging_slot_waits_for_its_unpack_event():
+    dev = torch.device("cuda", torch.cuda.current_device())
+    ds = CudaStream.create(dev)
+    sp = StagingPool(1 << 20)
+    a = sp.take(dev, 4096)
+    _, ready = ds.run(lambda: torch.cuda._sleep(50_000_000), after=None)
+    sp.give([a], ready=ready)
+    assert sp.take(dev, 4096).data_ptr() != a.data_ptr()
+    ready.synchronize()
+    assert sp.take(dev, 4096).data_ptr() == a.data_ptr()
