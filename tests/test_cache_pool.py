@@ -521,7 +521,7 @@ def test_unknown_lease_raises():
                      id="commit_private_not_private"),
         pytest.param(lambda p: p.commit([2], [5]), "commit of block 2 that no request holds",
                      id="commit_unheld"),
-        pytest.param(lambda p: p.allocate(-1), "non-negative", id="negative_count"),
+        pytest.param(lambda p: p.allocate(-1), "int >= 0", id="negative_count"),
         pytest.param(lambda p: p.commit_private(p.allocate_private(1), [5], lease_s=0),
                      "lease_s", id="zero_lease"),
         pytest.param(lambda p: p.commit_private(p.allocate_private(2), [5], lease_s=None),

@@ -54,7 +54,6 @@ values and changes nothing; running out of blocks returns ``None``.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -62,6 +61,7 @@ from collections.abc import Callable, Sequence
 from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, normalize_hashes
 from kvkern.cache.holders import Block, BlockTable, LeaseTable, PinTable, check_invariants
 from kvkern.cache.protocol import Lease, PinHandle
+from kvkern.checks import check_finite_positive, check_non_negative_int, check_positive_int
 
 __all__ = ["BlockPool"]
 
@@ -83,10 +83,8 @@ class BlockPool:
         clock: Callable[[], float] = time.monotonic,
         lease_history: int = 4096,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("block_size", block_size)
         get_scheme(hash_scheme)  # unknown names raise, listing the known ones
         self._num_blocks = num_blocks
         self._block_size = block_size
@@ -304,13 +302,8 @@ class BlockPool:
         A hash that is already cached keeps its existing block (which the lease then holds);
         the received duplicate goes back to the free queue uncached. Returns the lease, or
         ``None`` when ``lease_s`` is ``None`` (blocks become evictable cached blocks)."""
-        if lease_s is not None and (
-            isinstance(lease_s, bool)
-            or not isinstance(lease_s, (int, float))
-            or not math.isfinite(lease_s)
-            or lease_s <= 0
-        ):
-            raise ValueError(f"lease_s must be a positive finite number or None, got {lease_s!r}")
+        if lease_s is not None:
+            check_finite_positive("lease_s", lease_s)
         with self._lock:
             self._leases.expire()
             blocks = self._table.lookup(block_ids, allow_repeats=False)
@@ -377,8 +370,7 @@ class BlockPool:
 
     @staticmethod
     def _check_count(n: int) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"block count must be a non-negative int, got {n!r}")
+        check_non_negative_int("block count", n)
 
     @staticmethod
     def _hashes_for(blocks: list[Block], hashes: Sequence[int]) -> list[int]:

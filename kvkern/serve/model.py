@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvkern.checks import check_positive_int
 from kvkern.layout.kv_layout import KVLayout
 
 __all__ = [
@@ -90,9 +91,7 @@ class ModelConfig:
     def __post_init__(self) -> None:
         for field in ("vocab_size", "hidden", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                       "ffn_hidden", "block_size", "max_seq_len"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{field} must be a positive int, got {value!r}")
+            check_positive_int(field, getattr(self, field))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.n_kv_heads}"

@@ -50,6 +50,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvkern.cache.hashing import get_scheme, normalize_hashes, salt_key
+from kvkern.checks import check_positive_int
 from kvkern.serve.cliargs import (
     BIND_ERRNOS,
     LOG_LEVELS,
@@ -201,12 +202,10 @@ class KVRouter:
 
     def __init__(self, block_size: int, *, dialect: str = "kv_hint",
                  min_hint_blocks: int = 1) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_positive_int("block_size", block_size)
         if dialect not in DIALECTS:
             raise ValueError(f"unknown hint dialect {dialect!r}; known: {', '.join(DIALECTS)}")
-        if min_hint_blocks < 1:
-            raise ValueError(f"min_hint_blocks must be >= 1, got {min_hint_blocks}")
+        check_positive_int("min_hint_blocks", min_hint_blocks)
         self.block_size = block_size
         self.dialect = dialect
         self.min_hint_blocks = min_hint_blocks

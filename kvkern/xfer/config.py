@@ -39,6 +39,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvkern.checks import check_non_negative_int
+
 __all__ = ["POLICIES", "XferConfig", "DEFAULT_CONFIG"]
 
 POLICIES = ("strict", "best_effort")
@@ -153,9 +155,7 @@ class XferConfig:
             raise ValueError(f"XferConfig.state_path must start with '/', got "
                              f"{self.state_path!r}")
         for name in ("read_min_run_bytes", "read_lanes", "read_lane_min_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"XferConfig.{name} must be an int >= 0, got {value!r}")
+            check_non_negative_int(f"XferConfig.{name}", getattr(self, name))
         for flag in ("dedup", "cost_guard", "remote_read"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")

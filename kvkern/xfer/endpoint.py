@@ -73,6 +73,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
+from kvkern.checks import check_non_negative_int
 from kvkern.xfer.auth import AUTH_RESPONSE_HEADER
 
 __all__ = [
@@ -542,9 +543,8 @@ def resolve_endpoint(
     """Parse ``endpoint``, resolve its host once and check every address against
     ``allowlist``. Never raises for a hostile endpoint (the verdict names the reason); raises
     ValueError for a bad allowlist entry or a negative ``dp_rank`` (configuration errors)."""
-    if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
-                                or dp_rank < 0):
-        raise ValueError(f"dp_rank must be a non-negative int or None, got {dp_rank!r}")
+    if dp_rank is not None:
+        check_non_negative_int("dp_rank", dp_rank)
     allow = allowlist if isinstance(allowlist, Allowlist) else Allowlist.parse(allowlist)
     addresses: tuple[str, ...] = ()
     state_url = None

@@ -25,6 +25,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvkern.checks import check_positive_int
 from kvkern.xfer.config import POLICIES, XferConfig
 from kvkern.xfer.outcome import Reason
 
@@ -53,8 +54,7 @@ def apply_policy(policy: str, requested: int, served: Sequence[int]) -> PolicyDe
     """
     if policy not in POLICIES:
         raise ValueError(f"policy {policy!r} not in {POLICIES}")
-    if requested < 1:
-        raise ValueError(f"requested {requested} must be >= 1")
+    check_positive_int("requested", requested)
     if not served:
         raise ValueError("served is empty: a pull has at least one rank pair")
     for s in served:
@@ -113,8 +113,7 @@ class CostGuard:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine prefilled ``tokens`` tokens in ``seconds`` (feeds the recompute side
         when ``prefill_s_per_token`` is not configured)."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-            raise ValueError(f"tokens must be a positive int, got {tokens!r}")
+        check_positive_int("tokens", tokens)
         if not (seconds >= 0 and math.isfinite(seconds)):
             raise ValueError(f"seconds must be finite and >= 0, got {seconds!r}")
         with self._lock:

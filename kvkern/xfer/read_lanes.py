@@ -47,6 +47,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvkern.checks import check_positive_int
 from kvkern.xfer import transport, ucxcompat
 from kvkern.xfer.transport import ReadsStuck, TransportError
 
@@ -72,8 +73,7 @@ def split_parts(parts: Sequence[Part], n: int, *, min_bytes: int = 0,
     each share is within ``align`` of that size. Every byte of every run lands in exactly
     one share; runs between the cuts are passed through as they are. No share is empty (but
     for no bytes at all: one empty share)."""
-    if n < 1:
-        raise ValueError(f"n {n} must be >= 1")
+    check_positive_int("n", n)
     sizes = [[run[2] for run in runs] for _, runs in parts]
     total = sum(map(sum, sizes))
     k = max(1, min(n, total // max(min_bytes, 1)))
@@ -290,8 +290,7 @@ class ReadLanes:
     loop; :meth:`close` from any thread but the lanes'."""
 
     def __init__(self, n: int, *, min_bytes: int = 4 << 20) -> None:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"read lanes {n!r} must be an int >= 1")
+        check_positive_int("read lanes", n)
         self.n = n
         self.min_bytes = min_bytes
         self._lanes = [_Lane(i) for i in range(n)]

@@ -8,7 +8,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from kvkern.xfer.checks import (
+from kvkern.checks import (
     check_finite_positive,
     check_fraction,
     check_non_negative_int,

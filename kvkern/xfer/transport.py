@@ -100,6 +100,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from enum import IntEnum
 from typing import Any
 
+from kvkern.checks import check_positive_int
 from kvkern.xfer import ucxcompat
 from kvkern.xfer.auth import FROM_ENV, NONCE_BYTES, Credential
 from kvkern.xfer.auth import resolve as resolve_credential
@@ -670,8 +671,7 @@ def _check_stream_args(transfer_id: int, n_chunks: int, max_in_flight: int,
     if n_chunks < 0 or first_index < 0 or first_index + n_chunks > MAX_CHUNK_INDEX + 1:
         raise ValueError(f"chunks [{first_index}, {first_index + n_chunks}) out of range "
                          f"[0, {MAX_CHUNK_INDEX + 1})")
-    if max_in_flight < 1:
-        raise ValueError(f"max_in_flight {max_in_flight} must be >= 1")
+    check_positive_int("max_in_flight", max_in_flight)
 
 
 async def _call_maybe_async(fn: Callable[..., Any] | None, *args: Any) -> None:

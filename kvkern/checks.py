@@ -1,5 +1,6 @@
-"""Argument checks shared by the transfer path: one wording for each kind of bad value, a
-``ValueError`` naming the argument and the value."""
+"""Argument checks shared across kvkern: one wording for each kind of bad value, a
+``ValueError`` naming the argument and the value. (An ``int`` here is a Python int that is not
+a bool.)"""
 
 from __future__ import annotations
 
