@@ -18,6 +18,8 @@ from kvkern.cache.hashing import (
     normalize_hashes,
     sequence_hashes,
     trtllm_block_key,
+    vllm_block_digests,
+    vllm_u64,
 )
 
 # Verified against Dynamo 1.6.1 (REFERENCE.md, "Block-hash schemes").
@@ -194,11 +196,36 @@ def test_public_scheme_refuses_salt_and_lora():
 
 def test_unknown_scheme_lists_known():
     with pytest.raises(ValueError, match="public-xxh3-v1.*trtllm-v1"):
-        local_block_hashes([1, 2], 1, "vllm-sha256")
-    assert known_schemes() == ("public-xxh3-v1", "trtllm-v1")
+        local_block_hashes([1, 2], 1, "vllm-sha1")
+    assert known_schemes() == ("public-xxh3-v1", "trtllm-v1", "vllm-sha256-cbor-v1",
+                               "vllm-sha256-v1")
 
 
-@pytest.mark.parametrize("scheme", ["public-xxh3-v1", "trtllm-v1"])
+# Values computed by vLLM 0.32's own ``hash_block_tokens`` (sha256 over pickle, NONE_HASH from
+# the default seed), reduced as vLLM's ``maybe_convert_block_hash`` does for its KV events.
+VLLM_TOKENS_0_63_BS32 = [13907755898995373680, 17701127471491950661]
+VLLM_SALTED_TENANT_A = [17050038076495021658, 566515669255957052]
+
+
+def test_vllm_scheme_matches_vllm():
+    assert sequence_hashes(list(range(64)), 32, "vllm-sha256-v1") == VLLM_TOKENS_0_63_BS32
+    digests = vllm_block_digests(list(range(64)), 32, cache_salt="tenant-a")
+    assert [vllm_u64(d) for d in digests] == VLLM_SALTED_TENANT_A
+    # chained: the second block's hash depends on the first
+    other = sequence_hashes([1] + list(range(1, 64)), 32, "vllm-sha256-v1")
+    assert other[1] != VLLM_TOKENS_0_63_BS32[1]
+    # the trailing partial block is never hashed
+    assert sequence_hashes(list(range(95)), 32, "vllm-sha256-v1")[:2] == VLLM_TOKENS_0_63_BS32
+
+
+def test_vllm_scheme_takes_no_u64_salt():
+    with pytest.raises(ValueError, match="salt string"):
+        sequence_hashes(list(range(64)), 32, "vllm-sha256-v1", cache_salt=5)
+    with pytest.raises(ValueError, match="at least 8"):
+        vllm_u64(b"abc")
+
+
+@pytest.mark.parametrize("scheme", ["public-xxh3-v1", "trtllm-v1", "vllm-sha256-v1"])
 @pytest.mark.parametrize(
     "tokens,match",
     [
@@ -218,12 +245,21 @@ def test_bad_block_size(block_size):
         local_block_hashes([1, 2, 3, 4], block_size)
 
 
+def _runnable_schemes() -> list[str]:
+    """Every scheme whose serialiser is installed (the cbor one needs cbor2)."""
+    try:
+        import cbor2  # noqa: F401
+    except ImportError:
+        return [s for s in known_schemes() if s != "vllm-sha256-cbor-v1"]
+    return list(known_schemes())
+
+
 @given(st.lists(st.integers(0, 2**32 - 1), max_size=80), st.integers(1, 16))
 @settings(max_examples=60, deadline=None)
 def test_prefix_property(tokens, block_size):
-    """Hashes of a prefix are a prefix of the hashes (both schemes, both forms)."""
+    """Hashes of a prefix are a prefix of the hashes (every scheme, both forms)."""
     cut = len(tokens) // 2
-    for scheme in known_schemes():
+    for scheme in _runnable_schemes():
         full = sequence_hashes(tokens, block_size, scheme)
         part = sequence_hashes(tokens[:cut], block_size, scheme)
         assert full[: len(part)] == part

@@ -27,7 +27,21 @@ Schemes
 
         c[0] = XXH3-64(le64(salt) || le64(b[0]), seed=1337),  then as above
 
-``cache_salt`` (both schemes) is a u64; :func:`salt_key` maps a request's salt string (vLLM's
+``vllm-sha256-v1`` / ``vllm-sha256-cbor-v1``
+    vLLM v1's prefix-cache block hash with ``prefix_caching_hash_algo`` ``sha256`` (pickle,
+    vLLM's default) or ``sha256_cbor``: a 32-byte digest chained through its parent::
+
+        NONE_HASH = H(seed)                 # seed "vllm-none-hash" unless PYTHONHASHSEED
+        d[i] = H((d[i-1] or NONE_HASH, tuple(block_tokens), extra_keys))
+
+    ``extra_keys`` is ``None``, or ``(("cache_salt", salt),)`` on the root block of a salted
+    request (vLLM's own salt string, not a u64). As a kvkern u64 a digest is its low 64
+    bits, ``int.from_bytes(d, "big") & (2**64 - 1)``: what vLLM publishes in its KV events and
+    Dynamo routes on. :func:`vllm_block_digests` gives the digests themselves. LoRA and
+    multimodal extra keys are not reproduced: an engine passes its own hashes instead
+    (``kvkern.integrations.vllm`` does).
+
+``cache_salt`` (the xxh3 and TRT-LLM schemes) is a u64; :func:`salt_key` maps a request's salt string (vLLM's
 ``cache_salt``) to one. Tenants with different salts share no chained hash, so neither a
 prefix-index hit nor a pull crosses between them.
 
@@ -57,7 +71,9 @@ rejected.
 
 from __future__ import annotations
 
+import hashlib
 import operator
+import pickle
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,6 +91,8 @@ __all__ = [
     "normalize_hash",
     "normalize_hashes",
     "sequence_hashes",
+    "vllm_block_digests",
+    "vllm_u64",
 ]
 
 U64_MASK = (1 << 64) - 1
@@ -235,6 +253,74 @@ def _identity_chain(block_hashes: Sequence[int], parent: int | None) -> list[int
     return normalize_hashes(block_hashes)
 
 
+# ------------------------------------------------------------------------------------- vLLM
+
+VLLM_NONE_HASH_SEED = "vllm-none-hash"
+_VLLM_ALGOS = {"vllm-sha256-v1": "sha256", "vllm-sha256-cbor-v1": "sha256_cbor"}
+
+
+def _vllm_serialize(algo: str, obj: object) -> bytes:
+    if algo == "sha256":
+        return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if algo == "sha256_cbor":
+        try:
+            import cbor2  # noqa: PLC0415
+        except ImportError:
+            raise ValueError("hash algorithm 'sha256_cbor' needs the cbor2 package") from None
+        return cbor2.dumps(obj, canonical=True)
+    raise ValueError(f"unknown vLLM hash algorithm {algo!r}; known: sha256, sha256_cbor")
+
+
+def vllm_block_digests(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: str = "sha256",
+    none_hash_seed: str = VLLM_NONE_HASH_SEED,
+    cache_salt: str | None = None,
+) -> list[bytes]:
+    """vLLM v1's chained 32-byte block hashes of the full blocks of ``token_ids`` (see the
+    module docstring); ``cache_salt`` is the request's salt string."""
+    _check_block_size(block_size)
+    n_full = len(token_ids) // block_size
+    _token_bytes(token_ids, n_full * block_size)  # validates the token ids
+    parent = hashlib.sha256(_vllm_serialize(algo, none_hash_seed)).digest()
+    out = []
+    for i in range(n_full):
+        block = tuple(int(t) for t in token_ids[i * block_size:(i + 1) * block_size])
+        extra = (("cache_salt", cache_salt),) if i == 0 and cache_salt else None
+        parent = hashlib.sha256(_vllm_serialize(algo, (parent, block, extra))).digest()
+        out.append(parent)
+    return out
+
+
+def vllm_u64(digest: bytes) -> int:
+    """A vLLM block hash as a kvkern u64: its low 64 bits, read big-endian."""
+    if not isinstance(digest, (bytes, bytearray)) or len(digest) < 8:
+        raise ValueError(f"a vLLM block hash is bytes of at least 8, got {digest!r:.80}")
+    return int.from_bytes(digest[-8:], "big")
+
+
+def _vllm_scheme_hashes(algo: str) -> Callable[..., list[int]]:
+    def block_hashes(token_ids: Sequence[int], block_size: int, *, cache_salt: int | None,
+                     lora_id: int | None) -> list[int]:
+        if cache_salt is not None or lora_id is not None:
+            raise ValueError(
+                "the vLLM schemes take the request's own cache salt string "
+                "(vllm_block_digests(..., cache_salt=...)) and no LoRA id here; an engine "
+                f"passes its own block hashes (got cache_salt={cache_salt!r}, "
+                f"lora_id={lora_id!r})")
+        return [vllm_u64(d) for d in vllm_block_digests(token_ids, block_size, algo=algo)]
+    return block_hashes
+
+
+def _vllm_chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
+    if parent is not None:
+        raise ValueError("vLLM block hashes are chained already and take no parent "
+                         f"(got parent={parent!r})")
+    return normalize_hashes(block_hashes)
+
+
 # ---------------------------------------------------------------------------------- registry
 
 
@@ -310,6 +396,9 @@ _SCHEMES: dict[str, HashScheme] = {
             _block_hashes=_trtllm_block_hashes,
             _chain=_identity_chain,
         ),
+        *(HashScheme(name=name, chained=True, supports_salt=False, supports_lora=False,
+                     _block_hashes=_vllm_scheme_hashes(algo), _chain=_vllm_chain)
+          for name, algo in _VLLM_ALGOS.items()),
     )
 }
 
