@@ -400,6 +400,12 @@ def _prepare(pool, layout: KVLayout, block_ids, staging, layers, heads, unique: 
     return tensors, device, ids, shape, (l0, l1, h0, h1)
 
 
+def _check_programs(max_programs: int | None) -> None:
+    if max_programs is not None and (isinstance(max_programs, bool)
+                                     or operator.index(max_programs) < 1):
+        raise ValueError(f"max_programs {max_programs!r} must be None or an int >= 1")
+
+
 def _dispatch(backend: Backend, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
@@ -421,7 +427,10 @@ def pack(pool, layout: KVLayout, block_ids, out: torch.Tensor | None = None, *,
         out: optional contiguous staging ``[n, L', 2, H', T, D]`` of the pool's dtype
             (may be a view into a larger flat buffer).
         layers, heads: half-open local ranges ``(lo, hi)`` selecting a sub-slab.
-        max_programs: cap on Triton programs (leave SMs to the forward pass).
+        max_programs: cap on the Triton kernel's grid: its grid-stride loop covers every
+            row with fewer programs, leaving the other SMs to the forward pass
+            (:mod:`kvkern.xfer.devstream` derives it from the SM count). The torch path
+            (CPU tensors) has no grid and ignores it; results are the same either way.
         backend: ``"auto"`` (Triton on CUDA, torch on CPU), ``"triton"`` or ``"torch"``.
         validate: check ids on the host (range; duplicates for unpack) and raise
             ``ValueError``. ``False`` skips the check for ids the caller already trusts
@@ -432,6 +441,7 @@ def pack(pool, layout: KVLayout, block_ids, out: torch.Tensor | None = None, *,
     Returns:
         the staging tensor.
     """
+    _check_programs(max_programs)
     tensors, device, ids, shape, (l0, l1, h0, h1) = _prepare(
         pool, layout, block_ids, out, layers, heads, unique=False, validate=validate)
     if out is None:
@@ -454,6 +464,7 @@ def unpack(staging: torch.Tensor, pool, layout: KVLayout, block_ids, *,
     destination block would leave it undefined."""
     if not isinstance(staging, torch.Tensor):
         raise TypeError(f"staging must be a torch.Tensor, got {type(staging).__name__}")
+    _check_programs(max_programs)
     tensors, device, ids, _shape, (l0, l1, h0, h1) = _prepare(
         pool, layout, block_ids, staging, layers, heads, unique=True, validate=validate)
     if staging.numel() == 0:

@@ -106,6 +106,8 @@ def pack_for_peer(plan: TransferPlan, src_rank: int, dst_rank: int, pool, layout
             padding: its staging rows are left unwritten).
         out: optional contiguous buffer of exactly the stream's bytes (any dtype; e.g. a
             registered send buffer); a new flat ``uint8`` tensor otherwise.
+        max_programs: the grid cap of every piece's launch (see
+            :func:`kvkern.kernels.pack.pack`); no effect on CPU tensors or on the bytes.
 
     Returns:
         the stream as a flat ``uint8`` tensor of ``plan.pair(src_rank, dst_rank).nbytes(n)``
