@@ -29,7 +29,7 @@ from kvkern.xfer import devstream
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.devstream import DONE, HOST, CudaStream, StreamConfig, wait_ready
 from kvkern.xfer.kvgroup import RankKV
-from kvkern.xfer.messages import DEFAULT_CODEC, PlanPiece, PullReply, Status
+from kvkern.xfer.messages import DEFAULT_CODEC, PlanPiece, Status, StreamReply
 from kvkern.xfer.receive import StreamReceiver
 from kvkern.xfer.send import Sender
 from kvkern.xfer.staging import StagingPool
@@ -330,8 +330,9 @@ async def receive_all(device: str, log: list) -> tuple[RankKV, StagingPool, list
     cfg = XferConfig(chunks_in_flight=RING, chunk_bytes=1024)
     job = SimpleNamespace(private=list(BLOCK_IDS), t_first_byte=None, unpack_s=0.0,
                           messages=0, bytes=0, open_transfers=["entry"])
-    reply = PullReply(transfer_id=11, status=Status.OK, served_blocks=n, block_hashes=list(range(n)),
-                      total_bytes=n * BLOCK_BYTES, n_chunks=len(sizes), chunk_sizes=sizes)
+    reply = StreamReply(transfer_id=11, status=Status.OK, served_blocks=n,
+                        block_hashes=list(range(n)), total_bytes=n * BLOCK_BYTES,
+                        n_chunks=len(sizes), chunk_sizes=sizes)
     await StreamReceiver(cfg, staging).receive(job, tr, dst, conn, reply, 1024, 5.0, "entry")
     want = src.layout.logical(src.pool)[:n]
     got = dst.layout.logical(dst.pool).cpu()[BLOCK_IDS]
@@ -434,3 +435,50 @@ def test_gpu_staging_slot_waits_for_its_unpack_event():
     assert sp.take(dev, 4096).data_ptr() != a.data_ptr()
     ready.synchronize()
     assert sp.take(dev, 4096).data_ptr() == a.data_ptr()
+
+
+# ----------------------------------------------------------------- UCX's CUDA transports
+
+
+def test_ucx_cuda_settings_and_transport_gaps():
+    from kvkern.xfer.ucx_env import (
+        CUDA_TRANSPORTS,
+        UCX_DEFAULTS,
+        configure_ucx_env,
+        cuda_tls_gaps,
+        ucx_tls_problem,
+    )
+
+    env: dict[str, str] = {}
+    configure_ucx_env(env)
+    assert env["UCX_MEMTYPE_REG_WHOLE_ALLOC_TYPES"] == "cuda" == UCX_DEFAULTS[
+        "UCX_MEMTYPE_REG_WHOLE_ALLOC_TYPES"]
+    assert env["UCX_CUDA_IPC_CACHE"] == "y" and "UCX_TLS" not in env  # UCX picks from all
+    every = list(CUDA_TRANSPORTS)
+    cases = {None: [], "all": [], "tcp,sm": every, "tcp,cuda": ["rc"],
+             "tcp,cuda_copy,ib": ["cuda_ipc", "gdr_copy"], "^cuda_ipc": ["cuda_ipc"],
+             "^cuda": ["cuda_copy", "cuda_ipc", "gdr_copy"], "^ib": ["rc"],
+             "tcp,sm,cuda,rc_mlx5": []}
+    for tls, gaps in cases.items():
+        env = {} if tls is None else {"UCX_TLS": tls}
+        assert cuda_tls_gaps(env) == gaps, tls
+    assert "rules out cuda_copy" in ucx_tls_problem({"UCX_TLS": "tcp,sm"}, device_memory=True)
+    assert ucx_tls_problem({"UCX_TLS": "tcp,sm"}) is None  # host pools do not need it
+    assert ucx_tls_problem({"UCX_TLS": "tcp,cuda_copy"}, device_memory=True) is None
+    assert "lacks tcp" in ucx_tls_problem({"UCX_TLS": "cuda"}, device_memory=True)
+
+
+def test_first_device_stream_logs_what_ucx_tls_takes_away(monkeypatch, caplog):
+    made = []
+    monkeypatch.setattr(CudaStream, "create",
+                        classmethod(lambda cls, dev: made.append(dev) or fake_cuda_stream([])))
+    monkeypatch.setenv("UCX_TLS", "tcp,sm,cuda_copy")
+    try:
+        with caplog.at_level("WARNING", logger="kvkern.xfer"):
+            ds = devstream.for_device("cuda:7")
+            assert devstream.for_device("cuda:7") is ds and made == ["cuda:7"]
+    finally:
+        devstream.install("cuda:7", None)
+    text = caplog.text
+    assert "rules out cuda_ipc" in text and "rules out rc" in text
+    assert "rules out cuda_copy" not in text and text.count("rules out cuda_ipc") == 1

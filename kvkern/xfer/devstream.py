@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ __all__ = ["DONE", "HOST", "CudaStream", "DeviceStream", "HostStream", "Ready", 
            "for_device", "install"]
 
 T = TypeVar("T")
+
+log = logging.getLogger("kvkern.xfer")
 
 # A pull's pack and unpack are memory-bound copies; a quarter of the SMs (33 of an H200's
 # 132) with 16 KiB tiles keep ~0.5 MB in flight, ~0.5 TB/s at ~1 us memory latency, above
@@ -257,7 +260,21 @@ def for_device(device: torch.device | str) -> DeviceStream:
         ds = _STREAMS.get(key)
         if ds is None and key.startswith("cuda"):
             ds = _STREAMS[key] = CudaStream.create(key)
+            _check_ucx_tls()
     return HOST if ds is None else ds
+
+
+def _check_ucx_tls() -> None:
+    """Log, once per device, what the user's ``UCX_TLS`` takes from pulls of device memory
+    (:mod:`kvkern.xfer.ucx_env`)."""
+    from kvkern.xfer.ucx_env import CUDA_TRANSPORTS, cuda_tls_gaps, ucx_tls_problem  # noqa: PLC0415
+
+    problem = ucx_tls_problem(device_memory=True)
+    if problem is not None:
+        log.error("%s", problem)
+    for t in cuda_tls_gaps():
+        if t != "cuda_copy":
+            log.warning("UCX_TLS rules out %s: %s", t, CUDA_TRANSPORTS[t])
 
 
 def install(device: torch.device | str, stream: DeviceStream | None) -> DeviceStream | None:

@@ -19,6 +19,35 @@ Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1, 2 shared C
 * ``UCX_TLS``: left alone. If the user restricts it, it must keep ``tcp`` for listener
   endpoints (the connection manager runs over sockets): without it ``create_endpoint`` fails
   after 5 s. :func:`ucx_tls_problem` names that misconfiguration so callers fail fast.
+
+Device memory (pools and staging on a GPU). UCX's default ``UCX_TLS=all`` already includes
+every CUDA transport a node has, and that is the choice: an explicit list makes UCX 1.21 warn
+at every context creation on a node lacking one of its names ("transports 'cuda','rc','dc'
+are not available"), and a list fixed for one node shape would drop a faster transport on
+another. The transports device memory uses (:data:`CUDA_TRANSPORTS`):
+
+* ``cuda_copy``: required. It detects device memory and copies between device and host;
+  without it UCX cannot send a device buffer at all (:func:`ucx_tls_problem` with
+  ``device_memory=True`` names a ``UCX_TLS`` that rules it out).
+* ``cuda_ipc``: between processes on one node, device to device over NVLink or PCIe
+  without the host; without it an intra-node pull stages through host memory.
+* ``gdr_copy``: GPUDirect copies with GDRCopy, where the driver is installed; it serves small
+  (eager) device messages, while kvkern's chunks are large and go by rendezvous.
+* ``rc`` / ``dc`` (InfiniBand, RoCE): device memory straight to the NIC with GPUDirect RDMA
+  where the ``nvidia-peermem`` module is loaded (UCX's ``UCX_IB_GPU_DIRECT_RDMA=try``).
+
+:func:`cuda_tls_gaps` lists those a user's ``UCX_TLS`` rules out; a process whose pools are on
+a GPU logs them once (:func:`kvkern.xfer.devstream.for_device`). Two settings concern device
+memory only and are applied everywhere (UCX 1.21's defaults, pinned so the behaviour does not
+depend on the UCX version; no effect on host memory):
+
+* ``UCX_MEMTYPE_REG_WHOLE_ALLOC_TYPES=cuda``: registering a device buffer registers the whole
+  allocation it lies in (one PyTorch caching-allocator segment holds a pool or many staging
+  buffers), so one registration and one CUDA IPC handle serve every block and staging slice
+  in it, instead of one per buffer.
+* ``UCX_CUDA_IPC_CACHE=y``: a peer keeps the IPC mappings it opened (opening one costs up to
+  hundreds of milliseconds); pools and pooled staging buffers live as long as the worker, so
+  every pull after the first reuses them.
 * ``UCXPY_PROGRESS_MODE=thread`` (the ucxx default, made explicit): see
   :mod:`kvkern.xfer.transport` for the measurement behind the choice.
 * ``UCXPY_ENABLE_PYTHON_FUTURE=1``: without it every pending ucxx request (a source's idle
@@ -45,6 +74,23 @@ UCX_DEFAULTS: dict[str, str] = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCXPY_PROGRESS_MODE": "thread",
     "UCXPY_ENABLE_PYTHON_FUTURE": "1",
+    "UCX_MEMTYPE_REG_WHOLE_ALLOC_TYPES": "cuda",
+    "UCX_CUDA_IPC_CACHE": "y",
+}
+
+# UCX transports that carry device memory, and what a pull loses without each (docstring).
+CUDA_TRANSPORTS: dict[str, str] = {
+    "cuda_copy": "device buffers cannot be sent or received at all",
+    "cuda_ipc": "device-to-device pulls on one node stage through host memory",
+    "gdr_copy": "small device messages go through cuda_copy instead of GPUDirect copies",
+    "rc": "no GPUDirect RDMA over InfiniBand / RoCE (device memory stages through the host)",
+}
+# UCX_TLS aliases that name several transports (UCX's own ``ucx_info -d`` names)
+_TLS_ALIASES: dict[str, frozenset[str]] = {
+    "cuda": frozenset({"cuda_copy", "cuda_ipc", "gdr_copy"}),
+    "ib": frozenset({"rc", "dc", "ud"}),
+    "rc_v": frozenset({"rc"}), "rc_x": frozenset({"rc"}),
+    "rc_verbs": frozenset({"rc"}), "rc_mlx5": frozenset({"rc"}),
 }
 
 
@@ -64,13 +110,38 @@ def configure_ucx_env(environ: MutableMapping[str, str] | None = None) -> dict[s
     return applied
 
 
-def ucx_tls_problem(environ: MutableMapping[str, str] | None = None) -> str | None:
-    """Why the user's ``UCX_TLS`` cannot carry listener endpoints, or ``None`` if it can.
+def _tls_allows(tls: str | None, transport: str) -> bool:
+    """Whether a ``UCX_TLS`` value lets UCX use ``transport`` (aliases expanded)."""
+    items = [t.strip().lower() for t in (tls or "").split(",") if t.strip()]
+    if not items:
+        return True
+    exclude = items[0].startswith("^")
+    if exclude:
+        items[0] = items[0][1:]
+    named = any(t == transport or transport in _TLS_ALIASES.get(t, ()) for t in items)
+    if exclude:
+        return not named
+    return named or "all" in items
+
+
+def cuda_tls_gaps(environ: MutableMapping[str, str] | None = None) -> list[str]:
+    """The :data:`CUDA_TRANSPORTS` the user's ``UCX_TLS`` rules out (empty when unset)."""
+    env = os.environ if environ is None else environ
+    return [t for t in CUDA_TRANSPORTS if not _tls_allows(env.get("UCX_TLS"), t)]
+
+
+def ucx_tls_problem(environ: MutableMapping[str, str] | None = None, *,
+                    device_memory: bool = False) -> str | None:
+    """Why the user's ``UCX_TLS`` cannot carry listener endpoints (or, with
+    ``device_memory``, device buffers), or ``None`` if it can.
 
     ``UCX_TLS`` unset, ``all``, or a ``^``-exclusion list that does not exclude tcp is fine;
-    an explicit list must name ``tcp``.
+    an explicit list must name ``tcp``. Device memory also needs ``cuda_copy``.
     """
     env = os.environ if environ is None else environ
+    if device_memory and not _tls_allows(env.get("UCX_TLS"), "cuda_copy"):
+        return (f"UCX_TLS={env.get('UCX_TLS')!r} rules out cuda_copy; device pools need it "
+                f"({CUDA_TRANSPORTS['cuda_copy']})")
     tls = env.get("UCX_TLS")
     if tls is None:
         return None
