@@ -111,3 +111,42 @@ def test_missing_and_rejected_hints_are_named_skips():
     assert isinstance(decoded, KvHint)
     with pytest.raises(TypeError):
         read_hint(42, limits)
+
+
+def test_engine_scheme_hints_are_checked_in_the_workers_scheme():
+    """Dynamo's dialects carry the engine's own block hashes: a TRT-LLM worker checks them as
+    TRT-LLM block keys, not as the router's XXH3 hashes."""
+    keys = sequence_hashes(TOKENS[:3 * BS], BS, "trtllm-v1")
+    facts = worker(scheme="trtllm-v1")
+    got = admit(TOKENS, hint(block_hashes=tuple(keys), hash_scheme="engine", dialect="dynamo"),
+                worker=facts, config=CONFIG, cost_guard=CostGuard(CONFIG))
+    assert isinstance(got, Admitted) and got.hinted == 3 and got.chained == keys
+    xxh3 = sequence_hashes(TOKENS[:3 * BS], BS, DEFAULT_SCHEME)
+    got = admit(TOKENS, hint(block_hashes=tuple(xxh3), hash_scheme="engine", dialect="dynamo"),
+                worker=facts, config=CONFIG, cost_guard=CostGuard(CONFIG))
+    assert isinstance(got, Skip) and got.reason is Reason.HASH_MISMATCH
+
+
+def _engine(h: KvHint, engine: list[int], *, local: int = 0, max_blocks: int | None = None):
+    return admit(TOKENS, h, worker=worker(local, scheme="vllm-sha256-v1"), config=CONFIG,
+                 cost_guard=CostGuard(CONFIG), engine_hashes=engine, max_blocks=max_blocks)
+
+
+def test_engine_hashes_are_used_as_given():
+    """An engine that hashes its own requests (vLLM: salted, with LoRA and multimodal keys)
+    passes its hashes; they are compared with the hint and sent to the source unchanged."""
+    engine = [11, 22, 33, 44]
+    got = _engine(hint(block_hashes=(11, 22, 33), hash_scheme="engine"), engine, local=1)
+    assert isinstance(got, Admitted)
+    assert (got.hinted, got.local, got.chained) == (3, 1, [11, 22, 33])
+    got = _engine(hint(), engine, max_blocks=2)  # no hashes: every full block, capped
+    assert isinstance(got, Admitted) and got.chained == [11, 22]
+    bad = _engine(hint(block_hashes=(11, 99), hash_scheme="engine"), engine)
+    assert isinstance(bad, Skip) and bad.reason is Reason.HASH_MISMATCH
+    assert "hint hash 1 is 99" in bad.detail
+    other = _engine(hint(block_hashes=(11,), hash_scheme="trtllm-v1"), engine)
+    assert isinstance(other, Skip) and other.reason is Reason.HASH_SCHEME_MISMATCH
+    long = _engine(hint(block_hashes=(11, 22, 33, 44, 55), hash_scheme="engine"), engine)
+    assert isinstance(long, Skip) and long.reason is Reason.HASH_MISMATCH
+    nothing = _engine(hint(), engine, max_blocks=0)
+    assert isinstance(nothing, Skip) and nothing.reason is Reason.LOCAL_PREFIX_SUFFICIENT

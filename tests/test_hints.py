@@ -92,7 +92,7 @@ def test_dynamo_router_hint():
     assert isinstance(h, KvHint)
     assert (h.dialect, h.source, h.block_hashes) == ("dynamo", "tcp://10.0.0.7:5600",
                                                      tuple(HASHES))
-    assert (h.mode, h.no_retain, h.hash_scheme) == ("move", True, "public-xxh3-v1")
+    assert (h.mode, h.no_retain, h.hash_scheme) == ("move", True, "engine")  # engine hashes
     # Also accepted at the top level.
     top = {"kv_transfer_params": router_hint()["extra_args"]["kv_transfer_params"]}
     assert decode_hint(top).dialect == "dynamo"

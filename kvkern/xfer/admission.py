@@ -6,9 +6,12 @@ reason. The :class:`~kvkern.xfer.puller.Puller` facade applies what follows from
 (de-duplication, the concurrency cap) and schedules the pull.
 
 Hashes: hint hashes are checked against the prompt in the hint's scheme, either in the
-per-block form (Dynamo's router) or the chained form; the request to the source always
-carries the chained hashes of the worker's scheme from the root. A hint without hashes
-(llm-d) covers every full block of the prompt. The trailing partial block is never pulled.
+per-block form (Dynamo's router) or the chained form; a hint in the engine's own hashes
+(:data:`~kvkern.xfer.hints.ENGINE_SCHEME`, Dynamo's dialects) is checked in the worker's
+scheme. The request to the source always carries the chained hashes of the worker's scheme
+from the root. An engine that hashes its requests itself (vLLM) passes those hashes as
+``engine_hashes``; they are used as they are, never recomputed. A hint without hashes (llm-d)
+covers every full block of the prompt. The trailing partial block is never pulled.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, sequence_hashes
 from kvkern.xfer.config import XferConfig
-from kvkern.xfer.hints import HintLimits, HintRejected, KvHint, decode_hint
+from kvkern.xfer.hints import ENGINE_SCHEME, HintLimits, HintRejected, KvHint, decode_hint
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.policy import CostGuard
 
@@ -78,19 +81,37 @@ def read_hint(hint: KvHint | HintRejected | dict | None, limits: HintLimits) -> 
 
 
 def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config: XferConfig,
-          cost_guard: CostGuard, salt: int | None = None) -> Admitted | Skip:
-    """Decide whether ``hint`` is worth a pull for a prompt of ``token_ids`` (CPU only)."""
+          cost_guard: CostGuard, salt: int | None = None,
+          engine_hashes: Sequence[int] | None = None,
+          max_blocks: int | None = None) -> Admitted | Skip:
+    """Decide whether ``hint`` is worth a pull for a prompt of ``token_ids`` (CPU only).
+
+    ``engine_hashes``: the engine's own chained hashes of the prompt's full blocks in the
+    worker's scheme (salted as the engine salts them); ``max_blocks`` caps the blocks a pull
+    may cover (an engine that must compute at least one prompt token)."""
     bs = worker.block_size
     n_full = len(token_ids) // bs
     tokens = list(token_ids[:n_full * bs])
-    checked = _check_hint_hashes(tokens, hint, bs, n_full, salt)
+    if engine_hashes is not None:
+        engine_hashes = list(engine_hashes)
+        if len(engine_hashes) < n_full:
+            return Skip(Reason.INTERNAL_ERROR, f"engine gave {len(engine_hashes)} block hashes "
+                        f"for a prompt of {n_full} full blocks")
+        checked = _check_engine_hashes(engine_hashes[:n_full], hint, worker.hash_scheme)
+    else:
+        checked = _check_hint_hashes(tokens, hint, bs, n_full, salt, worker.hash_scheme)
     if isinstance(checked, Skip):
         return checked
     hinted, scheme_name, mine = checked
+    if max_blocks is not None:
+        hinted = min(hinted, max(0, max_blocks))
+        mine = None if mine is None else mine[:hinted]
     if hinted == 0:
         return Skip(Reason.LOCAL_PREFIX_SUFFICIENT,
-                    f"prompt of {len(token_ids)} tokens has no full block of {bs}")
-    if mine is not None and scheme_name == worker.hash_scheme:
+                    f"prompt of {len(token_ids)} tokens has no full block of {bs} to pull")
+    if engine_hashes is not None:
+        chained = engine_hashes[:hinted]
+    elif mine is not None and scheme_name == worker.hash_scheme:
         chained = get_scheme(scheme_name).salted_chain(mine, salt)  # tokens hashed once
     else:
         chained = sequence_hashes(tokens[:hinted * bs], bs, worker.hash_scheme,
@@ -113,13 +134,37 @@ def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config
     return Admitted(chained=chained, hinted=hinted, local=local, timeouts=timeouts, base=base)
 
 
+def _check_engine_hashes(engine: list[int], hint: KvHint, worker_scheme: str
+                         ) -> tuple[int, str, list[int] | None] | Skip:
+    """(hinted blocks, the worker's scheme, the engine's hashes) when the hint names this
+    prompt in the engine's own hashes; a hint without hashes covers every full block."""
+    if hint.block_hashes is None:
+        return len(engine), worker_scheme, engine
+    scheme_name = hint.hash_scheme or DEFAULT_SCHEME
+    if scheme_name not in (ENGINE_SCHEME, worker_scheme):
+        return Skip(Reason.HASH_SCHEME_MISMATCH, f"hint hashes are {scheme_name}, the engine "
+                    f"hashes its blocks in {worker_scheme}")
+    want = list(hint.block_hashes)
+    if len(want) > len(engine):
+        return Skip(Reason.HASH_MISMATCH, f"hint names {len(want)} blocks, the prompt has "
+                    f"{len(engine)} full blocks")
+    if engine[:len(want)] != want:
+        i = next(i for i, (a, b) in enumerate(zip(engine, want, strict=False)) if a != b)
+        return Skip(Reason.HASH_MISMATCH, f"hint hash {i} is {want[i]}, the engine's block "
+                    f"{i} hashes to {engine[i]} in {worker_scheme}")
+    return len(want), worker_scheme, engine[:len(want)]
+
+
 def _check_hint_hashes(tokens: list[int], hint: KvHint, bs: int, n_full: int,
-                       salt: int | None) -> tuple[int, str, list[int] | None] | Skip:
+                       salt: int | None, worker_scheme: str
+                       ) -> tuple[int, str, list[int] | None] | Skip:
     """(hinted blocks, the hint's scheme, the prompt's hashes in it) when the hint's hashes
     name this prompt; a hint without hashes covers every full block."""
     if hint.block_hashes is None:
         return n_full, "", None
     scheme_name = hint.hash_scheme or DEFAULT_SCHEME
+    if scheme_name == ENGINE_SCHEME:
+        scheme_name = worker_scheme
     try:
         scheme = get_scheme(scheme_name)
     except ValueError as exc:

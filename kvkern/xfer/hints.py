@@ -48,6 +48,12 @@ i64 bit-casts ``-2**63 <= h < 0`` are normalised to u64 (``h + 2**64``, see
 ``kvkern.cache.hashing.normalize_hash``); bools and floats are rejected; optional ``mode`` and
 ``no_retain``; ``source_dp_rank`` is a kvkern extension everywhere.
 
+The ``block_hashes`` of ``router_hint`` and of a ``kv.fetch`` payload are the *engine's own*
+block hashes (Dynamo's ``ExternalSequenceBlockHash``: for vLLM the low 64 bits of its sha256
+block hash, for TRT-LLM its block key), so those hints carry ``hash_scheme`` :data:`ENGINE_SCHEME`
+and are checked in the worker's own scheme. vLLM's ``Request.kv_hints`` (a msgspec
+``KvHintsEnvelope``) decodes like the ``kv_hints`` field once turned into builtins.
+
 For ``kv_hints`` the first ``kv.fetch`` 1.0 action is used; other action types and versions
 are skipped. ``message_id`` and ``action_id`` are carried on the hint for logs.
 """
@@ -64,6 +70,7 @@ from kvkern.cache.hashing import DEFAULT_SCHEME, known_schemes, normalize_hashes
 
 __all__ = [
     "BODY_INVALID",
+    "ENGINE_SCHEME",
     "BODY_TOO_LARGE",
     "HINT_INVALID",
     "NO_HINT",
@@ -84,6 +91,8 @@ BODY_INVALID = "body_invalid"
 HINT_INVALID = "hint_invalid"
 TOO_MANY_HASHES = "too_many_hashes"
 UNKNOWN_HASH_SCHEME = "unknown_hash_scheme"
+#: ``KvHint.hash_scheme`` of hints whose hashes are the engine's own block hashes.
+ENGINE_SCHEME = "engine"
 REASONS = (NO_HINT, BODY_TOO_LARGE, BODY_INVALID, HINT_INVALID, TOO_MANY_HASHES,
            UNKNOWN_HASH_SCHEME)
 
@@ -120,7 +129,9 @@ DEFAULT_LIMITS = HintLimits()
 class KvHint:
     """A decoded, validated hint. ``block_hashes is None`` means "compute the hashes locally
     from the request's tokens" (llm-d, or a ``kv_hint`` without hashes); then
-    ``hash_scheme`` is ``None`` too (the worker's own scheme applies)."""
+    ``hash_scheme`` is ``None`` too (the worker's own scheme applies). ``hash_scheme``
+    :data:`ENGINE_SCHEME` means the hashes are the engine's own block hashes (Dynamo's
+    dialects), in whatever scheme the worker uses."""
 
     source: str
     block_hashes: tuple[int, ...] | None
@@ -340,7 +351,7 @@ def _decode_fetch_payload(
     return KvHint(
         source=_source(p.source_control_endpoint, what, limits),
         block_hashes=hashes,
-        hash_scheme=DEFAULT_SCHEME,
+        hash_scheme=ENGINE_SCHEME,
         dialect=dialect,
         source_dp_rank=_dp_rank(p.source_dp_rank, what),
         policy=limits.default_policy,
