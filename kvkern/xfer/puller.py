@@ -129,6 +129,7 @@ class Puller:
         self._leaders: dict[str, PullRecord] = {}  # request id -> record, pulls on the network
         self._keys: dict[tuple, PullRecord] = {}
         self._closed = False
+        self._finished_into: list[tuple[str, PullOutcome]] = []
         self._bg: set[asyncio.Task] = set()
         self._worker = WorkerFacts(
             block_size=group.block_size, hash_scheme=group.hash_scheme,
@@ -208,6 +209,40 @@ class Puller:
                                           **verdict.fields), ignored=True)
             return rec.state
         return self._schedule(self._job(rec, hint, verdict, t_submit))
+
+    def pull_into(self, request_id: str, hint: KvHint, admitted: Admitted,
+                  block_ids: Sequence[int]) -> RequestState:
+        """Run a pull that the engine's scheduler admitted (:func:`~kvkern.xfer.admission.admit`)
+        straight into ``block_ids``, the blocks the engine allocated for the pulled tail
+        (``block_ids[i]`` receives the block named by ``admitted.chained[admitted.local + i]``).
+
+        The engine owns the blocks throughout: nothing is committed, leased or freed here,
+        and the pull is never de-duplicated. When it ends, its outcome comes out of
+        :meth:`take_finished`; ``outcome.blocks_transferred`` leading blocks hold the source's
+        bytes, the rest must be recomputed. Always streamed, never read one-sided: a read that
+        outlived its abort could still write blocks the engine has reused."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        ids = tuple(int(b) for b in block_ids)
+        if len(ids) != admitted.count:
+            raise ValueError(f"{len(ids)} block ids for a pull of {admitted.count} blocks")
+        if len(set(ids)) != len(ids) or any(not 0 <= b < self.group.num_blocks for b in ids):
+            raise ValueError(f"block ids must be distinct and in [0, {self.group.num_blocks}),"
+                             f" got {list(ids)[:16]}")
+        rec = self._register(request_id)
+        rec.into = True
+        if self.metrics is not None:
+            self.metrics.hint_received()
+        job = self._job(rec, hint, admitted, time.perf_counter())
+        job.into = ids
+        return self._schedule(job)
+
+    def take_finished(self) -> list[tuple[str, PullOutcome]]:
+        """The (request id, outcome) of every :meth:`pull_into` pull that ended since the last
+        call, in the order they ended: what an engine polls once per step."""
+        with self._lock:
+            done, self._finished_into = self._finished_into, []
+        return done
 
     def state(self, request_id: str) -> RequestState:
         """The request's lifecycle state (``CONTEXT_INIT`` for unknown requests)."""
@@ -379,7 +414,7 @@ class Puller:
             reason = None
             if self._closed:
                 reason, detail = Reason.CLOSED, "puller is closed"
-            elif self.config.dedup and key in self._keys:
+            elif self.config.dedup and job.into is None and key in self._keys:
                 leader = self._keys[key]
             elif len(self._leaders) >= self.config.max_inflight_pulls:
                 reason, detail = Reason.BUSY, (f"{len(self._leaders)} pulls in flight, "
@@ -388,8 +423,9 @@ class Puller:
             if reason is None:
                 rec.state = RequestState.CONTEXT_PREFETCH_INIT
                 if leader is None:
-                    rec.key = key
-                    self._keys[key] = rec
+                    if job.into is None:
+                        rec.key = key
+                        self._keys[key] = rec
                     self._leaders[rec.request_id] = rec
                 else:
                     rec.leader = leader
@@ -417,13 +453,15 @@ class Puller:
         with self._lock:
             rec.outcome = outcome
             rec.lease = lease
-            rec.state = (RequestState.CONTEXT_PREFETCH_COMPLETE if outcome.used
-                         else RequestState.CONTEXT_INIT)
+            rec.state = (RequestState.CONTEXT_PREFETCH_COMPLETE
+                         if outcome.used and not rec.into else RequestState.CONTEXT_INIT)
             if rec.key is not None and self._keys.get(rec.key) is rec:
                 del self._keys[rec.key]
             if self._leaders.get(rec.request_id) is rec:
                 del self._leaders[rec.request_id]
             rec.future = None
+            if rec.into:
+                self._finished_into.append((rec.request_id, outcome))
         if self.metrics is not None and outcome.reason is not Reason.NO_HINT:
             self._count(outcome, ignored)
         if log.isEnabledFor(logging.INFO):  # (formatting the line costs ~0.05 ms)

@@ -38,6 +38,7 @@ class PullRecord:
     key: tuple | None = None  # dedup key while leading a pull
     leader: PullRecord | None = None  # set on dedup followers
     cancel_requested: bool = False
+    into: bool = False  # a pull into the engine's own blocks (Puller.pull_into)
 
 
 @dataclass(eq=False)
@@ -53,6 +54,9 @@ class PullJob:
     t_submit: float
     timeouts: tuple[float, float, float]  # metadata, transfer, deadline (seconds)
     base: dict  # common outcome fields
+    # the engine's blocks for the pulled tail, in hash order (Puller.pull_into): received
+    # into directly, never freed or committed here
+    into: tuple[int, ...] | None = None
     # filled while running
     private: list[int] | None = None  # receive blocks, freed exactly once unless committed
     open_transfers: list = field(default_factory=list)  # [(conn, tid)] awaiting completion

@@ -151,6 +151,8 @@ class PullRunner:
             self.quarantined_blocks += len(ids)
             log.error("pull %r: %d private blocks quarantined (one-sided reads still "
                       "running after their endpoint was aborted)", job.rec.request_id, len(ids))
+        if job.private is not None and job.into is not None:
+            job.private = None  # the engine's blocks: it recomputes them (Puller.pull_into)
         if job.private is not None:  # not committed: free every block exactly once
             ids, job.private = job.private, None
             self.group.manager.free_private(ids)
@@ -197,6 +199,10 @@ class PullRunner:
                            f"({job.policy})")
         t = time.perf_counter()
         keep = decision.keep
+        if job.into is not None:  # the engine's blocks: it caches what it keeps itself
+            return None, decision.reason, self._into_detail(job, keep, len(pairs)), {
+                "blocks_transferred": keep, "blocks_skipped": decision.skipped,
+                "blocks_requested": job.count}
         ids, job.private = job.private, None
         try:
             lease = group.manager.commit_private(
@@ -236,7 +242,17 @@ class PullRunner:
         job.pairs = len(pairs)
         return pairs, addrs
 
+    def _into_detail(self, job: PullJob, keep: int, n_pairs: int) -> str:
+        job.private = None
+        self.cost_guard.observe_pull(job.bytes, max(job.phases["transfer"], 1e-9),
+                                     job.phases.get("rtt"))
+        return f"{keep} of {job.count} blocks from {n_pairs} pair(s) into the engine's blocks"
+
     def _allocate(self, job: PullJob, pairs: list) -> None:
+        if job.into is not None:  # the engine's blocks, in hash order
+            job.private = list(job.into)
+            job.allocated = True
+            return
         ids = self.group.manager.allocate_private(job.count)
         if ids is None:
             raise Fallback(Reason.NO_BLOCKS, f"{job.count} private blocks not available")
@@ -315,7 +331,7 @@ class PullRunner:
                            start=job.local, count=job.count, pieces=pieces, chunk_bytes=chunk,
                            deadline_ms=max(1, int(remaining * 1000)),
                            require_all=job.policy == "strict",
-                           read=self.reads.can_read(job, tr, rkv),
+                           read=job.into is None and self.reads.can_read(job, tr, rkv),
                            model=getattr(self.group, "model_id", ""))
 
     async def _exchange(self, job: PullJob, conn: TransferConnection, req: PullRequest,
