@@ -12,11 +12,14 @@ budget, and a step that fails or times out is recorded and the next one runs:
 * gpu_facts: NVML (nvidia-ml-py): name, max SM and memory clocks, memory bus width, peak
   memory bandwidth = 2 x memory clock x bus width / 8 -> ``gpu_facts.json``
 * ucx_transports: ``ucx_info -d`` of ucxx's UCX under kvkern's UCX settings (on a GPU node
-  cuda_copy and cuda_ipc; gdr_copy where GDRCopy is installed) -> ``ucx_transports.json``
+  cuda_copy and cuda_ipc; gdr_copy where GDRCopy is installed), and the CUDA transports the
+  user's ``UCX_TLS`` rules out -> ``ucx_transports.json``
 * kernels: ``bench/gpu_kernels.py``, the pack/unpack sweep with bit-exact checks and ratios
   against a contiguous copy and a per-block copy loop; each GB/s figure also as a fraction
   of the peak -> ``kernels.json``
-* pytest_gpu: ``pytest -m gpu`` -> ``pytest_gpu.json``
+* pytest_gpu: ``pytest -m gpu tests`` (every gpu-marked test, the device-stream ones of
+  ``tests/test_devstream.py`` included), with the name of each test it ran
+  -> ``pytest_gpu.json``
 * xfer: ``kvkern bench xfer``, a 256 MiB pull between two processes against a raw UCXX
   send of the same bytes (pools on the GPU where the command offers ``--device``)
   -> ``xfer.json``
@@ -204,19 +207,26 @@ def ucx_transports(log: Path, timeout_s: float) -> tuple[dict, dict | None]:
     pkg = Path(list(spec.submodule_search_locations)[0])
     env = {"LD_LIBRARY_PATH": f"{pkg / 'lib'}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
     try:
-        from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env  # noqa: PLC0415
+        from kvkern.xfer.ucx_env import (  # noqa: PLC0415
+            UCX_DEFAULTS,
+            configure_ucx_env,
+            cuda_tls_gaps,
+        )
 
         effective = {**os.environ}
         configure_ucx_env(effective)  # the settings a kvkern process runs with, set or default
         env |= {k: effective[k] for k in UCX_DEFAULTS}
+        gaps = cuda_tls_gaps(effective)  # CUDA transports the user's UCX_TLS rules out
     except Exception as e:  # noqa: BLE001 - the listing is still useful without them
         env["KVKERN_UCX_ENV_ERROR"] = repr(e)
+        gaps = None
     res = run_step([str(pkg / "bin" / "ucx_info"), "-d"], log, timeout_s, env=env)
     text = log.read_text(errors="replace")
     found = sorted(set(re.findall(r"#\s+Transport:\s+(\S+)", text)))
     res["log"] = log.name
     return res, {"transports": found,
                  "cuda": {t: t in found for t in ("cuda_copy", "cuda_ipc", "gdr_copy")},
+                 "cuda_tls_gaps": gaps,
                  "ucx_env": {k: v for k, v in env.items() if k.startswith(("UCX", "UCXPY"))}}
 
 
@@ -396,6 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         counts["failed_tests"] = [f"{c.get('classname')}::{c.get('name')}"
                                   for s in suites for c in s.iter("testcase")
                                   if c.find("failure") is not None or c.find("error") is not None]
+        counts["test_names"] = sorted(f"{c.get('classname')}::{c.get('name')}"
+                                      for s in suites for c in s.iter("testcase"))
     if res["rc"] == 5:  # no test collected after deselection is not a failure of the run
         res["note"] = "no gpu-marked test collected"
     record("pytest_gpu", res, counts)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import itertools
 import threading
 from types import SimpleNamespace
 
@@ -29,7 +30,7 @@ from kvkern.xfer import devstream
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.devstream import DONE, HOST, CudaStream, StreamConfig, wait_ready
 from kvkern.xfer.kvgroup import RankKV
-from kvkern.xfer.messages import DEFAULT_CODEC, PlanPiece, Status, StreamReply
+from kvkern.xfer.messages import DEFAULT_CODEC, PlanPiece
 from kvkern.xfer.receive import StreamReceiver
 from kvkern.xfer.send import Sender
 from kvkern.xfer.staging import StagingPool
@@ -314,28 +315,30 @@ async def test_source_sends_a_chunk_only_after_its_pack_event(no_device_sync):
     assert not any(e[0] == "stream_sync" for e in log)
 
 
-async def receive_all(device: str, log: list) -> tuple[RankKV, StagingPool, list]:
-    """The destination's stream receiver: 6 blocks in chunks that split blocks (carry)."""
+async def receive_all(device: str, log: list, private: list[int] = BLOCK_IDS,
+                      sizes: list[int] | None = None) -> tuple[RankKV, StagingPool, list]:
+    """The destination's stream receiver: 6 blocks, by default in chunks that split blocks
+    (the carry) into non-consecutive blocks (the ring)."""
     src = rank_kv("cpu", seed=2)
     plan = plan_transfer(TOPO, 0, TOPO, 0)
     tr = plan.pair(0, 0)
-    n = len(BLOCK_IDS)
+    n = len(private)
     stream = pack_for_peer(plan, 0, 0, src.pool, src.layout, list(range(n)))
-    sizes = [700, 700, 700, 700, n * BLOCK_BYTES - 2800]
-    starts = [0, 700, 1400, 2100, 2800, n * BLOCK_BYTES]
+    sizes = sizes or [700, 700, 700, 700, n * BLOCK_BYTES - 2800]
+    starts = [0, *itertools.accumulate(sizes)]
     dst = rank_kv(device, seed=0, fill="zeros")
     ep = FakeEp(log, stream.to(device), starts)
     conn = Connection(ep, peer=None, codec=DEFAULT_CODEC)
     staging = StagingPool(1 << 20)
     cfg = XferConfig(chunks_in_flight=RING, chunk_bytes=1024)
-    job = SimpleNamespace(private=list(BLOCK_IDS), t_first_byte=None, unpack_s=0.0,
+    job = SimpleNamespace(private=list(private), t_first_byte=None, unpack_s=0.0,
                           messages=0, bytes=0, open_transfers=["entry"])
-    reply = StreamReply(transfer_id=11, status=Status.OK, served_blocks=n,
-                        block_hashes=list(range(n)), total_bytes=n * BLOCK_BYTES,
-                        n_chunks=len(sizes), chunk_sizes=sizes)
+    # the fields of the source's stream reply that the receiver reads
+    reply = SimpleNamespace(transfer_id=11, served_blocks=n, total_bytes=n * BLOCK_BYTES,
+                            n_chunks=len(sizes), chunk_sizes=sizes)
     await StreamReceiver(cfg, staging).receive(job, tr, dst, conn, reply, 1024, 5.0, "entry")
     want = src.layout.logical(src.pool)[:n]
-    got = dst.layout.logical(dst.pool).cpu()[BLOCK_IDS]
+    got = dst.layout.logical(dst.pool).cpu()[private]
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit-exact
     return dst, staging, sizes
 
@@ -364,6 +367,19 @@ async def test_destination_reuses_a_slot_only_after_its_unpack_event(no_device_s
     assert not any(e[0] == "stream_sync" for e in log)
 
 
+async def test_chunks_landing_in_the_blocks_wait_for_the_fence_first(no_device_sync):
+    log: list = []
+    with devstream.installed("cpu", fake_cuda_stream(log)):
+        _, staging, _ = await receive_all("cpu", log, private=[1, 2, 3, 4, 5, 6],
+                                          sizes=[2 * BLOCK_BYTES] * 3)
+    # UCX writes these chunks straight into the private blocks, outside any stream's
+    # order: the engine's kernels still reading them must be done before the first receive
+    assert at(log, ("record", "ev0", "compute")) < at(log, ("sync", "ev0")) \
+        < at(log, ("recv", 0))
+    assert ("enter", "side") not in log  # nothing to unpack, nothing to publish
+    assert staging.pending == 0 and not any(e[0] == "stream_sync" for e in log)
+
+
 async def test_destination_with_host_streams_needs_no_wait():
     log: list = []
     _, staging, _ = await receive_all("cpu", log)
@@ -380,6 +396,7 @@ async def test_gpu_source_and_destination_on_side_streams_are_bit_exact(no_devic
     log: list = []
     await receive_all("cuda", log)
     assert [e for e in log if e[0] == "recv"]  # ran through the ring
+    await receive_all("cuda", [], private=[1, 2, 3, 4, 5, 6], sizes=[2 * BLOCK_BYTES] * 3)
 
 
 @pytest.mark.gpu

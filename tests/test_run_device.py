@@ -18,6 +18,10 @@ _spec = importlib.util.spec_from_file_location("device_run", ROOT / "bench" / "d
 device_run = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(device_run)
 
+GPU_STREAM_TESTS = ["test_gpu_source_and_destination_on_side_streams_are_bit_exact",
+                    "test_gpu_pack_on_a_side_stream_overlaps_a_matmul",
+                    "test_gpu_publish_orders_the_compute_stream_after_the_unpack",
+                    "test_gpu_staging_slot_waits_for_its_unpack_event"]
 STEPS = ["env", "gpu_facts", "ucx_transports", "kernels", "pytest_gpu", "xfer", "demo", "autotune"]
 
 
@@ -47,6 +51,9 @@ def test_dry_run_writes_every_steps_json(tmp_path):
     assert all(r["pack_vs_copy"] > 0 and r["run_bytes"] > 0 for r in kernels["rows"])
     gpu = json.loads((tmp_path / "pytest_gpu.json").read_text())["result"]
     assert gpu["tests"] >= 1 and gpu["skipped"] == gpu["tests"] and gpu["failures"] == 0
+    ran = set(gpu["test_names"])  # the device-stream tests run on the first GPU
+    assert {f"tests.test_devstream::{name}" for name in GPU_STREAM_TESTS} <= ran, ran
+    assert ucx["cuda_tls_gaps"] == [] or "UCX_TLS" in os.environ
     xfer = json.loads((tmp_path / "xfer.json").read_text())
     assert xfer["device_pools"] is False
     assert xfer["ok"] == ("ratio" in (xfer.get("result") or {}))
