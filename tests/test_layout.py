@@ -17,6 +17,8 @@ EXPECTED_SHAPES = {
     "vllm_flash": (2, 10, 16, 4, 8),
     "vllm_nhd": (10, 2, 16, 4, 8),
     "vllm_hnd": (10, 2, 4, 16, 8),
+    "vllm_cpu": (10, 4, 2, 16, 8),
+    "vllm_v1": (10, 4, 16, 2, 8),
     "cross_layer": (10, 3, 2, 16, 4, 8),
 }
 

@@ -12,6 +12,9 @@ logical axis) and the element strides, so one kernel serves every engine::
     vLLM/FlashInfer NHD per layer    [NB, 2, T, H, D]
     vLLM/FlashInfer HND per layer    [NB, 2, H, T, D]
     cross-layer         one tensor   [NB, L, 2, T, H, D]
+    vLLM v1 CPU         per layer    [NB, H, 2, T, D]   (its [NB, H, T, 2D] tensor)
+    vLLM v1 unified     per layer    [NB, H, T, 2, D]   (its [NB, H, T, 2D] tensor, K then V
+                                                         in the last dim; any stride order)
 
 Canonical staging format (what travels between workers)::
 
@@ -71,6 +74,8 @@ ENGINE_ORDERS: dict[str, tuple[tuple[Axis, ...], bool]] = {
     "vllm_nhd": ((Axis.BLOCK, Axis.KV, Axis.TOKEN, Axis.HEAD, Axis.DIM), True),
     "vllm_hnd": ((Axis.BLOCK, Axis.KV, Axis.HEAD, Axis.TOKEN, Axis.DIM), True),
     "cross_layer": ((Axis.BLOCK, Axis.LAYER, Axis.KV, Axis.TOKEN, Axis.HEAD, Axis.DIM), False),
+    "vllm_cpu": ((Axis.BLOCK, Axis.HEAD, Axis.KV, Axis.TOKEN, Axis.DIM), True),
+    "vllm_v1": ((Axis.BLOCK, Axis.HEAD, Axis.TOKEN, Axis.KV, Axis.DIM), True),
 }
 
 
@@ -168,10 +173,22 @@ class KVLayout:
         return cls.named("cross_layer", **sizes)
 
     @classmethod
+    def vllm_cpu(cls, **sizes) -> KVLayout:
+        """vLLM v1's CPU attention: per layer ``[NB, H, T, 2D]``, read as ``[NB, H, 2, T, D]``
+        (a head's ``T`` keys, then its ``T`` values)."""
+        return cls.named("vllm_cpu", **sizes)
+
+    @classmethod
+    def vllm_v1(cls, **sizes) -> KVLayout:
+        """vLLM v1's unified KV cache (FlashAttention, Triton, FlexAttention): per layer
+        ``[NB, H, T, 2D]``, read as ``[NB, H, T, 2, D]`` (each token's key, then its value);
+        its physical stride order varies (``restrided``)."""
+        return cls.named("vllm_v1", **sizes)
+
+    @classmethod
     def named(cls, name: str, *, num_blocks: int, num_layers: int, num_heads: int,
               block_size: int, head_dim: int, dtype: torch.dtype) -> KVLayout:
-        """Build an engine layout by name (``trtllm``, ``vllm_flash``, ``vllm_nhd``,
-        ``vllm_hnd``, ``cross_layer``) from its sizes."""
+        """Build an engine layout by name (a key of :data:`ENGINE_ORDERS`) from its sizes."""
         if name not in ENGINE_ORDERS:
             raise ValueError(f"unknown layout {name!r}; known: {sorted(ENGINE_ORDERS)}")
         order, per_layer = ENGINE_ORDERS[name]
@@ -354,6 +371,8 @@ LAYOUT_CONSTRUCTORS = {
     "vllm_flash": KVLayout.vllm_flash,
     "vllm_nhd": KVLayout.vllm_nhd,
     "vllm_hnd": KVLayout.vllm_hnd,
+    "vllm_cpu": KVLayout.vllm_cpu,
+    "vllm_v1": KVLayout.vllm_v1,
     "cross_layer": KVLayout.cross_layer,
 }
 
