@@ -23,11 +23,13 @@ from kvkern.xfer.messages import (
     PlanPiece,
     Proof,
     ProtocolError,
-    PullReply,
     PullRequest,
     ReadAck,
     ReadDone,
+    ReadGrant,
+    Refusal,
     Status,
+    StreamReply,
     decode,
     encode,
 )
@@ -67,13 +69,13 @@ def reason_of(data) -> str:
 
 @pytest.mark.parametrize("msg", [
     pull_request(),
-    PullReply(transfer_id=9, status=Status.OK, served_blocks=2, block_hashes=[3, 4],
-              total_bytes=150, n_chunks=2, chunk_sizes=[100, 50]),
-    PullReply(transfer_id=9, status=Status.MISS, reason="evicted"),
-    PullReply(transfer_id=1, status=Status.OK),
+    StreamReply(transfer_id=9, status=Status.OK, served_blocks=2, block_hashes=[3, 4],
+                total_bytes=150, n_chunks=2, chunk_sizes=[100, 50]),
+    Refusal(transfer_id=9, status=Status.MISS, reason="evicted"),
+    StreamReply(transfer_id=1, status=Status.OK),
     Cancel(transfer_id=2**30 - 1, reason="deadline"),
     pull_request(read=True, require_all=True),
-    PullReply(transfer_id=9, status=Status.PARTIAL, served_blocks=2, block_hashes=[3, 4],
+    ReadGrant(transfer_id=9, status=Status.PARTIAL, served_blocks=2, block_hashes=[3, 4],
               total_bytes=8192, read_rkey=bytes(range(256)) * 3, read_base=2**64 - 1,
               read_stride=4096, read_blocks=[17, 0]),
     ReadDone(transfer_id=7),
@@ -129,8 +131,8 @@ def test_random_body_behind_valid_preamble_never_crashes(body):
         assert exc.reason in ("invalid", "unknown_kind")
 
 
-KINDS = ["hello", "challenge", "proof", "pull_request", "pull_reply", "cancel", "read_done",
-         "read_ack"]
+KINDS = ["hello", "challenge", "proof", "pull_request", "stream_reply", "read_grant", "refusal",
+         "cancel", "read_done", "read_ack"]
 
 
 @settings(max_examples=300, deadline=None)
@@ -168,22 +170,25 @@ def test_random_maps_never_crash(body):
     (frame({"kind": "cancel", "transfer_id": 0}), "invalid"),
     (frame({"kind": "cancel", "transfer_id": 2**30}), "invalid"),
     (frame({"kind": "cancel", "transfer_id": "1"}), "invalid"),
-    (frame({"kind": "pull_reply", "transfer_id": 1, "status": "maybe"}), "invalid"),
-    (frame({"kind": "pull_reply", "transfer_id": 1, "status": "ok", "n_chunks": 2,
+    (frame({"kind": "stream_reply", "transfer_id": 1, "status": "maybe"}), "invalid"),
+    (frame({"kind": "stream_reply", "transfer_id": 1, "status": "ok", "n_chunks": 2,
             "chunk_sizes": [1]}), "invalid"),
-    (frame({"kind": "pull_reply", "transfer_id": 1, "status": "ok", "total_bytes": 3,
+    (frame({"kind": "stream_reply", "transfer_id": 1, "status": "ok", "total_bytes": 3,
             "n_chunks": 1, "chunk_sizes": [2]}), "invalid"),
-    (frame({"kind": "pull_reply", "transfer_id": 1, "status": "miss", "n_chunks": 1,
+    (frame({"kind": "refusal", "transfer_id": 1, "status": "miss", "n_chunks": 1,
             "total_bytes": 1, "chunk_sizes": [1]}), "invalid"),
-    (frame({"kind": "pull_reply", "transfer_id": 1, "status": "ok", "served_blocks": 1,
+    (frame({"kind": "stream_reply", "transfer_id": 1, "status": "ok", "served_blocks": 1,
             "block_hashes": [-1]}), "invalid"),
+    (frame({"kind": "stream_reply", "transfer_id": 1, "status": "miss"}), "invalid"),
+    (frame({"kind": "refusal", "transfer_id": 1, "status": "ok"}), "invalid"),
+    (frame({"kind": "pull_reply", "transfer_id": 1, "status": "ok"}), "unknown_kind"),
     (frame(msgspec.msgpack.encode([1, 2, 3])), "invalid"),
     (frame(b"\xc1"), "invalid"),
 ], ids=["empty", "short-preamble", "magic", "newer-version", "version-0", "flags",
         "fingerprint", "too-large", "trailing-byte", "missing-byte", "unknown-kind",
         "no-kind", "unknown-field", "tid-0", "tid-too-big", "tid-str", "bad-status",
-        "chunk-count", "chunk-sum", "miss-with-data", "negative-hash", "array-body",
-        "bad-msgpack"])
+        "chunk-count", "chunk-sum", "miss-with-data", "negative-hash", "stream-that-misses",
+        "refusal-that-serves", "untagged-reply-of-version-4", "array-body", "bad-msgpack"])
 def test_rejections(data, reason):
     assert reason_of(data) == reason
 
@@ -223,21 +228,21 @@ def requests(draw) -> PullRequest:
 
 
 @st.composite
-def stream_replies(draw) -> PullReply:
+def stream_replies(draw) -> StreamReply | Refusal:
     status = draw(st.sampled_from(list(Status)))
     if status not in (Status.OK, Status.PARTIAL):
-        return PullReply(transfer_id=draw(TIDS), status=status, reason=draw(TEXT))
+        return Refusal(transfer_id=draw(TIDS), status=status, reason=draw(TEXT))
     served = draw(st.integers(0, 6))
     sizes = draw(st.lists(st.integers(0, 2**40), max_size=6))
-    return PullReply(transfer_id=draw(TIDS), status=status, served_blocks=served,
-                     block_hashes=draw(st.lists(U64, min_size=served, max_size=served)),
-                     total_bytes=sum(sizes), n_chunks=len(sizes), chunk_sizes=sizes)
+    return StreamReply(transfer_id=draw(TIDS), status=status, served_blocks=served,
+                       block_hashes=draw(st.lists(U64, min_size=served, max_size=served)),
+                       total_bytes=sum(sizes), n_chunks=len(sizes), chunk_sizes=sizes)
 
 
 @st.composite
-def read_replies(draw) -> PullReply:
+def read_replies(draw) -> ReadGrant:
     served = draw(st.integers(1, 6))
-    return PullReply(transfer_id=draw(TIDS), status=draw(st.sampled_from([Status.OK,
+    return ReadGrant(transfer_id=draw(TIDS), status=draw(st.sampled_from([Status.OK,
                                                                           Status.PARTIAL])),
                      served_blocks=served,
                      block_hashes=draw(st.lists(U64, min_size=served, max_size=served)),
@@ -311,7 +316,7 @@ READ_REPLY = dict(transfer_id=5, status="ok", served_blocks=2, block_hashes=[7, 
 
 def test_segmented_read_reply_round_trips():
     """A per-layer pool's read reply: each block is 1 + len(read_more_rkeys) segments."""
-    reply = PullReply(**(READ_REPLY | {"status": Status.OK, "read_segment_bytes": 1024,
+    reply = ReadGrant(**(READ_REPLY | {"status": Status.OK, "read_segment_bytes": 1024,
                                        "read_more_rkeys": [b"k1", b"k2", b"k3"],
                                        "read_more_bases": [1 << 40, 0, 2**64 - 1]}))
     assert decode(encode(reply)) == reply
@@ -325,40 +330,47 @@ def test_read_reply_defaults_and_old_bodies():
     del body["read"], body["require_all"]
     req = decode(frame({"kind": "pull_request", **body}))
     assert req.read is False and req == pull_request()
-    reply = decode(frame({"kind": "pull_reply", "transfer_id": 1, "status": "ok"}))
-    assert reply.read_rkey == b"" and reply.read_blocks == [] and reply.read_stride == 0
-    assert decode(frame({"kind": "pull_reply", **READ_REPLY})) == PullReply(
+    reply = decode(frame({"kind": "stream_reply", "transfer_id": 1, "status": "ok"}))
+    assert reply == StreamReply(transfer_id=1, status=Status.OK) and reply.n_chunks == 0
+    assert decode(frame({"kind": "read_grant", **READ_REPLY})) == ReadGrant(
         **(READ_REPLY | {"status": Status.OK}))
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(n_chunks=1, chunk_sizes=[8192]), "a read reply needs"),
-    (dict(read_blocks=[3]), "a read reply needs"),
-    (dict(read_blocks=[3, 1, 2]), "a read reply needs"),
-    (dict(read_stride=0), "a read reply needs"),
-    (dict(read_rkey=b""), "read fields without a read_rkey"),
-    (dict(read_rkey=b"", total_bytes=0, served_blocks=0, block_hashes=[]),
-     "read fields without a read_rkey"),
+    (dict(read_blocks=[3]), "one pool block per served block"),
+    (dict(read_blocks=[3, 1, 2]), "one pool block per served block"),
+    (dict(read_stride=0), "a block stride"),
+    (dict(read_rkey=b""), "a remote key"),
     (dict(status="miss", reason="x"), "status ok/partial"),
     (dict(served_blocks=0, block_hashes=[], read_blocks=[], total_bytes=0),
-     "status ok/partial and served blocks"),
+     "at least one block"),
     (dict(total_bytes=READ_REPLY["total_bytes"] + 1), "whole blocks"),
     (dict(read_more_rkeys=[b"a"], read_more_bases=[0]), "need as many bases"),
     (dict(read_segment_bytes=2048, read_more_rkeys=[b"a"], read_more_bases=[]),
      "need as many bases"),
-    (dict(read_rkey=b"", read_blocks=[], total_bytes=0, served_blocks=0, block_hashes=[],
-          read_more_rkeys=[b"a"]), "read fields without a read_rkey"),
-], ids=["chunks-with-rkey", "too-few-read-blocks", "too-many-read-blocks", "zero-stride",
-        "read-blocks-without-rkey", "read-blocks-only", "miss-with-rkey", "no-served-blocks",
-        "partial-block-bytes", "segments-without-size", "segment-bases-missing",
-        "segments-without-rkey"])
-def test_invalid_read_reply_rejected(kw, match):
+], ids=["too-few-read-blocks", "too-many-read-blocks", "zero-stride", "empty-rkey",
+        "miss-with-rkey", "no-served-blocks", "partial-block-bytes", "segments-without-size",
+        "segment-bases-missing"])
+def test_invalid_read_grant_rejected(kw, match):
     bad = READ_REPLY | kw
     with pytest.raises(ValueError, match=match):
-        PullReply(**(bad | {"status": Status(bad["status"])}))
-    with pytest.raises(ProtocolError, match=match) as info:
-        decode(frame({"kind": "pull_reply", **bad}))
+        ReadGrant(**(bad | {"status": Status(bad["status"])}))
+    with pytest.raises(ProtocolError) as info:
+        decode(frame({"kind": "read_grant", **bad}))
     assert info.value.reason == "invalid"
+
+
+@pytest.mark.parametrize("kind,kw", [
+    ("read_grant", dict(n_chunks=1, chunk_sizes=[8192])),
+    ("stream_reply", dict(read_blocks=[3, 1])),
+    ("stream_reply", dict(read_rkey=b"rk")),
+    ("refusal", dict(read_rkey=b"rk")),
+], ids=["grant-with-chunks", "stream-with-read-blocks", "stream-with-rkey", "refusal-with-rkey"])
+def test_reply_kinds_do_not_mix_fields(kind, kw):
+    """A stream reply carries no read fields and a grant no chunks: each kind's fields are
+    its own, so a mixed body is an unknown field."""
+    base = {"transfer_id": 5, "status": "ok" if kind != "refusal" else "miss"}
+    assert reason_of(frame({"kind": kind, **base, **kw})) == "invalid"
 
 
 @pytest.mark.parametrize("kw", [
@@ -376,12 +388,12 @@ def test_invalid_read_reply_rejected(kw, match):
 def test_read_reply_field_types_checked_on_decode(kw):
     """Type and range constraints are msgspec's: checked when decoding (construction does
     not check msgspec.Meta constraints, for these fields as for every other)."""
-    body = {"kind": "pull_reply", **(READ_REPLY | kw)}
+    body = {"kind": "read_grant", **(READ_REPLY | kw)}
     assert reason_of(frame(body)) == "invalid"
 
 
 def test_rkey_size_limit_is_inclusive():
-    ok = PullReply(**(READ_REPLY | {"status": Status.OK,
+    ok = ReadGrant(**(READ_REPLY | {"status": Status.OK,
                                     "read_rkey": b"k" * m.MAX_RKEY_BYTES}))
     assert decode(encode(ok)) == ok
     assert m.READ_CAPABILITY == "read/1"
@@ -419,8 +431,9 @@ def _rebuilt(cls, drop=()):
 
 
 def test_fingerprint_follows_the_schema(monkeypatch):
-    """The read path's schema change (PullRequest.read, PullReply.read_*, ReadDone, ReadAck)
-    changes the fingerprint, so a peer built before it is refused at the preamble."""
+    """A schema change (e.g. the read path's PullRequest.read, ReadGrant, ReadDone, ReadAck,
+    or a reply field) changes the fingerprint, so a peer built before it is refused at the
+    preamble."""
     current = m.schema_fingerprint()
     assert current == m.DEFAULT_CODEC.fingerprint
 
@@ -428,20 +441,21 @@ def test_fingerprint_follows_the_schema(monkeypatch):
         monkeypatch.setattr(m, "Message", typing.Union[types])  # noqa: UP007 (runtime Union)
         return m.schema_fingerprint()
 
-    kinds = (m.PullRequest, m.PullReply, m.Cancel, m.ReadDone, m.ReadAck, m.Hello,
-             m.Challenge, m.Proof)
+    kinds = (m.PullRequest, m.StreamReply, m.ReadGrant, m.Refusal, m.Cancel, m.ReadDone,
+             m.ReadAck, m.Hello, m.Challenge, m.Proof)
     assert fingerprint_with(*kinds) == current
     assert fingerprint_with(_rebuilt(m.PullRequest), *kinds[1:]) == current  # same fields
     seen = {current}
     variants = [
         (_rebuilt(m.PullRequest, drop=("read",)), *kinds[1:]),
-        (m.PullRequest, _rebuilt(m.PullReply, drop=("read_rkey",)), *kinds[2:]),
-        (m.PullRequest, _rebuilt(m.PullReply, drop=("read_base", "read_stride",
-                                                   "read_blocks")), *kinds[2:]),
-        (*kinds[:3], m.ReadDone),
-        (*kinds[:3], m.ReadAck),
-        kinds[:3],
-        (*kinds[:4], _rebuilt(m.ReadAck, drop=("reason",))),
+        (*kinds[:2], _rebuilt(m.ReadGrant, drop=("read_rkey",)), *kinds[3:]),
+        (*kinds[:2], _rebuilt(m.ReadGrant, drop=("read_base", "read_stride", "read_blocks")),
+         *kinds[3:]),
+        (m.PullRequest, _rebuilt(m.StreamReply, drop=("chunk_sizes",)), *kinds[2:]),
+        (*kinds[:5], m.ReadDone),
+        (*kinds[:5], m.ReadAck),
+        kinds[:5],
+        (*kinds[:6], _rebuilt(m.ReadAck, drop=("reason",))),
     ]
     for types in variants:
         fp = fingerprint_with(*types)
@@ -455,7 +469,7 @@ def test_fingerprint_follows_the_schema(monkeypatch):
 
 
 def test_list_caps():
-    body = {"kind": "pull_reply", "transfer_id": 1, "status": "ok",
+    body = {"kind": "stream_reply", "transfer_id": 1, "status": "ok",
             "served_blocks": m.MAX_BLOCKS + 1, "block_hashes": [0] * (m.MAX_BLOCKS + 1)}
     assert reason_of(frame(body)) == "invalid"
 

@@ -44,7 +44,10 @@ from kvkern.xfer.messages import (
     PullRequest,
     ReadAck,
     ReadDone,
+    ReadGrant,
+    Refusal,
     Status,
+    StreamReply,
 )
 from kvkern.xfer.metrics import PHASES, XferMetrics
 from kvkern.xfer.runtime import EventLoopThread
@@ -233,7 +236,8 @@ async def ask(conn, req: PullRequest) -> PullReply:
 
 async def pull(conn, req: PullRequest) -> tuple[PullReply, np.ndarray]:
     reply = await ask(conn, req)
-    bufs = [np.full(s, 0xA5, np.uint8) for s in reply.chunk_sizes]
+    sizes = reply.chunk_sizes if isinstance(reply, StreamReply) else []
+    bufs = [np.full(s, 0xA5, np.uint8) for s in sizes]
     if bufs:
         await conn.recv_chunks(req.transfer_id, bufs, timeout=10)
     return reply, (np.concatenate(bufs) if bufs else np.empty(0, np.uint8))
@@ -383,7 +387,7 @@ async def test_partial_and_miss(tp1, pool, http):
     await post_json(http, tp1, "/test/evict", {"hashes": [hs[0]]})
     for hashes in (hs, [12345, 67890]):
         reply = await ask(conn, request(hashes))
-        assert reply.status == Status.MISS and reply.n_chunks == 0 and reply.served_blocks == 0
+        assert reply.status == Status.MISS and isinstance(reply, Refusal)
     await wait_released(http, tp1)
 
 
@@ -399,7 +403,7 @@ async def test_require_all_misses_without_pinning_or_disturbing_the_connection(t
     # a strict miss and a full pull of other blocks, concurrently on one connection
     (miss, _), (full, data) = await asyncio.gather(
         pull(conn, request(hs, require_all=True)), pull(conn, request(other)))
-    assert miss.status == Status.MISS and miss.n_chunks == 0 and miss.served_blocks == 0
+    assert miss.status == Status.MISS and isinstance(miss, Refusal)
     assert miss.reason == "miss: 5 of 8 requested blocks cached (require_all)"
     assert full.status == Status.OK and full.served_blocks == len(other)
     assert [sha(b) for b in piece_blocks(data, full_piece(), len(other))[0]] == \
@@ -540,7 +544,7 @@ async def metrics_text(http, ready: dict) -> str:
         return await r.text()
 
 
-async def read_blocks(conn, reply: PullReply) -> np.ndarray:
+async def read_blocks(conn, reply: ReadGrant) -> np.ndarray:
     """Read a read reply's blocks one-sided, as a destination would, into one buffer."""
     u = reply.total_bytes // reply.served_blocks
     buf = np.full(reply.total_bytes, 0xA5, np.uint8)
@@ -582,9 +586,9 @@ async def test_read_reply_read_done_ack_then_unpin(tp1, pool, http):
     req = request(hs, read=True)
     reply = await ask(conn, req)
     assert reply.status == Status.OK and reply.served_blocks == n and reply.block_hashes == hs
-    assert reply.read_rkey and reply.read_base and reply.read_stride == u
+    assert isinstance(reply, ReadGrant) and reply.read_base and reply.read_stride == u
     assert reply.read_blocks == [held[str(h)]["block_id"] for h in hs]  # the pinned blocks
-    assert reply.n_chunks == 0 and reply.chunk_sizes == [] and reply.total_bytes == n * u
+    assert reply.total_bytes == n * u
     st = await wait_pinned(http, tp1)
     assert st["pool"]["pinned"] == n and st["active_sends"] == 1
     data = await read_blocks(conn, reply)
@@ -617,7 +621,7 @@ async def test_read_done_without_ack_unpins_and_answers_nothing(tp1, pool, http)
     served_before = metric(await metrics_text(http, tp1), "kvkern_source_blocks_served_total")
     req = request(hs, read=True)
     reply = await ask(conn, req)
-    assert reply.status == Status.OK and reply.read_rkey
+    assert reply.status == Status.OK and isinstance(reply, ReadGrant)
     data = await read_blocks(conn, reply)
     u = reply.total_bytes // n
     assert [sha(data[i * u:(i + 1) * u].tobytes()) for i in range(n)] == \
@@ -657,7 +661,7 @@ async def test_sub_block_pieces_are_read_and_unreadable_pools_stream(tp1, tp2, p
     conn = await pool.get(HOST, tp1["ucx_ports"]["0"])
     req = request(hs, pieces=[a], read=True)
     reply = await ask(conn, req)
-    assert reply.status == Status.OK and reply.read_rkey and reply.n_chunks == 0
+    assert reply.status == Status.OK and isinstance(reply, ReadGrant)
     assert reply.total_bytes == 3 * unit(1, 2)  # what the piece moves
     assert reply.read_segment_bytes == unit(LAYERS, HEADS) == reply.read_stride  # TRT-LLM rows
     row = BLOCK * HEAD_DIM * ITEM
@@ -681,7 +685,8 @@ async def test_sub_block_pieces_are_read_and_unreadable_pools_stream(tp1, tp2, p
     conn2 = await pool.get(HOST, tp2["ucx_ports"]["0"])
     whole = request(hs2, pieces=full_piece(0, heads=HEADS // 2), read=True)
     reply = await ask(conn2, whole)  # whole blocks: read block for block, one per layer
-    assert reply.read_rkey and reply.read_native and len(reply.read_more_rkeys) == LAYERS - 1
+    assert isinstance(reply, ReadGrant) and reply.read_native
+    assert len(reply.read_more_rkeys) == LAYERS - 1
     assert reply.read_segment_bytes * LAYERS == unit(LAYERS, HEADS // 2)
     await conn2.send_msg(ReadDone(transfer_id=whole.transfer_id, ack=False), timeout=5)
     await wait_released(http, tp2)
@@ -689,7 +694,7 @@ async def test_sub_block_pieces_are_read_and_unreadable_pools_stream(tp1, tp2, p
                   head_stop=HEADS // 2, offset=0, length=unit(1, HEADS // 2))
     req = request(hs2, pieces=[b], read=True)  # a sub-block piece of a native pool: stream
     reply, data = await pull(conn2, req)
-    assert reply.status == Status.OK and not reply.read_rkey and reply.n_chunks >= 1
+    assert reply.status == Status.OK and isinstance(reply, StreamReply) and reply.n_chunks >= 1
     assert [sha(b) for b in piece_blocks(data, req.pieces, len(hs2))[0]] == \
         await digests(http, tp2, hs2, rank=0, layers=(0, 1))
     await wait_released(http, tp2)
@@ -704,7 +709,7 @@ async def test_cancel_during_a_read_releases_pins(tp1, http):
         conn = await own.get(HOST, tp1["ucx_ports"]["0"])
         req = request(hs, read=True)
         reply = await ask(conn, req)
-        assert reply.status == Status.OK and reply.read_rkey
+        assert reply.status == Status.OK and isinstance(reply, ReadGrant)
         st = await wait_pinned(http, tp1)
         assert st["pool"]["pinned"] == len(hs)
         await read_blocks(conn, reply)  # the destination read, then changed its mind
@@ -817,7 +822,8 @@ async def test_read_without_read_done_is_released_once_at_the_deadline():
             req = request(hs, read=True, deadline_ms=400)
             t0 = time.monotonic()
             reply = await ask(conn, req)
-            assert reply.status == Status.OK and reply.read_rkey and reply.served_blocks == 8
+            assert isinstance(reply, ReadGrant) and reply.served_blocks == 8
+            assert reply.status == Status.OK
             assert svc.pins_outstanding == 1 and mgr.num_pinned == 8 and unpins == []
             deadline = time.monotonic() + 5
             while svc.pins_outstanding or svc.active_sends:
@@ -836,7 +842,7 @@ async def test_read_without_read_done_is_released_once_at_the_deadline():
             # and the same connection serves the next read
             again = request(hs, read=True)
             reply = await ask(conn, again)
-            assert reply.status == Status.OK and reply.read_rkey
+            assert reply.status == Status.OK and isinstance(reply, ReadGrant)
             await conn.send_msg(ReadDone(transfer_id=again.transfer_id), timeout=5)
             ack = await conn.recv_msg(tag_for(again.transfer_id, Lane.REPLY, 1), timeout=5)
             assert isinstance(ack, ReadAck) and ack.held, ack
@@ -862,7 +868,7 @@ async def test_read_request_to_a_source_with_reads_off_gets_the_stream():
             req = request(hs, read=True, chunk_bytes=5000)
             reply, data = await pull(conn, req)
         assert reply.status == Status.OK and reply.served_blocks == 8
-        assert not reply.read_rkey and reply.read_blocks == [] and reply.n_chunks == 4
+        assert isinstance(reply, StreamReply) and reply.n_chunks == 4
         rkv = group.ranks[0]
         want = pack(rkv.pool, rkv.layout, group.manager.match_prefix(hs))
         assert data.tobytes() == want.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
@@ -1025,7 +1031,8 @@ async def test_a_granted_read_hold_outlasts_a_lost_connection_and_close():
         async with ConnectionPool(connect_timeout=10) as own:
             conn = await own.get(HOST, svc.ucx_ports[0])
             capped = await ask(conn, request(hs, read=True, deadline_ms=300))
-            assert capped.read_rkey and 0 < capped.read_hold_ms <= 300  # the deadline caps it
+            assert isinstance(capped, ReadGrant)
+            assert 0 < capped.read_hold_ms <= 300  # the deadline caps it
             await conn.send_msg(ReadDone(transfer_id=capped.transfer_id), timeout=5)
             assert (await conn.recv_msg(tag_for(capped.transfer_id, Lane.REPLY, 1),
                                         timeout=5)).held

@@ -198,7 +198,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                      in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
                      pull_layout: str = "trtllm", pull_tp: int = 1) -> None:
-    from kvkern.xfer.messages import Cancel, PullReply, Status  # noqa: PLC0415
+    from kvkern.xfer.messages import Cancel, Status, StreamReply  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
     buffers: dict[int, np.ndarray] = {}
@@ -213,9 +213,9 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                 continue
             total = sum(p.length for p in req.pieces)
             sizes = _chunk_sizes(total, req.chunk_bytes)
-            reply = PullReply(transfer_id=req.transfer_id, status=Status.OK,
-                              served_blocks=req.count, block_hashes=req.requested_hashes,
-                              total_bytes=total, n_chunks=len(sizes), chunk_sizes=sizes)
+            reply = StreamReply(transfer_id=req.transfer_id, status=Status.OK,
+                                served_blocks=req.count, block_hashes=req.requested_hashes,
+                                total_bytes=total, n_chunks=len(sizes), chunk_sizes=sizes)
             await conn.send_msg(reply, tag_for(req.transfer_id, Lane.REPLY))
             if total == 0:
                 continue

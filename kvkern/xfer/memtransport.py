@@ -50,7 +50,10 @@ from kvkern.xfer.messages import (
     PullRequest,
     ReadAck,
     ReadDone,
+    ReadGrant,
+    Refusal,
     Status,
+    StreamReply,
 )
 from kvkern.xfer.seam import ReadPart
 from kvkern.xfer.send import RankCtx, Rejected, validate_request, whole_blocks
@@ -151,12 +154,12 @@ class MemorySource:
             pieces = validate_request(ctx, req, model_id=self.group.model_id,
                                       chunk_bytes=self.chunk_bytes)
         except Rejected as rej:
-            return PullReply(transfer_id=req.transfer_id, status=Status.REJECTED,
-                             reason=str(rej)), []
+            return Refusal(transfer_id=req.transfer_id, status=Status.REJECTED,
+                           reason=str(rej)), []
         handle = self.group.manager.pin(req.requested_hashes, require_all=req.require_all)
         if handle is None:
-            return PullReply(transfer_id=req.transfer_id, status=Status.MISS,
-                             reason=reply_text(RejectCode.MISS, "not cached")), []
+            return Refusal(transfer_id=req.transfer_id, status=Status.MISS,
+                           reason=reply_text(RejectCode.MISS, "not cached")), []
         self.pins_outstanding += 1
         registered = self.registered.get(ctx.rank) if req.read else None
         if registered is not None and (not registered.native or whole_blocks(ctx.rkv, pieces)):
@@ -170,15 +173,15 @@ class MemorySource:
         hashes = list(handle.hashes)
         if self.faults.corrupt == "hashes":
             hashes = [h ^ 1 for h in hashes]
-        reply = PullReply(transfer_id=req.transfer_id,
-                          status=Status.OK if n == req.count else Status.PARTIAL,
-                          served_blocks=n, block_hashes=hashes,
-                          total_bytes=sum(int(c.numel()) for c in chunks), n_chunks=len(chunks),
-                          chunk_sizes=[int(c.numel()) for c in chunks])
+        reply = StreamReply(transfer_id=req.transfer_id,
+                            status=Status.OK if n == req.count else Status.PARTIAL,
+                            served_blocks=n, block_hashes=hashes,
+                            total_bytes=sum(int(c.numel()) for c in chunks),
+                            n_chunks=len(chunks), chunk_sizes=[int(c.numel()) for c in chunks])
         return reply, chunks
 
     def _grant(self, req: PullRequest, pieces: list[PlanPiece], handle: Any,
-               registered: _Registered) -> PullReply:
+               registered: _Registered) -> ReadGrant:
         """A read grant over the pinned blocks' whole segments; their pins stay until
         ReadDone, Cancel or the end of the hold."""
         segs, keys = registered.segments, list(registered.rkeys)
@@ -191,7 +194,7 @@ class MemorySource:
         if self.read_hold_s > 0:
             grant.timer = asyncio.get_running_loop().call_later(
                 self.read_hold_s, self.release, req.transfer_id)
-        return PullReply(transfer_id=req.transfer_id,
+        return ReadGrant(transfer_id=req.transfer_id,
                          status=Status.OK if n == req.count else Status.PARTIAL,
                          served_blocks=n, block_hashes=hashes,
                          total_bytes=n * sum(p.length for p in pieces), read_rkey=keys[0],
@@ -310,7 +313,7 @@ class MemoryConnection:
             raise TransportError("peer_closed", "memory source went away")
         reply, chunks = self.source.serve(msg)
         self._chunks[msg.transfer_id] = chunks
-        if reply.read_rkey:
+        if isinstance(reply, ReadGrant):
             self._grants.add(msg.transfer_id)
         if not self.source.faults.drop:
             self._queue(tag_for(msg.transfer_id, Lane.REPLY)).put_nowait(reply)

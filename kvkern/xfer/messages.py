@@ -9,7 +9,8 @@ Every frame is a fixed binary preamble followed by a msgpack body::
     8       8     compatibility fingerprint (u64)         == codec.fingerprint
     16      4     body length in bytes (u32)              <= codec.max_body_bytes
     20      n     msgpack body: a map with a "kind" tag (Hello | Challenge | Proof |
-                                                      PullRequest | PullReply | Cancel |
+                                                      PullRequest | StreamReply |
+                                                      ReadGrant | Refusal | Cancel |
                                                       ReadDone | ReadAck)
 
 A connection starts with the authentication exchange of :mod:`kvkern.xfer.auth` (Hello,
@@ -41,9 +42,9 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 4  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
+PROTOCOL_VERSION = 5  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
 # segmented read replies (per-layer pools); 4: peer authentication (Hello/Challenge/Proof),
-# PullRequest.model
+# PullRequest.model; 5: the reply as a tagged union (StreamReply | ReadGrant | Refusal)
 MAGIC = b"KVKX"
 _PREAMBLE = struct.Struct("<4sHHQI")
 PREAMBLE_BYTES = _PREAMBLE.size  # 20
@@ -134,7 +135,7 @@ class PullRequest(_Base, tag="pull_request"):
     destination): a source that cannot serve all ``count`` blocks answers ``MISS`` without
     pinning or sending anything, instead of a PARTIAL the destination would have to cancel
     (which aborts the connection and every other transfer on it). ``read``: the destination
-    can read the served blocks one-sided from the source's pool (``PullReply.read_*``)
+    can read the served blocks one-sided from the source's pool (a :class:`ReadGrant`)
     instead of receiving a stream; the source decides, and streams when it cannot.
     """
 
@@ -167,23 +168,54 @@ class PullRequest(_Base, tag="pull_request"):
         return self.block_hashes[self.start:self.start + self.count]
 
 
-class PullReply(_Base, tag="pull_reply"):
-    """Source → destination: what will follow on the data tags of ``transfer_id``.
+Served = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)]
+Hashes = Annotated[list[U64], msgspec.Meta(max_length=MAX_BLOCKS)]
+RKey = Annotated[bytes, msgspec.Meta(max_length=MAX_RKEY_BYTES)]
+SERVING = (Status.OK, Status.PARTIAL)  # the statuses of a reply that serves blocks
 
-    ``n_chunks`` chunks follow with sizes ``chunk_sizes`` (sum ``total_bytes``) unless
-    ``status`` is not ok/partial, in which case nothing follows and ``reason`` says why.
-    ``block_hashes`` are the served blocks' hashes, a prefix of the requested ones.
 
-    A **read** reply (``read_rkey`` set, only to a request with ``read``) sends no chunks:
-    served block ``i`` is the ``total_bytes / served_blocks`` bytes at ``read_base +
-    read_blocks[i] * read_stride`` of the source's memory registered under the packed UCX
-    remote key ``read_rkey``. The source keeps the blocks pinned until it receives
-    :class:`ReadDone` or :class:`Cancel`, and in any case for ``read_hold_ms`` counted from
-    its receipt of the request: a destination whose reads all completed within
-    ``read_hold_ms`` of sending the request may commit them without waiting for
-    :class:`ReadAck`; otherwise only ``ReadAck(held=True)`` makes them count.
+def _check_served(status: Status, served: int, hashes: list[int]) -> None:
+    if status not in SERVING:
+        raise ValueError(f"a reply that serves blocks has status ok/partial, not "
+                         f"{status.value}")
+    if len(hashes) != served:
+        raise ValueError(f"served_blocks {served} but {len(hashes)} block hashes")
 
-    With ``read_segment_bytes`` the reply describes the source's **whole** blocks, of
+
+class StreamReply(_Base, tag="stream_reply"):
+    """Source → destination: ``n_chunks`` chunks of sizes ``chunk_sizes`` (sum
+    ``total_bytes``) follow on the data tags of ``transfer_id``. ``block_hashes`` are the
+    served blocks' hashes, a prefix of the requested ones; ``status`` is ok or partial."""
+
+    transfer_id: TransferId
+    status: Status
+    served_blocks: Served = 0
+    block_hashes: Hashes = []
+    total_bytes: NonNeg = 0
+    n_chunks: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHUNKS)] = 0
+    chunk_sizes: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_CHUNKS)] = []
+    reason: Text = ""
+
+    def __post_init__(self) -> None:
+        _check_served(self.status, self.served_blocks, self.block_hashes)
+        if len(self.chunk_sizes) != self.n_chunks:
+            raise ValueError(f"n_chunks {self.n_chunks} but {len(self.chunk_sizes)} sizes")
+        if sum(self.chunk_sizes) != self.total_bytes:
+            raise ValueError(f"chunk sizes sum to {sum(self.chunk_sizes)}, "
+                             f"total_bytes is {self.total_bytes}")
+
+
+class ReadGrant(_Base, tag="read_grant"):
+    """Source → destination, only to a request with ``read``: no chunks follow; the served
+    blocks are pinned for one-sided reads. Served block ``i`` is the ``total_bytes /
+    served_blocks`` bytes at ``read_base + read_blocks[i] * read_stride`` of the source's
+    memory registered under the packed UCX remote key ``read_rkey``. The source keeps the
+    blocks pinned until it receives :class:`ReadDone` or :class:`Cancel`, and in any case
+    for ``read_hold_ms`` counted from its receipt of the request: a destination whose reads
+    all completed within ``read_hold_ms`` of sending the request may commit them without
+    waiting for :class:`ReadAck`; otherwise only ``ReadAck(held=True)`` makes them count.
+
+    With ``read_segment_bytes`` the grant describes the source's **whole** blocks, of
     which the destination reads the parts its plan pieces name (a TP or PP reshard reads a
     head or layer range): a block is ``1 + len(read_more_rkeys)`` segments of
     ``read_segment_bytes`` (a per-layer pool: one per layer); segment ``0`` is at
@@ -199,55 +231,54 @@ class PullReply(_Base, tag="pull_reply"):
 
     transfer_id: TransferId
     status: Status
-    served_blocks: Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCKS)] = 0
-    block_hashes: Annotated[list[U64], msgspec.Meta(max_length=MAX_BLOCKS)] = []
-    total_bytes: NonNeg = 0
-    n_chunks: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHUNKS)] = 0
-    chunk_sizes: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_CHUNKS)] = []
-    reason: Text = ""
-    read_rkey: Annotated[bytes, msgspec.Meta(max_length=MAX_RKEY_BYTES)] = b""
-    read_base: U64 = 0
-    read_stride: NonNeg = 0
-    read_blocks: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_BLOCKS)] = []
+    served_blocks: Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS)]
+    block_hashes: Hashes
+    total_bytes: NonNeg
+    read_rkey: Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_RKEY_BYTES)]
+    read_base: U64
+    read_stride: Annotated[int, msgspec.Meta(ge=1, le=(1 << 63) - 1)]
+    read_blocks: Annotated[list[NonNeg], msgspec.Meta(max_length=MAX_BLOCKS)]
     read_hold_ms: Annotated[int, msgspec.Meta(ge=0, le=24 * 3600 * 1000)] = 0
     read_segment_bytes: NonNeg = 0
-    read_more_rkeys: Annotated[list[Annotated[bytes, msgspec.Meta(max_length=MAX_RKEY_BYTES)]],
-                               msgspec.Meta(max_length=MAX_READ_SEGMENTS)] = []
+    read_more_rkeys: Annotated[list[RKey], msgspec.Meta(max_length=MAX_READ_SEGMENTS)] = []
     read_more_bases: Annotated[list[U64], msgspec.Meta(max_length=MAX_READ_SEGMENTS)] = []
     read_native: bool = False
+    reason: Text = ""
 
     def __post_init__(self) -> None:
-        if len(self.block_hashes) != self.served_blocks:
-            raise ValueError(f"served_blocks {self.served_blocks} but "
-                             f"{len(self.block_hashes)} block hashes")
-        if len(self.chunk_sizes) != self.n_chunks:
-            raise ValueError(f"n_chunks {self.n_chunks} but {len(self.chunk_sizes)} sizes")
-        if self.read_rkey:
-            if self.status not in (Status.OK, Status.PARTIAL) or not self.served_blocks:
-                raise ValueError(f"a read reply needs status ok/partial and served blocks, "
-                                 f"got {self.status.value} with {self.served_blocks}")
-            if self.n_chunks or len(self.read_blocks) != self.served_blocks \
-                    or not self.read_stride or self.total_bytes % self.served_blocks:
-                raise ValueError(f"a read reply needs no chunks ({self.n_chunks}), one pool "
-                                 f"block per served block ({len(self.read_blocks)} for "
-                                 f"{self.served_blocks}), a block stride ({self.read_stride}) "
-                                 f"and whole blocks ({self.total_bytes} B)")
-            if len(self.read_more_bases) != len(self.read_more_rkeys) or \
-                    (self.read_more_rkeys and not self.read_segment_bytes):
-                raise ValueError(f"a read reply's {1 + len(self.read_more_rkeys)} segments "
-                                 f"need as many bases ({1 + len(self.read_more_bases)}) and "
-                                 f"a segment size ({self.read_segment_bytes} B)")
-            return
-        if self.read_blocks or self.read_more_rkeys or self.read_more_bases or \
-                self.read_segment_bytes or self.read_native:
-            raise ValueError("read fields without a read_rkey")
-        if sum(self.chunk_sizes) != self.total_bytes:
-            raise ValueError(f"chunk sizes sum to {sum(self.chunk_sizes)}, "
-                             f"total_bytes is {self.total_bytes}")
-        if self.status not in (Status.OK, Status.PARTIAL) and (self.n_chunks or
-                                                               self.served_blocks):
-            raise ValueError(f"status {self.status.value} carries no data but announces "
-                             f"{self.served_blocks} blocks in {self.n_chunks} chunks")
+        _check_served(self.status, self.served_blocks, self.block_hashes)
+        if self.served_blocks < 1 or not self.read_rkey or self.read_stride < 1:
+            raise ValueError(f"a read grant serves at least one block ({self.served_blocks}), "
+                             f"under a remote key ({len(self.read_rkey)} B) and with a block "
+                             f"stride ({self.read_stride})")
+        if len(self.read_blocks) != self.served_blocks \
+                or self.total_bytes % self.served_blocks:
+            raise ValueError(f"a read grant needs one pool block per served block "
+                             f"({len(self.read_blocks)} for {self.served_blocks}) and whole "
+                             f"blocks ({self.total_bytes} B)")
+        if len(self.read_more_bases) != len(self.read_more_rkeys) or \
+                (self.read_more_rkeys and not self.read_segment_bytes):
+            raise ValueError(f"a read grant's {1 + len(self.read_more_rkeys)} segments "
+                             f"need as many bases ({1 + len(self.read_more_bases)}) and "
+                             f"a segment size ({self.read_segment_bytes} B)")
+
+
+class Refusal(_Base, tag="refusal"):
+    """Source → destination: nothing is served and nothing follows; ``status`` (miss,
+    rejected, busy or error) and ``reason`` (``"<code>: <detail>"``, see
+    :class:`kvkern.xfer.codes.RejectCode`) say why."""
+
+    transfer_id: TransferId
+    status: Status
+    reason: Text = ""
+
+    def __post_init__(self) -> None:
+        if self.status in SERVING:
+            raise ValueError(f"a refusal cannot have status {self.status.value}")
+
+
+# The source's answer to a PullRequest, on tag_for(transfer_id, REPLY): a tagged union.
+PullReply = StreamReply | ReadGrant | Refusal
 
 
 class Cancel(_Base, tag="cancel"):
@@ -305,10 +336,10 @@ class Proof(_Base, tag="proof"):
     proof: Nonce
 
 
-Message = Union[PullRequest, PullReply, Cancel, ReadDone, ReadAck,  # noqa: UP007
-                Hello, Challenge, Proof]
-MESSAGE_TYPES: tuple[type, ...] = (PullRequest, PullReply, Cancel, ReadDone, ReadAck,
-                                   Hello, Challenge, Proof)
+Message = Union[PullRequest, StreamReply, ReadGrant, Refusal, Cancel,  # noqa: UP007
+                ReadDone, ReadAck, Hello, Challenge, Proof]
+MESSAGE_TYPES: tuple[type, ...] = (PullRequest, StreamReply, ReadGrant, Refusal, Cancel,
+                                   ReadDone, ReadAck, Hello, Challenge, Proof)
 
 
 def _strip_prose(node):

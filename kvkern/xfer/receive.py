@@ -25,7 +25,7 @@ import numpy as np
 from kvkern.layout.segments import min_run_bytes, segment_runs, whole_block_pair
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.kvgroup import RankKV
-from kvkern.xfer.messages import READ_CAPABILITY, PullReply
+from kvkern.xfer.messages import READ_CAPABILITY, ReadGrant, StreamReply
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
 from kvkern.xfer.seam import TransferConnection
@@ -161,7 +161,7 @@ class StreamReceiver:
         self.staging = staging
 
     async def receive(self, job: PullJob, tr: PeerTransfer, rkv: RankKV,
-                      conn: TransferConnection, reply: PullReply, chunk: int, xfer_t: float,
+                      conn: TransferConnection, reply: StreamReply, chunk: int, xfer_t: float,
                       entry: tuple) -> None:
         """Receive and unpack every chunk ``reply`` announced; :class:`Fallback` if the
         stream is not exactly the served blocks' bytes."""
@@ -278,7 +278,7 @@ class ReadReceiver:
                 and whole_block_pair(tr.pieces, rkv.layout, rkv.layout))  # same dims
 
     async def receive(self, job: PullJob, tr: PeerTransfer, conn: TransferConnection,
-                      reply: PullReply, rkv: RankKV, xfer_t: float, t_req: float) -> None:
+                      reply: ReadGrant, rkv: RankKV, xfer_t: float, t_req: float) -> None:
         """Read the pair's pieces of the served blocks straight from the source's pool into
         the private blocks of ``rkv``. They count when every read completed inside the
         source's granted hold, measured from ``t_req`` (before the request was sent; the
@@ -300,7 +300,7 @@ class ReadReceiver:
         job.phases["read"] = job.phases.get("read", 0.0) + (t_ack - t)
         await self._confirm(job, tr, conn, reply, xfer_t, t_req, t_ack)
 
-    def _check_offer(self, job: PullJob, tr: PeerTransfer, reply: PullReply, rkv: RankKV) -> Any:
+    def _check_offer(self, job: PullJob, tr: PeerTransfer, reply: ReadGrant, rkv: RankKV) -> Any:
         """The destination segments the offer's reads land in; Fallback when the offer is
         not what this pair's state and plan promise."""
         key = (job.source_dp, tr.src_rank)
@@ -331,7 +331,7 @@ class ReadReceiver:
         return segs
 
     @staticmethod
-    def _parts(job: PullJob, tr: PeerTransfer, reply: PullReply, rkv: RankKV,
+    def _parts(job: PullJob, tr: PeerTransfer, reply: ReadGrant, rkv: RankKV,
                segs: Any) -> dict[int, list]:
         """Per source segment (remote key index), the coalesced ``(local, remote, nbytes)``
         runs that move the pair's pieces of every served block."""
@@ -379,7 +379,7 @@ class ReadReceiver:
             raise
 
     async def _confirm(self, job: PullJob, tr: PeerTransfer, conn: TransferConnection,
-                       reply: PullReply, xfer_t: float, t_req: float, t_ack: float) -> None:
+                       reply: ReadGrant, xfer_t: float, t_req: float, t_ack: float) -> None:
         """Reads inside the granted hold count now (the release goes in the background);
         later ones count on ``ReadAck(held=True)``."""
         from kvkern.xfer.messages import ReadAck, ReadDone  # noqa: PLC0415

@@ -28,7 +28,7 @@ from kvkern.xfer.codes import CONNECT_FAILURES, reject_reason, transport_reason
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.discovery import SourceDiscovery
 from kvkern.xfer.kvgroup import KVGroup, RankKV
-from kvkern.xfer.messages import PullReply, PullRequest
+from kvkern.xfer.messages import PullReply, PullRequest, ReadGrant
 from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.policy import CostGuard, apply_policy
 from kvkern.xfer.pulljob import Fallback, PullJob, PullRecord
@@ -294,7 +294,7 @@ class PullRunner:
         reply = await self._exchange(job, conn, req, xfer_t)
         job.phases.setdefault("rtt", time.perf_counter() - t_req)
         served = self._check_reply(job, tr, req, reply, entry)
-        if reply.read_rkey:
+        if isinstance(reply, ReadGrant):
             if not req.read:
                 raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offered "
                                f"a read to a request that did not ask for one")

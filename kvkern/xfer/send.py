@@ -24,7 +24,15 @@ from kvkern.layout.segments import piece_nbytes, spans_whole_block
 from kvkern.xfer import devstream
 from kvkern.xfer.codes import RejectCode, reply_text
 from kvkern.xfer.kvgroup import KVGroup, RankKV
-from kvkern.xfer.messages import MAX_CHUNKS, PlanPiece, PullReply, PullRequest, ReadAck, Status
+from kvkern.xfer.messages import (
+    MAX_CHUNKS,
+    PlanPiece,
+    PullRequest,
+    ReadAck,
+    ReadGrant,
+    Status,
+    StreamReply,
+)
 from kvkern.xfer.source_config import PeerQuotas
 from kvkern.xfer.transport import Connection, Lane, TransportError, tag_for
 
@@ -359,11 +367,11 @@ class Sender:
         limit = min(req.chunk_bytes, svc.config.chunk_bytes)
         chunks = plan_chunks([p.length for p in pieces], n, limit)
         sizes = [c.nbytes for c in chunks]
-        reply = PullReply(transfer_id=req.transfer_id,
-                          status=Status.OK if n == req.count else Status.PARTIAL,
-                          served_blocks=n, block_hashes=list(handle.hashes),
-                          total_bytes=sum(sizes), n_chunks=len(chunks), chunk_sizes=sizes,
-                          reason=_partial(n, req.count))
+        reply = StreamReply(transfer_id=req.transfer_id,
+                            status=Status.OK if n == req.count else Status.PARTIAL,
+                            served_blocks=n, block_hashes=list(handle.hashes),
+                            total_bytes=sum(sizes), n_chunks=len(chunks), chunk_sizes=sizes,
+                            reason=_partial(n, req.count))
         await svc._reply(s, reply)
         await svc._after_reply(req, reply)
         produce = svc._producer(s, pieces, block_ids, chunks)
@@ -389,7 +397,7 @@ class Sender:
         # The hold counts from receipt (s.started): the destination counts it from before
         # it sent the request, so its window always ends first.
         hold_s = max(min(svc.read_hold_s, s.deadline - s.started), 0.0)
-        reply = PullReply(transfer_id=req.transfer_id,
+        reply = ReadGrant(transfer_id=req.transfer_id,
                           status=Status.OK if n == req.count else Status.PARTIAL,
                           served_blocks=n, block_hashes=list(hashes),
                           total_bytes=n * block_nbytes, read_rkey=regions[0].rkey,

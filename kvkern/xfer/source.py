@@ -116,7 +116,7 @@ whole (piece, block range) units: for each piece in offset order, runs of
 ``max(1, limit // length)`` blocks, one chunk each (the last run of a piece may be shorter;
 a chunk never spans two pieces). If one block of a piece is larger than ``limit``, that block
 is cut into ``ceil(length / limit)`` byte slices. So chunks are at most ``limit`` bytes but
-**not all equal**: the destination sizes its buffers from ``PullReply.chunk_sizes``. Chunk
+**not all equal**: the destination sizes its buffers from ``StreamReply.chunk_sizes``. Chunk
 ``k + 1`` is packed (on a small packing thread pool, so the event loop stays free) into a ring
 of ``chunks_in_flight`` staging buffers while earlier chunks are on the wire
 (:meth:`Connection.send_stream` guarantees the slot is free before reuse). Ring slots come from
@@ -192,6 +192,7 @@ from kvkern.xfer.messages import (
     PullRequest,
     ReadAck,
     ReadDone,
+    Refusal,
     Status,
 )
 from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
@@ -606,8 +607,8 @@ class SourceService:
         s.replied = True
 
     async def _reply_status(self, s: SendSession, status: Status, reason: str) -> None:
-        await self._reply(s, PullReply(transfer_id=s.req.transfer_id, status=status,
-                                       reason=reason))
+        await self._reply(s, Refusal(transfer_id=s.req.transfer_id, status=status,
+                                     reason=reason))
 
     def _producer(self, s: SendSession, pieces: list[PlanPiece], block_ids: list[int],
                   chunks: list[ChunkSpec]):

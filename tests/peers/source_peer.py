@@ -84,7 +84,7 @@ from kvkern.kernels.pack import pack, unpack
 from kvkern.layout.kv_layout import allocate_staging
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.kvgroup import KVGroup, RankKV
-from kvkern.xfer.messages import Status
+from kvkern.xfer.messages import ReadGrant, Status
 from kvkern.xfer.runtime import EventLoopThread
 from kvkern.xfer.source import REMOTE_READ_MODES, PeerQuotas, SourceService
 
@@ -109,9 +109,9 @@ class FaultySource(SourceService):
     async def _reply(self, s, reply) -> None:
         await super()._reply(s, reply)
         if reply.status in (Status.OK, Status.PARTIAL):
-            kind = "read" if reply.read_rkey else "stream"
+            kind = "read" if isinstance(reply, ReadGrant) else "stream"
             self.replies[kind] += 1
-            if reply.read_rkey:
+            if isinstance(reply, ReadGrant):
                 self._read_tids.add(reply.transfer_id)
 
     async def _before_read_reply(self, transfer_id: int) -> None:

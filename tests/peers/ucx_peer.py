@@ -26,7 +26,7 @@ import sys
 
 import numpy as np
 
-from kvkern.xfer.messages import Cancel, PullReply, PullRequest, Status
+from kvkern.xfer.messages import Cancel, PullRequest, Status, StreamReply
 from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for
 
 
@@ -44,9 +44,9 @@ def chunk_sizes(total: int, chunk_bytes: int) -> list[int]:
 async def serve_one(conn, req: PullRequest) -> None:
     total = sum(p.length for p in req.pieces)
     sizes = chunk_sizes(total, req.chunk_bytes)
-    reply = PullReply(transfer_id=req.transfer_id, status=Status.OK, served_blocks=req.count,
-                      block_hashes=req.requested_hashes, total_bytes=total,
-                      n_chunks=len(sizes), chunk_sizes=sizes)
+    reply = StreamReply(transfer_id=req.transfer_id, status=Status.OK,
+                        served_blocks=req.count, block_hashes=req.requested_hashes,
+                        total_bytes=total, n_chunks=len(sizes), chunk_sizes=sizes)
     mode = req.request_id
     if mode == "noreply":
         return
@@ -60,7 +60,7 @@ async def serve_one(conn, req: PullRequest) -> None:
                                [data[offsets[i]:offsets[i + 1]] for i in range(len(sizes))],
                                timeout=10)
         digest = hashlib.sha256(data.tobytes()).hexdigest()
-        done = PullReply(transfer_id=req.transfer_id, status=Status.OK, reason=digest)
+        done = StreamReply(transfer_id=req.transfer_id, status=Status.OK, reason=digest)
         await conn.send_msg(done, tag_for(req.transfer_id, Lane.REPLY, 1))
         return
     data = pattern(req.transfer_id, total)

@@ -36,9 +36,9 @@ from kvkern.xfer.messages import (
     Cancel,
     PlanPiece,
     ProtocolError,
-    PullReply,
     PullRequest,
     Status,
+    StreamReply,
 )
 from kvkern.xfer.outcome import Reason, RequestState
 from kvkern.xfer.puller import Puller, parse_state
@@ -350,7 +350,8 @@ pieces = st.lists(st.builds(
     st.integers(0, 2), st.integers(0, 3), st.integers(-1, 3), st.integers(0, 5),
     st.integers(-1, 5), st.integers(-1, 1 << 14), st.integers(-1, 1 << 14)), max_size=4)
 request_maps = st.fixed_dictionaries({
-    "kind": st.one_of(st.sampled_from(["pull_request", "pull_reply", "cancel", "x"]), mp_leaf),
+    "kind": st.one_of(st.sampled_from(["pull_request", "stream_reply", "read_grant", "refusal",
+                                       "cancel", "x"]), mp_leaf),
     "transfer_id": st.one_of(st.integers(-1, 2**31), mp_leaf),
     "request_id": st.one_of(st.text(max_size=300), mp_leaf),
     "hash_scheme": st.one_of(st.sampled_from(["public-xxh3-v1", "trtllm-v1"]), mp_leaf),
@@ -377,9 +378,9 @@ def _valid_frames() -> list[bytes]:
                       pieces=[PlanPiece(src_rank=0, layer_start=0, layer_stop=2, head_start=0,
                                         head_stop=4, offset=0, length=2048)],
                       chunk_bytes=1 << 20, deadline_ms=1000)
-    rep = PullReply(transfer_id=5, status=Status.OK, served_blocks=1,
-                    block_hashes=[GOOD_HASHES[1]], total_bytes=2048, n_chunks=1,
-                    chunk_sizes=[2048])
+    rep = StreamReply(transfer_id=5, status=Status.OK, served_blocks=1,
+                      block_hashes=[GOOD_HASHES[1]], total_bytes=2048, n_chunks=1,
+                      chunk_sizes=[2048])
     return [DEFAULT_CODEC.encode(m) for m in (req, rep, Cancel(transfer_id=5, reason="x"))]
 
 

@@ -64,7 +64,7 @@ import kvkern.xfer.source as source_mod
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.kernels.pack import pack
 from kvkern.serve import worker as worker_mod
-from kvkern.xfer.messages import READ_CAPABILITY, PullReply, ReadAck, Status
+from kvkern.xfer.messages import READ_CAPABILITY, PullReply, ReadAck, ReadGrant, Refusal, Status
 from kvkern.xfer.transport import Lane, tag_for
 
 _BaseSource = source_mod.SourceService
@@ -166,17 +166,17 @@ class FaultSource(_BaseSource):
         if fault and reply.status in (Status.OK, Status.PARTIAL):
             self.reply_fault = None  # one shot
             reply = self._corrupt(fault, s.req, reply)
-        if reply.read_rkey:
+        if isinstance(reply, ReadGrant):
             self._reads[s.req.transfer_id] = s
         await super()._reply(s, reply)
         if reply.status in (Status.OK, Status.PARTIAL):
-            self.replies["read" if reply.read_rkey else "stream"] += 1
+            self.replies["read" if isinstance(reply, ReadGrant) else "stream"] += 1
 
     def _corrupt(self, fault: str, req: Any, r: PullReply) -> PullReply:
         rep = msgspec.structs.replace
         if fault == "served_over":  # more blocks than requested, hashes beyond the range
             more = {}
-            if r.read_rkey:  # a consistent read reply: 2 more pool blocks of the same size
+            if isinstance(r, ReadGrant):  # a consistent read reply: 2 more pool blocks of the same size
                 more = {"read_blocks": [*r.read_blocks, *r.read_blocks[:2]],
                         "total_bytes": r.total_bytes + 2 * (r.total_bytes // r.served_blocks)}
             return rep(r, served_blocks=r.served_blocks + 2,
@@ -193,14 +193,14 @@ class FaultSource(_BaseSource):
             other = r.transfer_id % ((1 << 30) - 2) + 1
             return rep(r, transfer_id=other)
         if fault == "status_error":
-            return PullReply(transfer_id=r.transfer_id, status=Status.ERROR,
-                             reason="internal: injected")
+            return Refusal(transfer_id=r.transfer_id, status=Status.ERROR,
+                           reason="internal: injected")
         if fault == "chunk_overrun":
             self._overrun.add(req.transfer_id)
             return r
         if fault in ("read_stride_short", "read_bytes_over", "read_order_flipped",
                      "ack_not_held") \
-                and not r.read_rkey:
+                and not isinstance(r, ReadGrant):
             raise ValueError(f"reply fault {fault!r} needs a read reply (remote_read on, a "
                              f"destination asking for a read)")
         if fault == "read_stride_short":  # blocks would overlap: half a block apart
