@@ -53,6 +53,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kvkern.xfer.tuning import DEFAULT_HINT_TTL_S, HTTP_SKEW_S, MAX_HINT_TTL_S
+from kvkern.xfer.tuning import MAX_SEEN_NONCES as _MAX_SEEN_NONCES
+
 __all__ = [
     "AUTH_HEADER",
     "FROM_ENV",
@@ -80,9 +83,7 @@ MAC_BYTES = 32
 MAX_PEER_ID = 128
 AUTH_HEADER = "X-Kvkern-Auth"
 AUTH_RESPONSE_HEADER = "X-Kvkern-Auth-Response"
-HTTP_SKEW_S = 30.0  # a signed HTTP request is accepted this long either side of the server's clock
 _HTTP_NONCE_BYTES = 16
-_MAX_SEEN_NONCES = 1 << 16
 _LABELS = frozenset({"ctl-server", "ctl-client", "http-request", "http-response", "hint"})
 
 
@@ -291,8 +292,6 @@ class HttpVerifier:
 # ------------------------------------------------------------------------------ hints
 
 HINT_AUTH_FIELD = "kvkern_hint_auth"
-DEFAULT_HINT_TTL_S = 30.0
-MAX_HINT_TTL_S = 600.0
 
 
 def _hint_digest(hint, token_ids: Sequence[int], cache_salt: str) -> bytes:

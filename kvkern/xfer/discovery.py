@@ -21,12 +21,11 @@ from kvkern.xfer.hints import KvHint
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
 from kvkern.xfer.state import PROTOCOL, SourceState, parse_state
+from kvkern.xfer.tuning import MAX_CACHED_SOURCES
 
 __all__ = ["MAX_CACHED_SOURCES", "SourceDiscovery", "bounded_put"]
 
 log = logging.getLogger("kvkern.xfer")
-
-MAX_CACHED_SOURCES = 4096  # hints name arbitrary sources: the caches must stay bounded
 
 
 def bounded_put(cache: dict, key: Any, value: Any, limit: int = MAX_CACHED_SOURCES) -> None:

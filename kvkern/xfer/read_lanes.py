@@ -18,7 +18,8 @@ Everything a lane owns (UCP context, worker, endpoints, unpacked rkeys) is creat
 closed on its own thread, so no lock or state is shared with ucxx's progress thread or
 another lane (ucxx's context is not made for workers on several threads: no
 ``mt_workers_shared``). A lane keeps one endpoint per source worker address (least recently
-used first out, :data:`MAX_PEERS`), with the rkeys unpacked on it. The source needs nothing:
+used first out, :data:`MAX_PEERS`; see :mod:`kvkern.xfer.tuning`), with the rkeys unpacked on
+it. The source needs nothing:
 a read is one-sided, and its UCX worker answers the endpoints' wire-up on its own progress
 thread.
 
@@ -50,6 +51,13 @@ from typing import Any
 from kvkern.checks import check_positive_int
 from kvkern.xfer import transport, ucxcompat
 from kvkern.xfer.transport import ReadsStuck, TransportError
+from kvkern.xfer.tuning import (
+    LANE_DRAIN_POLL_S,
+    LANE_UCX_CONFIG,
+    MAX_CACHED_RKEYS,
+    MAX_LANE_PEERS,
+    SPLIT_ALIGN,
+)
 
 __all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
            "MAX_WORKER_ADDRESS_BYTES"]
@@ -57,11 +65,8 @@ __all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
 Part = tuple[bytes, Sequence[Run]]  # (packed rkey, runs)
 
-MAX_PEERS = 16  # endpoints (source workers) a lane keeps open
-MAX_CACHED_RKEYS = transport.MAX_CACHED_RKEYS  # unpacked keys per endpoint (one per layer)
+MAX_PEERS = MAX_LANE_PEERS
 MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
-SPLIT_ALIGN = 4096  # lane shares are cut at page multiples of a run
-_DRAIN_POLL_S = 0.001
 
 
 def split_parts(parts: Sequence[Part], n: int, *, min_bytes: int = 0,
@@ -136,13 +141,6 @@ def address_usable(address: bytes) -> bool:
     if _local_version is None:
         _local_version = ucxcompat.worker_address()[0] & _ADDRESS_VERSION_MASK
     return address[0] & _ADDRESS_VERSION_MASK == _local_version
-
-
-# UCX settings of a lane's own context (on top of the UCX_* environment). CMA progresses at
-# most CMA_TX_QUOTA queued copies per progress call (default 1): a pull from a per-layer
-# pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND
-# pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (kvkern bench xfer --pull-layout vllm_hnd).
-LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
 
 
 def _lane_context() -> Any:
@@ -240,7 +238,7 @@ class _Lane:
                 raise _Stuck(f"{sum(b.posted for b in batches)} reads still running after "
                              f"their endpoint was closed (waited {transport.READ_DRAIN_S} s)")
             if not progress(self._worker_handle):
-                time.sleep(_DRAIN_POLL_S)
+                time.sleep(LANE_DRAIN_POLL_S)
         peer.destroy_keys()
         peer.ep = peer.address = None  # released here, on the lane's thread
 

@@ -29,6 +29,7 @@ from kvkern.xfer.messages import READ_CAPABILITY, ReadGrant, StreamReply
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
 from kvkern.xfer.seam import TransferConnection
+from kvkern.xfer.tuning import HOLD_MARGIN_S, HOLD_RATE_SLACK, LANE_RETRY_S
 
 if TYPE_CHECKING:
     from kvkern.layout.plan import PeerTransfer
@@ -36,10 +37,6 @@ if TYPE_CHECKING:
 __all__ = ["LANE_RETRY_S", "ReadReceiver", "StreamReceiver", "StreamUnpacker", "source_layout"]
 
 log = logging.getLogger("kvkern.xfer")
-
-HOLD_RATE_SLACK = 1e-3  # clock-rate difference allowed between the two hosts' clocks
-HOLD_MARGIN_S = 1e-3  # and a fixed margin, both taken off the source's granted read hold
-LANE_RETRY_S = 60.0  # after its read lanes failed, a source worker is read on the connection
 
 
 @functools.lru_cache(maxsize=256)

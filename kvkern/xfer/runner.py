@@ -34,6 +34,7 @@ from kvkern.xfer.policy import CostGuard, apply_policy
 from kvkern.xfer.pulljob import Fallback, PullJob, PullRecord
 from kvkern.xfer.receive import ReadReceiver, StreamReceiver
 from kvkern.xfer.seam import Connector, TransferConnection
+from kvkern.xfer.tuning import CANCEL_SEND_TIMEOUT_S
 
 if TYPE_CHECKING:
     from kvkern.layout.plan import PeerTransfer
@@ -41,8 +42,6 @@ if TYPE_CHECKING:
 __all__ = ["CANCEL_SEND_TIMEOUT_S", "PullRunner", "job_outcome"]
 
 log = logging.getLogger("kvkern.xfer")
-
-CANCEL_SEND_TIMEOUT_S = 1.0  # a Cancel is best effort: an aborted connection tells by itself
 
 
 def job_outcome(job: PullJob, reason: Reason, detail: str = "", **kw: Any) -> PullOutcome:

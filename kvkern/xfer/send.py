@@ -35,6 +35,7 @@ from kvkern.xfer.messages import (
 )
 from kvkern.xfer.source_config import PeerQuotas
 from kvkern.xfer.transport import Connection, Lane, TransportError, tag_for
+from kvkern.xfer.tuning import PACK_WAIT_S, QUOTA_POLL_S, QUOTA_WAIT_S
 
 if TYPE_CHECKING:
     from kvkern.xfer.source import SourceService
@@ -43,10 +44,6 @@ __all__ = ["PeerLedger", "RankCtx", "Rejected", "SendSession", "Sender", "keep_h
            "validate_request"]
 
 log = logging.getLogger("kvkern.xfer.source")
-
-PACK_WAIT_S = 5.0  # a release waits this long for a packing thread still reading the pool
-QUOTA_WAIT_S = 0.05  # a request over a pin quota waits this long for the peer's ending sends
-QUOTA_POLL_S = 0.002
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,12 @@ from kvkern.checks import (
     check_positive_int,
 )
 from kvkern.xfer.httpguard import HttpLimits
+from kvkern.xfer.tuning import DEFAULT_MAX_SEND_S, DEFAULT_PROGRESS_TIMEOUT_S, DEFAULT_READ_HOLD_S
 
 __all__ = ["DEFAULT_MAX_SEND_S", "DEFAULT_PROGRESS_TIMEOUT_S", "DEFAULT_READ_HOLD_S",
            "REMOTE_READ_MODES", "PeerQuotas", "SourceConfig"]
 
 REMOTE_READ_MODES = ("off", "host", "all")
-DEFAULT_MAX_SEND_S = 60.0  # TRT-LLM's kv_transfer_timeout_ms default
-DEFAULT_PROGRESS_TIMEOUT_S = 10.0  # a stream that moves nothing this long is stuck
-DEFAULT_READ_HOLD_S = 5.0  # read pins are granted this long (capped by the request deadline)
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "", "[::]")
 
 

@@ -111,6 +111,17 @@ from kvkern.xfer.messages import (
     Message,
     ProtocolError,
 )
+from kvkern.xfer.tuning import (
+    BODY_TIMEOUT_S,
+    DEFAULT_AUTH_TIMEOUT_S,
+    DEFAULT_CONNECT_TIMEOUT_S,
+    DEFAULT_MAX_IN_FLIGHT,
+    DEFAULT_TIMEOUT_S,
+    MAX_CACHED_RKEYS,
+    READ_CANCEL_GRACE_S,
+    READ_DRAIN_S,
+    READ_WAITER_THREADS,
+)
 from kvkern.xfer.ucx_env import import_ucxx, ucx_tls_problem
 
 log = logging.getLogger(__name__)
@@ -121,19 +132,11 @@ INDEX_BITS = 28
 MAX_TRANSFER_ID = (1 << TRANSFER_ID_BITS) - 1
 MAX_CHUNK_INDEX = (1 << INDEX_BITS) - 1
 
-DEFAULT_TIMEOUT_S = 30.0  # bound on one transport operation without its own timeout
-# Unpacked remote keys kept per connection: one per registered region of the source rank
-# (a per-layer pool registers one per layer), as many as a read reply may name.
-MAX_CACHED_RKEYS = 4096
-DEFAULT_CONNECT_TIMEOUT_S = 5.0
-DEFAULT_MAX_IN_FLIGHT = 4
 CONTROL_FRAME_BYTES = 64 << 10  # control frames up to this size travel as one message
 # The largest control frame a connection accepts (a request for ~110,000 blocks); a peer that
 # announces more is cut off before anything is allocated.
 MAX_CONTROL_FRAME_BYTES = 1 << 20
-BODY_TIMEOUT_S = 5.0  # the body of a split frame must follow its preamble within this
 AUTH_FRAME_BYTES = 512  # Hello / Challenge / Proof frames are ~100 bytes
-DEFAULT_AUTH_TIMEOUT_S = 5.0
 
 
 class Lane(IntEnum):
@@ -682,8 +685,6 @@ async def _call_maybe_async(fn: Callable[..., Any] | None, *args: Any) -> None:
         await out
 
 
-READ_DRAIN_S = 5.0  # how long an aborted read may take to end before ReadsStuck
-READ_CANCEL_GRACE_S = 0.1  # a cancelled read may finish within this, keeping the connection
 _READ_WAITERS: concurrent.futures.ThreadPoolExecutor | None = None
 
 
@@ -699,7 +700,7 @@ def _read_waiters() -> concurrent.futures.ThreadPoolExecutor:
     global _READ_WAITERS
     if _READ_WAITERS is None:
         _READ_WAITERS = concurrent.futures.ThreadPoolExecutor(
-            max_workers=8, thread_name_prefix="kvkern-read")
+            max_workers=READ_WAITER_THREADS, thread_name_prefix="kvkern-read")
     return _READ_WAITERS
 
 

@@ -1,0 +1,107 @@
+"""The transfer path's tuning constants, in one place, each with the reason for its value.
+
+The modules that use a constant import it from here under the same name (so
+``kvkern.xfer.transport.READ_DRAIN_S`` and the like still exist). Per-deployment settings
+are fields of :class:`kvkern.xfer.config.XferConfig` and
+:class:`kvkern.xfer.source_config.SourceConfig`; the ``DEFAULT_*`` values below are their
+defaults or the bounds of calls that take no setting.
+
+Not here, because they are part of the wire protocol and both peers must agree on them: the
+caps a decoder accepts (:mod:`kvkern.xfer.messages` ``MAX_*``), the tag layout and the control
+frame sizes of :mod:`kvkern.xfer.transport` (``TRANSFER_ID_BITS``, ``CONTROL_FRAME_BYTES``,
+``MAX_CONTROL_FRAME_BYTES``, ``AUTH_FRAME_BYTES``) and the credential sizes of
+:mod:`kvkern.xfer.auth`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BODY_TIMEOUT_S", "CANCEL_SEND_TIMEOUT_S", "DEFAULT_AUTH_TIMEOUT_S",
+    "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_HINT_TTL_S", "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_MAX_SEND_S", "DEFAULT_PROGRESS_TIMEOUT_S", "DEFAULT_READ_HOLD_S",
+    "DEFAULT_TIMEOUT_S", "HOLD_MARGIN_S", "HOLD_RATE_SLACK", "HTTP_SKEW_S", "LANE_DRAIN_POLL_S",
+    "LANE_RETRY_S", "LANE_UCX_CONFIG", "MAX_CACHED_RKEYS", "MAX_CACHED_SOURCES",
+    "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "PACK_WAIT_S", "QUOTA_POLL_S",
+    "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "READ_WAITER_THREADS",
+    "SPLIT_ALIGN",
+]
+
+# ---------------------------------------------------------------- transport (UCXX)
+
+# A bound for one transport operation called without its own timeout: no wait is unbounded.
+DEFAULT_TIMEOUT_S = 30.0
+# A connect that has not completed by then is failed (the puller's deadline is usually
+# shorter and bounds it first).
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+# Chunks posted at once on a stream by default: enough to keep the wire busy while the next
+# chunk is packed or unpacked, few enough to bound the staging memory.
+DEFAULT_MAX_IN_FLIGHT = 4
+# The body of a control frame split in two must follow its preamble within this.
+BODY_TIMEOUT_S = 5.0
+# The authentication exchange (Hello, Challenge, Proof) must complete within this.
+DEFAULT_AUTH_TIMEOUT_S = 5.0
+# Unpacked remote keys kept per connection: one per registered region of the source rank
+# (a per-layer pool registers one per layer), as many as a read grant may name.
+MAX_CACHED_RKEYS = 4096
+# How long an aborted read may take to end before ReadsStuck (its local memory is then
+# quarantined rather than risk a late write).
+READ_DRAIN_S = 5.0
+# A cancelled read may finish within this and keep the connection that other pulls share.
+READ_CANCEL_GRACE_S = 0.1
+# Threads that post and wait for reads on the control connection, shared by all pulls.
+READ_WAITER_THREADS = 8
+
+# ---------------------------------------------------------------- read lanes
+
+# Endpoints (source workers) a read lane keeps open, least recently used first out.
+MAX_LANE_PEERS = 16
+# Lane shares are cut at page multiples of a run, so no page is split between two lanes.
+SPLIT_ALIGN = 4096
+# A lane draining an aborted endpoint's reads polls at this interval when UCX made no
+# progress.
+LANE_DRAIN_POLL_S = 0.001
+# UCX settings of a lane's own context (on top of the UCX_* environment). CMA progresses at
+# most CMA_TX_QUOTA queued copies per progress call (default 1): a pull from a per-layer
+# pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND
+# pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (kvkern bench xfer --pull-layout vllm_hnd).
+LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
+# After its read lanes failed, a source worker is read on the control connection this long.
+LANE_RETRY_S = 60.0
+
+# ---------------------------------------------------------------- destination
+
+# Hints name arbitrary sources, so the per-source caches (state, verdicts) stay bounded.
+MAX_CACHED_SOURCES = 4096
+# A read counts without ReadAck only if it ended before the source's hold did: the two
+# hosts' clocks may run at rates this far apart...
+HOLD_RATE_SLACK = 1e-3
+# ...and this fixed margin is taken off the hold as well.
+HOLD_MARGIN_S = 1e-3
+# A Cancel is best effort (an aborted connection tells the source by itself): it gets this.
+CANCEL_SEND_TIMEOUT_S = 1.0
+
+# ---------------------------------------------------------------- source
+
+# A send may take this long at most: TRT-LLM's kv_transfer_timeout_ms default.
+DEFAULT_MAX_SEND_S = 60.0
+# A stream that moves nothing this long is stuck.
+DEFAULT_PROGRESS_TIMEOUT_S = 10.0
+# Read pins are granted this long (capped by the request's deadline).
+DEFAULT_READ_HOLD_S = 5.0
+# A release waits this long for a packing thread still reading the pool.
+PACK_WAIT_S = 5.0
+# A request over a pin quota waits this long for the peer's ending sends, polling at
+# QUOTA_POLL_S, before it is answered busy.
+QUOTA_WAIT_S = 0.05
+QUOTA_POLL_S = 0.002
+
+# ---------------------------------------------------------------- authentication
+
+# A signed HTTP request is accepted this long either side of the server's clock.
+HTTP_SKEW_S = 30.0
+# Nonces remembered against replays within that window; beyond it the oldest go first.
+MAX_SEEN_NONCES = 1 << 16
+# A router's hint signature is valid this long by default...
+DEFAULT_HINT_TTL_S = 30.0
+# ...and at most this long, whatever the router asks for.
+MAX_HINT_TTL_S = 600.0
