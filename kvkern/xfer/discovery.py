@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar
 
 from kvkern.xfer.auth import Credential
 from kvkern.xfer.codes import fetch_reason
@@ -23,12 +23,20 @@ from kvkern.xfer.pulljob import Fallback, PullJob
 from kvkern.xfer.state import PROTOCOL, SourceState, parse_state
 from kvkern.xfer.tuning import MAX_CACHED_SOURCES
 
+if TYPE_CHECKING:
+    from kvkern.xfer.endpoint import Allowlist, ResolvedEndpoint, Resolver
+    from kvkern.xfer.kvgroup import KVGroup
+
 __all__ = ["MAX_CACHED_SOURCES", "SourceDiscovery", "bounded_put"]
 
 log = logging.getLogger("kvkern.xfer")
 
 
-def bounded_put(cache: dict, key: Any, value: Any, limit: int = MAX_CACHED_SOURCES) -> None:
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+def bounded_put(cache: dict[K, V], key: K, value: V, limit: int = MAX_CACHED_SOURCES) -> None:
     """Insert as the newest entry, dropping the oldest ones beyond ``limit``."""
     cache.pop(key, None)
     cache[key] = value
@@ -40,16 +48,17 @@ class SourceDiscovery:
     """Endpoint verdicts and source states for one puller (loop thread only)."""
 
     def __init__(self, config: XferConfig, credential: Credential | None,
-                 resolver: Any = None) -> None:
+                 resolver: Resolver | None = None) -> None:
         self.config = config
         self.credential = credential
         self._resolver = resolver  # kvkern.xfer.endpoint resolver (tests pass a fake DNS)
         self._endpoint_config = None
         self._state_cache: dict[tuple, tuple[SourceState, float]] = {}
         self._state_fetches: dict[tuple, asyncio.Future] = {}
-        self._verdicts: dict[tuple, tuple[Any, float]] = {}  # allowed endpoints, with time
+        # allowed endpoints, with the time of the verdict
+        self._verdicts: dict[tuple, tuple[ResolvedEndpoint, float]] = {}
 
-    def allowlist(self) -> Any:
+    def allowlist(self) -> Allowlist:
         from kvkern.xfer.endpoint import Allowlist  # noqa: PLC0415
 
         allow = self.config.allowlist
@@ -61,7 +70,7 @@ class SourceDiscovery:
         resolved = await self.resolve(job.hint, md_t)
         return await self.state(job, resolved, md_t)
 
-    async def resolve(self, hint: KvHint, md_t: float) -> Any:
+    async def resolve(self, hint: KvHint, md_t: float) -> ResolvedEndpoint:
         """Parse, resolve once and allowlist-check the hint's endpoint. Allowed verdicts are
         cached for ``state_cache_ttl_s`` (refusals never are), so a warm pull skips the
         resolver thread; the connection still goes to the address that was checked."""
@@ -87,10 +96,11 @@ class SourceDiscovery:
         return verdict.endpoint
 
     @staticmethod
-    def _state_key(resolved: Any) -> tuple:
+    def _state_key(resolved: ResolvedEndpoint) -> tuple:
         return (resolved.scheme, resolved.host, resolved.ip, resolved.port, resolved.path)
 
-    async def state(self, job: PullJob, resolved: Any, md_t: float) -> SourceState:
+    async def state(self, job: PullJob, resolved: ResolvedEndpoint,
+                    md_t: float) -> SourceState:
         key = self._state_key(resolved)
         hit = self._state_cache.get(key)
         now = time.monotonic()
@@ -118,7 +128,7 @@ class SourceDiscovery:
                      old[0].incarnation, fut.result().incarnation)
         bounded_put(self._state_cache, key, (fut.result(), time.monotonic()))
 
-    async def _fetch(self, resolved: Any, md_t: float) -> SourceState:
+    async def _fetch(self, resolved: ResolvedEndpoint, md_t: float) -> SourceState:
         from kvkern.xfer.endpoint import FetchError, fetch_state  # noqa: PLC0415
 
         if self.credential is None:
@@ -157,7 +167,7 @@ class SourceDiscovery:
     # ------------------------------------------------------------------ compatibility
 
     @staticmethod
-    def check_compatible(state: SourceState, group: Any, codec_fingerprint: int) -> None:
+    def check_compatible(state: SourceState, group: KVGroup, codec_fingerprint: int) -> None:
         """The source speaks our protocol and codec, hashes like us, has our block size and
         our model; else :class:`Fallback`."""
         if state.protocol != PROTOCOL or "pull/1" not in state.capabilities:

@@ -31,7 +31,7 @@ import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -60,6 +60,12 @@ from kvkern.xfer.send import RankCtx, Rejected, validate_request, whole_blocks
 from kvkern.xfer.state import CAPABILITIES, PROTOCOL, DpGroupDoc, RankDoc, StateDoc
 from kvkern.xfer.transport import Lane, TransportError, tag_for
 
+if TYPE_CHECKING:
+    import torch
+
+    from kvkern.cache.protocol import PinHandle
+    from kvkern.xfer.messages import Message
+
 __all__ = ["Faults", "MemoryConnection", "MemoryConnector", "MemorySource"]
 
 
@@ -86,7 +92,7 @@ class _Registered:
 class _Grant:
     """A read grant whose blocks are pinned: released by ReadDone, Cancel or its hold."""
 
-    handle: Any
+    handle: PinHandle
     timer: asyncio.TimerHandle | None = field(default=None, repr=False)
 
 
@@ -111,27 +117,27 @@ class MemorySource:
         self.spans: dict[bytes, tuple[int, int]] = {}  # remote key -> (address, length)
         self._grants: dict[int, _Grant] = {}
         if remote_read:
-            for rkv in group.ranks.values():
-                self._register(rkv)
+            for rank_kv in group.ranks.values():
+                self._register(rank_kv)
 
-    def _register(self, rkv: RankKV) -> None:
-        segs, native = rkv.read_segments, False
+    def _register(self, rank_kv: RankKV) -> None:
+        segs, native = rank_kv.read_segments, False
         if segs is None:
-            segs, native = rkv.native_segments, True
+            segs, native = rank_kv.native_segments, True
         if segs is None:
             return
         keys: dict[tuple[int, int], bytes] = {}  # one key per span (K/V planes share)
         for span in segs.spans:
             if span not in keys:
-                keys[span] = f"memory-rkey/{rkv.rank}/{len(self.spans)}".encode()
+                keys[span] = f"memory-rkey/{rank_kv.rank}/{len(self.spans)}".encode()
                 self.spans[keys[span]] = span
-        self.registered[rkv.rank] = _Registered(segs, [keys[s] for s in segs.spans], native)
+        self.registered[rank_kv.rank] = _Registered(segs, [keys[s] for s in segs.spans], native)
 
     def state_body(self, host: str = "127.0.0.1", port: int = 5000) -> bytes:
         """The state document a real source would publish (every rank at ``host:port``)."""
         g = self.group
-        ranks = {str(r): RankDoc(ucx_host=host, ucx_port=port, layout=rkv.layout.describe())
-                 for r, rkv in g.ranks.items()}
+        ranks = {str(r): RankDoc(ucx_host=host, ucx_port=port, layout=rank_kv.layout.describe())
+                 for r, rank_kv in g.ranks.items()}
         for r, reg in self.registered.items():  # (no read_worker: reads on the connection)
             ranks[str(r)].read = "native" if reg.native else "canonical"
         capabilities = list(CAPABILITIES) + ([READ_CAPABILITY] if self.registered else [])
@@ -143,7 +149,7 @@ class MemorySource:
                        capabilities=capabilities)
         return msgspec.json.encode(doc)
 
-    def serve(self, req: PullRequest) -> tuple[PullReply, list[Any]]:
+    def serve(self, req: PullRequest) -> tuple[PullReply, list[torch.Tensor]]:
         """The reply to ``req`` and the chunks that follow it: a stream's pins are released
         at once (the chunks are already packed); a read grant's stay (see :meth:`read_done`,
         :meth:`cancel`)."""
@@ -180,7 +186,7 @@ class MemorySource:
                             n_chunks=len(chunks), chunk_sizes=[int(c.numel()) for c in chunks])
         return reply, chunks
 
-    def _grant(self, req: PullRequest, pieces: list[PlanPiece], handle: Any,
+    def _grant(self, req: PullRequest, pieces: list[PlanPiece], handle: PinHandle,
                registered: _Registered) -> ReadGrant:
         """A read grant over the pinned blocks' whole segments; their pins stay until
         ReadDone, Cancel or the end of the hold."""
@@ -246,15 +252,15 @@ class MemorySource:
             out ^= 0xFF
 
     def _pack(self, ctx: RankCtx, pieces: list, block_ids: list[int],
-              req: PullRequest) -> list[Any]:
+              req: PullRequest) -> list[torch.Tensor]:
         import torch  # noqa: PLC0415
 
-        rkv, lay = ctx.rkv, ctx.rkv.layout
+        rank_kv, lay = ctx.rkv, ctx.rkv.layout
         limit = min(req.chunk_bytes, self.chunk_bytes)
         out = []
         for c in plan_chunks([p.length for p in pieces], len(block_ids), limit):
             p = pieces[c.piece]
-            staged = pack(rkv.pool, lay, block_ids[c.b0:c.b1], layers=p.layers, heads=p.heads)
+            staged = pack(rank_kv.pool, lay, block_ids[c.b0:c.b1], layers=p.layers, heads=p.heads)
             flat = staged.reshape(-1).view(torch.uint8)[c.lo:c.hi].clone()
             if self.faults.corrupt == "bytes":
                 flat ^= 0xFF
@@ -270,7 +276,7 @@ class MemoryConnection:
         self.source = source
         self._alive = True
         self._replies: dict[int, asyncio.Queue] = {}
-        self._chunks: dict[int, list[Any]] = {}
+        self._chunks: dict[int, list[torch.Tensor]] = {}
         self._grants: set[int] = set()  # read grants served here (released on abort)
 
     @property
@@ -296,7 +302,7 @@ class MemoryConnection:
     def _queue(self, tag: int) -> asyncio.Queue:
         return self._replies.setdefault(tag, asyncio.Queue())
 
-    async def send_msg(self, msg: Any, tag: int = 0, *, timeout: float = 10.0) -> None:
+    async def send_msg(self, msg: Message, tag: int = 0, *, timeout: float = 10.0) -> None:
         self._require()
         if isinstance(msg, Cancel):
             self.source.cancel(msg)
@@ -319,7 +325,7 @@ class MemoryConnection:
             self._queue(tag_for(msg.transfer_id, Lane.REPLY)).put_nowait(reply)
 
     async def recv_msg(self, tag: int = 0, *, timeout: float | None = 10.0,
-                       max_bytes: int | None = None) -> Any:
+                       max_bytes: int | None = None) -> Message:
         self._require()
         await self._delay()
         try:

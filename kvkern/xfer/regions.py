@@ -8,10 +8,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvkern.layout.segments import BlockSegments
 from kvkern.xfer.kvgroup import RankKV
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from kvkern.xfer.ucp_rma import Region
 
 __all__ = ["RegionRegistry", "RegisteredPool", "worker_address_hex"]
 
@@ -21,7 +26,7 @@ log = logging.getLogger("kvkern.xfer.source")
 @dataclass(frozen=True)
 class RegisteredPool:
     segments: BlockSegments
-    regions: list[Any]  # kvkern.xfer.ucp_rma.Region, one per segment
+    regions: list[Region]  # one per segment
     native: bool  # segments in the pool's own order: same-layout destinations, whole blocks
 
 
@@ -68,30 +73,31 @@ class RegionRegistry:
         if why is not None:
             log.warning("remote reads unavailable, streaming only: %s", why)
             return
-        for rkv in ranks:
-            if rkv.device.type != "cpu" and self.remote_read != "all":
+        for rank_kv in ranks:
+            if rank_kv.device.type != "cpu" and self.remote_read != "all":
                 continue
-            segs, native = rkv.read_segments, False
+            segs, native = rank_kv.read_segments, False
             if segs is None:  # same-layout destinations may still read it, block for block
-                segs, native = rkv.native_segments, True
+                segs, native = rank_kv.native_segments, True
             if segs is None:
                 continue
-            regions = self._regions_for(rkv, segs, ucp_rma)
+            regions = self._regions_for(rank_kv, segs, ucp_rma)
             if regions is not None:
-                self._pools[rkv.rank] = RegisteredPool(segs, regions, native)
+                self._pools[rank_kv.rank] = RegisteredPool(segs, regions, native)
         if self._pools:
             self.read_worker = worker_address_hex()
 
     @staticmethod
-    def _regions_for(rkv: RankKV, segs: BlockSegments, ucp_rma: Any) -> list[Any] | None:
-        mem = "host" if rkv.device.type == "cpu" else "cuda"
-        made: dict[tuple[int, int], Any] = {}  # one region per span (K/V planes share)
+    def _regions_for(rank_kv: RankKV, segs: BlockSegments,
+                     ucp_rma: ModuleType) -> list[Region] | None:
+        mem = "host" if rank_kv.device.type == "cpu" else "cuda"
+        made: dict[tuple[int, int], Region] = {}  # one region per span (K/V planes share)
         try:
             for span in segs.spans:
                 if span not in made:
                     made[span] = ucp_rma.Region(*span, memory_type=mem)
         except (ucp_rma.RmaError, ValueError) as exc:
-            log.warning("rank %d pool not registered for remote reads: %s", rkv.rank, exc)
+            log.warning("rank %d pool not registered for remote reads: %s", rank_kv.rank, exc)
             for region in made.values():
                 region.close()
             return None
