@@ -120,7 +120,22 @@ def test_every_dialect_decodes_to_the_same_source(dialect):
     else:
         assert hint.source == "http://127.0.0.1:9001"
         assert list(hint.block_hashes) == hs
-        assert hint.hash_scheme == "public-xxh3-v1"
+        # Dynamo's dialects carry engine hashes: the worker checks them in its own scheme
+        engine = dialect in ("kv_hints", "dynamo")
+        assert hint.hash_scheme == ("engine" if engine else "public-xxh3-v1")
+
+
+def test_engine_hash_dialects_go_only_to_workers_hashing_like_the_router():
+    r = KVRouter(T, dialect="dynamo", min_hint_blocks=1)
+    for w in ("a", "b"):
+        r.add_worker(w, f"http://127.0.0.1:{9000 + ord(w)}")
+    t = toks(12, 11)
+    r.learn_tokens("a", t)
+    assert r.route(t, destination="b").hint_dialect == "dynamo"
+    r.load_report("b", {"hash_scheme": "public-xxh3-v1", "pool_hash_scheme": "trtllm-v1",
+                        "block_size": T, "blocks": []})
+    d = r.route(t, destination="b")
+    assert d.hint_dialect == "kvkern" and "kv_hint" in d.hint
 
 
 def test_bad_arguments_raise():

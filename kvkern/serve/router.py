@@ -102,6 +102,12 @@ def router_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "
                                                      cache_salt=salt_key(cache_salt))
 
 
+#: Dialects whose ``block_hashes`` are the engine's own hashes (Dynamo's): the router sends
+#: them only to workers whose engine hashes in the router's scheme, else ``kv_hint``, which
+#: names the scheme of the hashes it carries.
+ENGINE_HASH_DIALECTS = ("dynamo", "kv_hints")
+
+
 def hint_fragment(dialect: str, source: str, block_hashes: Sequence[int], *,
                   message_id: str | None = None) -> dict[str, Any]:
     """The request-body fields that carry a hint naming ``source`` for ``block_hashes`` (the
@@ -151,6 +157,8 @@ class WorkerState:
     last_chosen: int = -1
     routed: int = 0
     healthy: bool = True
+    # the scheme the worker's engine hashes its blocks in (its report's pool_hash_scheme)
+    pool_scheme: str = ROUTER_SCHEME
 
     def match(self, hashes: Sequence[int]) -> int:
         """Leading ``hashes`` this worker holds."""
@@ -290,8 +298,11 @@ class KVRouter:
         if not isinstance(blocks, list):
             raise ValueError(f"worker {worker_id!r}: report has no 'blocks' list")
         hs = normalize_hashes([b["hash"] if isinstance(b, dict) else b for b in blocks])
+        pool_scheme = report.get("pool_hash_scheme", ROUTER_SCHEME)
         with self._lock:
-            self._get(worker_id).hashes = set(hs)
+            worker = self._get(worker_id)
+            worker.hashes = set(hs)
+            worker.pool_scheme = pool_scheme if isinstance(pool_scheme, str) else ROUTER_SCHEME
         return len(hs)
 
     def forget(self, worker_id: str) -> None:
@@ -328,6 +339,8 @@ class KVRouter:
             if best is not None and (matched[best.worker_id] - matched[dest.worker_id]
                                      >= self.min_hint_blocks):
                 hint_source, hint_blocks = best.worker_id, matched[best.worker_id]
+                if dialect in ENGINE_HASH_DIALECTS and dest.pool_scheme != ROUTER_SCHEME:
+                    dialect = "kv_hint"  # those carry engine hashes; the router has its own
                 hint = hint_fragment(dialect, best.source, hashes[:hint_blocks])
             elif best is not None:
                 no_hint = "no_longer_prefix"

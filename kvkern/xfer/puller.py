@@ -55,8 +55,13 @@ ordinary prefix match picks them up. Followers do not count against ``max_inflig
 
 Connections and cancels: see :mod:`kvkern.xfer.runner`.
 
-CPU pools only are tested here; with CUDA pools the ring lives on the pool's device and the
-unpack is a kernel launch on the current stream.
+With CUDA pools the ring lives on the pool's device and each chunk is unpacked on the
+device's side stream (:mod:`kvkern.xfer.devstream`); the engine's compute stream waits for a
+pair's last unpack before the pull completes.
+
+Engines that allocate a pull's blocks themselves (vLLM, SGLang, TRT-LLM connectors) admit on
+their scheduler side (:func:`~kvkern.xfer.admission.admit`) and call :meth:`Puller.pull_into`
+with their block ids, then poll :meth:`Puller.take_finished` once per step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,207 @@
+"""vLLM's prefix-cache blocks as kvkern's source sees them: pins and lookups by the low 64
+bits of vLLM's own block hashes, in vLLM's block pool, alongside vLLM's scheduler.
+
+vLLM's scheduler is single-threaded and its block pool has no lock; a source serves from
+another thread (kvkern's transfer loop). :meth:`VllmBlocks.bind` therefore puts one re-entrant
+lock around every public method of the scheduler's ``KVCacheManager`` and ``BlockPool``, so a
+pin (lookup, then ``touch``) and an unpin (``free_blocks``) run between the scheduler's own
+calls, never inside one: ``allocate_slots`` checks the free blocks and takes them under the
+same lock a pin holds while it takes cached free blocks out of the free queue.
+
+The u64 index (low 64 bits -> the cached block) is filled as vLLM caches full blocks
+(``cache_full_blocks``) and checked on every use (the block must still carry that hash);
+two different vLLM hashes with the same low 64 bits make that u64 ambiguous, and an
+ambiguous u64 is never served::
+
+    vLLM scheduler thread                 kvkern loop thread (source)
+    allocate_slots --+ lock               pin(h0..h2) --+ lock
+      cache_full_blocks -> index.add       index[h] -> block (still hashed h?)
+    ---------------+ unlock                 touch(blocks): ref++ , out of the free queue
+                                          --------------+ unlock ... send ... unpin: free_blocks
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvkern.cache.protocol import Lease, PinHandle
+
+__all__ = ["VllmBlocks"]
+
+log = logging.getLogger("kvkern.integrations.vllm")
+
+_AMBIGUOUS = object()
+
+
+def _u64(key: bytes) -> int:
+    """The kvkern u64 of a ``BlockHashWithGroupId`` (hash bytes, then a 4-byte group id)."""
+    return int.from_bytes(key[-12:-4], "big")
+
+
+class VllmBlocks:
+    """kvkern's :class:`~kvkern.cache.protocol.KVCacheManager` over vLLM's block pool, for the
+    source side (``pin``, ``unpin``, ``longest_prefix``). The destination side never allocates
+    here: vLLM allocates a pull's blocks and kvkern fills them (``Puller.pull_into``)."""
+
+    def __init__(self, *, block_size: int, hash_scheme: str, group_id: int = 0) -> None:
+        self._block_size = block_size
+        self._hash_scheme = hash_scheme
+        self._group_id = group_id
+        self._lock = threading.RLock()
+        self._pool: Any = None
+        self._index: dict[int, Any] = {}  # u64 -> cached KVCacheBlock, or _AMBIGUOUS
+        self._pins: dict[int, list[Any]] = {}
+        self._ids = itertools.count(1)
+
+    # ------------------------------------------------------------------ binding to vLLM
+
+    def bind(self, kv_cache_manager: Any) -> None:
+        """Serialise vLLM's ``kv_cache_manager`` and its block pool with kvkern's pins, and
+        index the full blocks it caches from now on. Called once, by the scheduler side."""
+        with self._lock:
+            if self._pool is not None:
+                raise RuntimeError("VllmBlocks is bound to a block pool already")
+            pool = kv_cache_manager.block_pool
+            for obj in (kv_cache_manager, pool):
+                for name, _ in inspect.getmembers(type(obj), inspect.isfunction):
+                    if not name.startswith("_"):
+                        setattr(obj, name, self._locked(getattr(obj, name)))
+            pool.cache_full_blocks = self._indexing(pool.cache_full_blocks)
+            self._pool = pool
+
+    def _locked(self, method: Any) -> Any:
+        lock = self._lock
+
+        @functools.wraps(method)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with lock:
+                return method(*args, **kwargs)
+        return call
+
+    def _indexing(self, cache_full_blocks: Any) -> Any:
+        signature = inspect.signature(cache_full_blocks)
+
+        @functools.wraps(cache_full_blocks)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                out = cache_full_blocks(*args, **kwargs)
+                bound = signature.bind(*args, **kwargs).arguments
+                if bound.get("kv_cache_group_id", 0) == self._group_id:
+                    blocks = bound["blocks"][bound["num_cached_blocks"]:bound["num_full_blocks"]]
+                    self._add(blocks)
+                return out
+        return call
+
+    def _add(self, blocks: Sequence[Any]) -> None:
+        index = self._index
+        for block in blocks:
+            key = block.block_hash
+            if key is None:
+                continue
+            h = _u64(key)
+            have = index.get(h)
+            if have is None or have is _AMBIGUOUS or have.block_hash is None \
+                    or _u64(have.block_hash) != h:
+                if have is not _AMBIGUOUS:
+                    index[h] = block
+            elif have.block_hash != key:  # same low 64 bits, another vLLM hash
+                index[h] = _AMBIGUOUS
+                log.warning("two vLLM block hashes share the u64 %d: never served", h)
+            else:
+                index[h] = block  # the same prefix cached again in another block
+        if len(index) > 2 * max(self._pool.num_gpu_blocks if self._pool is not None else 0,
+                                1024):
+            self._prune()
+
+    def _prune(self) -> None:
+        stale = [h for h, b in self._index.items()
+                 if b is not _AMBIGUOUS and (b.block_hash is None or _u64(b.block_hash) != h)]
+        for h in stale:
+            del self._index[h]
+
+    def _lookup(self, h: int) -> Any:
+        block = self._index.get(h)
+        if block is None or block is _AMBIGUOUS:
+            return None
+        key = block.block_hash
+        if key is None or _u64(key) != h:  # evicted (and maybe reused) since it was indexed
+            del self._index[h]
+            return None
+        return block
+
+    # ------------------------------------------------------- kvkern's manager contract
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def hash_scheme(self) -> str:
+        return self._hash_scheme
+
+    @property
+    def num_blocks(self) -> int | None:
+        return None if self._pool is None else self._pool.num_gpu_blocks
+
+    @property
+    def pins_outstanding(self) -> int:
+        with self._lock:
+            return sum(len(b) for b in self._pins.values())
+
+    def longest_prefix(self, hashes: Sequence[int]) -> int:
+        with self._lock:
+            n = 0
+            for h in hashes:
+                if self._lookup(h) is None:
+                    break
+                n += 1
+            return n
+
+    def pin(self, hashes: Sequence[int], *, require_all: bool = False) -> PinHandle | None:
+        with self._lock:
+            if self._pool is None:
+                return None
+            blocks = []
+            for h in hashes:
+                block = self._lookup(h)
+                if block is None:
+                    break
+                blocks.append(block)
+            if not blocks or (require_all and len(blocks) < len(hashes)):
+                return None
+            self._pool.touch(blocks)
+            pin_id = next(self._ids)
+            self._pins[pin_id] = blocks
+            return PinHandle(pin_id=pin_id, block_ids=tuple(b.block_id for b in blocks),
+                             hashes=tuple(hashes[:len(blocks)]))
+
+    def unpin(self, handle: PinHandle) -> None:
+        with self._lock:
+            blocks = self._pins.pop(handle.pin_id, None)
+            if blocks is None:
+                raise ValueError(f"pin {handle.pin_id} is not pinned")
+            # vLLM frees a request's blocks tail first, so the tail is evicted first
+            self._pool.free_blocks(reversed(blocks))
+
+    def allocate_private(self, n: int) -> list[int] | None:
+        raise NotImplementedError("vLLM allocates a pull's blocks; kvkern fills them "
+                                  "(Puller.pull_into)")
+
+    def free_private(self, block_ids: Sequence[int]) -> None:
+        raise NotImplementedError("vLLM frees its own blocks")
+
+    def commit_private(self, block_ids: Sequence[int], hashes: Sequence[int], *,
+                       lease_s: float | None) -> Lease | None:
+        raise NotImplementedError("vLLM caches a pulled request's blocks itself")
+
+    def claim(self, lease: Lease) -> list[int] | None:
+        raise NotImplementedError("pulls into vLLM's blocks hold no lease")
+
+    def release_lease(self, lease: Lease) -> None:
+        raise NotImplementedError("pulls into vLLM's blocks hold no lease")

@@ -1,0 +1,110 @@
+"""The connector's settings, read from ``KVTransferConfig.kv_connector_extra_config``.
+
+Only three things are needed, and all three have safe defaults for one host::
+
+    listen       "host:port" the peer endpoint binds (state document and block requests);
+                 default "127.0.0.1:0" (loopback, any free port, logged at start)
+    allowlist    sources this engine may pull from: CIDRs, hosts, "host:port-range";
+                 default "127.0.0.1"
+    fleet_secret_file   the fleet credential (else KVKERN_FLEET_SECRET_FILE /
+                 KVKERN_FLEET_SECRET); without one the engine serves no peer and pulls from
+                 none (every hint falls back with ``unauthenticated``)
+
+Optional: ``advertise_host`` (the address peers and routers use when ``listen`` binds a
+wildcard), ``trust_unsigned_hints`` (accept hints not signed by ``kvkern router``; for a
+router that cannot sign, with engines that clients cannot reach directly), ``model_id``
+(default: derived from the model, its revision, dtypes and the hash settings), ``kv_layout``
+(``vllm_cpu`` / ``vllm_v1``; default by device), ``serve`` (false: pull only), ``policy``,
+``metadata_timeout_s``, ``transfer_timeout_s``, ``deadline_s``, ``max_inflight_pulls``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["ConnectorConfig"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConnectorConfig:
+    """Validated connector settings (see the module docstring)."""
+
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    advertise_host: str | None = None
+    allowlist: tuple[str, ...] = ("127.0.0.1",)
+    fleet_secret_file: str | None = None
+    trust_unsigned_hints: bool = False
+    model_id: str | None = None
+    kv_layout: str | None = None
+    serve: bool = True
+    policy: str = "strict"
+    metadata_timeout_s: float = 2.0
+    transfer_timeout_s: float = 10.0
+    deadline_s: float = 15.0
+    max_inflight_pulls: int = 4
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
+        """Settings from ``kv_connector_extra_config``; ValueError naming a bad or unknown
+        key."""
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)} - {"listen_host", "listen_port"} | {"listen"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"unknown kvkern connector setting(s) {unknown}; known: "
+                             f"{sorted(known)}")
+        kw: dict[str, Any] = {}
+        if "listen" in extra:
+            kw["listen_host"], kw["listen_port"] = _host_port(extra.pop("listen"))
+        if "allowlist" in extra:
+            raw = extra.pop("allowlist")
+            items = raw.split(",") if isinstance(raw, str) else raw
+            if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+                raise ValueError(f"allowlist must be a string or a list of strings, got {raw!r}")
+            kw["allowlist"] = tuple(i.strip() for i in items if i.strip())
+        for name in ("trust_unsigned_hints", "serve"):
+            if name in extra:
+                kw[name] = _flag(name, extra.pop(name))
+        for name in ("metadata_timeout_s", "transfer_timeout_s", "deadline_s"):
+            if name in extra:
+                kw[name] = _seconds(name, extra.pop(name))
+        if "max_inflight_pulls" in extra:
+            n = extra.pop("max_inflight_pulls")
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"max_inflight_pulls must be an int >= 1, got {n!r}")
+            kw["max_inflight_pulls"] = n
+        if extra.get("policy", "strict") not in ("strict", "best_effort"):
+            raise ValueError(f"policy must be 'strict' or 'best_effort', got "
+                             f"{extra['policy']!r}")
+        for name, value in extra.items():
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a string, got {value!r}")
+            kw[name] = value
+        return cls(**kw)
+
+
+def _host_port(raw: Any) -> tuple[str, int]:
+    if not isinstance(raw, str) or ":" not in raw:
+        raise ValueError(f"listen must be 'host:port', got {raw!r}")
+    host, _, port = raw.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"listen must be 'host:port' with a port in [0, 65535], got {raw!r}")
+    return host, int(port)
+
+
+def _flag(name: str, raw: Any) -> bool:
+    if not isinstance(raw, bool):
+        raise ValueError(f"{name} must be true or false, got {raw!r}")
+    return raw
+
+
+def _seconds(name: str, raw: Any) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not math.isfinite(raw) \
+            or raw <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {raw!r}")
+    return float(raw)
