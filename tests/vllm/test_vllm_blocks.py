@@ -1,0 +1,116 @@
+"""kvkern's pins in vLLM's own block pool (:class:`kvkern.integrations.vllm.blocks.VllmBlocks`)
+and vLLM's own block hashes, without an engine: vLLM's ``BlockPool`` and ``Request``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvkern.cache.hashing import sequence_hashes, vllm_u64
+from kvkern.integrations.vllm.blocks import VllmBlocks
+
+pytestmark = pytest.mark.vllm
+
+BS = 4
+
+
+@pytest.fixture
+def vllm_pool():
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.block_pool import BlockPool
+
+    kv_cache_utils.init_none_hash(sha256)
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=BS)
+
+    class Manager:  # stands for vLLM's KVCacheManager: it owns the pool
+        block_pool = pool
+
+        def allocate_slots(self, hold_s: float = 0.0):
+            time.sleep(hold_s)
+            return pool.get_new_blocks(1)
+
+    blocks = VllmBlocks(block_size=BS, hash_scheme="vllm-sha256-v1")
+    manager = Manager()
+    blocks.bind(manager)
+    return pool, manager, blocks
+
+
+def cached_request(pool, tokens: list[int], rid: str = "r"):
+    """A vLLM request whose full blocks vLLM computed and cached."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    req = Request(rid, tokens, SamplingParams(max_tokens=1), None,
+                  block_hasher=get_request_block_hasher(BS, sha256))
+    n = len(tokens) // BS
+    got = pool.get_new_blocks(n)
+    pool.cache_full_blocks(req, got, 0, n, BS, 0)
+    pool.free_blocks(reversed(got))  # the request finished: cached, evictable
+    return req, got
+
+
+def test_vllms_hashes_are_kvkerns_vllm_scheme(vllm_pool):
+    pool, _, _ = vllm_pool
+    tokens = list(range(40, 52))
+    req, _ = cached_request(pool, tokens)
+    assert [vllm_u64(h) for h in req.block_hashes] == \
+        sequence_hashes(tokens, BS, "vllm-sha256-v1")
+
+
+def test_pin_holds_cached_blocks_and_unpin_gives_them_back(vllm_pool):
+    pool, _, blocks = vllm_pool
+    req, got = cached_request(pool, list(range(12)))
+    hashes = [vllm_u64(h) for h in req.block_hashes]
+    free = pool.get_num_free_blocks()
+    handle = blocks.pin(hashes, require_all=True)
+    assert handle.block_ids == tuple(b.block_id for b in got)
+    assert [b.ref_cnt for b in got] == [1, 1, 1]
+    assert pool.get_num_free_blocks() == free - 3  # out of the free queue: never evicted
+    assert blocks.longest_prefix(hashes + [12345]) == 3
+    assert blocks.pin(hashes + [12345], require_all=True) is None  # nothing pinned
+    assert blocks.pins_outstanding == 3
+    blocks.unpin(handle)
+    assert [b.ref_cnt for b in got] == [0, 0, 0] and pool.get_num_free_blocks() == free
+    with pytest.raises(ValueError, match="not pinned"):
+        blocks.unpin(handle)
+    assert blocks.longest_prefix(hashes) == 3  # still cached
+
+
+def test_an_evicted_block_is_not_served(vllm_pool):
+    pool, _, blocks = vllm_pool
+    req, _ = cached_request(pool, list(range(100, 108)))
+    hashes = [vllm_u64(h) for h in req.block_hashes]
+    pool.get_new_blocks(pool.get_num_free_blocks())  # vLLM reuses every free block
+    assert blocks.pin(hashes) is None and blocks.longest_prefix(hashes) == 0
+
+
+def test_two_vllm_hashes_with_one_u64_are_never_served(vllm_pool):
+    _, _, blocks = vllm_pool
+    one = SimpleNamespace(block_id=5, block_hash=b"A" * 24 + b"12345678" + b"\0\0\0\0")
+    two = SimpleNamespace(block_id=6, block_hash=b"B" * 24 + b"12345678" + b"\0\0\0\0")
+    blocks._add([one])
+    h = vllm_u64(one.block_hash[:-4])
+    assert blocks.longest_prefix([h]) == 1
+    blocks._add([two])
+    assert blocks.longest_prefix([h]) == 0 and blocks.pin([h]) is None
+
+
+def test_pins_wait_for_the_scheduler_call_in_progress(vllm_pool):
+    pool, manager, blocks = vllm_pool
+    req, _ = cached_request(pool, list(range(200, 208)))
+    hashes = [vllm_u64(h) for h in req.block_hashes]
+    busy = threading.Thread(target=manager.allocate_slots, args=(0.3,))
+    busy.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    handle = blocks.pin(hashes)  # waits until allocate_slots has returned
+    waited = time.monotonic() - t0
+    busy.join()
+    assert handle is not None and waited >= 0.2, waited
+    blocks.unpin(handle)
