@@ -4,7 +4,6 @@ that its logits vary with every input token, so a wrong KV block changes them.""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -12,13 +11,14 @@ import torch
 HERE = Path(__file__).parent
 
 
-def write_model(folder: Path, seed: int = 0) -> Path:
-    """``folder`` with ``config.json`` and ``model.safetensors`` (deterministic weights)."""
+def write_model(folder: Path, seed: int = 0, **overrides) -> Path:
+    """``folder`` with ``config.json`` and ``model.safetensors`` (deterministic weights);
+    ``overrides`` change fields of ``model.json`` (a larger model for benchmarks)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    shutil.copy(HERE / "model.json", folder / "config.json")
-    cfg = json.loads((HERE / "model.json").read_text())
+    cfg = {**json.loads((HERE / "model.json").read_text()), **overrides}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=1))
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     heads, kv_heads, head_dim = (cfg["num_attention_heads"], cfg["num_key_value_heads"],
                                  cfg["head_dim"])
