@@ -235,9 +235,7 @@ class Puller:
             raise ValueError(f"block ids must be distinct and in [0, {self.group.num_blocks}),"
                              f" got {list(ids)[:16]}")
         rec = self._register(request_id)
-        rec.into = True
-        if self.metrics is not None:
-            self.metrics.hint_received()
+        rec.into = True  # (the caller's admission counted the hint as received)
         job = self._job(rec, hint, admitted, time.perf_counter())
         job.into = ids
         return self._schedule(job)
