@@ -29,9 +29,9 @@ import asyncio
 import ctypes
 import inspect
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
@@ -55,7 +55,7 @@ from kvkern.xfer.messages import (
     Status,
     StreamReply,
 )
-from kvkern.xfer.seam import ReadPart
+from kvkern.xfer.seam import BufferT, ReadPart
 from kvkern.xfer.send import RankCtx, Rejected, validate_request, whole_blocks
 from kvkern.xfer.state import CAPABILITIES, PROTOCOL, DpGroupDoc, RankDoc, StateDoc
 from kvkern.xfer.transport import Lane, TransportError, tag_for
@@ -334,8 +334,9 @@ class MemoryConnection:
             self.abort()
             raise TransportError("transfer_timeout", f"no message on tag {tag}") from None
 
-    async def recv_stream(self, transfer_id: int, buffer_for: Callable[[int], Any],
-                          n_chunks: int, *, on_chunk: Callable[[int, Any], Any] | None = None,
+    async def recv_stream(self, transfer_id: int, buffer_for: Callable[[int], BufferT],
+                          n_chunks: int, *,
+                          on_chunk: Callable[[int, BufferT], Awaitable[None] | None] | None = None,
                           timeout: float = 10.0, max_in_flight: int = 2) -> int:
         self._require()
         chunks = self._chunks.pop(transfer_id, [])

@@ -10,16 +10,27 @@ Failures are :class:`kvkern.xfer.transport.TransportError` with a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from kvkern.xfer.messages import Codec, Message
 
-__all__ = ["ControlChannel", "Connector", "OneSidedReader", "ReadPart", "StreamReceiving",
-           "TransferConnection"]
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+__all__ = ["Buffer", "BufferT", "ControlChannel", "Connector", "OneSidedReader", "ReadPart",
+           "StreamReceiving", "TransferConnection"]
 
 # (packed remote key, runs of (local address, remote address, nbytes))
 ReadPart = tuple[bytes, Sequence[tuple[int, int, int]]]
+
+# One contiguous buffer a message or chunk travels in: a tensor (host or device), a numpy
+# array or a buffer-protocol object; an object with ``__cuda_array_interface__`` is accepted
+# too (:func:`kvkern.xfer.transport.as_send_buffer` checks contiguity at run time).
+Buffer: TypeAlias = "torch.Tensor | np.ndarray | memoryview | bytearray | bytes"
+# The buffer a stream's ``buffer_for`` returns is the one its ``on_chunk`` gets back.
+BufferT = TypeVar("BufferT", bound="Buffer")
 
 
 @runtime_checkable
@@ -39,8 +50,9 @@ class ControlChannel(Protocol):
 class StreamReceiving(Protocol):
     """A transfer's chunks, each received into the buffer ``buffer_for(i)`` returns."""
 
-    async def recv_stream(self, transfer_id: int, buffer_for: Callable[[int], Any],
-                          n_chunks: int, *, on_chunk: Callable[[int, Any], Any] | None = ...,
+    async def recv_stream(self, transfer_id: int, buffer_for: Callable[[int], BufferT],
+                          n_chunks: int, *,
+                          on_chunk: Callable[[int, BufferT], Awaitable[None] | None] | None = ...,
                           timeout: float = ..., max_in_flight: int = ...) -> int: ...
 
 

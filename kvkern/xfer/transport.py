@@ -98,7 +98,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from enum import IntEnum
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvkern.checks import check_positive_int
 from kvkern.xfer import ucxcompat
@@ -123,6 +123,13 @@ from kvkern.xfer.tuning import (
     READ_WAITER_THREADS,
 )
 from kvkern.xfer.ucx_env import import_ucxx, ucx_tls_problem
+
+if TYPE_CHECKING:
+    from ucxx._lib_async import Endpoint as UcxEndpoint
+    from ucxx._lib_async import Listener as UcxListener
+
+    from kvkern.xfer.seam import Buffer, BufferT
+    from kvkern.xfer.ucp_rma import ReadBatch
 
 log = logging.getLogger(__name__)
 
@@ -171,17 +178,17 @@ class TransportError(Exception):
 # ---------------------------------------------------------------------------------- buffers
 
 
-def as_send_buffer(buf: Any) -> Any:
+def as_send_buffer(buf: Buffer) -> Buffer:
     """``buf`` as an object ucxx can send, after checking it is one contiguous run."""
     return _as_ucx_buffer(buf, writable=False)
 
 
-def as_recv_buffer(buf: Any) -> Any:
+def as_recv_buffer(buf: Buffer) -> Buffer:
     """``buf`` as an object ucxx can receive into (contiguous and writable)."""
     return _as_ucx_buffer(buf, writable=True)
 
 
-def _as_ucx_buffer(buf: Any, *, writable: bool) -> Any:
+def _as_ucx_buffer(buf: Buffer, *, writable: bool) -> Buffer:
     mod = type(buf).__module__
     if mod.startswith("torch"):
         if not buf.is_contiguous():
@@ -217,7 +224,7 @@ def _as_ucx_buffer(buf: Any, *, writable: bool) -> Any:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-def _nbytes(ucx_buf: Any) -> int:
+def _nbytes(ucx_buf: Buffer) -> int:
     if isinstance(ucx_buf, memoryview):
         return ucx_buf.nbytes
     if hasattr(ucx_buf, "nbytes"):
@@ -245,7 +252,7 @@ class _RemoteKeys:
         """Reads holding a cached key now."""
         return sum(entry[1] for entry in self._keys.values())
 
-    def acquire(self, packed: bytes, ep: Any) -> list:
+    def acquire(self, packed: bytes, ep: UcxEndpoint) -> list:
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         entry = self._keys.get(packed)
@@ -279,9 +286,9 @@ class Connection:
     After any failure the connection is aborted (``alive`` False) and stays dead.
     """
 
-    def __init__(self, ep: Any, *, peer: tuple[str, int] | None, codec: Codec,
+    def __init__(self, ep: UcxEndpoint, *, peer: tuple[str, int] | None, codec: Codec,
                  max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES) -> None:
-        self._ep = ep
+        self._ep: UcxEndpoint | None = ep
         self.peer = peer
         self.codec = codec
         self.max_frame_bytes = max_frame_bytes
@@ -294,7 +301,7 @@ class Connection:
         self._rkeys = _RemoteKeys()
         ep.set_close_callback(self._on_peer_close)
 
-    def _on_peer_close(self, *_: Any) -> None:
+    def _on_peer_close(self, *_: object) -> None:
         self._peer_closed = True
 
     @property
@@ -321,7 +328,7 @@ class Connection:
 
     close = abort
 
-    def _require(self) -> Any:
+    def _require(self) -> UcxEndpoint:
         if self._ep is None:
             raise TransportError("closed", f"connection already closed ({self.failure})")
         if self._peer_closed:
@@ -356,13 +363,13 @@ class Connection:
 
     # ---- single messages
 
-    async def _post_send(self, buf: Any, tag: int) -> None:
+    async def _post_send(self, buf: Buffer, tag: int) -> None:
         await self._require().send(buf, tag=tag)
 
-    async def _post_recv(self, buf: Any, tag: int) -> None:
+    async def _post_recv(self, buf: Buffer, tag: int) -> None:
         await self._require().recv(buf, tag=tag)
 
-    async def send_bytes(self, buf: Any, tag: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    async def send_bytes(self, buf: Buffer, tag: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Send one contiguous buffer on ``tag``; on timeout the connection is aborted."""
         ubuf = as_send_buffer(buf)
         try:
@@ -373,7 +380,7 @@ class Connection:
         except Exception as exc:
             raise self._fail(exc, f"send of {_nbytes(ubuf)} B on tag {tag:#x}") from exc
 
-    async def recv_bytes(self, buf: Any, tag: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    async def recv_bytes(self, buf: Buffer, tag: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         """Receive one message on ``tag`` into ``buf`` (exactly its size is expected)."""
         ubuf = as_recv_buffer(buf)
         try:
@@ -459,7 +466,7 @@ class Connection:
     async def send_stream(
         self,
         transfer_id: int,
-        produce_chunk: Callable[[int], Any],
+        produce_chunk: Callable[[int], Buffer | Awaitable[Buffer]],
         n_chunks: int,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
@@ -493,7 +500,7 @@ class Connection:
                 await self._retire_oldest(inflight, timeout, "send")
             return total
 
-    async def send_chunks(self, transfer_id: int, buffers: Sequence[Any], *,
+    async def send_chunks(self, transfer_id: int, buffers: Sequence[Buffer], *,
                           timeout: float = DEFAULT_TIMEOUT_S,
                           max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> int:
         """Send ``buffers`` as chunks ``0..len-1`` of ``transfer_id``; see send_stream."""
@@ -505,10 +512,10 @@ class Connection:
     async def recv_stream(
         self,
         transfer_id: int,
-        buffer_for: Callable[[int], Any],
+        buffer_for: Callable[[int], BufferT],
         n_chunks: int,
         *,
-        on_chunk: Callable[[int, Any], Any] | None = None,
+        on_chunk: Callable[[int, BufferT], Awaitable[None] | None] | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
         max_in_flight: int = 2 * DEFAULT_MAX_IN_FLIGHT,
         first_index: int = 0,
@@ -524,7 +531,7 @@ class Connection:
         """
         _check_stream_args(transfer_id, n_chunks, max_in_flight, first_index)
         inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
-        bufs: dict[int, Any] = {}
+        bufs: dict[int, BufferT] = {}
         total = 0
         with self._aborting_streams(inflight, f"receive of transfer {transfer_id}"):
             for i in range(n_chunks):
@@ -542,7 +549,7 @@ class Connection:
                 await _call_maybe_async(on_chunk, j, bufs.pop(j))
             return total
 
-    async def recv_chunks(self, transfer_id: int, buffers: Sequence[Any], *,
+    async def recv_chunks(self, transfer_id: int, buffers: Sequence[Buffer], *,
                           timeout: float = DEFAULT_TIMEOUT_S,
                           max_in_flight: int = 2 * DEFAULT_MAX_IN_FLIGHT) -> int:
         """Receive chunks ``0..len-1`` of ``transfer_id`` into ``buffers``; see recv_stream."""
@@ -597,7 +604,7 @@ class Connection:
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         ep = self._require()
-        batches: list[Any] = []
+        batches: list[ReadBatch] = []
         entries: list[tuple[bytes, list]] = []
         n_runs = sum(len(runs) for _, runs in parts)
         stop = threading.Event()
@@ -626,7 +633,7 @@ class Connection:
         finally:
             await self._end_reads(batches, entries, n_runs)
 
-    def _post_and_wait(self, ep: Any, batches: list[Any], timeout: float,
+    def _post_and_wait(self, ep: UcxEndpoint, batches: list[ReadBatch], timeout: float,
                        stop: threading.Event) -> float | None:
         """On a helper thread: post every batch (never while the endpoint is being aborted),
         then wait for them; the time the first run was seen complete."""
@@ -640,7 +647,7 @@ class Connection:
                   for batch in batches]
         return min((f for f in firsts if f is not None), default=None)
 
-    async def _end_reads(self, batches: list[Any], entries: list[tuple[bytes, list]],
+    async def _end_reads(self, batches: list[ReadBatch], entries: list[tuple[bytes, list]],
                          n_runs: int) -> None:
         """Abort and drain reads still running; then release the keys, unless a read
         outlived the drain (:class:`ReadsStuck`: the keys are leaked, not memory safety)."""
@@ -677,7 +684,8 @@ def _check_stream_args(transfer_id: int, n_chunks: int, max_in_flight: int,
     check_positive_int("max_in_flight", max_in_flight)
 
 
-async def _call_maybe_async(fn: Callable[..., Any] | None, *args: Any) -> None:
+async def _call_maybe_async(fn: Callable[..., Awaitable[None] | None] | None,
+                            *args: object) -> None:
     if fn is None:
         return
     out = fn(*args)
@@ -725,7 +733,7 @@ async def _read_grace(wait: asyncio.Future, stop: threading.Event) -> bool:
     return finished
 
 
-async def _drain(batch: Any) -> bool:
+async def _drain(batch: ReadBatch) -> bool:
     """Poll an aborted read batch until every request ended; False after READ_DRAIN_S."""
     deadline = time.monotonic() + READ_DRAIN_S
     while not batch.poll():
@@ -892,7 +900,7 @@ class Listener:
         self._port = port
         self.codec = codec
         self.connect_timeout = connect_timeout
-        self._listener: Any = None
+        self._listener: UcxListener | None = None
         self._conns: set[Connection] = set()
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
@@ -925,7 +933,7 @@ class Listener:
                                               connect_timeout=self.connect_timeout)
         return self
 
-    async def _on_accept(self, ep: Any) -> None:
+    async def _on_accept(self, ep: UcxEndpoint) -> None:
         if self._closing:
             ep.abort()
             return
@@ -975,7 +983,7 @@ class Listener:
     async def __aenter__(self) -> Listener:
         return await self.start()
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
 
@@ -1060,7 +1068,7 @@ class ConnectionPool:
     async def __aenter__(self) -> ConnectionPool:
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
 
