@@ -46,7 +46,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvkern.checks import check_positive_int
 from kvkern.xfer import transport, ucxcompat
@@ -58,6 +58,11 @@ from kvkern.xfer.tuning import (
     MAX_LANE_PEERS,
     SPLIT_ALIGN,
 )
+
+if TYPE_CHECKING:
+    from ucxx._lib.libucxx import UCXAddress, UCXContext, UCXEndpoint, UCXWorker
+
+    from kvkern.xfer.ucp_rma import ReadBatch, RemoteKey
 
 __all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
            "MAX_WORKER_ADDRESS_BYTES"]
@@ -143,7 +148,7 @@ def address_usable(address: bytes) -> bool:
     return address[0] & _ADDRESS_VERSION_MASK == _local_version
 
 
-def _lane_context() -> Any:
+def _lane_context() -> UCXContext:
     """A UCP context for one lane: RMA only, LANE_UCX_CONFIG where this UCX knows it."""
     try:
         return ucxcompat.new_rma_context(LANE_UCX_CONFIG)
@@ -159,11 +164,11 @@ class _Peer:
     """One lane's endpoint to one source worker, and the rkeys unpacked on it. Keeps the
     address object the endpoint was made from for as long as the endpoint."""
 
-    def __init__(self, ep: Any, address: Any, handle: int) -> None:
-        self.ep = ep
-        self.address = address
+    def __init__(self, ep: UCXEndpoint, address: UCXAddress, handle: int) -> None:
+        self.ep: UCXEndpoint | None = ep
+        self.address: UCXAddress | None = address
         self.handle = handle
-        self.rkeys: dict[bytes, Any] = {}
+        self.rkeys: dict[bytes, RemoteKey] = {}
 
     def make_room(self, packed: Sequence[bytes]) -> None:
         """Before a read posts anything: if its new keys would overflow the cache, destroy
@@ -175,7 +180,7 @@ class _Peer:
         if len(self.rkeys) + len(new) > MAX_CACHED_RKEYS:
             self.destroy_keys()
 
-    def rkey(self, packed: bytes) -> Any:
+    def rkey(self, packed: bytes) -> RemoteKey:
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         key = self.rkeys.get(packed)
@@ -196,11 +201,11 @@ class _Lane:
         self.index = index
         self.executor = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=f"kvkern-lane{index}")
-        self._context: Any = None
-        self._worker: Any = None
+        self._context: UCXContext | None = None
+        self._worker: UCXWorker | None = None
         self._worker_handle = 0
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
-        self.stuck_batches: list[Any] = []  # never freed: UCX may still write their memory
+        self.stuck_batches: list[ReadBatch] = []  # never freed: UCX may still write their memory
 
     # ---- on the lane thread only
 
@@ -224,7 +229,7 @@ class _Lane:
         peer = self._peers[address] = _Peer(ep, ucx_address, handle)
         return peer
 
-    def _close_peer(self, peer: _Peer, batches: list[Any]) -> None:
+    def _close_peer(self, peer: _Peer, batches: list[ReadBatch]) -> None:
         """Close the endpoint (UCX cancels its running reads), drain ``batches``, then
         destroy the keys (libucp 1.21 releases a key through its worker, so after the
         endpoint is fine). Raises _Stuck if reads outlive READ_DRAIN_S."""
@@ -252,7 +257,7 @@ class _Lane:
         if stop.is_set():
             raise TimeoutError("read stopped before it started")
         deadline = time.perf_counter() + timeout
-        batches: list[Any] = []
+        batches: list[ReadBatch] = []
         peer = None
         try:
             peer = self._peer(address)

@@ -46,9 +46,12 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvkern.xfer import ucxcompat
+
+if TYPE_CHECKING:
+    import numpy as np
 
 __all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "coalesce", "coalesce_arrays",
            "rma_unavailable", "MEMORY_TYPES"]
@@ -103,15 +106,15 @@ class Region:
         self.address = int(address)
         self.length = int(length)
         self.memory_type = memory_type
-        st, memh = ucxcompat.map_for_remote_read(self._ctx, self.address, self.length,
-                                                 MEMORY_TYPES[memory_type])
-        if st != UCS_OK:
-            raise RmaError(f"ucp_mem_map of {length} B at {address:#x}", st)
+        status, memh = ucxcompat.map_for_remote_read(self._ctx, self.address, self.length,
+                                                     MEMORY_TYPES[memory_type])
+        if status != UCS_OK:
+            raise RmaError(f"ucp_mem_map of {length} B at {address:#x}", status)
         self._memh: int | None = memh
-        st, self.rkey = ucxcompat.pack_rkey(self._ctx, memh)
-        if st != UCS_OK:
+        status, self.rkey = ucxcompat.pack_rkey(self._ctx, memh)
+        if status != UCS_OK:
             self.close()
-            raise RmaError("ucp_rkey_pack", st)
+            raise RmaError("ucp_rkey_pack", status)
 
     def contains(self, address: int, nbytes: int) -> bool:
         return self.address <= address and address + nbytes <= self.address + self.length
@@ -133,9 +136,9 @@ class RemoteKey:
     def __init__(self, ep_handle: int, packed: bytes) -> None:
         if not packed:
             raise ValueError("empty remote key")
-        st, handle = ucxcompat.unpack_rkey(ep_handle, packed)  # (zero-padded: see there)
-        if st != UCS_OK:
-            raise RmaError("ucp_ep_rkey_unpack", st)
+        status, handle = ucxcompat.unpack_rkey(ep_handle, packed)  # (zero-padded: see there)
+        if status != UCS_OK:
+            raise RmaError("ucp_ep_rkey_unpack", status)
         self.ep_handle = ep_handle
         self.handle: int | None = handle
 
@@ -175,16 +178,16 @@ class ReadBatch:
         """Issue the reads on ``ep_handle`` (the caller keeps the endpoint alive meanwhile)."""
         if self._key.handle is None:
             raise ValueError("remote key already destroyed")
-        get, rkey, status = self._post, self._key.handle, ucxcompat.ptr_status
+        get, rkey, status_of = self._post, self._key.handle, ucxcompat.ptr_status
         for i, (local, remote, n) in enumerate(self._runs):
             ptr = get(ep_handle, local, n, remote, rkey)
-            st = status(ptr)
-            if st is None:
+            status = status_of(ptr)
+            if status is None:
                 self._reqs.append(ptr)
-            elif st == UCS_OK:
+            elif status == UCS_OK:
                 self._reqs.append(None)
             else:
-                self._failed = (i, st)
+                self._failed = (i, status)
                 break
             self.nbytes += n
 
@@ -203,13 +206,13 @@ class ReadBatch:
         while self._next < len(reqs):
             req = reqs[self._next]
             if req is not None:
-                st = check(req)
-                if st == UCS_INPROGRESS:
+                status = check(req)
+                if status == UCS_INPROGRESS:
                     return False
                 free(req)
                 reqs[self._next] = None
-                if st != UCS_OK and self._failed is None:
-                    self._failed = (self._next, st)
+                if status != UCS_OK and self._failed is None:
+                    self._failed = (self._next, status)
             self._next += 1
         return True
 
@@ -243,12 +246,13 @@ class ReadBatch:
                 delay * 2, self._POLL_MAX_S)
             time.sleep(delay)
         if self._failed is not None:
-            i, st = self._failed
-            raise RmaError(f"read {i} of {len(self._reqs)}", st)
+            i, status = self._failed
+            raise RmaError(f"read {i} of {len(self._reqs)}", status)
         return first
 
 
-def coalesce_arrays(local: Any, remote: Any, nbytes: int) -> list[tuple[int, int, int]]:
+def coalesce_arrays(local: np.ndarray, remote: np.ndarray,
+                    nbytes: int) -> list[tuple[int, int, int]]:
     """:func:`coalesce` for numpy ``uint64`` arrays of addresses, vectorized (a per-layer
     pool makes layers x blocks of them; the pull path uses this one, :func:`coalesce` is
     its plain-Python reference)."""

@@ -33,9 +33,14 @@ import ctypes
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from kvkern.xfer.ucx_env import import_ucxx
+
+if TYPE_CHECKING:
+    from ucxx._lib.libucxx import UCXAddress, UCXContext, UCXEndpoint, UCXWorker
+    from ucxx._lib_async import ApplicationContext
 
 __all__ = ["MemMapParams", "RequestParam", "UCS_OK", "context_has_rma", "destroy_rkey",
            "endpoint_to_address", "libucp", "map_for_remote_read", "new_rma_context",
@@ -56,7 +61,7 @@ RKEY_PAD = 4096  # zero bytes after a received rkey (see unpack_rkey)
 
 # ---------------------------------------------------------------- application context
 
-def _app_context() -> Any:
+def _app_context() -> ApplicationContext:
     """ucxx's application context, created (and bound to the running loop) on first use."""
     return import_ucxx().core._get_ctx()
 
@@ -117,24 +122,25 @@ def stop_notifier() -> bool:
 
 # ---------------------------------------------------------------- lane workers
 
-def _libucxx() -> Any:
+def _libucxx() -> ModuleType:
     return import_ucxx()._lib.libucxx
 
 
-def new_rma_context(config: dict[str, str]) -> Any:
+def new_rma_context(config: dict[str, str]) -> UCXContext:
     """A UCP context of its own with RMA only and ``config`` (UCX settings without the
     ``UCX_`` prefix, on top of the environment); raises if this UCX rejects a setting."""
     lib = _libucxx()
     return lib.UCXContext(dict(config), (lib.Feature.RMA,))
 
 
-def new_worker(context: Any) -> tuple[Any, int]:
+def new_worker(context: UCXContext) -> tuple[UCXWorker, int]:
     """A UCX worker of ``context`` and its ``ucp_worker_h``."""
     worker = _libucxx().UCXWorker(context)
     return worker, int(worker.handle)
 
 
-def endpoint_to_address(worker: Any, address: bytes) -> tuple[Any, Any, int]:
+def endpoint_to_address(worker: UCXWorker,
+                        address: bytes) -> tuple[UCXEndpoint, UCXAddress, int]:
     """An endpoint of ``worker`` to the worker at ``address`` (with error handling): the
     endpoint, the address object it was made from (keep it as long as the endpoint) and its
     ``ucp_ep_h``. The caller checks ``address`` first (a foreign UCX address version makes
@@ -161,7 +167,7 @@ class RequestParam(ctypes.Structure):  # ucp_request_param_t (ucp/api/ucp.h)
                 ("recv_info", ctypes.c_void_p), ("memh", ctypes.c_void_p)]
 
 
-_lib: Any = None
+_lib: ctypes.CDLL | None = None
 _lib_lock = threading.Lock()
 _V = ctypes.c_void_p
 _STATUS = ctypes.c_int8  # ucs_status_t is a packed (1-byte) signed enum in ucs/type/status.h
@@ -180,7 +186,7 @@ def _loaded_libucp() -> str | None:
     return None
 
 
-def libucp() -> Any:
+def libucp() -> ctypes.CDLL:
     """libucp with the signatures used here, bound to the copy ucxx loaded."""
     global _lib
     if _lib is not None:
@@ -230,17 +236,17 @@ def map_for_remote_read(context: int, address: int, length: int,
         address=address, length=length,
         prot=PROT_LOCAL_READ | PROT_LOCAL_WRITE | PROT_REMOTE_READ, memory_type=memory_type)
     memh = _V()
-    st = libucp().ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh))
-    return st, (memh.value if st == UCS_OK else None)
+    status = libucp().ucp_mem_map(context, ctypes.byref(params), ctypes.byref(memh))
+    return status, (memh.value if status == UCS_OK else None)
 
 
 def pack_rkey(context: int, memh: int) -> tuple[int, bytes]:
     """``ucp_rkey_pack`` of a mapped ``memh``: ``(status, packed remote key)``."""
     lib = libucp()
     buf, size = _V(), ctypes.c_size_t()
-    st = lib.ucp_rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size))
-    if st != UCS_OK:
-        return st, b""
+    status = lib.ucp_rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size))
+    if status != UCS_OK:
+        return status, b""
     rkey = ctypes.string_at(buf, size.value)
     lib.ucp_rkey_buffer_release(buf)
     return UCS_OK, rkey
@@ -256,8 +262,8 @@ def unpack_rkey(ep_handle: int, packed: bytes) -> tuple[int, int | None]:
     over-read inside the buffer."""
     buf = ctypes.create_string_buffer(bytes(packed), len(packed) + RKEY_PAD)
     rkey = _V()
-    st = libucp().ucp_ep_rkey_unpack(ep_handle, buf, ctypes.byref(rkey))
-    return st, (rkey.value if st == UCS_OK else None)
+    status = libucp().ucp_ep_rkey_unpack(ep_handle, buf, ctypes.byref(rkey))
+    return status, (rkey.value if status == UCS_OK else None)
 
 
 def destroy_rkey(handle: int) -> None:
