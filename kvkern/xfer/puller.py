@@ -72,8 +72,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvkern.cache.hashing import salt_key
 from kvkern.xfer.admission import Admitted, Skip, WorkerFacts, admit, read_hint
@@ -90,6 +90,16 @@ from kvkern.xfer.runtime import spawn
 from kvkern.xfer.staging import StagingPool
 from kvkern.xfer.state import PROTOCOL, SourceState, parse_state
 
+if TYPE_CHECKING:
+    from kvkern.cache.protocol import Lease
+    from kvkern.xfer.auth import Credential
+    from kvkern.xfer.endpoint import Resolver
+    from kvkern.xfer.metrics import XferMetrics
+    from kvkern.xfer.read_lanes import ReadLanes
+    from kvkern.xfer.runtime import EventLoopThread
+    from kvkern.xfer.seam import Connector
+    from kvkern.xfer.transport import ConnectionPool
+
 __all__ = ["PROTOCOL", "Puller", "SourceState", "bounded_put", "parse_state"]
 
 log = logging.getLogger("kvkern.xfer")
@@ -102,9 +112,10 @@ _METADATA_REASONS = ("metadata_fetch_failed", "metadata_timeout", "metadata_inva
 class Puller:
     """Destination side of the pull path for one DP group (see the module docstring)."""
 
-    def __init__(self, group: KVGroup, *, config: XferConfig, metrics: Any = None,
-                 loop: Any = None, resolver: Any = None, pool: Any = None,
-                 credential: Any = None) -> None:
+    def __init__(self, group: KVGroup, *, config: XferConfig,
+                 metrics: XferMetrics | None = None, loop: EventLoopThread | None = None,
+                 resolver: Resolver | None = None, pool: Connector | None = None,
+                 credential: Credential | str | None = None) -> None:
         from kvkern.xfer.auth import FROM_ENV, resolve  # noqa: PLC0415
         from kvkern.xfer.runtime import EventLoopThread  # noqa: PLC0415
 
@@ -112,18 +123,18 @@ class Puller:
             raise TypeError(f"config must be an XferConfig, got {type(config).__name__}")
         self.group = group
         self.config = config
-        self.metrics = metrics  # kvkern.xfer.metrics.XferMetrics or None
+        self.metrics = metrics
         self._own_loop = loop is None
         self._loop = loop if loop is not None else EventLoopThread("kvkern-puller")
         # The fleet credential signs state requests and opens control connections; without
         # one every hint falls back (``unauthenticated``): no source serves a stranger.
         self.credential = resolve(FROM_ENV if credential is None else credential)
-        self._own_pool = pool is None
+        self._own_pool: ConnectionPool | None = None  # made here: close() closes it
         if pool is None:
             from kvkern.xfer.transport import ConnectionPool  # noqa: PLC0415
 
-            pool = ConnectionPool(credential=self.credential)
-        self._pool = pool
+            pool = self._own_pool = ConnectionPool(credential=self.credential)
+        self._pool: Connector = pool
         self.cost_guard = CostGuard(config)
         self._limits = HintLimits(max_metadata_timeout_s=config.max_metadata_timeout_s,
                                   max_transfer_timeout_s=config.max_transfer_timeout_s,
@@ -175,7 +186,7 @@ class Puller:
         return self._runner.quarantined_blocks
 
     @property
-    def _lanes(self) -> Any:
+    def _lanes(self) -> ReadLanes | None:
         return self._reads.lanes
 
     # ------------------------------------------------------------------ engine-facing API
@@ -353,13 +364,13 @@ class Puller:
     async def _aclose(self) -> None:
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=2.0)
-        if self._own_pool:
-            await self._pool.close()
+        if self._own_pool is not None:
+            await self._own_pool.close()
 
     def __enter__(self) -> Puller:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---------------------------------------------------------------------- registry
@@ -452,7 +463,7 @@ class Puller:
     # ------------------------------------------------------------------------ outcomes
 
     def _finish(self, rec: PullRecord, outcome: PullOutcome, *, ignored: bool = False,
-                lease: Any = None) -> None:
+                lease: Lease | None = None) -> None:
         with self._lock:
             rec.outcome = outcome
             rec.lease = lease
@@ -493,5 +504,5 @@ class Puller:
             if ph in _METRIC_PHASES:
                 m.observe_phase(ph, s)
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         spawn(self._bg, coro)

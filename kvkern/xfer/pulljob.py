@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvkern.xfer.hints import KvHint
 from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.state import SourceState
+
+if TYPE_CHECKING:
+    from kvkern.cache.protocol import Lease
+    from kvkern.xfer.seam import TransferConnection
 
 __all__ = ["Fallback", "PullJob", "PullRecord"]
 
@@ -33,7 +37,7 @@ class PullRecord:
     state: RequestState = RequestState.CONTEXT_INIT
     done: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     outcome: PullOutcome | None = None
-    lease: Any = None  # the manager's lease on the committed blocks (kvkern.cache.protocol)
+    lease: Lease | None = None  # the manager's lease on the committed blocks
     future: concurrent.futures.Future | None = None  # the loop task (cancel() cancels it)
     key: tuple | None = None  # dedup key while leading a pull
     leader: PullRecord | None = None  # set on dedup followers
@@ -59,7 +63,8 @@ class PullJob:
     into: tuple[int, ...] | None = None
     # filled while running
     private: list[int] | None = None  # receive blocks, freed exactly once unless committed
-    open_transfers: list = field(default_factory=list)  # [(conn, tid)] awaiting completion
+    # (connection, transfer id) of each transfer awaiting completion
+    open_transfers: list[tuple[TransferConnection, int]] = field(default_factory=list)
     phases: dict = field(default_factory=dict)
     messages: int = 0
     reads: int = 0

@@ -17,7 +17,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,7 +32,15 @@ from kvkern.xfer.seam import TransferConnection
 from kvkern.xfer.tuning import HOLD_MARGIN_S, HOLD_RATE_SLACK, LANE_RETRY_S
 
 if TYPE_CHECKING:
-    from kvkern.layout.plan import PeerTransfer
+    import torch
+
+    from kvkern.layout.kv_layout import KVLayout
+    from kvkern.layout.plan import PeerTransfer, Piece
+    from kvkern.layout.segments import BlockSegments
+    from kvkern.layout.topology import Topology
+    from kvkern.xfer.devstream import Ready
+    from kvkern.xfer.read_lanes import ReadLanes
+    from kvkern.xfer.staging import StagingPool
 
 __all__ = ["LANE_RETRY_S", "ReadReceiver", "StreamReceiver", "StreamUnpacker", "source_layout"]
 
@@ -40,7 +48,7 @@ log = logging.getLogger("kvkern.xfer")
 
 
 @functools.lru_cache(maxsize=256)
-def source_layout(topology: Any, rank: int) -> Any:
+def source_layout(topology: Topology, rank: int) -> KVLayout:
     """A source rank's local layout (sizes only), from its state's topology: once per
     (topology, rank), not per pull."""
     return topology.local_layout(rank, 1)
@@ -65,32 +73,33 @@ class StreamUnpacker:
     unpacked straight from the ring buffer, a block split across chunks through a one-block
     carry buffer."""
 
-    def __init__(self, transfer: Any, rkv: RankKV, block_ids: Sequence[int], n: int, *,
+    def __init__(self, pair: PeerTransfer, rank_kv: RankKV, block_ids: Sequence[int], n: int, *,
                  max_programs: int | None = None) -> None:
-        self.rkv = rkv
-        self.layout = rkv.layout
+        self.rank_kv = rank_kv
+        self.layout = rank_kv.layout
         self.block_ids = list(block_ids)
         self.n = n
-        self.segments = []  # (start, stop, piece)
-        for p in transfer.pieces:
+        self.segments: list[tuple[int, int, Piece]] = []  # (start, stop, piece)
+        for p in pair.pieces:
             o = p.byte_offset(n)
             self.segments.append((o, o + p.byte_length(n), p))
         self.segments.sort(key=lambda s: s[0])
-        self.total = transfer.nbytes(n)
+        self.total = pair.nbytes(n)
         self.pos = 0
-        self.width = max((p.block_nbytes for p in transfer.pieces), default=1)
-        self.carry: Any = None  # made by the first split block, on the stream feed runs on
+        self.width = max((p.block_nbytes for p in pair.pieces), default=1)
+        # made by the first split block, on the stream feed runs on
+        self.carry: torch.Tensor | None = None
         self.max_programs = max_programs
 
-    def _unpack(self, flat: Any, piece: Any, b0: int, k: int) -> None:
+    def _unpack(self, flat: torch.Tensor, piece: Piece, b0: int, k: int) -> None:
         from kvkern.kernels.pack import unpack  # noqa: PLC0415
 
         lay = self.layout
         shape = piece.staging_shape(k, lay.block_size, lay.head_dim)
-        unpack(flat.view(lay.dtype).view(shape), self.rkv.pool, lay, self.block_ids[b0:b0 + k],
+        unpack(flat.view(lay.dtype).view(shape), self.rank_kv.pool, lay, self.block_ids[b0:b0 + k],
                layers=piece.dst_layers, heads=piece.dst_heads, max_programs=self.max_programs)
 
-    def feed(self, chunk: Any) -> None:
+    def feed(self, chunk: torch.Tensor) -> None:
         """Unpack ``chunk``, the next bytes of the stream. On a device pool every copy is
         a launch on the current stream (the caller's side stream), the carry's included."""
         import torch  # noqa: PLC0415
@@ -111,7 +120,7 @@ class StreamUnpacker:
             if within or avail < bn:
                 if self.carry is None:
                     self.carry = torch.empty(self.width, dtype=torch.uint8,
-                                             device=self.rkv.device)
+                                             device=self.rank_kv.device)
                 take = min(bn - within, avail)
                 self.carry[within:within + take].copy_(chunk[off:off + take])
                 off += take
@@ -153,40 +162,41 @@ class StreamReceiver:
       does not wait for it, the engine's next kernels do.
     """
 
-    def __init__(self, config: XferConfig, staging: Any) -> None:
+    def __init__(self, config: XferConfig, staging: StagingPool) -> None:
         self.config = config
         self.staging = staging
 
-    async def receive(self, job: PullJob, tr: PeerTransfer, rkv: RankKV,
+    async def receive(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV,
                       conn: TransferConnection, reply: StreamReply, chunk: int, xfer_t: float,
                       entry: tuple) -> None:
         """Receive and unpack every chunk ``reply`` announced; :class:`Fallback` if the
         stream is not exactly the served blocks' bytes."""
         from kvkern.xfer import devstream  # noqa: PLC0415
 
-        served, unit, cfg = reply.served_blocks, tr.block_nbytes, self.config
-        nbytes = tr.nbytes(served)
+        served, unit, cfg = reply.served_blocks, pair.block_nbytes, self.config
+        nbytes = pair.nbytes(served)
         if reply.total_bytes != nbytes or any(not 0 < s <= chunk for s in reply.chunk_sizes):
-            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} announces "
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} announces "
                            f"{reply.total_bytes} B in chunks {reply.chunk_sizes[:4]}..., "
                            f"expected {nbytes} B in chunks <= {chunk} B")
         # block rows a stream's chunks land in as they are (one piece of whole blocks)
-        direct = (rkv.stream_rows(tr.pieces[0].dst_layers, tr.pieces[0].dst_heads,
-                                  tr.pieces[0].block_nbytes) if len(tr.pieces) == 1 else None)
+        pieces = pair.pieces
+        direct = (rank_kv.stream_rows(pieces[0].dst_layers, pieces[0].dst_heads,
+                                      pieces[0].block_nbytes) if len(pieces) == 1 else None)
         ring_n = max(1, min(cfg.chunks_in_flight, reply.n_chunks))
-        ring: list[Any] = [None] * ring_n  # staging slots, allocated on first use
+        ring: list[torch.Tensor | None] = [None] * ring_n  # staging slots, taken on first use
         sizes = reply.chunk_sizes
         ids = job.private[:served]
-        ds = devstream.for_device(rkv.device)
-        unpacker = StreamUnpacker(tr, rkv, ids, served, max_programs=ds.max_programs)
+        ds = devstream.for_device(rank_kv.device)
+        unpacker = StreamUnpacker(pair, rank_kv, ids, served, max_programs=ds.max_programs)
         starts = list(itertools.accumulate(sizes, initial=0))
         landed_direct: set[int] = set()
         fence = ds.fence()
         if direct is not None:
             await ds.wait(fence, xfer_t)
-        last: list[Any] = [None]  # the event after the latest unpack launched
+        last: list[Ready | None] = [None]  # the event after the latest unpack launched
 
-        def buffer_for(i: int) -> Any:
+        def buffer_for(i: int) -> torch.Tensor:
             lo, hi = starts[i], starts[i + 1]
             if direct is not None and lo % unit == 0 and hi % unit == 0:
                 b0, k = lo // unit, (hi - lo) // unit
@@ -196,10 +206,10 @@ class StreamReceiver:
                     return direct[first:first + k].reshape(-1)
             slot = i % ring_n
             if ring[slot] is None:
-                ring[slot] = self.staging.take(rkv.device, max(chunk, cfg.chunk_bytes))
+                ring[slot] = self.staging.take(rank_kv.device, max(chunk, cfg.chunk_bytes))
             return ring[slot][:sizes[i]]
 
-        async def on_chunk(i: int, buf: Any) -> None:
+        async def on_chunk(i: int, buf: torch.Tensor) -> None:
             if job.t_first_byte is None:
                 job.t_first_byte = time.perf_counter()
             n = int(buf.numel())
@@ -220,7 +230,7 @@ class StreamReceiver:
                                    on_chunk=on_chunk, timeout=xfer_t, max_in_flight=ring_n)
         except ValueError as exc:
             raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
-                           f"{tr.src_rank}: {exc}") from None
+                           f"{pair.src_rank}: {exc}") from None
         finally:
             # recv_stream returns only with every posted receive completed, and raises
             # only after aborting the connection, so UCX holds none of the slots now; an
@@ -232,8 +242,8 @@ class StreamReceiver:
                 ds.publish(last[0])
         job.open_transfers.remove(entry)
         if not unpacker.complete:
-            raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank {tr.src_rank} "
-                           f"ended at byte {unpacker.pos} of {nbytes}")
+            raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
+                           f"{pair.src_rank} ended at byte {unpacker.pos} of {nbytes}")
 
 
 # -------------------------------------------------------------------------------- reads
@@ -244,92 +254,94 @@ class ReadReceiver:
     (made on first use) and which source workers' lanes failed lately."""
 
     def __init__(self, config: XferConfig, *, closed: Callable[[], bool],
-                 spawn: Callable[[Any], None]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
         self.config = config
         self._closed = closed
         self._spawn = spawn
-        self.lanes = None  # kvkern.xfer.read_lanes.ReadLanes, made by the first lane read
+        self.lanes: ReadLanes | None = None  # made by the first lane read
         self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
 
-    def can_read(self, job: PullJob, tr: PeerTransfer, rkv: RankKV) -> bool:
+    def can_read(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
         """Ask for a one-sided read: allowed here, into host memory, and the source rank's
         pool is registered (its state says how). Canonical segments on both sides (TRT-LLM
         rows, per-layer HND): any plan pieces (a TP or PP reshard reads head and layer
         ranges). A source pool readable only in its own order (e.g. vLLM NHD): a
         destination pool of the same layout, whole blocks. Else the stream."""
-        st = job.state
-        if not (self.config.remote_read and st is not None
-                and READ_CAPABILITY in st.capabilities and rkv.device.type == "cpu"):
+        state = job.state
+        if not (self.config.remote_read and state is not None
+                and READ_CAPABILITY in state.capabilities and rank_kv.device.type == "cpu"):
             return False
-        key = (job.source_dp, tr.src_rank)
-        kind = st.reads.get(key)
+        key = (job.source_dp, pair.src_rank)
+        kind = state.reads.get(key)
         if kind == "canonical":
-            if rkv.read_segments is None:
+            if rank_kv.read_segments is None:
                 return False
-            src = source_layout(st.topology, tr.src_rank)
-            return (whole_block_pair(tr.pieces, src, rkv.layout)
-                    or min_run_bytes(tr.pieces, src, rkv.layout)
+            src = source_layout(state.topology, pair.src_rank)
+            return (whole_block_pair(pair.pieces, src, rank_kv.layout)
+                    or min_run_bytes(pair.pieces, src, rank_kv.layout)
                     >= self.config.read_min_run_bytes)
-        return (kind == "native" and rkv.native_segments is not None
-                and st.layouts.get(key) == rkv.layout_signature
-                and whole_block_pair(tr.pieces, rkv.layout, rkv.layout))  # same dims
+        return (kind == "native" and rank_kv.native_segments is not None
+                and state.layouts.get(key) == rank_kv.layout_signature
+                and whole_block_pair(pair.pieces, rank_kv.layout,
+                                     rank_kv.layout))  # same dims
 
-    async def receive(self, job: PullJob, tr: PeerTransfer, conn: TransferConnection,
-                      reply: ReadGrant, rkv: RankKV, xfer_t: float, t_req: float) -> None:
+    async def receive(self, job: PullJob, pair: PeerTransfer, conn: TransferConnection,
+                      reply: ReadGrant, rank_kv: RankKV, xfer_t: float, t_req: float) -> None:
         """Read the pair's pieces of the served blocks straight from the source's pool into
-        the private blocks of ``rkv``. They count when every read completed inside the
+        the private blocks of ``rank_kv``. They count when every read completed inside the
         source's granted hold, measured from ``t_req`` (before the request was sent; the
         source counts from its receipt, so our window closes first); else only
         ``ReadAck(held=True)`` after our ReadDone makes them count. See
         :mod:`kvkern.xfer.ucp_rma`."""
-        segs = self._check_offer(job, tr, reply, rkv)
-        parts = self._parts(job, tr, reply, rkv, segs)
+        segs = self._check_offer(job, pair, reply, rank_kv)
+        parts = self._parts(job, pair, reply, rank_kv, segs)
         t = time.perf_counter()
-        key = (job.source_dp, tr.src_rank)
+        key = (job.source_dp, pair.src_rank)
         keys = [reply.read_rkey, *reply.read_more_rkeys]
         keyed = [(keys[j], runs) for j, runs in parts.items()]
         first = await self._copy(job, conn, job.state.read_workers.get(key), keyed, xfer_t)
         if job.t_first_byte is None:
             job.t_first_byte = first or time.perf_counter()
         job.reads += sum(len(runs) for runs in parts.values())
-        job.bytes += reply.served_blocks * tr.block_nbytes
+        job.bytes += reply.served_blocks * pair.block_nbytes
         t_ack = time.perf_counter()
         job.phases["read"] = job.phases.get("read", 0.0) + (t_ack - t)
-        await self._confirm(job, tr, conn, reply, xfer_t, t_req, t_ack)
+        await self._confirm(job, pair, conn, reply, xfer_t, t_req, t_ack)
 
-    def _check_offer(self, job: PullJob, tr: PeerTransfer, reply: ReadGrant, rkv: RankKV) -> Any:
+    def _check_offer(self, job: PullJob, pair: PeerTransfer, reply: ReadGrant,
+                     rank_kv: RankKV) -> BlockSegments:
         """The destination segments the offer's reads land in; Fallback when the offer is
         not what this pair's state and plan promise."""
-        key = (job.source_dp, tr.src_rank)
-        st = job.state
-        if reply.read_native != (st.reads.get(key) == "native") or (
-                reply.read_native and st.layouts.get(key) != rkv.layout_signature):
-            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers its "
-                           f"blocks {'in its own order' if reply.read_native else 'canonical'}"
-                           f", its state says {st.reads.get(key)!r} (layout "
-                           f"{st.layouts.get(key)})")
-        segs = rkv.native_segments if reply.read_native else rkv.read_segments
-        served, unit = reply.served_blocks, tr.block_nbytes
+        key = (job.source_dp, pair.src_rank)
+        state = job.state
+        if reply.read_native != (state.reads.get(key) == "native") or (
+                reply.read_native and state.layouts.get(key) != rank_kv.layout_signature):
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} offers "
+                           f"its blocks {'in its own order' if reply.read_native else 'canonical'}"
+                           f", its state says {state.reads.get(key)!r} (layout "
+                           f"{state.layouts.get(key)})")
+        segs = rank_kv.native_segments if reply.read_native else rank_kv.read_segments
+        served, unit = reply.served_blocks, pair.block_nbytes
         n_keys = 1 + len(reply.read_more_rkeys)
         bases = [reply.read_base, *reply.read_more_bases]
-        src_lay = source_layout(st.topology, tr.src_rank)
+        src_lay = source_layout(state.topology, pair.src_rank)
         seg, stride = reply.read_segment_bytes or unit, reply.read_stride
         top = max(reply.read_blocks) * stride + seg
         if reply.total_bytes != served * unit or seg * n_keys != src_lay.bytes_per_block \
                 or stride < seg or max(bases) + top > 1 << 64 or segs is None or (
                     reply.read_native and not (n_keys == len(segs.bases)
                                                and seg == segs.nbytes
-                                               and whole_block_pair(tr.pieces, src_lay,
-                                                                    rkv.layout))):
-            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offers "
+                                               and whole_block_pair(pair.pieces, src_lay,
+                                                                    rank_kv.layout))):
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} offers "
                            f"{reply.total_bytes} B of {served} blocks as {n_keys} "
                            f"segments of {seg} B at stride {stride}, expected "
                            f"{src_lay.bytes_per_block} B blocks ({unit} B of each read)")
         return segs
 
     @staticmethod
-    def _parts(job: PullJob, tr: PeerTransfer, reply: ReadGrant, rkv: RankKV,
-               segs: Any) -> dict[int, list]:
+    def _parts(job: PullJob, pair: PeerTransfer, reply: ReadGrant, rank_kv: RankKV,
+               segs: BlockSegments) -> dict[int, list]:
         """Per source segment (remote key index), the coalesced ``(local, remote, nbytes)``
         runs that move the pair's pieces of every served block."""
         from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
@@ -337,15 +349,15 @@ class ReadReceiver:
         served = reply.served_blocks
         n_keys = 1 + len(reply.read_more_rkeys)
         bases = [reply.read_base, *reply.read_more_bases]
-        seg = reply.read_segment_bytes or tr.block_nbytes
+        seg = reply.read_segment_bytes or pair.block_nbytes
         here = np.asarray(job.private[:served], dtype=np.uint64) * np.uint64(segs.stride)
         there = np.asarray(reply.read_blocks, dtype=np.uint64) * np.uint64(reply.read_stride)
         parts: dict[int, list] = {}
         if reply.read_native:  # same layout, whole blocks: segment j into segment j
             runs = [(j, 0, j, 0, seg) for j in range(n_keys)]
         else:
-            src_lay = source_layout(job.state.topology, tr.src_rank)
-            runs = segment_runs(tr.pieces, src_lay, rkv.layout, seg, segs.nbytes)
+            src_lay = source_layout(job.state.topology, pair.src_rank)
+            runs = segment_runs(pair.pieces, src_lay, rank_kv.layout, seg, segs.nbytes)
         for j, s_off, d, d_off, n in runs:
             local = here + np.uint64(segs.bases[d] + d_off)
             remote = there + np.uint64(bases[j] + s_off)
@@ -375,7 +387,7 @@ class ReadReceiver:
             job.quarantined = True
             raise
 
-    async def _confirm(self, job: PullJob, tr: PeerTransfer, conn: TransferConnection,
+    async def _confirm(self, job: PullJob, pair: PeerTransfer, conn: TransferConnection,
                        reply: ReadGrant, xfer_t: float, t_req: float, t_ack: float) -> None:
         """Reads inside the granted hold count now (the release goes in the background);
         later ones count on ``ReadAck(held=True)``."""
@@ -395,11 +407,11 @@ class ReadReceiver:
         job.messages += 2
         job.phases["ack"] = job.phases.get("ack", 0.0) + (time.perf_counter() - t_ack)
         if not isinstance(ack, ReadAck) or ack.transfer_id != tid or not ack.held:
-            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} did not "
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} did not "
                            f"confirm it held the blocks during the read: "
                            f"{getattr(ack, 'reason', type(ack).__name__)}")
 
-    def _read_lanes(self, worker: bytes | None) -> Any:
+    def _read_lanes(self, worker: bytes | None) -> ReadLanes | None:
         """The read lanes, made on first use; None where reads stay on the connection (no
         lanes configured, or the source rank publishes no worker address this UCX can
         use)."""

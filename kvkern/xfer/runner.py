@@ -20,7 +20,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from kvkern.layout.chunks import direct_order
@@ -28,7 +28,7 @@ from kvkern.xfer.codes import CONNECT_FAILURES, reject_reason, transport_reason
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.discovery import SourceDiscovery
 from kvkern.xfer.kvgroup import KVGroup, RankKV
-from kvkern.xfer.messages import PullReply, PullRequest, ReadGrant
+from kvkern.xfer.messages import Message, PullReply, PullRequest, ReadGrant
 from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.policy import CostGuard, apply_policy
 from kvkern.xfer.pulljob import Fallback, PullJob, PullRecord
@@ -37,7 +37,10 @@ from kvkern.xfer.seam import Connector, TransferConnection
 from kvkern.xfer.tuning import CANCEL_SEND_TIMEOUT_S
 
 if TYPE_CHECKING:
+    from kvkern.cache.protocol import Lease
     from kvkern.layout.plan import PeerTransfer
+    from kvkern.xfer.metrics import XferMetrics
+    from kvkern.xfer.state import SourceState
 
 __all__ = ["CANCEL_SEND_TIMEOUT_S", "PullRunner", "job_outcome"]
 
@@ -48,10 +51,10 @@ def job_outcome(job: PullJob, reason: Reason, detail: str = "", **kw: Any) -> Pu
     """The outcome of ``job`` ending with ``reason`` (its common fields, then ``kw``)."""
     fields = dict(job.base)
     fields.update(kw)
-    st = job.state
-    if st is not None:
-        fields.setdefault("worker_id", st.worker_id)
-        fields.setdefault("incarnation", st.incarnation)
+    state = job.state
+    if state is not None:
+        fields.setdefault("worker_id", state.worker_id)
+        fields.setdefault("incarnation", state.incarnation)
     return PullOutcome(request_id=job.rec.request_id, used=reason in (Reason.OK,
                                                                       Reason.PARTIAL),
                        reason=reason, detail=detail[:2000], **fields)
@@ -62,8 +65,9 @@ class PullRunner:
 
     def __init__(self, group: KVGroup, config: XferConfig, *, pool: Connector,
                  discovery: SourceDiscovery, streams: StreamReceiver, reads: ReadReceiver,
-                 cost_guard: CostGuard, metrics: Any, lock: threading.Lock,
-                 finish: Callable[..., None], spawn: Callable[[Any], None]) -> None:
+                 cost_guard: CostGuard, metrics: XferMetrics | None, lock: threading.Lock,
+                 finish: Callable[..., None],
+                 spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
         self.group = group
         self.config = config
         self.pool = pool  # kvkern.xfer.transport.ConnectionPool behind the seam
@@ -167,7 +171,7 @@ class PullRunner:
                     reads=job.reads, bytes_transferred=job.bytes,
                     blocks_requested=job.count if job.allocated else 0)
 
-    async def _pull(self, job: PullJob) -> tuple[Any, Reason, str, dict]:
+    async def _pull(self, job: PullJob) -> tuple[Lease | None, Reason, str, dict]:
         group = self.group
         t = time.perf_counter()
         state = await self.discovery.discover(job)
@@ -220,7 +224,8 @@ class PullRunner:
                                                 "blocks_skipped": decision.skipped,
                                                 "blocks_requested": job.count}
 
-    def _plan(self, job: PullJob, state: Any) -> tuple[list, dict[int, tuple[str, int]]]:
+    def _plan(self, job: PullJob,
+              state: SourceState) -> tuple[list[PeerTransfer], dict[int, tuple[str, int]]]:
         """The (source rank, destination rank) pairs hosted here and each source rank's
         checked UCX address."""
         from kvkern.layout.plan import plan_transfer  # noqa: PLC0415
@@ -232,12 +237,12 @@ class PullRunner:
             plan = plan_transfer(state.topology, job.source_dp, group.topology, group.dp_rank)
         except (IncompatibleTopologyError, ValueError) as exc:
             raise Fallback(Reason.INCOMPATIBLE_TOPOLOGY, str(exc)) from None
-        pairs = [tr for tr in plan.transfers if tr.dst_rank in group.ranks]
+        pairs = [pair for pair in plan.transfers if pair.dst_rank in group.ranks]
         if not pairs:
             raise Fallback(Reason.INCOMPATIBLE_TOPOLOGY, f"plan has no pair for the hosted "
                            f"ranks {sorted(group.ranks)}")
         addrs = self.discovery.rank_addresses(state, job.source_dp,
-                                              [tr.src_rank for tr in pairs])
+                                              [pair.src_rank for pair in pairs])
         job.pairs = len(pairs)
         return pairs, addrs
 
@@ -247,7 +252,7 @@ class PullRunner:
                                      job.phases.get("rtt"))
         return f"{keep} of {job.count} blocks from {n_pairs} pair(s) into the engine's blocks"
 
-    def _allocate(self, job: PullJob, pairs: list) -> None:
+    def _allocate(self, job: PullJob, pairs: list[PeerTransfer]) -> None:
         if job.into is not None:  # the engine's blocks, in hash order
             job.private = list(job.into)
             job.allocated = True
@@ -261,11 +266,12 @@ class PullRunner:
             job.private = direct_order(job.private, self.config.chunk_bytes // unit)
         job.allocated = True
 
-    async def _pull_pairs(self, job: PullJob, pairs: list, addrs: dict,
+    async def _pull_pairs(self, job: PullJob, pairs: list[PeerTransfer],
+                          addrs: dict[int, tuple[str, int]],
                           xfer_t: float) -> list[int]:
         """Every pair concurrently; the first failure cancels the others (awaited)."""
-        tasks = [asyncio.ensure_future(self._pull_pair(job, tr, addrs[tr.src_rank], xfer_t))
-                 for tr in pairs]
+        tasks = [asyncio.ensure_future(self._pull_pair(job, pair, addrs[pair.src_rank], xfer_t))
+                 for pair in pairs]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for tk in tasks:
@@ -277,30 +283,30 @@ class PullRunner:
                 tk.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _pull_pair(self, job: PullJob, tr: PeerTransfer, addr: tuple[str, int],
+    async def _pull_pair(self, job: PullJob, pair: PeerTransfer, addr: tuple[str, int],
                          xfer_t: float) -> int:
         """One (source rank, destination rank) pair; returns the validated served count."""
-        rkv = self.group.ranks[tr.dst_rank]
+        rank_kv = self.group.ranks[pair.dst_rank]
         conn = await self._connect(job, addr, xfer_t)
-        unit = tr.block_nbytes
+        unit = pair.block_nbytes
         # Whole blocks per chunk (zero-copy landing, no carry); a block larger than
         # chunk_bytes travels in chunk_bytes slices that the unpacker reassembles.
         chunk = (self.config.chunk_bytes // unit) * unit or self.config.chunk_bytes
-        req = self._request(job, tr, rkv, chunk)
+        req = self._request(job, pair, rank_kv, chunk)
         entry = (conn, req.transfer_id)
         t_req = time.perf_counter()
         job.open_transfers.append(entry)
         reply = await self._exchange(job, conn, req, xfer_t)
         job.phases.setdefault("rtt", time.perf_counter() - t_req)
-        served = self._check_reply(job, tr, req, reply, entry)
+        served = self._check_reply(job, pair, req, reply, entry)
         if isinstance(reply, ReadGrant):
             if not req.read:
-                raise Fallback(Reason.TRANSFER_FAILED, f"source rank {tr.src_rank} offered "
+                raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} offered "
                                f"a read to a request that did not ask for one")
-            await self.reads.receive(job, tr, conn, reply, rkv, xfer_t, t_req)
+            await self.reads.receive(job, pair, conn, reply, rank_kv, xfer_t, t_req)
             job.open_transfers.remove(entry)
             return served
-        await self.streams.receive(job, tr, rkv, conn, reply, chunk, xfer_t, entry)
+        await self.streams.receive(job, pair, rank_kv, conn, reply, chunk, xfer_t, entry)
         return served
 
     async def _connect(self, job: PullJob, addr: tuple[str, int],
@@ -317,24 +323,24 @@ class PullRunner:
             await self.discovery.connect_failed(job, exc)
             raise
 
-    def _request(self, job: PullJob, tr: PeerTransfer, rkv: RankKV, chunk: int) -> PullRequest:
+    def _request(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV, chunk: int) -> PullRequest:
         from kvkern.xfer.messages import PlanPiece  # noqa: PLC0415
 
         pieces = [PlanPiece(src_rank=p.src_rank, layer_start=p.src_layers[0],
                             layer_stop=p.src_layers[1], head_start=p.src_heads[0],
                             head_stop=p.src_heads[1], offset=p.block_offset,
-                            length=p.block_nbytes) for p in tr.pieces]  # per block
+                            length=p.block_nbytes) for p in pair.pieces]  # per block
         remaining = job.remaining_s(time.perf_counter())
         return PullRequest(transfer_id=self._next_tid(), request_id=job.rec.request_id[:256],
                            hash_scheme=self.group.hash_scheme, block_hashes=job.chained,
                            start=job.local, count=job.count, pieces=pieces, chunk_bytes=chunk,
                            deadline_ms=max(1, int(remaining * 1000)),
                            require_all=job.policy == "strict",
-                           read=job.into is None and self.reads.can_read(job, tr, rkv),
+                           read=job.into is None and self.reads.can_read(job, pair, rank_kv),
                            model=getattr(self.group, "model_id", ""))
 
     async def _exchange(self, job: PullJob, conn: TransferConnection, req: PullRequest,
-                        xfer_t: float) -> Any:
+                        xfer_t: float) -> Message:
         from kvkern.xfer.transport import CONTROL_TAG, Lane, TransportError, tag_for  # noqa: PLC0415
 
         try:
@@ -348,8 +354,8 @@ class PullRunner:
             raise
         return reply
 
-    def _check_reply(self, job: PullJob, tr: PeerTransfer, req: PullRequest, reply: Any,
-                     entry: tuple) -> int:
+    def _check_reply(self, job: PullJob, pair: PeerTransfer, req: PullRequest,
+                     reply: Message, entry: tuple[TransferConnection, int]) -> int:
         """The served count of a well-formed reply that serves; else Fallback (and the
         transfer is closed where nothing follows)."""
         from kvkern.xfer.messages import Status  # noqa: PLC0415
@@ -361,27 +367,27 @@ class PullRunner:
                            f"{getattr(reply, 'transfer_id', None)}")
         if reply.status in (Status.MISS,):
             job.open_transfers.remove(entry)  # nothing follows
-            raise Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} cannot serve "
+            raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} cannot serve "
                            f"the {count} requested blocks: {reply.reason}")
         if reply.status == Status.BUSY:
             job.open_transfers.remove(entry)
-            raise Fallback(Reason.SOURCE_BUSY, f"source rank {tr.src_rank}: {reply.reason}")
+            raise Fallback(Reason.SOURCE_BUSY, f"source rank {pair.src_rank}: {reply.reason}")
         if reply.status not in (Status.OK, Status.PARTIAL):
             job.open_transfers.remove(entry)
-            raise Fallback(reject_reason(reply.reason), f"source rank {tr.src_rank} "
+            raise Fallback(reject_reason(reply.reason), f"source rank {pair.src_rank} "
                            f"answered {reply.status.value}: {reply.reason}")
         served = reply.served_blocks
         want = job.chained[job.local:job.local + served]
         if served > count or list(reply.block_hashes) != want:
-            raise Fallback(Reason.HASH_MISMATCH, f"source rank {tr.src_rank} served "
+            raise Fallback(Reason.HASH_MISMATCH, f"source rank {pair.src_rank} served "
                            f"{served} blocks with hashes that are not the requested "
                            f"{count}")
         if served == 0:
             job.open_transfers.remove(entry)
-            raise Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} served 0 of "
+            raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} served 0 of "
                            f"{count} blocks")
         if served < count and job.policy == "strict":
-            raise Fallback(Reason.SOURCE_MISS, f"source rank {tr.src_rank} holds {served} "
+            raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} holds {served} "
                            f"of {count} requested blocks (strict)")
         return served
 
@@ -401,7 +407,7 @@ class PullRunner:
                 continue  # an aborted connection tells the source by itself
             job.messages += 1
 
-            async def send(conn: Any = conn, tid: int = tid) -> None:
+            async def send(conn: TransferConnection = conn, tid: int = tid) -> None:
                 with contextlib.suppress(Exception):
                     await conn.send_msg(Cancel(transfer_id=tid, reason=reason.value),
                                         CONTROL_TAG, timeout=CANCEL_SEND_TIMEOUT_S)
