@@ -151,16 +151,16 @@ class SourceDiscovery:
         self._verdicts.pop((job.hint.source, job.hint.source_dp_rank), None)
         if not job.state_cached or job.state is None:
             return
-        for key, (st, _) in list(self._state_cache.items()):
-            if st is job.state:
+        for key, (state, _) in list(self._state_cache.items()):
+            if state is job.state:
                 del self._state_cache[key]
                 try:
                     fresh = await self.discover(job)
                 except Fallback:
                     return
-                if fresh.incarnation != st.incarnation:
+                if fresh.incarnation != state.incarnation:
                     raise Fallback(Reason.SOURCE_INCARNATION_CHANGED,
-                                   f"source incarnation {st.incarnation} -> "
+                                   f"source incarnation {state.incarnation} -> "
                                    f"{fresh.incarnation} ({exc})") from exc
                 return
 

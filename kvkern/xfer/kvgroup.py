@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvkern.cache.protocol import KVCacheManager
 from kvkern.layout.kv_layout import KVLayout, LayoutMismatchError
@@ -33,6 +33,9 @@ from kvkern.layout.segments import (
     spans_whole_block,
 )
 from kvkern.layout.topology import Topology
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["BlockSegments", "KVGroup", "RankKV", "layout_signature"]
 
@@ -49,7 +52,7 @@ class RankKV:
 
     rank: int
     layout: KVLayout
-    pool: Any
+    pool: torch.Tensor | list[torch.Tensor]
 
     def __post_init__(self) -> None:
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
@@ -57,10 +60,10 @@ class RankKV:
         self.layout.check(self.pool)
 
     @functools.cached_property
-    def device(self):
+    def device(self) -> torch.device:
         return self.layout.tensors(self.pool)[0].device
 
-    def block_rows(self) -> Any:
+    def block_rows(self) -> torch.Tensor | None:
         """``[num_blocks, bytes_per_block]`` uint8 view of the pool when each block's
         canonical ``[L, 2, H, T, D]`` bytes are one contiguous run in stream order (a single
         contiguous tensor whose canonical view is contiguous, e.g. TRT-LLM's
@@ -70,11 +73,11 @@ class RankKV:
         return self._block_rows
 
     @functools.cached_property
-    def _block_rows(self) -> Any:
+    def _block_rows(self) -> torch.Tensor | None:
         return block_rows(self.layout, self.layout.tensors(self.pool))
 
     def stream_rows(self, layers: tuple[int, int], heads: tuple[int, int],
-                    block_nbytes: int) -> Any:
+                    block_nbytes: int) -> torch.Tensor | None:
         """The pool's :meth:`block_rows` when a stream's bytes per block (``block_nbytes`` of
         the piece ``layers`` x ``heads``) are exactly a pool block's bytes: one piece of every
         local layer and head of a pool whose canonical view is contiguous. A chunk of
@@ -141,23 +144,23 @@ class KVGroup:
             raise ValueError(f"DP group {self.dp_rank}: manager block size "
                              f"{self.manager.block_size} != model block size {block_size}")
         num_blocks = None
-        for rank, rkv in self.ranks.items():
-            if rank != rkv.rank:
-                raise ValueError(f"ranks[{rank}] holds the KV of rank {rkv.rank}")
+        for rank, rank_kv in self.ranks.items():
+            if rank != rank_kv.rank:
+                raise ValueError(f"ranks[{rank}] holds the KV of rank {rank_kv.rank}")
             if rank not in group:
                 raise ValueError(f"rank {rank} is not in DP group {self.dp_rank} "
                                  f"(ranks {list(group)})")
-            want = topo.local_layout(rank, rkv.layout.num_blocks, rkv.layout.name)
+            want = topo.local_layout(rank, rank_kv.layout.num_blocks, rank_kv.layout.name)
             for f in _SIZE_FIELDS:
-                got, exp = getattr(rkv.layout, f), getattr(want, f)
+                got, exp = getattr(rank_kv.layout, f), getattr(want, f)
                 if got != exp:
                     raise LayoutMismatchError(
-                        f"rank {rank}: layout {rkv.layout.name!r} has {f} {got}, the topology "
-                        f"gives that rank {f} {exp}")
+                        f"rank {rank}: layout {rank_kv.layout.name!r} has {f} {got}, the "
+                        f"topology gives that rank {f} {exp}")
             if num_blocks is None:
-                num_blocks = rkv.layout.num_blocks
-            elif rkv.layout.num_blocks != num_blocks:
-                raise ValueError(f"rank {rank} has {rkv.layout.num_blocks} blocks, rank "
+                num_blocks = rank_kv.layout.num_blocks
+            elif rank_kv.layout.num_blocks != num_blocks:
+                raise ValueError(f"rank {rank} has {rank_kv.layout.num_blocks} blocks, rank "
                                  f"{next(iter(self.ranks))} has {num_blocks}: one manager "
                                  "needs the same block ids on every rank")
         mgr_blocks = getattr(self.manager, "num_blocks", None)

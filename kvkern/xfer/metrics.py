@@ -133,8 +133,8 @@ class XferMetrics:
                                              buckets=LATENCY_BUCKETS, registry=r)
         for ph in PHASES:  # every series exists from the start (dashboards, rate())
             self.phase_seconds.labels(phase=ph)
-        for st in SOURCE_STATUSES:
-            self.source_requests.labels(status=st)
+        for status in SOURCE_STATUSES:
+            self.source_requests.labels(status=status)
 
     # ------------------------------------------------------------------- destination side
 

@@ -38,6 +38,9 @@ from kvkern.xfer.transport import Connection, Lane, TransportError, tag_for
 from kvkern.xfer.tuning import PACK_WAIT_S, QUOTA_POLL_S, QUOTA_WAIT_S
 
 if TYPE_CHECKING:
+    from kvkern.cache.protocol import PinHandle
+    from kvkern.layout.kv_layout import KVLayout
+    from kvkern.xfer.regions import RegisteredPool
     from kvkern.xfer.source import SourceService
 
 __all__ = ["PeerLedger", "RankCtx", "Rejected", "SendSession", "Sender", "keep_hold",
@@ -79,7 +82,7 @@ class SendSession:
         self.conn_sends = conn_sends
         self.deadline = deadline
         self.admitted = admitted
-        self.handle: Any = None  # the manager's pin handle (kvkern.cache.protocol)
+        self.handle: PinHandle | None = None  # the manager's pin on the requested blocks
         self.released = False
         self.replied = False
         self.completed = False
@@ -111,18 +114,18 @@ async def keep_hold(s: SendSession) -> None:
             continue
 
 
-def whole_blocks(rkv: RankKV, pieces: Sequence[PlanPiece]) -> bool:
+def whole_blocks(rank_kv: RankKV, pieces: Sequence[PlanPiece]) -> bool:
     """The request moves whole blocks: one piece of every local layer and head."""
-    return len(pieces) == 1 and spans_whole_block(rkv.layout, pieces[0].layers,
-                                                  pieces[0].heads)
+    return len(pieces) == 1 and spans_whole_block(rank_kv.layout, pieces[0].layers,
+                                                      pieces[0].heads)
 
 
-def direct_rows(rkv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | None:
+def direct_rows(rank_kv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | None:
     """The pool's byte rows when a chunk of consecutive pinned blocks can be sent straight
     from the pool (:meth:`RankKV.stream_rows` of a CPU pool), else None (packed to staging)."""
-    if rkv.device.type != "cpu" or len(pieces) != 1:
+    if rank_kv.device.type != "cpu" or len(pieces) != 1:
         return None
-    return rkv.stream_rows(pieces[0].layers, pieces[0].heads, pieces[0].length)
+    return rank_kv.stream_rows(pieces[0].layers, pieces[0].heads, pieces[0].length)
 
 
 def validate_request(ctx: RankCtx, req: PullRequest, *, model_id: str,
@@ -155,7 +158,7 @@ def validate_request(ctx: RankCtx, req: PullRequest, *, model_id: str,
     return pieces
 
 
-def _check_piece(ctx: RankCtx, layout: Any, p: PlanPiece, end: int) -> None:
+def _check_piece(ctx: RankCtx, layout: KVLayout, p: PlanPiece, end: int) -> None:
     if p.src_rank != ctx.rank:
         raise Rejected(RejectCode.WRONG_RANK, f"piece for source rank {p.src_rank} sent to "
                        f"the listener of rank {ctx.rank}")
@@ -292,16 +295,16 @@ class Sender:
 
     async def _end(self, s: SendSession) -> None:
         """Release exactly once, after any packing thread and any granted read hold."""
-        cf = s.pack_cf
-        if cf is not None and not cf.done():  # the pool is still being read
+        pack_future = s.pack_cf
+        if pack_future is not None and not pack_future.done():  # the pool is still being read
             with contextlib.suppress(BaseException):
-                await asyncio.wait({asyncio.wrap_future(cf)}, timeout=PACK_WAIT_S)
+                await asyncio.wait({asyncio.wrap_future(pack_future)}, timeout=PACK_WAIT_S)
         if s.hold_until is not None and not s.completed:
             await keep_hold(s)  # a destination may commit what it reads until then
         self.svc._release(s)
         # Every posted send has completed or its endpoint was aborted (the transport's
         # rule), so UCX holds none of the slots; a pack still running keeps them.
-        if (cf is None or cf.done()) and not self.svc.closing:
+        if (pack_future is None or pack_future.done()) and not self.svc.closing:
             self.svc.staging.give(s.staging)
         s.staging = []
 
@@ -325,7 +328,7 @@ class Sender:
             busy = ledger.over_pin_quota(s.peer, s.ctx.rank, s.req.count, pool)
         return busy
 
-    async def _pin(self, s: SendSession) -> Any:
+    async def _pin(self, s: SendSession) -> PinHandle | None:
         """The pin handle of the requested blocks, or None after a MISS reply."""
         svc, req, ctx = self.svc, s.req, s.ctx
         handle = ctx.group.manager.pin(req.requested_hashes, require_all=req.require_all)
@@ -380,7 +383,7 @@ class Sender:
         s.completed = True
         svc.metrics.source_served(n, sent)
 
-    async def serve_read(self, s: SendSession, registered: Any, pieces: list[PlanPiece],
+    async def serve_read(self, s: SendSession, registered: RegisteredPool, pieces: list[PlanPiece],
                          block_ids: list[int], hashes: Sequence[int]) -> None:
         """Reply with where the pinned blocks are (the whole blocks' segments) and how long
         they stay pinned (``read_hold_ms``); the destination reads the bytes of ``pieces``
@@ -435,9 +438,9 @@ class Sender:
         chunk ``i`` completed (send_stream calls ``produce(i + ring)`` no earlier) and the
         event of chunk ``i``'s pack fired (waited before chunk ``i`` was handed over)."""
         svc = self.svc
-        rkv = s.ctx.rkv
-        layout = rkv.layout
-        device = rkv.device
+        rank_kv = s.ctx.rkv
+        layout = rank_kv.layout
+        device = rank_kv.device
         ring = min(svc.config.chunks_in_flight, len(chunks))
         # one size class for every send, so the prewarmed slots serve small pulls too
         slot_bytes = max(max(c.nbytes for c in chunks), svc.config.chunk_bytes)
@@ -458,7 +461,7 @@ class Sender:
                      layout.block_size, layout.head_dim)
             view = None if out is None else out.view(layout.dtype).view(shape)
             staged, ready = ds.run(functools.partial(
-                pack, rkv.pool, layout, block_ids[b0:b1], out=view,
+                pack, rank_kv.pool, layout, block_ids[b0:b1], out=view,
                 layers=(p.layer_start, p.layer_stop), heads=(p.head_start, p.head_stop),
                 max_programs=ds.max_programs), after=fence)
             ds.synchronize(ready)
@@ -470,7 +473,7 @@ class Sender:
             s.pack_cf = svc.executor.submit(fn, *args)
             return await asyncio.wrap_future(s.pack_cf, loop=loop)
 
-        rows = direct_rows(rkv, pieces)
+        rows = direct_rows(rank_kv, pieces)
 
         async def produce(i: int) -> torch.Tensor:
             await svc._before_chunk(tid, i)

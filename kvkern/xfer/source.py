@@ -166,7 +166,7 @@ import logging
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import web
@@ -219,6 +219,9 @@ from kvkern.xfer.state import (
     StateDoc,
 )
 from kvkern.xfer.transport import CONTROL_TAG, Connection, Lane, Listener, TransportError, tag_for
+
+if TYPE_CHECKING:
+    from aiohttp.typedefs import Handler
 
 __all__ = ["BLOCKS_PATH", "CAPABILITIES", "DEFAULT_MAX_SEND_S", "DEFAULT_PROGRESS_TIMEOUT_S",
            "DEFAULT_READ_HOLD_S", "PEER_PREFIX", "PROTOCOL", "REMOTE_READ_MODES", "STATE_PATH",
@@ -275,7 +278,7 @@ class SourceService:
         self._extra_routes = list(extra_routes or ())
         self._ucx_ports = dict(ucx_ports or {})
         self._ctx: dict[int, RankCtx] = {
-            r: RankCtx(g, rkv) for g in self.groups for r, rkv in g.ranks.items()}
+            r: RankCtx(g, rank_kv) for g in self.groups for r, rank_kv in g.ranks.items()}
         self._listeners: dict[int, Listener] = {}
         self._runner: web.AppRunner | None = None
         self._site: GuardedSite | None = None
@@ -338,11 +341,11 @@ class SourceService:
         dp_groups: dict[str, DpGroupDoc] = {}
         for g in self.groups:
             ranks = {}
-            for r, rkv in g.ranks.items():
+            for r, rank_kv in g.ranks.items():
                 lst = self._listeners.get(r)
                 doc = RankDoc(ucx_host=self.advertise_host,
                               ucx_port=lst.port if lst is not None else None,
-                              layout=rkv.layout.describe())
+                              layout=rank_kv.layout.describe())
                 registered = self.regions.get(r)
                 if registered is not None:  # how its blocks can be read, and by which worker
                     doc.read = "native" if registered.native else "canonical"
@@ -453,13 +456,13 @@ class SourceService:
     async def __aenter__(self) -> SourceService:
         return await self.start()
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     # -------------------------------------------------------------------------- HTTP
 
     @web.middleware
-    async def _peer_auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+    async def _peer_auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Paths under :data:`PEER_PREFIX` answer fleet members only (``X-Kvkern-Auth``, see
         :mod:`kvkern.xfer.auth`), and their answers are signed. Everything else passes."""
         if not request.path.startswith(PEER_PREFIX):
