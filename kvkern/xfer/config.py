@@ -37,9 +37,12 @@ import math
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from kvkern.checks import check_non_negative_int
+
+if TYPE_CHECKING:
+    from kvkern.xfer.endpoint import Allowlist, EndpointConfig
 
 __all__ = ["POLICIES", "XferConfig", "DEFAULT_CONFIG"]
 
@@ -47,7 +50,7 @@ POLICIES = ("strict", "best_effort")
 Policy = Literal["strict", "best_effort"]
 
 
-def _pos(name: str, value: Any, *, allow_none: bool = False, integer: bool = False) -> None:
+def _pos(name: str, value: object, *, allow_none: bool = False, integer: bool = False) -> None:
     if value is None and allow_none:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -112,7 +115,8 @@ class XferConfig:
     min_blocks: int = 1  # fewer missing blocks than this -> not_worth_it
 
     # ---- endpoints (handed to kvkern.xfer.endpoint.EndpointConfig)
-    allowlist: Any = ()  # Allowlist, or specs ("10.0.0.0/8", "host:8000-8010", ...)
+    # specs ("10.0.0.0/8", "host:8000-8010", ...) are parsed into an Allowlist on creation
+    allowlist: Allowlist | str | Iterable[str] | None = ()
     default_state_port: int = 8000
     state_path: str = "/kvkern/v1/state"
     dp_port_stride: int = 1  # Dynamo: control endpoint of DP rank N is control_port + N
@@ -179,7 +183,7 @@ class XferConfig:
     def replace(self, **changes: Any) -> XferConfig:
         return dataclasses.replace(self, **changes)
 
-    def endpoint_config(self) -> Any:
+    def endpoint_config(self) -> EndpointConfig:
         """The :class:`kvkern.xfer.endpoint.EndpointConfig` these knobs describe."""
         from kvkern.xfer.endpoint import EndpointConfig  # noqa: PLC0415
 
@@ -215,7 +219,7 @@ class XferConfig:
         return cls(**kw)
 
 
-def _is_allowlist(obj: Any) -> bool:
+def _is_allowlist(obj: object) -> bool:
     return type(obj).__name__ == "Allowlist" and hasattr(obj, "entries")
 
 

@@ -42,8 +42,9 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -183,8 +184,9 @@ class CudaStream:
     constructor takes the stream objects themselves so the ordering logic can be driven by
     recording fakes off-GPU."""
 
-    def __init__(self, *, side: Any, compute: Any, max_programs: int | None,
-                 new_event: Callable[[], Any], use: Callable[[Any], Any]) -> None:
+    def __init__(self, *, side: torch.cuda.Stream, compute: torch.cuda.Stream,
+                 max_programs: int | None, new_event: Callable[[], torch.cuda.Event],
+                 use: Callable[[torch.cuda.Stream], AbstractContextManager[object]]) -> None:
         self.side = side
         self.compute = compute
         self.max_programs = max_programs
@@ -192,7 +194,7 @@ class CudaStream:
         self._use = use  # context manager making a stream current (torch.cuda.stream)
 
     @classmethod
-    def create(cls, device: torch.device | str, *, compute: Any = None,
+    def create(cls, device: torch.device | str, *, compute: torch.cuda.Stream | None = None,
                config: StreamConfig | None = None) -> CudaStream:
         """The side stream of ``device``: priority 0, the lowest CUDA has (PyTorch's default
         stream has it too; an engine whose forward runs on a higher-priority stream has the
@@ -209,7 +211,7 @@ class CudaStream:
         elif compute.device != device:
             raise ValueError(f"compute stream is on {compute.device}, the pool on {device}")
 
-        def new_event() -> Any:
+        def new_event() -> torch.cuda.Event:
             # blocking: a thread waiting on it sleeps instead of spinning a CPU core that the
             # engine's host thread may need
             return torch.cuda.Event(blocking=True)

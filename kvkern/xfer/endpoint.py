@@ -71,10 +71,13 @@ import socket
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from kvkern.checks import check_non_negative_int
 from kvkern.xfer.auth import AUTH_RESPONSE_HEADER
+
+if TYPE_CHECKING:
+    from kvkern.xfer.auth import Credential
 
 __all__ = [
     "DEFAULT_STATE_PATH",
@@ -636,7 +639,7 @@ async def fetch_state(
     timeout_s: float,
     max_bytes: int,
     headers: dict[str, str] | None = None,
-    credential: Any = None,
+    credential: Credential | None = None,
 ) -> bytes:
     """GET the state from the pinned address and return the body (at most ``max_bytes``).
 

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -228,7 +228,10 @@ class _Ignored(Exception):
 # --------------------------------------------------------------------------------- helpers
 
 
-def _convert(raw: Any, typ: type, what: str) -> Any:
+_T = TypeVar("_T")
+
+
+def _convert(raw: Any, typ: type[_T], what: str) -> _T:
     try:
         return msgspec.convert(raw, typ, strict=True)
     except msgspec.ValidationError as exc:

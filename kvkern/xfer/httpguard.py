@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -289,7 +290,7 @@ class GuardedSite(web.TCPSite):
         if registry is None:
             raise RuntimeError("GuardedSite: call guard_app(app, limits) before runner.setup()")
         self.limits = limits
-        self._registry: dict[Any, _Conn] = registry
+        self._registry: dict[asyncio.BaseTransport, _Conn] = registry
         self._loop: asyncio.AbstractEventLoop | None = None
         self._protocol_factory: Callable[[], asyncio.Protocol] | None = None
         self.connections_open = 0
@@ -330,7 +331,8 @@ class GuardStats:
         self.too_large = 0
 
 
-_REGISTRY: web.AppKey[dict[Any, _Conn]] = web.AppKey("kvkern_httpguard_conns", dict)
+_REGISTRY: web.AppKey[dict[asyncio.BaseTransport, _Conn]] = web.AppKey(
+    "kvkern_httpguard_conns", dict)
 _STATS: web.AppKey[GuardStats] = web.AppKey("kvkern_httpguard_stats", GuardStats)
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -350,7 +352,7 @@ def guard_app(app: web.Application, limits: HttpLimits) -> web.Application:
         raise RuntimeError("guard_app: the application is frozen (call before runner.setup())")
     if _REGISTRY in app:
         raise RuntimeError("guard_app: already guarded")
-    registry: dict[Any, _Conn] = {}
+    registry: dict[asyncio.BaseTransport, _Conn] = {}
     stats = GuardStats()
     app[_REGISTRY] = registry
     app[_STATS] = stats
@@ -407,7 +409,7 @@ async def start_guarded(runner: web.BaseRunner, host: str | None, port: int,
 
 
 def run_guarded(app: web.Application, *, host: str, port: int, limits: HttpLimits,
-                access_log: Any = None,
+                access_log: logging.Logger | None = None,
                 on_listening: Callable[[int], None] | None = None) -> None:
     """Serve ``app`` on a :class:`GuardedSite` until SIGINT or SIGTERM, then clean up and
     return: ``web.run_app`` with the guard (``app`` goes through :func:`guard_app` here unless

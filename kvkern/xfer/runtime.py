@@ -92,7 +92,7 @@ class EventLoopThread:
             raise TimeoutError(f"coroutine on {self.name!r} did not finish in {timeout} s") \
                 from None
 
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+    def call_soon(self, fn: Callable[..., object], *args: object) -> None:
         """Run the plain callable ``fn(*args)`` on the loop soon (thread-safe)."""
         with self._lock:
             if self._closed:
@@ -131,7 +131,7 @@ class EventLoopThread:
     def __enter__(self) -> EventLoopThread:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
