@@ -290,8 +290,8 @@ def evaluate_targets(rows: list[dict], xfer: dict | None, device_pools: bool,
         found["d2d_pull_vs_raw_ucxx"] = {
             "pass": ok if device_pools else None, "worst": xfer["ratio"],
             "pull_gbps": xfer.get("pull_gbps"), "raw_gbps": xfer.get("raw_gbps"),
-            **({} if device_pools else {"reason": "pools in host memory: `kvkern bench xfer` "
-                                                  "has no --device option"})}
+            **({} if device_pools else {"reason": "pools in host memory (a dry run, or no "
+                                                  "CUDA device)"})}
     for name, (threshold, what) in TARGETS.items():
         found[name] = {"target": what, "threshold": threshold, **found[name]}
         if not meaningful:
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     res["device_pools"] = device_pools
     if not device_pools:
         res["note"] = ("dry run: host pools" if dry else
-                       "`kvkern bench xfer` offers no --device option (or no CUDA): host pools")
+                       "no CUDA device, or `kvkern bench xfer` without --device: host pools")
     if res["rc"] == 0 and xfer is None:
         res["rc"], res["error"] = 1, "no JSON line in the output"
     if xfer and peak:

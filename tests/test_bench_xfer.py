@@ -29,6 +29,7 @@ def test_bench_xfer_pull_json(layout, tp, reads):
     for key in ("bytes", "blocks", "pull_gbps", "raw_gbps", "ratio", "messages"):
         assert key in res, res
     assert res["bytes"] == 1 << 20 and res["blocks"] == 2
+    assert res["env"]["device"] == "cpu"
     assert res["pull_gbps"] > 0 and res["raw_gbps"] > 0
     assert res["ratio"] == pytest.approx(res["pull_gbps"] / res["raw_gbps"], rel=0.01)
     pull = res["cases"]["pull"]
@@ -38,3 +39,15 @@ def test_bench_xfer_pull_json(layout, tp, reads):
     assert one["messages"] == (3 if reads else 2 * (2 + 1)), one  # 2 pairs: 1 chunk each
     assert one["stream_pull_gbps"] > 0 and one["scattered_pull_gbps"] > 0
     assert pull["hint_to_first_byte_ms"] > 0
+
+
+def test_bench_xfer_device_cuda_needs_a_device():
+    """``--device cuda`` puts both processes' buffers and pools in device memory (the GPU
+    call's pull of 256 MiB); without a visible device it stops with one line."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the device script runs --device cuda")
+    out = subprocess.run([sys.executable, "-m", "kvkern", "bench", "xfer", "--device", "cuda"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no CUDA device" in out.stderr.splitlines()[-1]

@@ -98,6 +98,7 @@ class Settings:
     pull_layout: str = "trtllm"  # pull case: the engine layout of both pools
     pull_tp: tuple[int, int] = (1, 1)  # pull case: TP size of the source and the destination
     read_lanes: int = 2  # pull case: XferConfig.read_lanes of the headline puller
+    device: str = "cpu"  # where both peers' buffers and pools live ("cuda": device memory)
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
         if self.ucx_env == "off":
@@ -111,8 +112,13 @@ class Settings:
 # ------------------------------------------------------------------------------ the peer
 
 
-def _pattern(nbytes: int) -> np.ndarray:
-    return np.resize(np.arange(_PATTERN_PERIOD, dtype=np.uint8), nbytes)
+def _pattern(nbytes: int, device: str = "cpu") -> Any:
+    data = np.resize(np.arange(_PATTERN_PERIOD, dtype=np.uint8), nbytes)
+    if device == "cpu":
+        return data
+    import torch  # noqa: PLC0415
+
+    return torch.from_numpy(data).to(device)
 
 
 def _chunk_sizes(total: int, chunk: int) -> list[int]:
@@ -134,14 +140,15 @@ def _pull_topology(tp: int = 1) -> Any:
     return Topology(model=ModelKVSpec(**PULL_MODEL), parallel=Parallelism(tp_size=tp))
 
 
-def _rank_pools(topo: Any, n_blocks: int, layout_name: str) -> dict[int, Any]:
-    """rank -> RankKV of every rank of DP group 0, pages faulted in."""
+def _rank_pools(topo: Any, n_blocks: int, layout_name: str,
+                device: str = "cpu") -> dict[int, Any]:
+    """rank -> RankKV of every rank of DP group 0 on ``device``, pages faulted in."""
     from kvkern.xfer.kvgroup import RankKV  # noqa: PLC0415
 
     out = {}
     for r in topo.ranks_of_dp(0):
         layout = topo.local_layout(r, n_blocks, layout_name)
-        out[r] = RankKV(r, layout, layout.allocate(fill="zeros"))
+        out[r] = RankKV(r, layout, layout.allocate(device, fill="zeros"))
     return out
 
 
@@ -161,7 +168,7 @@ def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
 
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
                              scattered: bool = False, layout_name: str = "trtllm",
-                             tp: int = 1) -> Any:
+                             tp: int = 1, device: str = "cpu") -> Any:
     """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
     ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
     so every chunk goes through the pack kernel instead of the zero-copy send."""
@@ -174,7 +181,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 
     topo = _pull_topology(tp)
     bs = topo.model.block_size
-    ranks = _rank_pools(topo, n_blocks, layout_name)
+    ranks = _rank_pools(topo, n_blocks, layout_name, device)
     pool = BlockPool(n_blocks, block_size=bs)
     hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
     ids = pool.allocate(n_blocks)
@@ -188,20 +195,23 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
     pool.release(ids)
     group = KVGroup(topo, 0, pool, ranks)
     # The bench's pool holds exactly the pulled blocks and its one destination pulls them
-    # all: no peer quota, and the one-sided reads it measures offered (an opt-in).
+    # all: no peer quota, and the one-sided reads it measures offered (an opt-in; host
+    # pools only: device pools stream).
     return await SourceService([group], worker_id="bench-source", chunk_bytes=chunk_bytes,
-                               chunks_in_flight=in_flight, remote_read="host",
+                               chunks_in_flight=in_flight,
+                               remote_read="host" if device == "cpu" else "off",
                                quotas=PeerQuotas(peer_pin_fraction=1.0,
                                                  total_pin_fraction=1.0)).start()
 
 
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                      in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
-                     pull_layout: str = "trtllm", pull_tp: int = 1) -> None:
+                     pull_layout: str = "trtllm", pull_tp: int = 1,
+                     device: str = "cpu") -> None:
     from kvkern.xfer.messages import Cancel, Status, StreamReply  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
-    buffers: dict[int, np.ndarray] = {}
+    buffers: dict[int, Any] = {}
 
     async def serve(conn) -> None:
         while True:
@@ -221,7 +231,7 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                 continue
             if total not in buffers:
                 buffers.clear()  # one size at a time keeps the peer's memory bounded
-                buffers[total] = _pattern(total)
+                buffers[total] = _pattern(total, device)
             data = buffers[total]
             offs = np.cumsum([0, *sizes])
             await conn.send_stream(req.transfer_id,
@@ -233,10 +243,10 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
     info: dict[str, Any] = {"port": listener.port}
     if pull_blocks:
         source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
-                                          layout_name=pull_layout, tp=pull_tp)
+                                          layout_name=pull_layout, tp=pull_tp, device=device)
         scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
                                              layout_name=pull_layout, tp=pull_tp,
-                                             scattered=True)
+                                             scattered=True, device=device)
         info["http_port"] = source.http_port
         info["scattered_http_port"] = scattered.http_port
     tmp = port_file + ".tmp"
@@ -261,19 +271,25 @@ class Bench:
 
     def __init__(self, conn: Any, *, pull_http_port: int | None = None,
                  scattered_http_port: int | None = None,
-                 loop: Any = None) -> None:
+                 loop: Any = None, device: str = "cpu") -> None:
         self.conn = conn
+        self.device = device
         self.pull_http_port = pull_http_port
         self.scattered_http_port = scattered_http_port
         self.loop = loop  # the EventLoopThread the cases run on (the puller shares it)
         self._next_tid = 1
-        self._dst: dict[int, np.ndarray] = {}
+        self._dst: dict[int, Any] = {}
 
-    def _buffer(self, nbytes: int) -> np.ndarray:
+    def _buffer(self, nbytes: int) -> Any:
         if nbytes not in self._dst:
             self._dst.clear()
-            self._dst[nbytes] = np.empty(nbytes, dtype=np.uint8)
-            self._dst[nbytes].fill(0)  # fault the pages in outside the timed region
+            if self.device == "cpu":
+                self._dst[nbytes] = np.empty(nbytes, dtype=np.uint8)
+                self._dst[nbytes].fill(0)  # fault the pages in outside the timed region
+            else:
+                import torch  # noqa: PLC0415
+
+                self._dst[nbytes] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         return self._dst[nbytes]
 
     async def fetch(self, total: int, chunk: int, *, in_flight: int,
@@ -302,7 +318,8 @@ class Bench:
             idx = np.unique(np.r_[np.arange(0, total, 4099), offs[1:-1] - 1, offs[1:-1],
                                   total - 1])
             expect = (idx % _PATTERN_PERIOD).astype(np.uint8)
-            if not np.array_equal(dst[idx], expect):
+            got = dst[idx] if isinstance(dst, np.ndarray) else dst.cpu().numpy()[idx]
+            if not np.array_equal(got, expect):
                 raise RuntimeError(f"bench transfer of {total} B delivered wrong bytes")
         return dt
 
@@ -396,7 +413,8 @@ class _PullBench:
         topo = _pull_topology(s.pull_tp[1])
         self.bs = topo.model.block_size
         self.n_max = _pull_blocks_for(s)
-        self.ranks = _rank_pools(topo, self.n_max + 8, s.pull_layout)  # faulted in untimed
+        self.ranks = _rank_pools(topo, self.n_max + 8, s.pull_layout,  # faulted in untimed
+                                 s.device)
         self.group = KVGroup(topo, 0, _ColdPool(self.n_max + 8, block_size=self.bs),
                              self.ranks)
         cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False,
@@ -535,7 +553,8 @@ CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages,
 
 def _environment(s: Settings) -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                           "machine": platform.machine(), "progress_mode": s.progress_mode,
+                           "machine": platform.machine(), "device": s.device,
+                           "progress_mode": s.progress_mode,
                            "ucx_env": {k: os.environ.get(k) for k in UCX_DEFAULTS
                                        | {"UCX_TLS": ""}}}
     with contextlib.suppress(Exception):
@@ -558,7 +577,8 @@ async def _run_cases(info: dict, s: Settings, loop: Any) -> dict[str, Any]:
         conn = await pool.get("127.0.0.1", info["port"])
         result: dict[str, Any] = {"connect_ms": round((time.perf_counter() - t0) * 1e3, 1)}
         bench = Bench(conn, pull_http_port=info.get("http_port"),
-                      scattered_http_port=info.get("scattered_http_port"), loop=loop)
+                      scattered_http_port=info.get("scattered_http_port"), loop=loop,
+                      device=s.device)
         for name in s.cases:
             result[name] = await CASES[name](bench, s)
     return result
@@ -578,7 +598,8 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                "--max-seconds", str(s.peer_timeout_s), "--parent-pid", str(os.getpid()),
                "--in-flight", str(s.in_flight), "--chunk-bytes", str(s.chunk_bytes),
                "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0),
-               "--pull-layout", s.pull_layout, "--pull-tp", str(s.pull_tp[0])]
+               "--pull-layout", s.pull_layout, "--pull-tp", str(s.pull_tp[0]),
+               "--device", s.device]
         peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
                                 stdin=subprocess.DEVNULL)
         try:
@@ -707,6 +728,9 @@ def main(argv: list[str] | None = None) -> int:
     x.add_argument("--compare", choices=["nixl"], default=None,
                    help="also measure NIXL's block-list READ on the same pool shapes and sizes "
                         "in this run, with kvkern / NIXL ratios (needs nixl: make bench-nixl)")
+    x.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where both processes' buffers and KV pools live (cuda: device "
+                        "memory, moved by UCX's CUDA transports; the pull streams)")
     x.add_argument("--json", action="store_true", help="print one JSON object, last line")
     p = sub.add_parser("_peer")  # the benchmark's second process; no help: not listed
     p.add_argument("--port-file", required=True)
@@ -717,23 +741,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pull-blocks", type=int, default=0)
     p.add_argument("--pull-layout", default="trtllm")
     p.add_argument("--pull-tp", type=int, default=1)
+    p.add_argument("--device", default="cpu")
     ns = parser.parse_args(argv)
 
     if ns.what == "_peer":
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
                                ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
-                               ns.pull_layout, ns.pull_tp))
+                               ns.pull_layout, ns.pull_tp, ns.device))
         return 0
     cases = tuple(c for c in ns.cases.split(",") if c)
     unknown = set(cases) - set(CASES)
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}; known: {sorted(CASES)}")
+    if ns.device == "cuda":
+        import torch  # noqa: PLC0415
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is visible to torch")
     s = Settings(ucx_env=ns.ucx_env, progress_mode=ns.progress_mode,
                  sizes=tuple(_parse_size(t) for t in ns.sizes.split(",") if t),
                  chunk_bytes=_parse_size(ns.chunk), in_flight=ns.in_flight,
                  repeats=ns.repeats, cases=cases, peer_timeout_s=ns.timeout,
                  data_path=ns.data_path, pull_layout=ns.pull_layout,
-                 pull_tp=_parse_tp(ns.pull_tp, parser), read_lanes=ns.read_lanes)
+                 pull_tp=_parse_tp(ns.pull_tp, parser), read_lanes=ns.read_lanes,
+                 device=ns.device)
     res = run_xfer(s)
     if ns.compare == "nixl":
         from kvkern.tools.nixlbench import compare  # noqa: PLC0415
