@@ -10,46 +10,13 @@ import time
 import pytest
 import torch
 
-import kvkern.xfer.endpoint as endpoint_mod
 from kvkern.kernels.pack import pack
 from kvkern.xfer.admission import Admitted, WorkerFacts, admit
-from kvkern.xfer.config import XferConfig
 from kvkern.xfer.hints import decode_hint
-from kvkern.xfer.memtransport import MemoryConnector, MemorySource
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.policy import CostGuard
 from kvkern.xfer.puller import Puller
-from kvkern.xfer.runtime import EventLoopThread
-from tests.test_pull_memory import ADDR, BS, HINT, commit, make_group, tokens
-
-
-@pytest.fixture(scope="module")
-def loop():
-    lp = EventLoopThread("pull-into")
-    yield lp
-    lp.close()
-
-
-@pytest.fixture
-def fleet(loop, monkeypatch):
-    src = MemorySource(make_group())
-
-    async def fake_fetch(resolved, **kw):
-        return src.state_body(*ADDR)
-
-    monkeypatch.setattr(endpoint_mod, "fetch_state", fake_fetch)
-    pullers = []
-
-    def make(**kw):
-        cfg = XferConfig(allowlist="127.0.0.1", cost_guard=False, transfer_timeout_s=0.3,
-                         deadline_s=2.0, **kw)
-        p = Puller(make_group(), config=cfg, loop=loop, pool=MemoryConnector({ADDR: src}))
-        pullers.append(p)
-        return p
-
-    yield src, make
-    for p in pullers:
-        p.close()
+from tests.test_pull_memory import BS, HINT, commit, fleet, loop, tokens  # noqa: F401  (fixtures, requested by name)
 
 
 def admitted(p: Puller, toks: list[int], *, local: int = 0, policy: str | None = None):
