@@ -7,7 +7,7 @@ rest) and once without (B prefills it all). Every prompt is fresh, so no run hit
 prefix cache. Writes one JSON record (``bench/results/vllm/``) with the environment and
 prints the table and the crossover: the shortest prefix from which the pull wins.
 
-    make bench-vllm                                  # 512, 2k and 8k prefix tokens
+    make bench-vllm                                  # 128, 512, 2k and 8k prefix tokens
     PYTHONPATH=. .venv-vllm/bin/python bench/vllm_ttft.py --prefixes 2048,8192 --reps 3
 """
 
@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -35,8 +36,8 @@ BENCH_MODEL = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prefixes", default="512,2048,8192", help="prefix lengths in tokens")
-    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--prefixes", default="128,512,2048,8192", help="prefix lengths in tokens")
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=str(HERE / "results" / "vllm"))
     args = p.parse_args()
     prefixes = [int(x) for x in args.prefixes.split(",")]
@@ -58,6 +59,8 @@ def main() -> None:
     b = Engine("b", model, free_port(), work, *extra)
     try:
         a.wait_ready(), b.wait_ready()
+        # untimed: the first prefill of each engine, B's first connection to A
+        measure(a, b, 4 * BS, 1, router, sign_hint, decode_hint, salt=-1)
         rows = [measure(a, b, n, args.reps, router, sign_hint, decode_hint) for n in prefixes]
     finally:
         a.close(), b.close()
@@ -78,13 +81,19 @@ def main() -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
-def measure(a, b, prefix: int, reps: int, router, sign_hint, decode_hint) -> dict:
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 995) for _ in range(n)]
+
+
+def measure(a, b, prefix: int, reps: int, router, sign_hint, decode_hint,
+            salt: int = 0) -> dict:
+    """Median TTFT on B with a pull and without, over ``reps`` fresh prompts (no prompt is
+    ever seen twice by B, so neither measurement hits B's own prefix cache)."""
     pulls, recomputes, cached = [], [], []
     for rep in range(reps):
-        seed = prefix * 100 + rep
-        shared = [(seed * 7919 + i * 31 + i * i) % 990 + 5 for i in range(prefix)]
-        question = [(seed + i * 13) % 990 + 5 for i in range(BS // 2)]
-        toks = shared + question
+        seed = (salt * 1000 + prefix) * 1000 + rep
+        toks = _tokens(seed, prefix + BS // 2)  # the shared prefix, then a question
         a.generate({"id": f"a{seed}", "tokens": toks, "max_tokens": 1})
         params = {"kv_hint": {"source": f"127.0.0.1:{a.port}"}}
         params.update(sign_hint(router, decode_hint(params), toks))
@@ -92,7 +101,7 @@ def measure(a, b, prefix: int, reps: int, router, sign_hint, decode_hint) -> dic
                           "kv_transfer_params": params})[f"b{seed}"]
         pulls.append(got["ttft_s"])
         cached.append(got["cached"])
-        fresh = [t + 1 if t < 990 else 5 for t in toks]  # same length, nothing cached
+        fresh = _tokens(-seed - 1, len(toks))  # same length, cached nowhere
         ref = b.generate({"id": f"r{seed}", "tokens": fresh, "max_tokens": 1})[f"r{seed}"]
         recomputes.append(ref["ttft_s"])
     pull, recompute = statistics.median(pulls), statistics.median(recomputes)

@@ -6,15 +6,16 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvkern.integrations.vllm.config import ConnectorConfig
-from kvkern.integrations.vllm.runtime import runtime_for
-from kvkern.integrations.vllm.scheduler import LoadMetadataBase, SchedulerSide
-from kvkern.integrations.vllm.worker import WorkerSide
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
+
+from kvkern.integrations.vllm.config import ConnectorConfig
+from kvkern.integrations.vllm.runtime import runtime_for
+from kvkern.integrations.vllm.scheduler import LoadMetadataBase, SchedulerSide
+from kvkern.integrations.vllm.worker import WorkerSide
 
 __all__ = ["KvkernConnector", "KvkernMetadata"]
 
