@@ -18,6 +18,10 @@ Records, one JSON object per file:
     ``make bench`` writes one to ``bench/out/cpu_kernels.json``: ``cases`` maps a case to
     GB/s of ``pack``, ``unpack``, ``per_block_loop`` and ``contiguous_copy``; ``env`` its
     environment.
+``bench/results/vllm/*.json``
+    ``make bench-vllm`` (``bench/vllm_ttft.py``) writes one: ``rows`` of ``prefix_tokens``,
+    ``kv_mib``, ``pull_s`` and ``recompute_s`` (medians of TTFT with a pull and with the whole
+    prompt recomputed, in the same run), ``crossover_tokens``, ``model`` and ``env``.
 ``bench/results/kernel_aot.json``
     ``python -m kvkern.kernels.aot`` (ahead-of-time compile facts, no GPU needed).
 ``bench/results/gpu/*.json``
@@ -76,6 +80,7 @@ def load(results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
 
     aot = results_dir / "kernel_aot.json"
     return {"xfer": read_all("xfer"), "cpu_kernels": read_all("cpu_kernels"),
+            "vllm": read_all("vllm"),
             "gpu": read_all("gpu"), "kernel_aot": json.loads(aot.read_text())
             if aot.exists() else None}
 
@@ -211,6 +216,28 @@ def _cpu_section(records: list[tuple[str, dict]]) -> list[str]:
     return out
 
 
+def _vllm_section(records: list[tuple[str, dict]]) -> list[str]:
+    out = ["## Time to first token in vLLM (`make bench-vllm`)", "",
+           "Two vLLM engines (CPU build) with the kvkern connector, one process each: B serves a "
+           "prompt whose prefix A computed, once with a signed hint naming A (B pulls the "
+           "prefix, then prefills 16 more tokens) and once without (B prefills it all), on "
+           "fresh prompts. Medians of the runs; the crossover is the shortest measured prefix "
+           "from which the pull wins.", ""]
+    if not records:
+        return out + ["No run is recorded.", ""]
+    for name, rec in records:
+        model = ", ".join(f"{k} {v}" for k, v in rec.get("model", {}).items())
+        out += [f"### `{name}` (commit {_commit(rec)})", "",
+                f"Model: {model}. Environment: {_env_line(rec.get('env', {}))}.", "",
+                "| prefix tokens | KV MiB | TTFT with the pull (s) | TTFT recomputing (s) "
+                "| recompute / pull |", "|---|---|---|---|---|"]
+        for r in rec["rows"]:
+            out.append(f"| {r['prefix_tokens']} | {r['kv_mib']:.1f} | {r['pull_s']:.3f} "
+                       f"| {r['recompute_s']:.3f} | {r['recompute_s'] / r['pull_s']:.1f} |")
+        out += ["", f"Crossover: {rec.get('crossover_tokens')} tokens.", ""]
+    return out
+
+
 def _cell(x: float | None) -> str:
     return "-" if x is None else f"{x:.1f}"
 
@@ -255,6 +282,7 @@ def render(data: dict[str, Any]) -> str:
     lines += _gpu_section(data["gpu"], data["kernel_aot"])
     lines += _xfer_section(data["xfer"])
     lines += _peer_section(data["xfer"])
+    lines += _vllm_section(data.get("vllm", []))
     lines += _cpu_section(data["cpu_kernels"])
     return "\n".join(lines).rstrip() + "\n"
 

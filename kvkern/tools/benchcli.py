@@ -690,10 +690,9 @@ def _print_human(res: dict[str, Any]) -> None:
               f"({m['in_flight_32_gbps']} GB/s)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     from kvkern.layout import LAYOUT_CONSTRUCTORS  # noqa: PLC0415
 
-    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="kvkern bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True, metavar="{xfer}")
     x = sub.add_parser("xfer", help="raw UCXX transfer between two processes on 127.0.0.1",
@@ -742,6 +741,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pull-layout", default="trtllm")
     p.add_argument("--pull-tp", type=int, default=1)
     p.add_argument("--device", default="cpu")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
     ns = parser.parse_args(argv)
 
     if ns.what == "_peer":
