@@ -7,7 +7,7 @@ rest) and once without (B prefills it all). Every prompt is fresh, so no run hit
 prefix cache. Writes one JSON record (``bench/results/vllm/``) with the environment and
 prints the table and the crossover: the shortest prefix from which the pull wins.
 
-    make bench-vllm                                  # 128, 512, 2k and 8k prefix tokens
+    make bench-vllm                                  # 32, 128, 512, 2k and 8k prefix tokens
     PYTHONPATH=. .venv-vllm/bin/python bench/vllm_ttft.py --prefixes 2048,8192 --reps 3
 """
 
@@ -36,7 +36,7 @@ BENCH_MODEL = dict(hidden_size=512, intermediate_size=1536, num_attention_heads=
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prefixes", default="128,512,2048,8192", help="prefix lengths in tokens")
+    p.add_argument("--prefixes", default="32,128,512,2048,8192", help="prefix lengths in tokens")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=str(HERE / "results" / "vllm"))
     args = p.parse_args()
@@ -99,10 +99,15 @@ def measure(a, b, prefix: int, reps: int, router, sign_hint, decode_hint,
         params.update(sign_hint(router, decode_hint(params), toks))
         got = b.generate({"id": f"b{seed}", "tokens": toks, "max_tokens": 1,
                           "kv_transfer_params": params})[f"b{seed}"]
+        if got["cached"] != prefix:  # a measurement of something else: stop
+            raise RuntimeError(f"the hinted request found {got['cached']} of {prefix} "
+                               f"prefix tokens computed (a pull, not a local hit, is timed)")
         pulls.append(got["ttft_s"])
         cached.append(got["cached"])
-        fresh = _tokens(-seed - 1, len(toks))  # same length, cached nowhere
+        fresh = _tokens(seed + 10**9, len(toks))  # same length, cached nowhere
         ref = b.generate({"id": f"r{seed}", "tokens": fresh, "max_tokens": 1})[f"r{seed}"]
+        if ref["cached"]:
+            raise RuntimeError(f"the recompute run found {ref['cached']} tokens cached")
         recomputes.append(ref["ttft_s"])
     pull, recompute = statistics.median(pulls), statistics.median(recomputes)
     return {"prefix_tokens": prefix, "kv_mib": prefix * 8192 / 2**20,

@@ -146,6 +146,7 @@ class Puller:
         self._keys: dict[tuple, PullRecord] = {}
         self._closed = False
         self._finished_into: list[tuple[str, PullOutcome]] = []
+        self._into_done = threading.Condition(self._lock)
         self._bg: set[asyncio.Task] = set()
         self._worker = WorkerFacts(
             block_size=group.block_size, hash_scheme=group.hash_scheme,
@@ -257,6 +258,16 @@ class Puller:
         with self._lock:
             done, self._finished_into = self._finished_into, []
         return done
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Block (without holding the GIL) until a :meth:`pull_into` pull has ended or
+        ``timeout`` seconds passed; whether one is waiting in :meth:`take_finished`. For an
+        engine loop with nothing but pulls to wait for: a busy loop in the engine's thread
+        would starve the threads that move the bytes."""
+        with self._lock:
+            if not self._finished_into:
+                self._into_done.wait(timeout)
+            return bool(self._finished_into)
 
     def state(self, request_id: str) -> RequestState:
         """The request's lifecycle state (``CONTEXT_INIT`` for unknown requests)."""
@@ -476,6 +487,7 @@ class Puller:
             rec.future = None
             if rec.into:
                 self._finished_into.append((rec.request_id, outcome))
+                self._into_done.notify_all()
         if self.metrics is not None and outcome.reason is not Reason.NO_HINT:
             self._count(outcome, ignored)
         if log.isEnabledFor(logging.INFO):  # (formatting the line costs ~0.05 ms)

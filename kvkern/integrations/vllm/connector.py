@@ -58,7 +58,8 @@ class KvkernConnector(KVConnectorBase_V1):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return self._scheduler.build_connector_meta(KvkernMetadata)
+        return self._scheduler.build_connector_meta(
+            KvkernMetadata, scheduler_output.total_num_scheduled_tokens)
 
     def update_connector_output(self, connector_output: Any) -> None:
         self._scheduler.update_connector_output(connector_output)
@@ -91,7 +92,8 @@ class KvkernConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:
-        return self._worker.get_finished(finished_req_ids)
+        idle = self.has_connector_metadata() and self._get_connector_metadata().idle
+        return self._worker.get_finished(finished_req_ids, idle=idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

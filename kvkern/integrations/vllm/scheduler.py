@@ -51,10 +51,12 @@ class Load:
 
 
 class LoadMetadataBase:
-    """The step's loads, from the scheduler half to the worker half."""
+    """The step's loads, from the scheduler half to the worker half; ``idle`` when the step
+    computes no token (the engine is only waiting, for example on pulls)."""
 
-    def __init__(self, loads: list[Load]) -> None:
+    def __init__(self, loads: list[Load], idle: bool = False) -> None:
         self.loads = loads
+        self.idle = idle
 
 
 def xfer_config(rt: EngineRuntime) -> XferConfig:
@@ -149,9 +151,9 @@ class SchedulerSide:
         self._loading.add(rid)
         self._tried.add(rid)
 
-    def build_connector_meta(self, metadata_type: type) -> Any:
+    def build_connector_meta(self, metadata_type: type, scheduled_tokens: int) -> Any:
         loads, self._loads = self._loads, []
-        return metadata_type(loads)
+        return metadata_type(loads, idle=scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():
