@@ -48,6 +48,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from kvkern.xfer.tuning import DEFAULT_PROGRAM_FRACTION
+
 __all__ = ["DONE", "HOST", "CudaStream", "DeviceStream", "HostStream", "Ready", "StreamConfig",
            "for_device", "install"]
 
@@ -55,12 +57,6 @@ T = TypeVar("T")
 
 log = logging.getLogger("kvkern.xfer")
 
-# A pull's pack and unpack are memory-bound copies; a quarter of the SMs (33 of an H200's
-# 132) with 16 KiB tiles keep ~0.5 MB in flight, ~0.5 TB/s at ~1 us memory latency, above
-# what NVLink (450 GB/s a direction) or a NIC carries, so the wire stays the bottleneck while
-# three quarters of the SMs stay with the forward pass (an estimate; bench/run_device.sh
-# measures a capped grid in its `kernels` step).
-DEFAULT_PROGRAM_FRACTION = 0.25
 
 
 @dataclass(frozen=True, kw_only=True)

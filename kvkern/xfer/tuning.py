@@ -18,7 +18,8 @@ from __future__ import annotations
 __all__ = [
     "BODY_TIMEOUT_S", "CANCEL_SEND_TIMEOUT_S", "DEFAULT_AUTH_TIMEOUT_S",
     "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_HINT_TTL_S", "DEFAULT_MAX_IN_FLIGHT",
-    "DEFAULT_MAX_SEND_S", "DEFAULT_PROGRESS_TIMEOUT_S", "DEFAULT_READ_HOLD_S",
+    "DEFAULT_MAX_SEND_S", "DEFAULT_PROGRAM_FRACTION", "DEFAULT_PROGRESS_TIMEOUT_S",
+    "DEFAULT_READ_HOLD_S",
     "DEFAULT_TIMEOUT_S", "HOLD_MARGIN_S", "HOLD_RATE_SLACK", "HTTP_SKEW_S", "LANE_DRAIN_POLL_S",
     "LANE_RETRY_S", "LANE_UCX_CONFIG", "MAX_CACHED_RKEYS", "MAX_CACHED_SOURCES",
     "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "PACK_WAIT_S", "QUOTA_POLL_S",
@@ -105,3 +106,12 @@ MAX_SEEN_NONCES = 1 << 16
 DEFAULT_HINT_TTL_S = 30.0
 # ...and at most this long, whatever the router asks for.
 MAX_HINT_TTL_S = 600.0
+
+# ---------------------------------------------------------------- device streams
+
+# A pull's pack and unpack are memory-bound copies; a quarter of the SMs (33 of an H200's
+# 132) with 16 KiB tiles keep ~0.5 MB in flight, ~0.5 TB/s at ~1 us memory latency, above
+# what NVLink (450 GB/s a direction) or a NIC carries, so the wire stays the bottleneck while
+# three quarters of the SMs stay with the forward pass (an estimate; bench/run_device.sh
+# measures a capped grid in its `kernels` step).
+DEFAULT_PROGRAM_FRACTION = 0.25
