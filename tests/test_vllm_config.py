@@ -23,6 +23,8 @@ def test_the_three_settings_an_operator_gives():
     assert cfg.allowlist == ("10.0.0.0/8", "10.1.0.5")
     assert cfg.deadline_s == 30.0 and cfg.trust_unsigned_hints and cfg.max_inflight_pulls == 8
     assert ConnectorConfig.from_extra({"allowlist": ["a", "b"]}).allowlist == ("a", "b")
+    assert ConnectorConfig.from_extra({"gil_switch_interval_s": None}).gil_switch_interval_s \
+        is None
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -36,6 +38,7 @@ def test_the_three_settings_an_operator_gives():
     ({"max_inflight_pulls": 0}, ">= 1"),
     ({"policy": "maybe"}, "strict"),
     ({"model_id": 3}, "must be a string"),
+    ({"gil_switch_interval_s": -1}, "positive number"),
 ])
 def test_bad_settings_are_refused_by_name(extra, match):
     with pytest.raises(ValueError, match=match):

@@ -189,3 +189,33 @@ def test_a_source_killed_mid_pull_leaves_the_request_to_recompute(engines):
     assert any(r in k for k in fallbacks for r in ("transfer_timeout", "transfer_failed",
                                                    "deadline_exceeded")), fallbacks
 
+
+
+def test_a_busy_source_serves_while_its_scheduler_runs(engines):
+    """The source's pins and vLLM's scheduler share the block pool: pulls from an engine that
+    is computing (allocating, caching, freeing blocks every step) stay exact and leak no
+    pin."""
+    a, b = engines["a"], engines["b"]
+    wanted = [prompt(300 + i) for i in range(6)]
+    a.generate(*[request(f"bz{i}-fill", t) for i, t in enumerate(wanted)])
+    expect = a.generate(*[request(f"bz{i}-hit", t) for i, t in enumerate(wanted)])
+    box: dict = {}
+    busy = threading.Thread(target=lambda: box.update(a.generate(
+        *[request(f"load{i}", prompt(400 + i, blocks=8), max_tokens=48)
+          for i in range(8)])))
+    busy.start()
+    time.sleep(0.3)  # A is mid-batch: prefills, then decode steps
+    got = b.generate(*[request(f"bz{i}-b", t, *hint_params("kv_hint", a, t))
+                       for i, t in enumerate(wanted)])
+    busy.join(120)
+    assert len(box) == 8
+    pulled = 0
+    for i in range(len(wanted)):
+        mine, theirs = got[f"bz{i}-b"], expect[f"bz{i}-hit"]
+        assert mine["tokens"] == theirs["tokens"]
+        if mine["cached"]:  # beyond max_inflight_pulls (4) a request recomputes (busy)
+            assert mine["cached"] == FULL * BS and mine["logprobs"] == theirs["logprobs"]
+            pulled += 1
+    assert pulled >= 4, got
+    stats = a.ask("stats")
+    assert stats["pins"] == 0 and stats["free_blocks"] == stats["num_blocks"] - 1

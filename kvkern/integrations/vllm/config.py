@@ -15,7 +15,9 @@ wildcard), ``trust_unsigned_hints`` (accept hints not signed by ``kvkern router`
 router that cannot sign, with engines that clients cannot reach directly), ``model_id``
 (default: derived from the model, its revision, dtypes and the hash settings), ``kv_layout``
 (``vllm_cpu`` / ``vllm_v1``; default by device), ``serve`` (false: pull only), ``policy``,
-``metadata_timeout_s``, ``transfer_timeout_s``, ``deadline_s``, ``max_inflight_pulls``.
+``metadata_timeout_s``, ``transfer_timeout_s``, ``deadline_s``, ``max_inflight_pulls``,
+``gil_switch_interval_s`` (the engine process's ``sys.setswitchinterval``; ``null`` keeps
+the interpreter's).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ class ConnectorConfig:
     transfer_timeout_s: float = 10.0
     deadline_s: float = 15.0
     max_inflight_pulls: int = 4
+    # kvkern's transfer threads share the engine process's GIL with vLLM's busy loop; the
+    # engine thread hands the GIL over after Python's switch interval (5 ms by default),
+    # which every hop of a pull pays. None leaves the interpreter's setting alone.
+    gil_switch_interval_s: float | None = 0.0005
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -69,6 +75,10 @@ class ConnectorConfig:
         for name in ("trust_unsigned_hints", "serve"):
             if name in extra:
                 kw[name] = _flag(name, extra.pop(name))
+        if "gil_switch_interval_s" in extra:
+            raw = extra.pop("gil_switch_interval_s")
+            kw["gil_switch_interval_s"] = None if raw is None else _seconds(
+                "gil_switch_interval_s", raw)
         for name in ("metadata_timeout_s", "transfer_timeout_s", "deadline_s"):
             if name in extra:
                 kw[name] = _seconds(name, extra.pop(name))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -135,6 +136,8 @@ def runtime_for(vllm_config: Any, config: ConnectorConfig) -> EngineRuntime:
     """This engine's runtime, made by whichever half comes first."""
     facts = engine_facts(vllm_config, config)
     _log_through_vllm()
+    if config.gil_switch_interval_s is not None:
+        sys.setswitchinterval(config.gil_switch_interval_s)
     with _RUNTIMES_LOCK:
         rt = _RUNTIMES.get(facts.engine_id)
         if rt is None:
