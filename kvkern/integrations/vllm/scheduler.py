@@ -42,11 +42,13 @@ log = logging.getLogger("kvkern.integrations.vllm")
 @dataclass(frozen=True)
 class Load:
     """One admitted pull into the blocks vLLM allocated (``block_ids[i]`` receives the block
-    named by ``admitted.chained[admitted.local + i]``)."""
+    named by ``admitted.chained[admitted.local + i]``). Without ``admitted`` the load has
+    already failed: the worker half reports it finished with ``block_ids`` to recompute (a
+    request vLLM holds for a load must always hear that it ended)."""
 
     request_id: str
-    hint: KvHint
-    admitted: Admitted
+    hint: KvHint | None
+    admitted: Admitted | None
     block_ids: tuple[int, ...]
 
 
@@ -131,23 +133,28 @@ class SchedulerSide:
                                  num_external_tokens: int) -> None:
         rid = request.request_id
         entry = self._admitted.pop(rid, None)
-        if entry is None or num_external_tokens <= 0:
+        if num_external_tokens <= 0:
             return
-        _, hint, adm = entry
         bs = self.rt.facts.block_size
-        n = min(num_external_tokens // bs, adm.count)
-        if n <= 0:
-            return
-        if n < adm.count:  # vLLM took fewer tokens than offered: pull fewer blocks
-            adm = dataclasses.replace(adm, chained=adm.chained[:adm.local + n],
-                                      hinted=adm.local + n)
         ids = blocks.get_block_ids()[0]
-        tail = tuple(ids[adm.local:adm.local + n])
-        if len(tail) != n:
-            log.error("request %s: vLLM allocated %d blocks, a pull of %d after %d local "
-                      "blocks needs more", rid, len(ids), n, adm.local)
-            return
-        self._loads.append(Load(rid, hint, adm, tail))
+        local = request.num_computed_tokens // bs
+        load = None
+        if entry is not None:
+            _, hint, adm = entry
+            n = min(num_external_tokens // bs, adm.count)
+            if n < adm.count:  # vLLM took fewer tokens than offered: pull fewer blocks
+                adm = dataclasses.replace(adm, chained=adm.chained[:adm.local + n],
+                                          hinted=adm.local + n)
+            tail = tuple(ids[adm.local:adm.local + n])
+            if n > 0 and len(tail) == n:
+                load = Load(rid, hint, adm, tail)
+            local = adm.local
+        if load is None:  # vLLM waits for a load all the same: report it failed
+            log.error("request %s: no pull for the %d tokens vLLM holds it for (%d blocks "
+                      "allocated after %d local)", rid, num_external_tokens,
+                      len(ids) - local, local)
+            load = Load(rid, None, None, tuple(ids[local:]))
+        self._loads.append(load)
         self._loading.add(rid)
         self._tried.add(rid)
 

@@ -73,6 +73,10 @@ class WorkerSide:
     def start_load_kv(self, metadata: Any) -> None:
         puller = self.rt.puller
         for load in getattr(metadata, "loads", ()):
+            if load.admitted is None:  # failed before it started: recompute its blocks
+                self._done.add(load.request_id)
+                self._errors.update(load.block_ids)
+                continue
             self._running[load.request_id] = load
             try:
                 puller.pull_into(load.request_id, load.hint, load.admitted, load.block_ids)

@@ -1,0 +1,100 @@
+"""The vLLM connector's scheduler half (:class:`kvkern.integrations.vllm.scheduler.SchedulerSide`)
+on stand-ins for vLLM's request and block objects: the admission, the loads it hands the
+worker half, and the rules that keep vLLM from waiting forever. No vLLM needed."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from kvkern.cache.hashing import vllm_block_digests
+from kvkern.integrations.vllm.blocks import VllmBlocks
+from kvkern.integrations.vllm.config import ConnectorConfig
+from kvkern.integrations.vllm.runtime import EngineFacts, EngineRuntime
+from kvkern.integrations.vllm.scheduler import LoadMetadataBase, SchedulerSide
+from kvkern.xfer.auth import sign_hint
+from kvkern.xfer.hints import decode_hint
+from tests.fleet import CREDENTIAL
+
+BS = 32
+TOKENS = list(range(100, 100 + 5 * BS + 7))  # 5 full blocks and a partial one
+
+
+def side(**config) -> SchedulerSide:
+    facts = EngineFacts(engine_id="e", block_size=BS, hash_scheme="vllm-sha256-v1",
+                        model_id="m", head_dim=64)
+    rt = EngineRuntime(facts=facts, config=ConnectorConfig(**config),
+                       blocks=VllmBlocks(block_size=BS, hash_scheme=facts.hash_scheme),
+                       credential=CREDENTIAL)
+    return SchedulerSide(rt)
+
+
+def request(rid: str = "r", *, sign: bool = True, params: dict | None = None):
+    params = dict(params if params is not None else {"kv_hint": {"source": "127.0.0.1:9"}})
+    if sign:
+        body = {**params, "kv_transfer_params": params}  # as the connector reads it
+        params.update(sign_hint(CREDENTIAL, decode_hint(body), TOKENS))
+    return SimpleNamespace(request_id=rid, prompt_token_ids=TOKENS, kv_transfer_params=params,
+                           kv_hints=None, cache_salt=None, num_computed_tokens=0,
+                           block_hashes=vllm_block_digests(TOKENS, BS))
+
+
+def blocks(ids: list[int]):
+    return SimpleNamespace(get_block_ids=lambda: (ids,))
+
+
+def counter(s: SchedulerSide, name: str) -> float:
+    return sum(x.value for m in s.rt.metrics.registry.collect() for x in m.samples
+               if x.name == name)
+
+
+def test_a_hinted_request_loads_the_tail_into_the_blocks_vllm_allocated():
+    s, req = side(), request()
+    assert s.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, True)  # 5 full, 2 local
+    assert s.get_num_new_matched_tokens(req, 2 * BS) == (3 * BS, True)  # no side effect
+    s.update_state_after_alloc(req, blocks([7, 8, 40, 41, 42]), 3 * BS)
+    meta = s.build_connector_meta(LoadMetadataBase, scheduled_tokens=0)
+    (load,) = meta.loads
+    assert meta.idle and load.block_ids == (40, 41, 42)
+    assert (load.admitted.local, load.admitted.count) == (2, 3)
+    assert s.build_connector_meta(LoadMetadataBase, scheduled_tokens=5).loads == []
+    assert s.request_finished(req) == (True, None)  # aborted mid-pull: blocks kept
+    s.update_connector_output(SimpleNamespace(finished_recving={"r"}))
+    assert s.request_finished(req) == (False, None)
+
+
+def test_a_request_is_pulled_for_once():
+    s, req = side(), request()
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 5 * BS)
+    s.update_connector_output(SimpleNamespace(finished_recving={"r"}))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # after a failed load: recompute
+
+
+def test_fewer_tokens_taken_pull_fewer_blocks():
+    s, req = side(), request()
+    assert s.get_num_new_matched_tokens(req, 0) == (5 * BS, True)
+    s.update_state_after_alloc(req, blocks([1, 2, 3, 4, 5]), 2 * BS)
+    (load,) = s.build_connector_meta(LoadMetadataBase, 0).loads
+    assert load.block_ids == (1, 2) and load.admitted.count == 2
+
+
+def test_a_load_that_cannot_start_is_still_reported():
+    s, req = side(), request()
+    s.get_num_new_matched_tokens(req, 0)
+    s.update_state_after_alloc(req, blocks([1, 2]), 5 * BS)  # fewer blocks than the tail
+    (load,) = s.build_connector_meta(LoadMetadataBase, 0).loads
+    assert load.admitted is None and load.block_ids == (1, 2)  # the worker fails it at once
+
+
+def test_unsigned_wrong_and_missing_hints_load_nothing():
+    s = side()
+    assert s.get_num_new_matched_tokens(request("u", sign=False), 0) == (0, False)
+    assert counter(s, "kvkern_fallbacks_total") == 1
+    wrong = {"router_hint": {"source_control_endpoint": "tcp://127.0.0.1:9",
+                             "block_hashes": [1, 2, 3]}}
+    assert s.get_num_new_matched_tokens(request("w", params=wrong), 0) == (0, False)
+    plain = request("p", sign=False, params={"something": "else"})
+    assert s.get_num_new_matched_tokens(plain, 0) == (0, False)
+    assert counter(s, "kvkern_hints_received_total") == 2  # no hint is not a hint
+    assert side(trust_unsigned_hints=True).get_num_new_matched_tokens(
+        request("t", sign=False), 0) == (5 * BS, True)
