@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 
 import pytest
 
@@ -100,6 +101,9 @@ def test_a_pulled_prefix_continues_bit_identically(engines):
     moved = b.generate(request("t1-other", other))["t1-other"]
     assert moved["logprobs"] != want["logprobs"]
     assert counters(b).get("kvkern_pulls_total[ok]", 0) >= 1
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+            f"http://{source_of(b)}/metrics", timeout=10) as page:  # what operators scrape
+        assert 'kvkern_pulls_total{outcome="ok"}' in page.read().decode()
 
 
 @pytest.mark.parametrize("dialect", ["kv_hints", "request.kv_hints", "router_hint",
