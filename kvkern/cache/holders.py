@@ -3,6 +3,10 @@ block's bookkeeping (:class:`Block`), the free queue, the prefix index (:class:`
 and the tables of the two holders that have handles, pins (:class:`PinTable`) and leases
 (:class:`LeaseTable`). The pool's module docstring describes the holders and the free-queue
 order; these units keep them. None of them locks: the pool's lock guards every call.
+
+When the table has a :class:`~kvkern.cache.directory.ReadDirectory`, the index's changes go
+to it too: a block is published there when it becomes canonical for a hash, and withdrawn
+before it loses its hash (so before allocation hands it out).
 """
 
 from __future__ import annotations
@@ -10,9 +14,13 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from kvkern.cache.hashing import normalize_hashes
 from kvkern.cache.protocol import Lease, PinHandle
+
+if TYPE_CHECKING:
+    from kvkern.cache.directory import ReadDirectory
 
 __all__ = ["Block", "BlockTable", "FreeQueue", "LeaseTable", "PinTable", "check_invariants"]
 
@@ -110,9 +118,10 @@ class FreeQueue:
 
 class BlockTable:
     """Every block, the free queue of the unheld ones and the prefix index; counters of
-    evictions, duplicate commits and ended leases."""
+    evictions, duplicate commits and ended leases; and the read directory that mirrors the
+    index, once attached (``None`` until then)."""
 
-    __slots__ = ("blocks", "free", "index", "counters", "num_private")
+    __slots__ = ("blocks", "free", "index", "counters", "num_private", "directory")
 
     def __init__(self, num_blocks: int) -> None:
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -121,6 +130,7 @@ class BlockTable:
         self.counters = {"evictions": 0, "leases_expired": 0, "leases_claimed": 0,
                          "leases_released": 0, "commit_duplicates": 0}
         self.num_private = 0
+        self.directory: ReadDirectory | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -173,6 +183,8 @@ class BlockTable:
         for _ in range(n):
             b = self.free.popleft()
             if b.block_hash is not None:
+                if self.directory is not None:
+                    self.directory.withdraw(b.block_id)
                 del self.index[b.block_hash]
                 b.block_hash = None
                 self.counters["evictions"] += 1
@@ -185,6 +197,8 @@ class BlockTable:
         if existing is None:
             self.index[h] = b
             b.block_hash = h
+            if self.directory is not None:
+                self.directory.publish(b.block_id, h)
             return b
         if existing is not b:
             self.counters["commit_duplicates"] += 1
@@ -201,6 +215,8 @@ class BlockTable:
                 out["held"].append(h)
             else:
                 self.free.remove(b)
+                if self.directory is not None:
+                    self.directory.withdraw(b.block_id)
                 del self.index[h]
                 b.block_hash = None
                 self.free.appendleft(b)
@@ -377,6 +393,8 @@ def check_invariants(table: BlockTable, pins: PinTable, leases: LeaseTable) -> N
         )
     if in_queue != len(table.free):
         raise AssertionError(f"free queue walk {in_queue} != length {len(table.free)}")
+    if table.directory is not None:
+        table.directory.check({h: b.block_id for h, b in table.index.items()})
 
 
 def _check_block(table: BlockTable, b: Block, pins: int, leases: int) -> None:

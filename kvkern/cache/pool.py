@@ -48,6 +48,12 @@ The bookkeeping units are in :mod:`kvkern.cache.holders` (the block table with t
 and the index, the pin table, the lease table); this class is the locked, checked API over
 them.
 
+Read directory
+--------------
+:meth:`BlockPool.read_directory` adds a table of the cached blocks that peers read with
+one-sided reads, without a message and without this lock (:mod:`kvkern.cache.directory`
+gives its layout and the reader's check). Once created it follows every change of the index.
+
 Thread safety: one lock around every public method. Misuse raises ``ValueError`` naming the
 values and changes nothing; running out of blocks returns ``None``.
 """
@@ -57,11 +63,15 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, normalize_hashes
 from kvkern.cache.holders import Block, BlockTable, LeaseTable, PinTable, check_invariants
 from kvkern.cache.protocol import Lease, PinHandle
 from kvkern.checks import check_finite_positive, check_non_negative_int, check_positive_int
+
+if TYPE_CHECKING:
+    from kvkern.cache.directory import ReadDirectory
 
 __all__ = ["BlockPool"]
 
@@ -366,6 +376,24 @@ class BlockPool:
             self._leases.expire()
             self._pins.unpin(live)
 
+    # --------------------------------------------------------------------- read directory
+
+    def read_directory(self) -> ReadDirectory:
+        """The pool's :class:`~kvkern.cache.directory.ReadDirectory`, created on the first
+        call with every block cached then, and kept up to date by every call after it; later
+        calls return the same object. Its memory (``address``, ``nbytes``) stays valid for the
+        pool's lifetime, so it can be registered once for one-sided reads."""
+        with self._lock:
+            if self._table.directory is None:
+                # numpy is loaded only by pools that serve one-sided reads
+                from kvkern.cache.directory import ReadDirectory
+
+                directory = ReadDirectory(self._num_blocks)
+                for h, b in self._table.index.items():
+                    directory.publish(b.block_id, h)
+                self._table.directory = directory
+            return self._table.directory
+
     # -------------------------------------------------------------------------- internals
 
     @staticmethod
@@ -396,7 +424,9 @@ class BlockPool:
         * every unheld block is in the free queue (free + used == total);
         * no count is negative; the counters match a recount;
         * ``block_hash`` set <=> indexed under that hash; private blocks are not indexed;
-        * pin and lease counts equal the live handles and leases naming each block.
+        * pin and lease counts equal the live handles and leases naming each block;
+        * the read directory, once created, agrees with the index (see
+          :meth:`kvkern.cache.directory.ReadDirectory.check`).
         """
         with self._lock:
             check_invariants(self._table, self._pins, self._leases)

@@ -45,6 +45,17 @@ Rules every implementation keeps (the reference :class:`kvkern.cache.pool.BlockP
   lookups until committed; a leased block is not evicted until claimed, released or expired.
 * All calls are thread-safe: the source service and the puller run on an asyncio thread, the
   engine elsewhere.
+
+Optional capability
+-------------------
+``read_directory() -> kvkern.cache.directory.ReadDirectory``
+    A table of the cached blocks that destinations read with one-sided reads, without a
+    message to the source (:mod:`kvkern.cache.directory`). It is not part of
+    :class:`KVCacheManager`: a source looks it up with ``getattr(manager, "read_directory",
+    None)`` and serves without it when absent. A manager that offers it returns the same
+    directory on every call, keeps its memory valid for its own lifetime, publishes a block
+    only once its bytes are final and withdraws it before the block can be written again.
+    The reference :class:`kvkern.cache.pool.BlockPool` has it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,320 @@
+"""A read directory: an index of a block pool's cached blocks laid out for one-sided reads.
+
+A destination finds which block of a source's pool holds a chained hash by reading this table
+straight out of the source's memory (a UCX one-sided read, RDMA or CMA), with no message to
+the source and no lock. The source's pool maintains it under its own lock
+(:meth:`kvkern.cache.pool.BlockPool.read_directory`).
+
+Layout
+------
+One C-contiguous ``uint64`` array of shape ``(buckets, BUCKET_SLOTS, SLOT_WORDS)``, 4096-byte
+aligned; ``buckets`` is a power of two, so a bucket is 256 bytes and a slot 32 bytes::
+
+    slot   [ hash | block_id | tag | 0 ]          tag = seq << 2 | cached << 1 | changing
+
+A hash ``h`` lives in bucket ``h & (buckets - 1)``, in any of its slots. A slot counts only
+while its tag is ``TAG_CACHED`` without ``TAG_CHANGING``. With at most ``2 * num_blocks``
+slots for ``num_blocks`` blocks a bucket is rarely full; a block whose bucket is full is left
+out (counted in :attr:`ReadDirectory.unpublished`) and readers take another path for it.
+
+Writer (the pool, under its lock; ``s`` is the slot's current seq)
+------------------------------------------------------------------
+* publish ``(h, b)`` into a free slot: ``tag = (s+1) << 2 | CHANGING``; ``hash = h``;
+  ``block_id = b``; ``tag = (s+1) << 2 | CACHED``. The pool publishes a block only once its
+  bytes are final (a commit).
+* withdraw ``b``: ``tag = (s+1) << 2 | CHANGING``; ``hash = block_id = 0``;
+  ``tag = (s+1) << 2``. The pool withdraws a block before it can hand it to a writer
+  (allocation's eviction, :meth:`~kvkern.cache.pool.BlockPool.evict`).
+
+Each word is written by one aligned 8-byte store, and the stores are issued in the order
+above; no fence is issued, so they become visible in that order on hosts that keep store
+order (x86-64).
+
+Reader
+------
+1. Read the buckets of the wanted hashes (:func:`bucket_of`), :func:`find` each hash's slot.
+2. Read the found blocks' bytes.
+3. Read the same slots again; keep a block iff :func:`stable`: both reads show the wanted
+   hash, the same block id and the same tag, and that tag is cached and not changing.
+
+Why that is enough: a slot's seq goes up by one at every change, so a given cached tag value
+is held by the slot over one unbroken interval, during which the slot names one block and
+that block holds the final bytes of its hash and is given to no writer. Both reads seeing the
+tag puts the block read inside that interval. The argument takes each read of a slot (32
+aligned bytes within one cache line) to be a snapshot of it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvkern.checks import check_non_negative_int, check_positive_int
+
+__all__ = ["BUCKET_BYTES", "BUCKET_SLOTS", "SLOT_BYTES", "SLOT_WORDS", "TAG_CACHED",
+           "TAG_CHANGING", "ReadDirectory", "bucket_of", "entries", "find", "slot_offsets",
+           "stable"]
+
+BUCKET_SLOTS = 8
+SLOT_WORDS = 4  # hash, block_id, tag, reserved (0)
+SLOT_BYTES = SLOT_WORDS * 8
+BUCKET_BYTES = BUCKET_SLOTS * SLOT_BYTES
+TAG_CHANGING = 1
+TAG_CACHED = 2
+ALIGN = 4096
+
+_HASH, _BLOCK, _TAG = 0, 1, 2
+_STATE = TAG_CACHED | TAG_CHANGING
+_FULL = (1 << BUCKET_SLOTS) - 1
+_U64 = (1 << 64) - 1
+
+
+class ReadDirectory:
+    """The directory of a pool of ``num_blocks`` blocks: which slot names which block.
+
+    :attr:`table` is the memory readers read; :meth:`publish` and :meth:`withdraw` are its
+    only writers. Not thread-safe: the owning pool's lock guards every call."""
+
+    __slots__ = ("_num_blocks", "_buckets", "_buffer", "table", "_words", "_used", "_slot_of",
+                 "_hash_of", "_unpublished", "_published")
+
+    def __init__(self, num_blocks: int) -> None:
+        check_positive_int("num_blocks", num_blocks)
+        need = max(1, -(-2 * num_blocks // BUCKET_SLOTS))
+        self._num_blocks = num_blocks
+        self._buckets = 1 << (need - 1).bit_length()
+        nbytes = self._buckets * BUCKET_BYTES
+        self._buffer = np.zeros(nbytes + ALIGN, dtype=np.uint8)
+        start = -self._buffer.ctypes.data % ALIGN
+        self.table = self._buffer[start:start + nbytes].view(np.uint64).reshape(
+            self._buckets, BUCKET_SLOTS, SLOT_WORDS)
+        self._words = self.table.reshape(-1)  # a view: word 4 * flat_slot + k
+        self._used = [0] * self._buckets  # per bucket, a bit per slot holding a block
+        self._slot_of = np.full(num_blocks, -1, dtype=np.int64)
+        self._hash_of = np.zeros(num_blocks, dtype=np.uint64)
+        self._unpublished = 0
+        self._published = 0
+
+    # ------------------------------------------------------------------------- properties
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def buckets(self) -> int:
+        """Buckets in the table (a power of two)."""
+        return self._buckets
+
+    @property
+    def nbytes(self) -> int:
+        return self.table.nbytes
+
+    @property
+    def address(self) -> int:
+        """Address of the table's first byte (4096-byte aligned), valid for this object's
+        lifetime."""
+        return self.table.ctypes.data
+
+    @property
+    def unpublished(self) -> int:
+        """Publishes that found their bucket full (those blocks are not findable)."""
+        return self._unpublished
+
+    @property
+    def published(self) -> int:
+        """Slots naming a block now."""
+        return self._published
+
+    def slot_of(self, block_id: int) -> int:
+        """The flat slot (``bucket * BUCKET_SLOTS + slot``) naming ``block_id``, or -1."""
+        return int(self._slot_of[self._check_block(block_id)])
+
+    def slot_address(self, flat_slot: int) -> int:
+        """Address of a flat slot's first word."""
+        check_non_negative_int("flat_slot", flat_slot)
+        if flat_slot >= self._buckets * BUCKET_SLOTS:
+            raise ValueError(f"flat_slot {flat_slot} out of range for "
+                             f"{self._buckets * BUCKET_SLOTS} slots")
+        return self.address + flat_slot * SLOT_BYTES
+
+    # ---------------------------------------------------------------------------- writer
+
+    def publish(self, block_id: int, h: int) -> bool:
+        """Name ``block_id`` under hash ``h`` in a free slot of ``h``'s bucket. False (and
+        counted in :attr:`unpublished`) when the bucket is full; ValueError if the block
+        already holds a slot."""
+        bid = self._check_block(block_id)
+        if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= _U64:
+            raise ValueError(f"hash must be an int in [0, 2**64), got {h!r}")
+        if self._slot_of[bid] >= 0:
+            raise ValueError(f"block {bid} is already published under hash "
+                             f"{int(self._hash_of[bid])} (slot {int(self._slot_of[bid])})")
+        bucket = h & (self._buckets - 1)
+        used = self._used[bucket]
+        if used == _FULL:
+            self._unpublished += 1
+            return False
+        j = (~used & (used + 1)).bit_length() - 1  # lowest free slot
+        flat = bucket * BUCKET_SLOTS + j
+        w = self._words
+        base = flat * SLOT_WORDS
+        seq = (int(w[base + _TAG]) >> 2) + 1
+        w[base + _TAG] = seq << 2 | TAG_CHANGING
+        w[base + _HASH] = h
+        w[base + _BLOCK] = bid
+        w[base + _TAG] = seq << 2 | TAG_CACHED
+        self._used[bucket] = used | 1 << j
+        self._slot_of[bid] = flat
+        self._hash_of[bid] = h
+        self._published += 1
+        return True
+
+    def withdraw(self, block_id: int) -> None:
+        """Clear the slot naming ``block_id``, if it holds one."""
+        bid = self._check_block(block_id)
+        flat = int(self._slot_of[bid])
+        if flat < 0:
+            return
+        w = self._words
+        base = flat * SLOT_WORDS
+        seq = (int(w[base + _TAG]) >> 2) + 1
+        w[base + _TAG] = seq << 2 | TAG_CHANGING
+        w[base + _HASH] = 0
+        w[base + _BLOCK] = 0
+        w[base + _TAG] = seq << 2
+        bucket, j = divmod(flat, BUCKET_SLOTS)
+        self._used[bucket] &= ~(1 << j)
+        self._slot_of[bid] = -1
+        self._hash_of[bid] = 0
+        self._published -= 1
+
+    def _check_block(self, block_id: int) -> int:
+        if isinstance(block_id, bool) or not isinstance(block_id, int) or not (
+                0 <= block_id < self._num_blocks):
+            raise ValueError(f"block id {block_id!r} out of range for a directory of "
+                             f"{self._num_blocks} blocks")
+        return block_id
+
+    # -------------------------------------------------------------------------- checking
+
+    def check(self, index: dict[int, int]) -> None:
+        """Raise AssertionError naming the first disagreement with ``index`` (``{hash:
+        block_id}``, the pool's prefix index): every slot in use names a block indexed under
+        its hash, in that hash's bucket, and is the block's recorded slot; every block with a
+        slot is indexed under its hash; free slots are zero; no tag is changing."""
+        t = self.table
+        tags = t[:, :, _TAG]
+        if np.any(tags & TAG_CHANGING):
+            raise AssertionError(f"changing tags at flat slots "
+                                 f"{np.flatnonzero(tags & TAG_CHANGING).tolist()}")
+        cached = (tags & TAG_CACHED) != 0
+        free = t[~cached]
+        if np.any(free[:, [_HASH, _BLOCK]]) or np.any(t[:, :, 3]):
+            raise AssertionError("a free slot or a reserved word is not zero")
+        masks = (cached.astype(np.int64) << np.arange(BUCKET_SLOTS)).sum(axis=1)
+        wrong = np.flatnonzero(masks != np.array(self._used, dtype=np.int64))
+        if len(wrong):
+            b = int(wrong[0])
+            raise AssertionError(f"bucket {b}: slots in use {int(masks[b]):#x}, recorded "
+                                 f"{self._used[b]:#x}")
+        flats = np.flatnonzero(cached.reshape(-1))
+        if len(flats) != self._published:
+            raise AssertionError(f"{len(flats)} slots in use, {self._published} counted")
+        for flat in flats.tolist():
+            h, bid = (int(x) for x in self._words[flat * SLOT_WORDS:flat * SLOT_WORDS + 2])
+            if h & (self._buckets - 1) != flat // BUCKET_SLOTS:
+                raise AssertionError(f"slot {flat}: hash {h} outside its bucket")
+            if index.get(h) != bid:
+                raise AssertionError(f"slot {flat} names block {bid} under hash {h}; the "
+                                     f"index has {index.get(h)}")
+            if bid >= self._num_blocks or int(self._slot_of[bid]) != flat:
+                raise AssertionError(f"slot {flat} names block {bid}, whose recorded slot "
+                                     f"is not it")
+        for bid in np.flatnonzero(self._slot_of >= 0).tolist():
+            h = int(self._hash_of[bid])
+            if index.get(h) != bid:
+                raise AssertionError(f"block {bid} is published under hash {h}; the index "
+                                     f"has {index.get(h)}")
+
+
+# ------------------------------------------------------------------------------- reader
+
+
+def bucket_of(hashes: np.ndarray, buckets: int) -> np.ndarray:
+    """The bucket of each hash in a table of ``buckets`` buckets (int64)."""
+    check_positive_int("buckets", buckets)
+    if buckets & (buckets - 1):
+        raise ValueError(f"buckets must be a power of two, got {buckets}")
+    hs = np.asarray(hashes, dtype=np.uint64)
+    return (hs & np.uint64(buckets - 1)).astype(np.int64)
+
+
+def slot_offsets(buckets: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """Byte offsets in the table of slot ``slots[i]`` of bucket ``buckets[i]`` (int64);
+    ValueError for a slot outside ``[0, BUCKET_SLOTS)`` (such as find's -1) or a negative
+    bucket."""
+    b = np.asarray(buckets, dtype=np.int64)
+    s = np.asarray(slots, dtype=np.int64)
+    if np.any((s < 0) | (s >= BUCKET_SLOTS)) or np.any(b < 0):
+        raise ValueError(f"slots must be in [0, {BUCKET_SLOTS}) and buckets >= 0")
+    return (b * BUCKET_SLOTS + s) * SLOT_BYTES
+
+
+def _rows(rows: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    r = np.asarray(rows)
+    w = np.asarray(want, dtype=np.uint64)
+    if r.dtype != np.uint64 or r.ndim != 3 or r.shape[1:] != (BUCKET_SLOTS, SLOT_WORDS):
+        raise ValueError(f"rows must be uint64 of shape (k, {BUCKET_SLOTS}, {SLOT_WORDS}), "
+                         f"got {r.dtype} {r.shape}")
+    if w.shape != (r.shape[0],):
+        raise ValueError(f"{r.shape[0]} bucket rows but want has shape {w.shape}")
+    return r, w
+
+
+def find(rows: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Look each ``want[i]`` up in ``rows[i]``, a copy of its bucket.
+
+    Returns per hash the slot in its bucket (int64, -1 when absent), the block id (int64, -1
+    when absent) and the slot's tag (uint64, 0 when absent). A slot matches when its hash is
+    ``want[i]`` and its tag is cached and not changing; of several, the first."""
+    r, w = _rows(rows, want)
+    match = (r[:, :, _HASH] == w[:, None]) & (
+        (r[:, :, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED))
+    hit = match.any(axis=1)
+    slot = np.where(hit, match.argmax(axis=1), -1).astype(np.int64)
+    picked = r[np.arange(len(w)), np.maximum(slot, 0)]
+    block = np.where(hit, picked[:, _BLOCK].astype(np.int64), -1)
+    tag = np.where(hit, picked[:, _TAG], np.uint64(0)).astype(np.uint64)
+    return slot, block, tag
+
+
+def entries(rows: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """The words of slot ``slot[i]`` of ``rows[i]``, shape ``(k, SLOT_WORDS)``; zeros where
+    ``slot[i]`` is -1."""
+    r = np.asarray(rows)
+    s = np.asarray(slot, dtype=np.int64)
+    if r.dtype != np.uint64 or r.ndim != 3 or r.shape[1:] != (BUCKET_SLOTS, SLOT_WORDS):
+        raise ValueError(f"rows must be uint64 of shape (k, {BUCKET_SLOTS}, {SLOT_WORDS}), "
+                         f"got {r.dtype} {r.shape}")
+    if s.shape != (r.shape[0],) or np.any((s < -1) | (s >= BUCKET_SLOTS)):
+        raise ValueError(f"slot must hold {r.shape[0]} values in [-1, {BUCKET_SLOTS})")
+    out = r[np.arange(len(s)), np.maximum(s, 0)].copy()
+    out[s < 0] = 0
+    return out
+
+
+def stable(pre: np.ndarray, post: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Which reads to keep: ``pre[i]`` and ``post[i]`` are the words of the slot found for
+    ``want[i]``, read before and after its block's bytes. True iff both are identical, name
+    ``want[i]``, and their tag is cached and not changing."""
+    a = np.asarray(pre)
+    b = np.asarray(post)
+    w = np.asarray(want, dtype=np.uint64)
+    if w.ndim != 1:
+        raise ValueError(f"want must be one-dimensional, got shape {w.shape}")
+    for name, x in (("pre", a), ("post", b)):
+        if x.dtype != np.uint64 or x.shape != (len(w), SLOT_WORDS):
+            raise ValueError(f"{name} must be uint64 of shape ({len(w)}, {SLOT_WORDS}), got "
+                             f"{x.dtype} {x.shape}")
+    return ((a == b).all(axis=1) & (a[:, _HASH] == w)
+            & ((a[:, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED)))

@@ -1,0 +1,481 @@
+"""The read directory: its layout, publish/withdraw and the seq of a slot, the vectorized reader
+against a plain reference, a state machine keeping a pool's directory equal to a model of its
+index, and the seqlock check refusing a block that changed between two reads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    RuleBasedStateMachine,
+    consumes,
+    initialize,
+    invariant,
+    rule,
+)
+
+from kvkern.cache import BlockPool
+from kvkern.cache.directory import (
+    BUCKET_BYTES,
+    BUCKET_SLOTS,
+    SLOT_BYTES,
+    SLOT_WORDS,
+    TAG_CACHED,
+    TAG_CHANGING,
+    ReadDirectory,
+    bucket_of,
+    entries,
+    find,
+    slot_offsets,
+    stable,
+)
+
+U64 = 2**64 - 1
+
+
+def read(d: ReadDirectory, hashes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """What a remote reader does: copy the buckets of ``hashes`` and find them there.
+    Returns (want, slot, block, the matched slots' words)."""
+    want = np.asarray(hashes, dtype=np.uint64)
+    rows = d.table[bucket_of(want, d.buckets)].copy()
+    slot, block, tag = find(rows, want)
+    pre = entries(rows, slot)
+    assert np.array_equal(pre[:, 2], tag)
+    return want, slot, block, pre
+
+
+def reread(d: ReadDirectory, want: np.ndarray, slot: np.ndarray) -> np.ndarray:
+    """The same slots read again (zeros where nothing was found)."""
+    return entries(d.table[bucket_of(want, d.buckets)].copy(), slot)
+
+
+def findable(d: ReadDirectory, hashes) -> dict[int, int]:
+    want, _, block, _ = read(d, list(hashes))
+    return {int(h): int(b) for h, b in zip(want, block, strict=True) if b >= 0}
+
+
+def in_table(d: ReadDirectory) -> dict[int, int]:
+    """Every (hash, block) a cached, settled slot names."""
+    slots = d.table.reshape(-1, SLOT_WORDS)
+    ok = (slots[:, 2] & np.uint64(TAG_CACHED | TAG_CHANGING)) == np.uint64(TAG_CACHED)
+    out = {int(h): int(b) for h, b in slots[ok, :2]}
+    assert len(out) == int(ok.sum()) == d.published
+    return out
+
+
+# ------------------------------------------------------------------------------ layout, writer
+
+
+@pytest.mark.parametrize("num_blocks, buckets", [(1, 1), (4, 1), (5, 2), (16, 4), (17, 8),
+                                                 (1000, 256), (4096, 1024)])
+def test_size_alignment_and_zeroed(num_blocks, buckets):
+    d = ReadDirectory(num_blocks)
+    assert d.buckets == buckets and d.num_blocks == num_blocks
+    assert d.buckets * BUCKET_SLOTS >= 2 * num_blocks
+    assert d.nbytes == buckets * BUCKET_BYTES == buckets * BUCKET_SLOTS * SLOT_BYTES
+    assert d.address % 4096 == 0 and d.address == d.table.ctypes.data
+    assert d.table.dtype == np.uint64 and d.table.flags.c_contiguous
+    assert d.table.shape == (buckets, BUCKET_SLOTS, SLOT_WORDS)
+    assert not d.table.any() and d.published == d.unpublished == 0
+    assert d.slot_address(0) == d.address
+    assert d.slot_address(buckets * BUCKET_SLOTS - 1) == d.address + d.nbytes - SLOT_BYTES
+    with pytest.raises(ValueError, match="out of range"):
+        d.slot_address(buckets * BUCKET_SLOTS)
+
+
+def test_publish_find_withdraw():
+    d = ReadDirectory(16)
+    hs = [0, 5, U64, 2**63 + 4]
+    for bid, h in enumerate(hs):
+        assert d.publish(bid + 3, h)
+    assert findable(d, hs + [7, 9]) == {h: i + 3 for i, h in enumerate(hs)}
+    assert in_table(d) == {h: i + 3 for i, h in enumerate(hs)}
+    flat = d.slot_of(4)
+    assert flat >= 0 and d.table.reshape(-1, SLOT_WORDS)[flat, 0] == 5
+    assert d.slot_address(flat) == d.address + flat * SLOT_BYTES
+    want, slot, _, _ = read(d, [5])
+    assert slot_offsets(bucket_of(want, d.buckets), slot)[0] == flat * SLOT_BYTES
+    d.check({h: i + 3 for i, h in enumerate(hs)})
+
+    d.withdraw(4)
+    assert d.slot_of(4) == -1 and d.published == 3
+    assert findable(d, hs) == {0: 3, U64: 5, 2**63 + 4: 6}
+    slot_words = d.table.reshape(-1, SLOT_WORDS)[flat]
+    assert slot_words[0] == slot_words[1] == 0 and not slot_words[2] & (TAG_CACHED | TAG_CHANGING)
+    d.withdraw(4)  # holds no slot: nothing happens
+    d.withdraw(0)
+    assert d.published == 3
+    d.check({0: 3, U64: 5, 2**63 + 4: 6})
+
+    with pytest.raises(ValueError, match="already published"):
+        d.publish(3, 99)
+    for bad in (-1, 16, True, 1.0):
+        with pytest.raises(ValueError, match="block id"):
+            d.publish(bad, 1)
+    for bad in (-1, 2**64, False, 1.5):
+        with pytest.raises(ValueError, match="hash"):
+            d.publish(1, bad)
+    with pytest.raises(ValueError, match="num_blocks"):
+        ReadDirectory(0)
+
+
+def test_full_bucket_refuses_and_counts():
+    d = ReadDirectory(16)  # 4 buckets: hashes 4k all land in bucket 0
+    for i in range(BUCKET_SLOTS):
+        assert d.publish(i, 4 * (i + 1))
+    assert not d.publish(8, 4 * 100) and d.unpublished == 1
+    assert d.slot_of(8) == -1
+    assert 400 not in findable(d, [400])
+    assert d.publish(9, 401) and d.unpublished == 1  # another bucket has room
+    d.withdraw(8)  # never published: nothing happens
+    d.withdraw(2)  # frees a slot of bucket 0
+    assert d.publish(8, 400) and findable(d, [400]) == {400: 8}
+    assert d.slot_of(8) == 2  # the lowest free slot
+
+
+def test_seq_strictly_increases_and_never_repeats():
+    d = ReadDirectory(4)  # one bucket
+    seen = [int(d.table[0, 0, 2])]
+    for round_ in range(20):
+        assert d.publish(round_ % 4, 100 + round_)
+        assert d.slot_of(round_ % 4) == 0
+        seen.append(int(d.table[0, 0, 2]))
+        assert seen[-1] & (TAG_CACHED | TAG_CHANGING) == TAG_CACHED
+        d.withdraw(round_ % 4)
+        seen.append(int(d.table[0, 0, 2]))
+        assert seen[-1] & (TAG_CACHED | TAG_CHANGING) == 0
+    seqs = [t >> 2 for t in seen]
+    assert seqs == list(range(len(seen)))
+
+
+def test_check_names_disagreements():
+    d = ReadDirectory(8)
+    d.publish(1, 10)
+    d.check({10: 1, 11: 2})  # an indexed block need not be published
+    with pytest.raises(AssertionError, match="hash 10"):
+        d.check({10: 2})
+    with pytest.raises(AssertionError, match="hash 10"):
+        d.check({})
+    d.table.reshape(-1)[2] |= np.uint64(TAG_CHANGING)
+    with pytest.raises(AssertionError, match="changing"):
+        d.check({10: 1})
+
+
+# ------------------------------------------------------------------------------ reader
+
+
+def ref_find(rows, want):
+    slots, blocks, tags = [], [], []
+    for row, w in zip(rows.tolist(), want.tolist(), strict=True):
+        for j, (h, b, t, _) in enumerate(row):
+            if h == w and t & 3 == TAG_CACHED:
+                slots.append(j)
+                blocks.append(b)
+                tags.append(t)
+                break
+        else:
+            slots.append(-1)
+            blocks.append(-1)
+            tags.append(0)
+    return slots, blocks, tags
+
+
+def ref_stable(pre, post, want):
+    return [p == q and p[0] == w and p[2] & 3 == TAG_CACHED
+            for p, q, w in zip(pre.tolist(), post.tolist(), want.tolist(), strict=True)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_find_and_stable_match_a_plain_reference(seed):
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(0, 40))
+    pool_of_hashes = np.array([0, 1, 7, U64, 2**63, 12345], dtype=np.uint64)
+    rows = np.zeros((k, BUCKET_SLOTS, SLOT_WORDS), dtype=np.uint64)
+    rows[:, :, 0] = rng.choice(pool_of_hashes, size=(k, BUCKET_SLOTS))
+    rows[:, :, 1] = rng.integers(0, 50, size=(k, BUCKET_SLOTS), dtype=np.uint64)
+    rows[:, :, 2] = (rng.integers(0, 4, size=(k, BUCKET_SLOTS), dtype=np.uint64) << np.uint64(2)
+                     | rng.integers(0, 4, size=(k, BUCKET_SLOTS), dtype=np.uint64))
+    want = rng.choice(pool_of_hashes, size=k)
+
+    slot, block, tag = find(rows, want)
+    assert (slot.dtype, block.dtype, tag.dtype) == (np.int64, np.int64, np.uint64)
+    assert (slot.tolist(), block.tolist(), tag.tolist()) == ref_find(rows, want)
+
+    pre = entries(rows, slot)
+    post = pre.copy()
+    flip = rng.random(k) < 0.5
+    word = rng.integers(0, SLOT_WORDS, size=k)
+    post[flip, word[flip]] ^= np.uint64(1) << rng.integers(0, 64, size=int(flip.sum()),
+                                                           dtype=np.uint64)
+    if k:
+        pre[0, 2] |= np.uint64(TAG_CHANGING)  # a torn read: the writer was mid-change
+        post[0] = pre[0]
+    got = stable(pre, post, want)
+    assert got.dtype == bool and got.tolist() == ref_stable(pre, post, want)
+
+
+def test_reader_refuses_bad_shapes():
+    rows = np.zeros((2, BUCKET_SLOTS, SLOT_WORDS), dtype=np.uint64)
+    with pytest.raises(ValueError, match="want"):
+        find(rows, np.zeros(3, dtype=np.uint64))
+    with pytest.raises(ValueError, match="rows"):
+        find(rows.astype(np.int64), np.zeros(2, dtype=np.uint64))
+    with pytest.raises(ValueError, match="post"):
+        stable(np.zeros((2, 4), np.uint64), np.zeros((2, 3), np.uint64), np.zeros(2, np.uint64))
+    with pytest.raises(ValueError, match="power of two"):
+        bucket_of(np.zeros(1, np.uint64), 3)
+    with pytest.raises(ValueError, match="slot"):
+        entries(rows, np.array([0, BUCKET_SLOTS]))
+    with pytest.raises(ValueError, match="slots"):
+        slot_offsets(np.array([1, 2]), np.array([0, -1]))
+
+
+# ------------------------------------------------------------------------------ the pool
+
+
+def cache(pool: BlockPool, hashes: list[int]) -> list[int]:
+    ids = pool.allocate(len(hashes))
+    assert ids is not None and all(pool.commit(ids, hashes))
+    pool.release(ids)
+    return ids
+
+
+def test_pool_directory_created_once_with_what_is_cached():
+    pool = BlockPool(16, block_size=4)
+    ids = cache(pool, [4, 8, 13])
+    d = pool.read_directory()
+    assert pool.read_directory() is d and d.num_blocks == 16
+    assert findable(d, [4, 8, 13, 99]) == dict(zip([4, 8, 13], ids, strict=True))
+    pool.evict([8])
+    assert findable(d, [4, 8, 13]) == {4: ids[0], 13: ids[2]}
+    pool.check_invariants()
+    d.table.reshape(-1)[d.slot_of(ids[0]) * SLOT_WORDS] = 5  # corrupt the hash word
+    with pytest.raises(AssertionError):
+        pool.check_invariants()
+
+
+def test_allocation_withdraws_before_handing_out():
+    pool = BlockPool(4, block_size=4)
+    ids = cache(pool, [1, 2, 3, 4])
+    d = pool.read_directory()
+    got = pool.allocate(2)  # evicts the two least recently used cached blocks
+    assert got is not None and d.published == 2
+    assert not set(got) & set(in_table(d).values())
+    pool.release(got)
+    assert pool.allocate_private(4) is not None and d.published == 0 and not in_table(d)
+    assert ids  # every cached block was evicted
+
+
+# --------------------------------------------------------------------------- state machine
+
+# Hashes crowded into bucket 0 of a 16-block pool's 4 buckets, so that buckets fill up.
+CROWD = [4 * k for k in (1, 2, 3, 5, 8, 13, 21, 34, 55, 89)] + [0, 2**64 - 4]
+SPREAD = [1, 6, 11, U64, 2**63 + 2, 2**63 + 7]
+DOCS = [CROWD[:6], CROWD[6:], SPREAD]
+UNIVERSE = CROWD + SPREAD
+
+
+class DirectoryMachine(RuleBasedStateMachine):
+    """Model: the directory names exactly the indexed hashes that found room in their bucket
+    when they were published, in publish order; a full bucket counts one unpublished."""
+
+    requests = Bundle("requests")
+    privates = Bundle("privates")
+    pins = Bundle("pins")
+
+    @initialize(num_blocks=st.integers(8, 16), attach_now=st.booleans())
+    def setup(self, num_blocks, attach_now):
+        self.pool = BlockPool(num_blocks, block_size=4)
+        self.d: ReadDirectory | None = None
+        self.model: dict[int, int] = {}
+        self.unpublished = 0
+        self.index = self._index()
+        if attach_now:
+            self.attach()
+
+    def _index(self) -> dict[int, int]:
+        out = {}
+        for h in UNIVERSE:
+            ids = self.pool.match_prefix([h])
+            if ids:
+                out[h] = ids[0]
+        return out
+
+    def _sync(self, published_order: list[int] = ()) -> None:
+        """Fold one call's index change into the model (a call only publishes or only
+        withdraws)."""
+        new = self._index()
+        if self.d is not None:
+            for h in list(self.model):
+                if new.get(h) != self.model[h]:
+                    del self.model[h]
+            added = [h for h in published_order if h in new and h not in self.index]
+            assert set(added) == set(new) - set(self.index)
+            for h in added:
+                bucket = h & (self.d.buckets - 1)
+                if sum(1 for g in self.model if g & (self.d.buckets - 1) == bucket) < BUCKET_SLOTS:
+                    self.model[h] = new[h]
+                else:
+                    self.unpublished += 1
+        self.index = new
+
+    @rule()
+    def attach(self):
+        d = self.pool.read_directory()
+        if self.d is not None:
+            assert d is self.d
+            return
+        self.d = d
+        assert d.unpublished + d.published == len(self.index)
+        self.model = in_table(d)
+        self.unpublished = d.unpublished
+        for h, b in self.index.items():  # an indexed hash left out had a full bucket
+            if h not in self.model:
+                bucket = h & (d.buckets - 1)
+                assert sum(1 for g in self.model if g & (d.buckets - 1) == bucket) == BUCKET_SLOTS
+            else:
+                assert self.model[h] == b
+
+    @rule(target=requests, n=st.integers(1, 4))
+    def allocate(self, n):
+        ids = self.pool.allocate(n)
+        self._sync()
+        return ids or []
+
+    @rule(req=requests, doc=st.integers(0, 2), start=st.integers(0, 5))
+    def commit(self, req, doc, start):
+        hashes = DOCS[doc][start:start + len(req)]
+        if not req or len(hashes) < len(req):
+            return
+        try:
+            self.pool.commit(req, hashes)
+        except ValueError:  # released already, or committed under other hashes
+            return
+        self._sync(hashes)
+
+    @rule(doc=st.integers(0, 2), start=st.integers(0, 5))
+    def cache_doc(self, doc, start):
+        """A request computes the rest of a document, commits it and finishes."""
+        hashes = DOCS[doc][start:]
+        ids = self.pool.allocate(len(hashes))
+        self._sync()
+        if ids is None:
+            return
+        self.pool.commit(ids, hashes)
+        self._sync(hashes)
+        self.pool.release(ids)
+        self._sync()
+
+    @rule(req=consumes(requests))
+    def release(self, req):
+        try:
+            self.pool.release(req)
+        except ValueError:
+            return
+        self._sync()
+
+    @rule(hashes=st.lists(st.sampled_from(UNIVERSE), max_size=4))
+    def evict(self, hashes):
+        self.pool.evict(hashes)
+        self._sync()
+
+    @rule(target=privates, n=st.integers(1, 3))
+    def allocate_private(self, n):
+        ids = self.pool.allocate_private(n)
+        self._sync()
+        return ids or []
+
+    @rule(ids=consumes(privates), doc=st.integers(0, 2), start=st.integers(0, 5),
+          leased=st.booleans())
+    def commit_private(self, ids, doc, start, leased):
+        hashes = DOCS[doc][start:start + len(ids)]
+        if not ids or len(hashes) < len(ids):
+            return
+        lease = self.pool.commit_private(ids, hashes, lease_s=60.0 if leased else None)
+        self._sync(hashes)
+        if lease is not None:
+            self.pool.release_lease(lease)
+
+    @rule(ids=consumes(privates))
+    def free_private(self, ids):
+        if ids:
+            self.pool.free_private(ids)
+        self._sync()
+
+    @rule(target=pins, doc=st.integers(0, 2), start=st.integers(0, 5))
+    def pin(self, doc, start):
+        return self.pool.pin(DOCS[doc][start:])
+
+    @rule(handle=consumes(pins))
+    def unpin(self, handle):
+        if handle is not None:
+            self.pool.unpin(handle)
+
+    @invariant()
+    def directory_is_the_model(self):
+        if not hasattr(self, "pool"):
+            return
+        self.pool.check_invariants()
+        if self.d is None:
+            return
+        assert findable(self.d, UNIVERSE) == self.model
+        assert in_table(self.d) == self.model
+        assert self.d.unpublished == self.unpublished
+        for h, b in self.model.items():
+            assert self.index[h] == b
+
+
+DirectoryMachine.TestCase.settings = settings(
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestDirectoryMachine = DirectoryMachine.TestCase
+
+
+# ------------------------------------------------------------------------------ seqlock
+
+
+@pytest.mark.parametrize("again", ["same hash", "other hash"])
+def test_stable_refuses_a_block_reused_between_the_reads(again):
+    pool = BlockPool(4, block_size=4)
+    d = pool.read_directory()
+    (bid,) = cache(pool, [8])
+    want, slot, block, pre = read(d, [8])
+    assert block.tolist() == [bid]
+    assert stable(pre, reread(d, want, slot), want).tolist() == [True]  # nothing changed
+
+    assert pool.evict([8])["evicted"] == [8]
+    assert pool.allocate(1) == [bid]  # the evicted block is reused at once
+    # ... a writer fills it; then it is cached again, in the same slot of the same bucket
+    assert pool.commit([bid], [8 if again == "same hash" else 12]) == [True]
+    post = reread(d, want, slot)
+    assert post[0, 1] == bid and post[0, 2] & 3 == TAG_CACHED
+    if again == "same hash":  # only the seq tells the reads apart
+        assert np.array_equal(post[0, [0, 1, 3]], pre[0, [0, 1, 3]])
+        assert post[0, 2] >> np.uint64(2) == (pre[0, 2] >> np.uint64(2)) + np.uint64(2)
+    assert stable(pre, post, want).tolist() == [False]
+    # A fresh read finds the block again and is stable until the next change.
+    want2, slot2, block2, pre2 = read(d, [8])
+    if again == "same hash":
+        assert block2.tolist() == [bid]
+        assert stable(pre2, reread(d, want2, slot2), want2).tolist() == [True]
+    else:
+        assert slot2.tolist() == [-1]
+        assert stable(pre2, reread(d, want2, slot2), want2).tolist() == [False]
+    pool.release([bid])
+    pool.check_invariants()
+
+
+def test_stable_refuses_a_withdrawn_block():
+    pool = BlockPool(4, block_size=4)
+    (bid,) = cache(pool, [8])
+    d = pool.read_directory()
+    want, slot, _, pre = read(d, [8])
+    pool.allocate_private(4)  # evicts every cached block
+    assert stable(pre, reread(d, want, slot), want).tolist() == [False]
+    assert read(d, [8])[2].tolist() == [-1]
