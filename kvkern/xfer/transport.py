@@ -778,17 +778,9 @@ def bind_ucxx_loop() -> None:
 
 
 def _register_exit_hook() -> None:
-    """ucxx's notifier is a non-daemon thread that only stops when told: without this the
-    interpreter would wait for it forever at exit (seen: pytest hanging after its summary).
-    ``threading._register_atexit`` runs before non-daemon threads are joined (plain atexit
-    runs after, too late); it is what concurrent.futures uses for the same problem."""
-    register = getattr(threading, "_register_atexit", None)
-    if register is None:  # not CPython 3.9+: fall back to atexit (may be too late)
-        import atexit  # noqa: PLC0415
-
-        register = atexit.register
-    with contextlib.suppress(RuntimeError):  # already shutting down
-        register(stop_ucxx_notifier)
+    """Stop the notifier at exit (:func:`kvkern.xfer.ucxcompat.stop_notifier_at_exit`: seen
+    without it, pytest hanging after its summary)."""
+    ucxcompat.stop_notifier_at_exit()
 
 
 def stop_ucxx_notifier() -> None:

@@ -62,8 +62,32 @@ RKEY_PAD = 4096  # zero bytes after a received rkey (see unpack_rkey)
 # ---------------------------------------------------------------- application context
 
 def _app_context() -> ApplicationContext:
-    """ucxx's application context, created (and bound to the running loop) on first use."""
-    return import_ucxx().core._get_ctx()
+    """ucxx's application context, created (and bound to the running loop) on first use; the
+    process then stops ucxx's notifier thread at exit (:func:`stop_notifier_at_exit`)."""
+    ctx = import_ucxx().core._get_ctx()
+    stop_notifier_at_exit()
+    return ctx
+
+
+_exit_hook = [False]
+
+
+def stop_notifier_at_exit() -> None:
+    """Stop ucxx's notifier at interpreter exit. It is a non-daemon thread that only stops
+    when told, so without this a process that made the context (even just to look at it)
+    waits for it forever at exit. ``threading._register_atexit`` runs before non-daemon
+    threads are joined (plain atexit runs after, too late); concurrent.futures uses it for
+    the same problem. Idempotent."""
+    if _exit_hook[0]:
+        return
+    _exit_hook[0] = True
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython 3.9+: fall back to atexit (may be too late)
+        import atexit  # noqa: PLC0415
+
+        register = atexit.register
+    with contextlib.suppress(RuntimeError):  # already shutting down
+        register(stop_notifier)
 
 
 def worker_address() -> bytes:
