@@ -45,8 +45,8 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from kvkern.checks import check_positive_int
 from kvkern.xfer import transport, ucxcompat
@@ -69,6 +69,8 @@ __all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
 
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
 Part = tuple[bytes, Sequence[Run]]  # (packed rkey, runs)
+Reader = Callable[[Sequence[Part]], "float | None"]  # what a script reads with
+T = TypeVar("T")
 
 MAX_PEERS = MAX_LANE_PEERS
 MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
@@ -315,49 +317,93 @@ class ReadLanes:
         run was seen complete. Raises :class:`TransportError` (``transfer_failed``,
         ``transfer_timeout``, ``closed``) or :class:`ReadsStuck`; after a raise no lane
         writes to any run's local memory, except for ReadsStuck."""
+        return await self.run_script(address, lambda read: read(parts), timeout=timeout)
+
+    async def run_script(self, address: bytes, script: Callable[[Reader], T], *,
+                         timeout: float) -> T:
+        """Run ``script(read)`` on the first lane's thread, where ``read(parts)`` reads
+        ``parts`` from the source worker at ``address`` split over every lane (as
+        :meth:`read`) and returns when all of them landed: a sequence of dependent reads
+        (look up, read, validate) with no hop through the event loop between them.
+        ``script`` must not block on anything but ``read``. Errors and cancellation as
+        :meth:`read`."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         if self._closed:
             raise TransportError("closed", "read lanes closed")
-        shares = split_parts(parts, self.n, min_bytes=self.min_bytes)
         loop = asyncio.get_running_loop()
         stop = threading.Event()
-        futs = [loop.run_in_executor(lane.executor, lane.run, address, share, timeout, stop)
-                for lane, share in zip(self._lanes, shares, strict=False)]
-        for fut in futs:  # one lane failing stops the others at once
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
-                                  or stop.set())
-        every = asyncio.gather(*futs, return_exceptions=True)
+        deadline = time.perf_counter() + timeout
+
+        def read(parts: Sequence[Part]) -> float | None:  # on the first lane's thread
+            return self._read_all(address, parts, deadline, stop)
+
+        fut = loop.run_in_executor(self._lanes[0].executor, script, read)
         cancelled = False
         try:
-            results = await asyncio.shield(every)
+            result = await asyncio.shield(fut)
+            error = None
         except asyncio.CancelledError:
             cancelled = True
             # The copies are local and short: let them finish, then stop what is left.
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(every), transport.READ_CANCEL_GRACE_S)
-            if not every.done():
+                await asyncio.wait_for(asyncio.shield(fut), transport.READ_CANCEL_GRACE_S)
+            if not fut.done():
                 stop.set()
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(every),
-                                               transport.READ_DRAIN_S + 1.0)
-            results = every.result() if every.done() else [_Stuck("lanes did not end")]
-        errors = [r for r in results if isinstance(r, BaseException)]
-        stuck = [e for e in errors if isinstance(e, _Stuck)]
-        if stuck:
-            raise ReadsStuck(str(stuck[0]))
+                    await asyncio.wait_for(asyncio.shield(fut), transport.READ_DRAIN_S + 1.0)
+            error = (fut.exception() if fut.done() and not fut.cancelled()
+                     else _Stuck("lanes did not end"))
+        except BaseException as exc:  # noqa: BLE001 (mapped below)
+            error = exc
+        if isinstance(error, _Stuck):
+            raise ReadsStuck(str(error))
         if cancelled:
             raise asyncio.CancelledError
-        if not errors:
-            return min((r for r in results if r is not None), default=None)
-        exc = next((e for e in errors if not isinstance(e, TimeoutError)), errors[0])
-        if isinstance(exc, ucp_rma.RmaError):
-            raise TransportError("transfer_failed", f"one-sided read: {exc}") from exc
-        if isinstance(exc, TimeoutError):
+        if error is None:
+            return result
+        if isinstance(error, ucp_rma.RmaError):
+            raise TransportError("transfer_failed", f"one-sided read: {error}") from error
+        if isinstance(error, TimeoutError):
             raise TransportError("transfer_timeout",
-                                 f"reads not done within {timeout} s: {exc}") from exc
+                                 f"reads not done within {timeout} s: {error}") from error
+        if isinstance(error, TransportError):
+            raise error
         raise TransportError("transfer_failed",
-                             f"read lane: {type(exc).__name__}: {exc}") from exc
+                             f"read lane: {type(error).__name__}: {error}") from error
+
+    def _read_all(self, address: bytes, parts: Sequence[Part], deadline: float,
+                  stop: threading.Event) -> float | None:
+        """On the first lane's thread: its share here, the others' on their threads (which
+        never wait on another lane, so no wait cycle); one failing stops the rest. Raises
+        the first error that is not a timeout caused by the stop (_Stuck first)."""
+        shares = split_parts(parts, self.n, min_bytes=self.min_bytes)
+        if not shares:
+            return None
+        left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
+        futs = [lane.executor.submit(lane.run, address, share, left(), stop)
+                for lane, share in zip(self._lanes[1:], shares[1:], strict=False)]
+        for fut in futs:  # one lane failing stops the others at once
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                                  or stop.set())
+        firsts: list[float | None] = []
+        errors: list[BaseException] = []
+        try:
+            firsts.append(self._lanes[0].run(address, shares[0], left(), stop))
+        except BaseException as exc:  # noqa: BLE001 (collected, raised below)
+            stop.set()
+            errors.append(exc)
+        for fut in futs:
+            try:  # a lane ends by its deadline or the stop, then its bounded drain
+                firsts.append(fut.result())
+            except BaseException as exc:  # noqa: BLE001
+                stop.set()
+                errors.append(exc)
+        if errors:
+            raise next((e for e in errors if isinstance(e, _Stuck)),
+                       next((e for e in errors if not isinstance(e, TimeoutError)),
+                            errors[0]))
+        return min((f for f in firsts if f is not None), default=None)
 
     def close(self, timeout: float = 5.0) -> None:
         """Close every endpoint and worker on its lane's thread; idempotent."""
