@@ -40,8 +40,11 @@ Reader
 Why that is enough: a slot's seq goes up by one at every change, so a given cached tag value
 is held by the slot over one unbroken interval, during which the slot names one block and
 that block holds the final bytes of its hash and is given to no writer. Both reads seeing the
-tag puts the block read inside that interval. The argument takes each read of a slot (32
-aligned bytes within one cache line) to be a snapshot of it.
+tag puts the block read inside that interval. A read of a slot need not see it at one moment,
+only each 8-byte word whole: a change that ran between the first read's hash (or block) word
+and its tag word shows in the second read, taken after the block, which must then equal the
+first word for word. Sources publish a directory only on hosts that keep store order
+(:mod:`kvkern.xfer.regions`).
 """
 
 from __future__ import annotations

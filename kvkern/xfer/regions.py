@@ -1,11 +1,14 @@
 """The source's registry of pools registered with UCX for one-sided reads: per rank, the
 pool's segments, one :class:`kvkern.xfer.ucp_rma.Region` per memory span, and whether the
-segments are in the pool's own order (native) rather than canonical. Registered at start,
-released at close."""
+segments are in the pool's own order (native) rather than canonical; per block manager that
+offers one, its read directory (:mod:`kvkern.cache.directory`), registered so destinations
+find and validate blocks without a message. Registered at start, released at close."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,11 +19,22 @@ from kvkern.xfer.kvgroup import RankKV
 if TYPE_CHECKING:
     from types import ModuleType
 
+    from kvkern.cache.directory import ReadDirectory
+    from kvkern.xfer.kvgroup import KVGroup
     from kvkern.xfer.ucp_rma import Region
 
-__all__ = ["RegionRegistry", "RegisteredPool", "worker_address_hex"]
+__all__ = ["RegionRegistry", "RegisteredDirectory", "RegisteredPool", "worker_address_hex"]
 
 log = logging.getLogger("kvkern.xfer.source")
+
+# Hosts whose stores become visible in program order (kvkern.cache.directory's writer needs it)
+STORE_ORDERED_MACHINES = ("x86_64", "amd64")
+
+
+@dataclass(frozen=True)
+class RegisteredDirectory:
+    directory: ReadDirectory
+    region: Region
 
 
 @dataclass(frozen=True)
@@ -28,6 +42,18 @@ class RegisteredPool:
     segments: BlockSegments
     regions: list[Region]  # one per segment
     native: bool  # segments in the pool's own order: same-layout destinations, whole blocks
+    directory: RegisteredDirectory | None = None  # the rank's block manager's, if published
+
+    def read_index(self) -> dict:
+        """What a destination needs to read this rank without a grant (the state document's
+        ``read_index``; :func:`kvkern.xfer.state.parse_read_index` checks it)."""
+        d = self.directory
+        assert d is not None
+        segs = self.segments
+        return {"keys": [r.rkey.hex() for r in self.regions], "bases": list(segs.bases),
+                "stride": segs.stride, "segment_bytes": segs.nbytes,
+                "blocks": d.directory.num_blocks, "dir_key": d.region.rkey.hex(),
+                "dir_base": d.directory.address, "dir_buckets": d.directory.buckets}
 
 
 def worker_address_hex() -> str:
@@ -48,6 +74,7 @@ class RegionRegistry:
     def __init__(self, remote_read: str) -> None:
         self.remote_read = remote_read
         self._pools: dict[int, RegisteredPool] = {}
+        self._directories: list[Region] = []
         self.read_worker = ""  # hex of this process's UCX worker address (read lanes)
 
     def __bool__(self) -> bool:
@@ -87,6 +114,34 @@ class RegionRegistry:
         if self._pools:
             self.read_worker = worker_address_hex()
 
+    def register_directories(self, groups: Iterable[KVGroup]) -> None:
+        """Register the read directory of each group whose block manager offers one
+        (``read_directory()``) and whose ranks' pools are registered; those ranks' state then
+        carries a ``read_index``. A manager without one, or a failed registration, leaves
+        its ranks read by grant only (logged)."""
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        if platform.machine().lower() not in STORE_ORDERED_MACHINES:
+            log.info("no read directory on %s: its stores are published without a fence, "
+                     "which keeps their order on x86-64 only; reads ask for grants",
+                     platform.machine())
+            return
+        for g in groups:
+            ranks = [r for r in g.ranks if r in self._pools]
+            make = getattr(g.manager, "read_directory", None)
+            if not ranks or make is None:
+                continue
+            try:
+                directory = make()
+                region = ucp_rma.Region(directory.address, directory.nbytes)
+            except (ucp_rma.RmaError, ValueError) as exc:
+                log.warning("read directory of DP group %d not registered: %s", g.dp_rank, exc)
+                continue
+            self._directories.append(region)
+            entry = RegisteredDirectory(directory, region)
+            for r in ranks:
+                self._pools[r] = dataclasses.replace(self._pools[r], directory=entry)
+
     @staticmethod
     def _regions_for(rank_kv: RankKV, segs: BlockSegments,
                      ucp_rma: ModuleType) -> list[Region] | None:
@@ -109,3 +164,6 @@ class RegionRegistry:
         for pool in pools:
             for region in pool.regions:
                 region.close()
+        regions, self._directories = self._directories, []
+        for region in regions:
+            region.close()

@@ -351,6 +351,8 @@ class SourceService:
                     doc.read = "native" if registered.native else "canonical"
                     if self.regions.read_worker:
                         doc.read_worker = self.regions.read_worker
+                        if registered.directory is not None:
+                            doc.read_index = registered.read_index()
                 ranks[str(r)] = doc
             dp_groups[str(g.dp_rank)] = DpGroupDoc(ranks=ranks)
         return StateDoc(
@@ -380,6 +382,8 @@ class SourceService:
                 self.staging.prewarm(device, cfg.chunk_bytes, cfg.chunks_in_flight)
             if self.credential is not None:  # no credential: peers are not served at all
                 self.regions.register(ctx.rkv for ctx in self._ctx.values())
+                if cfg.read_directory:
+                    self.regions.register_directories(self.groups)
                 await self._start_listeners()
             else:
                 log.warning("source %s has no fleet credential (%s): serving no peers",

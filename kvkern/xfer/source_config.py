@@ -55,7 +55,9 @@ class SourceConfig:
     ``progress_timeout_s`` a stream without progress. ``staging_cache_bytes`` of staging
     buffers are kept idle for reuse. ``remote_read`` (``off``/``host``/``all``) registers
     pools for one-sided reads (an opt-in, see SECURITY.md), whose pins are held
-    ``read_hold_s`` at most."""
+    ``read_hold_s`` at most; with ``read_directory`` (the default when reads are on) the
+    pool's read directory is registered too, so destinations read without asking first
+    (:mod:`kvkern.cache.directory`)."""
 
     worker_id: str
     host: str = "127.0.0.1"
@@ -70,6 +72,7 @@ class SourceConfig:
     staging_cache_bytes: int = 256 << 20
     remote_read: str = "off"
     read_hold_s: float = DEFAULT_READ_HOLD_S
+    read_directory: bool = True
     quotas: PeerQuotas = field(default_factory=PeerQuotas)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
 

@@ -6,8 +6,9 @@ their own :data:`kvkern.xfer.messages.PROTOCOL_VERSION`):
 
 * ``kvkern/1``: topology, hash scheme, block size, codec fingerprint and the UCX address of
   each hosted rank; later additions are optional fields an older reader ignores: each rank's
-  ``layout``, ``read`` and ``read_worker`` (one-sided reads, capability ``read/1``) and the
-  document's ``model``.
+  ``layout``, ``read``, ``read_worker`` and ``read_index`` (one-sided reads, capability
+  ``read/1``; ``read_index``: the rank's registered segments and its block manager's read
+  directory, for reads without a grant) and the document's ``model``.
 
 Decoding is strict where a pull depends on a value (a missing or mistyped field is a
 ``ValueError`` naming it: the puller's ``metadata_invalid``) and forward compatible where the
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
     from kvkern.layout.topology import Topology
 
 __all__ = ["BLOCKS_PATH", "CAPABILITIES", "PEER_PREFIX", "PROTOCOL", "READ_KINDS", "STATE_PATH",
-           "DpGroupDoc", "RankDoc", "SourceState", "StateDoc", "decode_state", "parse_state"]
+           "DpGroupDoc", "RankDoc", "ReadIndex", "SourceState", "StateDoc", "decode_state",
+           "parse_read_index", "parse_state"]
 
 PROTOCOL = "kvkern/1"
 STATE_PATH = "/kvkern/v1/state"
@@ -47,6 +49,7 @@ class RankDoc(msgspec.Struct, omit_defaults=True):
     layout: object = None  # KVLayout.describe(); advisory (native reads)
     read: object = None  # one of READ_KINDS when the rank's pool is registered; advisory
     read_worker: object = None  # hex of the UCX worker address read lanes dial; advisory
+    read_index: object = None  # RegisteredPool.read_index(): reads without a grant; advisory
 
 
 class DpGroupDoc(msgspec.Struct):
@@ -68,6 +71,23 @@ class StateDoc(msgspec.Struct):
     capabilities: list[str] = []
 
 
+@dataclass(frozen=True)
+class ReadIndex:
+    """A rank's registered pool and read directory as its state announces them: segment
+    ``j`` of block ``b`` is ``segment_bytes`` at ``bases[j] + b * stride`` under the packed
+    remote key ``keys[j]``; the directory's ``dir_buckets`` buckets
+    (:mod:`kvkern.cache.directory`) are at ``dir_base`` under ``dir_key``."""
+
+    keys: tuple[bytes, ...]
+    bases: tuple[int, ...]
+    stride: int
+    segment_bytes: int
+    blocks: int
+    dir_key: bytes
+    dir_base: int
+    dir_buckets: int
+
+
 @dataclass(frozen=True, kw_only=True)
 class SourceState:
     """A decoded state document. ``ranks[(dp, rank)] = (ucx_host, ucx_port)``."""
@@ -87,6 +107,8 @@ class SourceState:
     layouts: dict[tuple[int, int], tuple] = field(default_factory=dict)
     # (dp, rank) -> the UCX worker address its read lanes open endpoints to
     read_workers: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    # (dp, rank) -> where its blocks and read directory are (reads without a grant)
+    read_indexes: dict[tuple[int, int], ReadIndex] = field(default_factory=dict)
     model: str = ""  # the source's model fingerprint (KVGroup.model_id)
 
 
@@ -143,8 +165,50 @@ def _add_rank(state: SourceState, key: tuple[int, int], info: RankDoc) -> None:
         worker = _worker_address(info.read_worker)
         if worker is not None:
             state.read_workers[key] = worker
+            index = parse_read_index(info.read_index)
+            if index is not None:
+                state.read_indexes[key] = index
     if isinstance(info.layout, dict):
         state.layouts[key] = layout_signature(info.layout)
+
+
+def parse_read_index(doc: object) -> ReadIndex | None:
+    """A rank's ``read_index`` as a :class:`ReadIndex`; None when absent or malformed in any
+    way (the rank is then read by grant: the index is advisory). Every number is bounded so
+    the addresses a destination computes from it stay within 64 bits."""
+    from kvkern.cache.directory import BUCKET_BYTES  # noqa: PLC0415
+    from kvkern.xfer.messages import MAX_BLOCKS, MAX_READ_SEGMENTS, MAX_RKEY_BYTES  # noqa: PLC0415
+
+    if not isinstance(doc, dict):
+        return None
+    try:
+        keys = tuple(_hex(k, MAX_RKEY_BYTES) for k in doc["keys"])
+        bases = tuple(_u64(b) for b in doc["bases"])
+        stride, seg = _u64(doc["stride"]), _u64(doc["segment_bytes"])
+        blocks, buckets = _u64(doc["blocks"]), _u64(doc["dir_buckets"])
+        index = ReadIndex(keys, bases, stride, seg, blocks, _hex(doc["dir_key"], MAX_RKEY_BYTES),
+                          _u64(doc["dir_base"]), buckets)
+    except (KeyError, TypeError, ValueError):
+        return None
+    top = (blocks - 1) * stride + seg
+    if not (0 < len(keys) == len(bases) <= 1 + MAX_READ_SEGMENTS and 0 < seg <= stride
+            and 0 < blocks <= MAX_BLOCKS and 0 < buckets <= 1 << 32
+            and buckets & (buckets - 1) == 0 and max(bases) + top < 1 << 64
+            and index.dir_base + buckets * BUCKET_BYTES < 1 << 64):
+        return None
+    return index
+
+
+def _hex(text: object, max_bytes: int) -> bytes:
+    if not isinstance(text, str) or not 0 < len(text) <= 2 * max_bytes:
+        raise ValueError("bad hex")
+    return bytes.fromhex(text)
+
+
+def _u64(v: object) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 1 << 64:
+        raise ValueError("not a u64")
+    return v
 
 
 def _worker_address(text: object) -> bytes | None:
