@@ -13,7 +13,9 @@ block on a TP1 rank).
 A pair between two trtllm pools (whole contiguous block rows) is read one-sided by default
 (``XferConfig.remote_read``, the source's "read/1"); tests about the stream's chunks ask for
 the stream explicitly (``remote_read=False``), the fault tests run both, and the tests at the
-end cover the read path itself. The source peer counts the replies it sent by kind
+end cover the read path itself. Pullers here ask the source for every read (a grant:
+``direct_reads=False``), so the protocol's messages stay visible; reads without a message are
+covered in tests/test_direct_read.py. The source peer counts the replies it sent by kind
 (``/test/stats`` "replies"), so a test can tell which path a pull took.
 """
 
@@ -259,6 +261,7 @@ def make_puller(rt):
 
     def make(group: KVGroup, **cfg) -> Puller:
         cfg.setdefault("allowlist", ALLOW)
+        cfg.setdefault("direct_reads", False)  # see the module docstring
         p = Puller(group, config=XferConfig(**cfg), metrics=XferMetrics(), loop=rt)
         made.append(p)
         return p

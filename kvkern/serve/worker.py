@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "bound a remote key to its grant, so every fleet member could "
                            "read the whole pool: opt in only where that is acceptable "
                            "(see SECURITY.md). 'off' streams")
+    pull.add_argument("--direct-reads", choices=("on", "off"), default="on",
+                      help="read a source that publishes its read directory (remote read on "
+                           "its side) without a message to it, confirmed by the directory; "
+                           "'off' asks the source for a grant before every read")
     p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
                    help="stderr log level; INFO shows one line per pull outcome")
     p.add_argument("--debug-send-delay-s", type=nonneg_float, default=0.0,
@@ -276,6 +280,7 @@ class Worker:
             lease_s=o.lease_s, default_policy=o.policy, cost_guard=o.cost_guard == "on",
             max_inflight_pulls=o.max_inflight_pulls, chunk_bytes=o.chunk_mib << 20,
             allowlist=allow, remote_read=True,  # read where a source offers it
+            direct_reads=o.direct_reads == "on",
         )
 
     def _group(self):

@@ -403,7 +403,9 @@ def run_kill_check(opts: DemoOptions, *, stall_s: float = 30.0) -> dict[str, Any
     fleet = _Fleet()
     cfg = _model_config(opts.model)
     T = cfg.block_size
-    bounds = ("--metadata-timeout-s", "2", "--transfer-timeout-s", "5", "--deadline-s", "10")
+    # B asks A before reading (--direct-reads off), so A's stalled reply is what B waits on
+    bounds = ("--metadata-timeout-s", "2", "--transfer-timeout-s", "5", "--deadline-s", "10",
+              "--direct-reads", "off")
     procs = start_workers({
         "A": _worker_args(opts, opts.source_layout, "A", 256,
                           ("--debug-send-delay-s", str(stall_s))),

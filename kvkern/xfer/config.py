@@ -100,6 +100,10 @@ class XferConfig:
     # copy thread moves 5.8-6.3 GB/s on a 2-vCPU VM, two 10.9-11.7 (bench/RESULTS.md).
     read_lanes: int = 2
     read_lane_min_bytes: int = 4 << 20
+    # read a source that publishes its read directory without asking it first
+    # (kvkern.xfer.direct): no round trip, no pins; a block not confirmed by the directory
+    # makes the pull ask for a grant as before
+    direct_reads: bool = True
 
     # ---- policy
     default_policy: Policy = "strict"
@@ -160,7 +164,7 @@ class XferConfig:
                              f"{self.state_path!r}")
         for name in ("read_min_run_bytes", "read_lanes", "read_lane_min_bytes"):
             check_non_negative_int(f"XferConfig.{name}", getattr(self, name))
-        for flag in ("dedup", "cost_guard", "remote_read"):
+        for flag in ("dedup", "cost_guard", "remote_read", "direct_reads"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         # Parse allowlist specs now so a bad entry fails at configuration, not per request.

@@ -370,7 +370,7 @@ class ReadReceiver:
         the first byte landed (if known)."""
         from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
 
-        lanes = self._read_lanes(worker)
+        lanes = self.lanes_for(worker)
         try:
             if lanes is not None:
                 try:
@@ -381,7 +381,7 @@ class ReadReceiver:
                     # The lanes failed, not the copy's time: read again on the connection
                     # (the private blocks are ours; the pins are held), and leave this
                     # source's lanes alone for a while.
-                    self._lanes_failed(worker, exc)
+                    self.lanes_failed(worker, exc)
             return await conn.read_parts(keyed, timeout=xfer_t)
         except ReadsStuck:
             job.quarantined = True
@@ -411,7 +411,7 @@ class ReadReceiver:
                            f"confirm it held the blocks during the read: "
                            f"{getattr(ack, 'reason', type(ack).__name__)}")
 
-    def _read_lanes(self, worker: bytes | None) -> ReadLanes | None:
+    def lanes_for(self, worker: bytes | None) -> ReadLanes | None:
         """The read lanes, made on first use; None where reads stay on the connection (no
         lanes configured, or the source rank publishes no worker address this UCX can
         use)."""
@@ -430,7 +430,7 @@ class ReadReceiver:
                                    min_bytes=self.config.read_lane_min_bytes)
         return self.lanes
 
-    def _lanes_failed(self, worker: bytes, exc: Exception) -> None:
+    def lanes_failed(self, worker: bytes, exc: Exception) -> None:
         from kvkern.xfer.discovery import bounded_put  # noqa: PLC0415
 
         log.warning("read lanes to a source worker failed (%s); reading on the control "

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from kvkern.layout.chunks import direct_order
 from kvkern.xfer.codes import CONNECT_FAILURES, reject_reason, transport_reason
 from kvkern.xfer.config import XferConfig
+from kvkern.xfer.direct import read_directly
 from kvkern.xfer.discovery import SourceDiscovery
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import Message, PullReply, PullRequest, ReadGrant
@@ -287,6 +288,10 @@ class PullRunner:
                          xfer_t: float) -> int:
         """One (source rank, destination rank) pair; returns the validated served count."""
         rank_kv = self.group.ranks[pair.dst_rank]
+        if self._direct(job, pair, rank_kv):  # no message: the directory confirms the read
+            served = await read_directly(self.reads, job, pair, rank_kv, xfer_t)
+            if served is not None:
+                return served
         conn = await self._connect(job, addr, xfer_t)
         unit = pair.block_nbytes
         # Whole blocks per chunk (zero-copy landing, no carry); a block larger than
@@ -308,6 +313,15 @@ class PullRunner:
             return served
         await self.streams.receive(job, pair, rank_kv, conn, reply, chunk, xfer_t, entry)
         return served
+
+    def _direct(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
+        """Read this pair directly (:mod:`kvkern.xfer.direct`): allowed on both sides, the
+        source rank publishes its directory and read worker, and a granted read would be
+        allowed too."""
+        state, key = job.state, (job.source_dp, pair.src_rank)
+        return (self.config.direct_reads and job.into is None and state is not None
+                and key in state.read_indexes and key in state.read_workers
+                and self.reads.can_read(job, pair, rank_kv))
 
     async def _connect(self, job: PullJob, addr: tuple[str, int],
                        xfer_t: float) -> TransferConnection:

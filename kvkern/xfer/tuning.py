@@ -21,7 +21,8 @@ __all__ = [
     "DEFAULT_MAX_SEND_S", "DEFAULT_PROGRAM_FRACTION", "DEFAULT_PROGRESS_TIMEOUT_S",
     "DEFAULT_READ_HOLD_S",
     "DEFAULT_TIMEOUT_S", "HOLD_MARGIN_S", "HOLD_RATE_SLACK", "HTTP_SKEW_S", "LANE_DRAIN_POLL_S",
-    "LANE_RETRY_S", "LANE_UCX_CONFIG", "MAX_CACHED_RKEYS", "MAX_CACHED_SOURCES",
+    "DIRECTORY_READ_COST_BYTES", "LANE_RETRY_S", "LANE_UCX_CONFIG", "MAX_CACHED_RKEYS",
+    "MAX_CACHED_SOURCES",
     "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "PACK_WAIT_S", "QUOTA_POLL_S",
     "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "READ_WAITER_THREADS",
     "SPLIT_ALIGN",
@@ -66,6 +67,10 @@ LANE_DRAIN_POLL_S = 0.001
 # pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND
 # pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (kvkern bench xfer --pull-layout vllm_hnd).
 LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
+# A direct read looks its hashes up by reading their directory buckets, one read each, or the
+# whole directory when that is at most this many bytes per hash: a small one-sided read
+# costs about as long as moving this many bytes (1-2 us against 10 GB/s and more).
+DIRECTORY_READ_COST_BYTES = 16 << 10
 # After its read lanes failed, a source worker is read on the control connection this long.
 LANE_RETRY_S = 60.0
 

@@ -5,7 +5,7 @@ test routes under ``/test/``, on 127.0.0.1, tiny model, 256-block pools)::
 
     S    source with --remote-read host (offers one-sided reads)
     S0   source with the default --remote-read off
-    D    destination
+    D    destination, asking the source for every read (--direct-reads off)
     NC   started with the fleet secret removed from its environment (and
          --trust-unsigned-hints, so its pull path is reached)
     R    a rogue: a real worker holding a DIFFERENT fleet secret
@@ -105,7 +105,8 @@ def fleet():
     procs = start_fleet({
         "S": ([*COMMON, "--worker-id", "S", "--remote-read", "host"], None),
         "S0": ([*COMMON, "--worker-id", "S0"], None),
-        "D": ([*COMMON, "--worker-id", "D"], None),
+        # D asks for every read (no direct reads): its pulls meet the grant's pins and quotas
+        "D": ([*COMMON, "--worker-id", "D", "--direct-reads", "off"], None),
         "NC": ([*COMMON, "--worker-id", "NC", "--trust-unsigned-hints"],
                {"KVKERN_FLEET_SECRET": "", "KVKERN_FLEET_SECRET_FILE": ""}),
         "R": ([*COMMON, "--worker-id", "R", "--remote-read", "host"],

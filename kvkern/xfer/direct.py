@@ -1,0 +1,194 @@
+"""Direct reads: a pull that reads the source's blocks with no message to the source.
+
+A source whose pools are registered for reads also registers its block manager's read
+directory (:mod:`kvkern.cache.directory`) and announces both in its state (``read_index``).
+A destination that has that state reads, on the first read lane's thread and without a hop
+through the event loop between the steps::
+
+    1. the directory buckets of the wanted hashes (or the whole table, when that is fewer
+       bytes than the buckets' per-read cost)      -> the block of each hash, its slot words
+    2. the blocks' bytes into the private blocks   (split over every lane, as a granted read)
+    3. the same slots again                        -> kept only if every slot is unchanged
+
+A block is withdrawn from the directory (its slot's tag bumped) before its pool can hand it
+to a writer, and published only after its bytes are final; a slot's tag never repeats. So a
+slot that reads the same, cached, before and after the block's bytes proves those bytes are
+the block of that hash throughout the read, and the pull counts them without pins, grants or
+acknowledgements: the content check of a granted read, made by the reader.
+
+Anything short of every wanted block found and confirmed (a hash not in the directory, a
+block evicted during the read, a lane that fails) returns ``None`` and the caller asks the
+source for a grant as before: the direct read only ever skips the round trip, it never
+changes what a pull serves. Direct reads need what granted reads need (host memory, read
+lanes, ``remote_read`` on the source) and are turned off on either side by
+``XferConfig.direct_reads`` / ``SourceConfig.read_directory``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import numpy as np
+
+from kvkern.cache.directory import (
+    BUCKET_BYTES,
+    BUCKET_SLOTS,
+    SLOT_BYTES,
+    SLOT_WORDS,
+    bucket_of,
+    entries,
+    find,
+    slot_offsets,
+    stable,
+)
+from kvkern.xfer.messages import ReadGrant, Status
+from kvkern.xfer.pulljob import Fallback, PullJob
+from kvkern.xfer.tuning import DIRECTORY_READ_COST_BYTES
+
+if TYPE_CHECKING:
+    from kvkern.layout.plan import PeerTransfer
+    from kvkern.layout.segments import BlockSegments
+    from kvkern.xfer.kvgroup import RankKV
+    from kvkern.xfer.read_lanes import Reader
+    from kvkern.xfer.receive import ReadReceiver
+    from kvkern.xfer.state import ReadIndex
+
+__all__ = ["DirectRead", "read_directly"]
+
+log = logging.getLogger("kvkern.xfer")
+
+
+class DirectRead:
+    """One pair's direct read (see the module docstring): built on the event loop, run on
+    the first read lane's thread by :meth:`__call__`."""
+
+    def __init__(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV, index: ReadIndex,
+                 receiver: ReadReceiver) -> None:
+        self.job, self.pair, self.rank_kv, self.index = job, pair, rank_kv, index
+        hashes = job.chained[job.local:job.local + job.count]
+        self.want = np.asarray(hashes, dtype=np.uint64)
+        self.buckets = bucket_of(self.want, index.dir_buckets)
+        # A grant as the source would write it, for the largest block the index allows:
+        # the receiver's checks of an offer then bound every address this read computes.
+        self.template = ReadGrant(
+            transfer_id=1, status=Status.OK, served_blocks=job.count, block_hashes=hashes,
+            total_bytes=job.count * pair.block_nbytes, read_rkey=index.keys[0],
+            read_base=index.bases[0], read_stride=index.stride,
+            read_blocks=[index.blocks - 1] * job.count,
+            read_segment_bytes=index.segment_bytes, read_more_rkeys=list(index.keys[1:]),
+            read_more_bases=list(index.bases[1:]),
+            read_native=job.state.reads.get((job.source_dp, pair.src_rank)) == "native")
+        self.segs: BlockSegments = receiver._check_offer(job, pair, self.template, rank_kv)
+        self.whole = index.dir_buckets * BUCKET_BYTES <= len(self.want) * DIRECTORY_READ_COST_BYTES
+        self.reads = 0
+        self.data_s = 0.0  # the block reads alone (step 2)
+        self.miss = ""  # why nothing was kept (a grant is asked for instead)
+
+    # ---- on the first lane's thread
+
+    def __call__(self, read: Reader) -> float | None:
+        """Look up, read, confirm; the time the first byte landed, or None with ``miss``
+        set when the blocks do not all count."""
+        rows = self._directory(read)
+        slot, block, _ = find(rows, self.want)
+        if (block < 0).any():
+            self.miss = f"{int((block < 0).sum())} of {len(block)} hashes not in the directory"
+            return None
+        if (block >= self.index.blocks).any():
+            self.miss = "the directory names a block beyond the pool"
+            return None
+        pre = entries(rows, slot)
+        grant = msgspec.structs.replace(self.template, read_blocks=block.tolist())
+        from kvkern.xfer.receive import ReadReceiver  # noqa: PLC0415
+
+        parts = ReadReceiver._parts(self.job, self.pair, grant, self.rank_kv, self.segs)
+        keys = [grant.read_rkey, *grant.read_more_rkeys]
+        t = time.perf_counter()
+        first = read([(keys[j], runs) for j, runs in parts.items()])
+        self.data_s = time.perf_counter() - t
+        self.reads = sum(len(runs) for runs in parts.values())
+        post = self._slots(read, slot)
+        kept = stable(pre, post, self.want)
+        if not kept.all():
+            self.miss = f"{int((~kept).sum())} blocks changed while they were read"
+            return None
+        return first
+
+    def _directory(self, read: Reader) -> np.ndarray:
+        """The bucket of each wanted hash, read from the source."""
+        from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
+
+        index = self.index
+        if self.whole:
+            table = np.empty((index.dir_buckets, BUCKET_SLOTS, SLOT_WORDS), np.uint64)
+            read([(index.dir_key, [(table.ctypes.data, index.dir_base, table.nbytes)])])
+            return table[self.buckets]
+        k = len(self.want)
+        rows = np.empty((k, BUCKET_SLOTS, SLOT_WORDS), np.uint64)
+        local = np.uint64(rows.ctypes.data) + np.arange(k, dtype=np.uint64) * np.uint64(
+            BUCKET_BYTES)
+        remote = np.uint64(index.dir_base) + self.buckets.astype(np.uint64) * np.uint64(
+            BUCKET_BYTES)
+        read([(index.dir_key, coalesce_arrays(local, remote, BUCKET_BYTES))])
+        return rows
+
+    def _slots(self, read: Reader, slot: np.ndarray) -> np.ndarray:
+        """The found slots' words, read again after the blocks."""
+        from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
+
+        if self.whole:
+            return entries(self._directory(read), slot)
+        k = len(self.want)
+        post = np.empty((k, SLOT_WORDS), np.uint64)
+        local = np.uint64(post.ctypes.data) + np.arange(k, dtype=np.uint64) * np.uint64(
+            SLOT_BYTES)
+        remote = np.uint64(self.index.dir_base) + slot_offsets(self.buckets, slot).astype(
+            np.uint64)
+        read([(self.index.dir_key, coalesce_arrays(local, remote, SLOT_BYTES))])
+        return post
+
+
+async def read_directly(receiver: ReadReceiver, job: PullJob, pair: PeerTransfer,
+                        rank_kv: RankKV, xfer_t: float) -> int | None:
+    """The pair's blocks read directly into the private blocks: the served count (every
+    wanted block), or None when the caller must ask for a grant (nothing read counts; the
+    private blocks are rewritten by the granted read)."""
+    from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
+
+    key = (job.source_dp, pair.src_rank)
+    worker = job.state.read_workers[key]
+    lanes = receiver.lanes_for(worker)
+    if lanes is None:
+        return None
+    t = time.perf_counter()
+    try:
+        direct = DirectRead(job, pair, rank_kv, job.state.read_indexes[key], receiver)
+    except (Fallback, ValueError) as exc:  # an index a grant could not match: ask for one
+        log.debug("pull %r: no direct read: %s", job.rec.request_id, exc)
+        return None
+    try:
+        first = await lanes.run_script(worker, direct, timeout=xfer_t)
+    except ReadsStuck:
+        job.quarantined = True
+        raise
+    except TransportError as exc:
+        if exc.reason != "transfer_failed":
+            raise
+        receiver.lanes_failed(worker, exc)  # the granted read goes on the connection
+        job.phases["direct"] = time.perf_counter() - t
+        return None
+    job.phases["direct"] = time.perf_counter() - t
+    if direct.miss:
+        log.debug("pull %r: direct read not used (%s): asking for a grant",
+                  job.rec.request_id, direct.miss)
+        return None
+    if job.t_first_byte is None:
+        job.t_first_byte = first or time.perf_counter()
+    job.reads += direct.reads
+    job.bytes += job.count * pair.block_nbytes
+    job.phases["read"] = job.phases.get("read", 0.0) + job.phases["direct"]
+    job.phases["data"] = job.phases.get("data", 0.0) + direct.data_s
+    return job.count

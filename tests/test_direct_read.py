@@ -1,0 +1,136 @@
+"""Direct reads (kvkern.xfer.direct): a pull that reads a real source process's blocks with no
+message to it, validated against the source's read directory; anything the directory does not
+confirm goes the granted way. Same source peer, model and checks as tests/test_pull.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvkern.cache.hashing import local_block_hashes
+from kvkern.xfer import direct
+from kvkern.xfer.outcome import Reason
+from kvkern.xfer.state import parse_read_index
+from tests import test_pull as tp
+from tests.test_pull import (
+    BS,
+    assert_clean,
+    assert_only_changed,
+    claim_check_release,
+    fresh_tokens,
+    hint_for,
+    make_group,
+    pull,
+    served_kinds,
+    snapshot,
+)
+
+rt, src, make_puller = tp.rt, tp.src, tp.make_puller  # the fixtures, shared
+
+
+def stats(src) -> dict:
+    return src.http("GET", "/test/stats")["replies"]
+
+
+@pytest.mark.parametrize("n_blocks", [1, 16])
+def test_direct_read_sends_no_message(src, make_puller, n_blocks):
+    tokens = fresh_tokens(n_blocks * BS + 1)
+    hashes = src.commit(tokens)
+    group = make_group()
+    before, sent = snapshot(group), stats(src)
+    p = make_puller(group, direct_reads=True)
+    o = pull(p, f"direct-{n_blocks}", tokens, hint_for(src, tokens))
+    assert o.used and o.reason is Reason.OK and o.blocks_transferred == n_blocks, o
+    assert o.messages == 0 and o.reads >= 1 and "direct" in o.phases, o
+    assert served_kinds(src, sent) == {k: 0 for k in sent}  # the source saw no request
+    ids = claim_check_release(p, group, src, f"direct-{n_blocks}", hashes)
+    assert_only_changed(group, before, set(ids))
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_direct_read_of_a_remote_tail(src, make_puller):
+    tokens = fresh_tokens(12 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    mgr = group.manager
+    local_ids = mgr.allocate(4)  # the destination computed the first 4 blocks itself
+    mgr.commit(local_ids, hashes[:4])
+    mgr.release(local_ids)
+    before = snapshot(group)
+    p = make_puller(group, direct_reads=True)
+    o = pull(p, "tail", tokens, hint_for(src, tokens))
+    assert o.used and (o.blocks_local, o.blocks_transferred, o.messages) == (4, 8, 0), o
+    ids = claim_check_release(p, group, src, "tail", hashes[4:])
+    assert not set(ids) & set(local_ids)
+    assert_only_changed(group, before, set(ids))
+    assert mgr.longest_prefix(hashes) == 12
+    assert_clean(group)
+
+
+def test_a_hash_missing_from_the_directory_asks_for_a_grant(src, make_puller):
+    tokens = fresh_tokens(8 * BS)
+    hashes = src.commit(tokens)
+    src.evict(hashes[5:])
+    group = make_group()
+    sent = stats(src)
+    p = make_puller(group, direct_reads=True, default_policy="best_effort")
+    o = pull(p, "missing", tokens, hint_for(src, tokens))
+    assert o.used and o.reason is Reason.PARTIAL and o.blocks_transferred == 5, o
+    assert o.messages >= 2 and served_kinds(src, sent)["read"] == 1, o  # the granted way
+    claim_check_release(p, group, src, "missing", hashes[:5])
+    assert_clean(group)
+
+
+@pytest.mark.parametrize("recommit", [True, False], ids=["same-hashes-new-bytes", "evicted"])
+def test_blocks_changed_during_the_read_are_never_used(src, make_puller, monkeypatch,
+                                                       recommit):
+    """Between the block reads and the second directory read, the source evicts the blocks
+    and (``recommit``) computes the same prefix again into reused blocks with other bytes,
+    so every hash is cached again under a new tag. The bytes already read are the old
+    ones: the directory's tags reject them, the pull asks for a grant, and what it commits
+    is the source's current blocks (or, evicted, nothing)."""
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    calls = []
+    slots = direct.DirectRead._slots
+
+    def change_then_confirm(self, read, slot):
+        if not calls:  # the first direct read only (the granted one follows)
+            calls.append(1)
+            src.evict(hashes)
+            src.commit(fresh_tokens(40 * BS))  # takes the freed blocks: new bytes in them
+            if recommit:
+                assert src.commit(tokens) == hashes
+        return slots(self, read, slot)
+
+    monkeypatch.setattr(direct.DirectRead, "_slots", change_then_confirm)
+    p = make_puller(group, direct_reads=True)
+    sent = stats(src)
+    o = pull(p, f"changed-{recommit}", tokens, hint_for(src, tokens))
+    assert calls == [1]
+    if recommit:
+        assert o.used and o.blocks_transferred == 6 and served_kinds(src, sent)["read"] == 1, o
+        claim_check_release(p, group, src, f"changed-{recommit}", hashes)
+    else:
+        assert not o.used and o.reason is Reason.SOURCE_MISS, o
+        assert group.manager.longest_prefix(local_block_hashes(tokens, BS)) == 0
+    assert_clean(group)
+
+
+def test_read_index_is_advisory_and_bounded():
+    """A state's read_index is used only when every field is well-formed and every address
+    it implies fits in 64 bits; anything else means reads by grant (None), never an error."""
+    good = {"keys": ["ab" * 8], "bases": [1 << 20], "stride": 4096, "segment_bytes": 2048,
+            "blocks": 256, "dir_key": "cd" * 8, "dir_base": 1 << 30, "dir_buckets": 128}
+    index = parse_read_index(good)
+    assert index is not None and index.keys == (bytes.fromhex("ab" * 8),)
+    assert index.dir_buckets == 128 and index.blocks == 256
+    bad = [None, [], {**good, "keys": []}, {**good, "keys": ["zz"]},
+           {**good, "bases": [1, 2]}, {**good, "stride": 0}, {**good, "segment_bytes": 8192},
+           {**good, "blocks": 0}, {**good, "dir_buckets": 100}, {**good, "dir_buckets": True},
+           {**good, "bases": [(1 << 64) - 4096]}, {**good, "dir_base": (1 << 64) - 1},
+           {**good, "dir_key": ""}, {**good, "stride": -1}, {**good, "blocks": "256"},
+           {k: v for k, v in good.items() if k != "dir_key"}]
+    for doc in bad:
+        assert parse_read_index(doc) is None, doc
