@@ -44,7 +44,7 @@ RESULTS_MD = HERE / "RESULTS.md"
 PLOT = "results/xfer_ratio.png"  # relative to bench/
 
 XFER_METRICS = (("ratio", "`ratio` (2 lanes)"), ("scattered_ratio", "scattered"),
-                ("lanes1_ratio", "one lane"), ("lanes0_ratio", "connection"),
+                ("granted_ratio", "granted"), ("lanes1_ratio", "one lane"), ("lanes0_ratio", "connection"),
                 ("stream_ratio", "stream"), ("stream_scattered_ratio", "stream scattered"))
 
 
@@ -104,8 +104,11 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
            "between the same processes, in the same repeats. `ratio` is pull / raw bytes per "
            "second (median of the run's repeats): above 1 the pull beats the single raw copy, "
            "because reads on two lanes copy in parallel. `one lane`, `connection` (reads on the "
-           "control connection's worker) and `stream` (pack, send, unpack) are the same pull "
-           "by other paths in the same runs; `scattered` reads from a source whose blocks are "
+           "control connection's worker), `granted` (every read asks the source first: a round "
+           "trip and pins, where the headline reads directly, confirmed by the source's read "
+           "directory) and `stream` (pack, send, unpack) are the same pull "
+           "by other paths in the same runs (`-`: not measured by that record); "
+           "`scattered` reads from a source whose blocks are "
            "shuffled in its pool. Cells are median [min-max] (runs) over the records.", ""]
     if not records:
         return out + ["No run is recorded.", ""]
@@ -141,11 +144,38 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
     notes = [(name, r["note"]) for name, r in records if r.get("note")]
     if notes:
         out += ["", "Notes:", ""] + [f"- `{name}`: {note}" for name, note in notes]
-    h2fb = [v for _, r in records for v in _values(r.get("hint_to_first_byte_ms"))]
-    if h2fb:
-        out += ["", f"Hint to first byte (1 block, warm connection): "
-                    f"{_fmt(min(h2fb))}-{_fmt(max(h2fb))} ms."]
+    out += _one_block_lines(records)
     out += ["", f"![pull / raw per run]({PLOT})", ""]
+    return out
+
+
+def _one_block_lines(records: list[tuple[str, dict]]) -> list[str]:
+    """One-block pulls on a warm connection: per record that measured both, the direct and the
+    granted path; the older records' hint-to-first-byte range (granted reads) after them."""
+    rows, older = [], []
+    for name, r in records:
+        pull = r.get("cases", {}).get("pull", {})
+        granted = pull.get("granted")
+        if isinstance(granted, dict) and "one_block_overhead_ms" in granted \
+                and "one_block_overhead_ms" in pull:
+            rows.append(f"| `{name}` | {_fmt(pull['hint_to_first_byte_ms'])} | "
+                        f"{_fmt(pull['one_block_overhead_ms'])} | "
+                        f"{_fmt(pull['one_block_total_ms'])} | "
+                        f"{_fmt(granted['hint_to_first_byte_ms'])} | "
+                        f"{_fmt(granted['one_block_overhead_ms'])} | "
+                        f"{_fmt(granted['one_block_total_ms'])} |")
+        else:
+            older += _values(r.get("hint_to_first_byte_ms"))
+    out = []
+    if rows:
+        out += ["", "One-block pulls (512 KiB) on a warm connection, medians in ms: the time from "
+                "the hint to the first byte, the overhead (the whole pull less its block's "
+                "copy) and the whole pull; direct reads against granted ones in the same run.",
+                "", "| record | direct: first byte | overhead | whole | granted: first byte | "
+                "overhead | whole |", "|---|---|---|---|---|---|---|", *rows]
+    if older:
+        out += ["", f"Hint to first byte in records before direct reads (1 block, warm "
+                    f"connection, granted reads): {_fmt(min(older))}-{_fmt(max(older))} ms."]
     return out
 
 

@@ -431,6 +431,11 @@ class _PullBench:
         self.fewer = {f"lanes{n}": Puller(self.group, config=cfg.replace(read_lanes=n),
                                           loop=bench.loop)
                       for n in (1, 0) if s.data_path != "stream" and n < s.read_lanes}
+        # and every read asking the source first (a grant and its round trip), so the gain
+        # of direct reads (kvkern.xfer.direct) is measured in the same run
+        if s.data_path != "stream":
+            self.fewer["granted"] = Puller(self.group, config=cfg.replace(direct_reads=False),
+                                           loop=bench.loop)
         self.per_block = sum(rkv.layout.bytes_per_block for rkv in self.ranks.values())
         self._rid = iter(range(1 << 30))
 
@@ -465,17 +470,35 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         await _check_pulls(pb)
         for size in s.sizes:
             out[str(size)] = await _pull_size(pb, s, size)
-        fb = []
-        for _ in range(max(20, s.repeats)):
-            o = await pb.pull(1)
-            fb.append(o.phases["first_byte"])
-        out["hint_to_first_byte_ms"] = round(statistics.median(fb) * 1e3, 3)
-        out["hint_to_first_byte_p80_ms"] = round(
-            statistics.quantiles(fb, n=5)[3] * 1e3, 3)
-        out["one_block_total_ms"] = round(o.total_s * 1e3, 3)
+        out.update(await _one_block(pb, s, pb.puller))
+        if "granted" in pb.fewer:
+            out["granted"] = await _one_block(pb, s, pb.fewer["granted"])
         return out
     finally:
         await pb.close()
+
+
+async def _one_block(pb: _PullBench, s: Settings, via: Any) -> dict[str, float]:
+    """One-block pulls on a warm connection: the time from the hint to the first byte, the
+    whole pull, and its overhead (the pull less its block's copy; medians and p80)."""
+    fb, total, over = [], [], []
+    for _ in range(max(20, s.repeats)):
+        o = await pb.pull(1, via=via)
+        fb.append(o.phases["first_byte"])
+        total.append(o.total_s)
+        copy = o.phases.get("data", o.phases.get("read"))  # a read's copy (a stream: none)
+        if copy is not None:
+            over.append(o.total_s - copy)
+
+    def ms(v: list[float], q: int) -> float:
+        return round((statistics.median(v) if q == 2 else statistics.quantiles(v, n=5)[3])
+                     * 1e3, 3)
+
+    out = {"hint_to_first_byte_ms": ms(fb, 2), "hint_to_first_byte_p80_ms": ms(fb, 4),
+           "one_block_total_ms": ms(total, 2)}
+    if len(over) == len(total):
+        out.update(one_block_overhead_ms=ms(over, 2), one_block_overhead_p80_ms=ms(over, 4))
+    return out
 
 
 async def _check_pulls(pb: _PullBench) -> None:
@@ -638,9 +661,10 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                                                      "raw_gbps", "ratio", "messages", "reads",
                                                      "scattered_pull_gbps", "scattered_ratio",
                                                      "stream_ratio", "stream_scattered_ratio",
-                                                     "lanes1_ratio", "lanes0_ratio")
+                                                     "lanes1_ratio", "lanes0_ratio",
+                                                     "granted_ratio")
                                    if k in r}
-                            for size, r in result["pull"].items() if isinstance(r, dict)}}
+                            for size, r in result["pull"].items() if size.isdigit()}}
     elif "raw" in result:
         out["raw_gbps"] = result["raw"][biggest]["gbps"]
     if "chunked" in result:
@@ -661,19 +685,22 @@ def _print_human(res: dict[str, Any]) -> None:
             print(f"  {case:8s} {int(size) // MiB:5d} MiB  {r['gbps']:7.2f} GB/s "
                   f"[p20 {r['gbps_p20']:.2f}, p80 {r['gbps_p80']:.2f}]  {r['ms']:.2f} ms")
     for size, r in cases.get("pull", {}).items():
-        if isinstance(r, dict):
+        if size.isdigit():
             print(f"  pull     {int(size) // MiB:5d} MiB  {r['pull_gbps']:7.2f} GB/s "
                   f"[p20 {r['pull_gbps_p20']:.2f}, p80 {r['pull_gbps_p80']:.2f}]  "
                   f"raw {r['raw_gbps']:.2f} GB/s  ratio {r['ratio']:.2f}  {r['blocks']} blocks "
                   f"{r['messages']} messages {r['reads']} reads")
-            extra = [f"{k} {r[k]:.2f}" for k in ("scattered_ratio", "stream_ratio",
-                                                 "stream_scattered_ratio", "lanes1_ratio",
-                                                 "lanes0_ratio") if k in r]
+            extra = [f"{k} {r[k]:.2f}" for k in ("scattered_ratio", "granted_ratio",
+                                                 "stream_ratio", "stream_scattered_ratio",
+                                                 "lanes1_ratio", "lanes0_ratio") if k in r]
             if extra:
                 print(f"  pull     {int(size) // MiB:5d} MiB  " + "  ".join(extra))
-    if "pull" in cases:
-        print(f"  pull     hint-to-first-byte median {cases['pull']['hint_to_first_byte_ms']} ms "
-              f"(1 block, warm connection)")
+    for name, one in (("pull", cases.get("pull")),
+                      ("granted", cases.get("pull", {}).get("granted"))):
+        if one:
+            print(f"  {name:8s} 1 block (warm): hint to first byte {one['hint_to_first_byte_ms']}"
+                  f" ms, whole pull {one['one_block_total_ms']} ms, overhead "
+                  f"{one.get('one_block_overhead_ms', '-')} ms (medians)")
     nixl = res.get("compare", {}).get("nixl")
     if nixl is not None and "error" in nixl:
         print(f"  nixl     {nixl['error']}")

@@ -188,7 +188,7 @@ def compare(kvkern_result: dict[str, Any], timeout_s: float = 600.0) -> dict[str
     kvkern / NIXL ratios per size: the pull against NIXL's consecutive READ, the scattered
     pull against NIXL's scattered READ."""
     pull = kvkern_result.get("cases", {}).get("pull", {})
-    sizes = [s for s, r in pull.items() if isinstance(r, dict)]
+    sizes = [s for s, r in pull.items() if s.isdigit()]
     if not sizes:
         return {"error": "no pull case to compare (run with --cases including pull)"}
     cmd = [sys.executable, "-m", "kvkern.tools.nixlbench", "--json",
