@@ -13,9 +13,11 @@ aligned; ``buckets`` is a power of two, so a bucket is 256 bytes and a slot 32 b
     slot   [ hash | block_id | tag | 0 ]          tag = seq << 2 | cached << 1 | changing
 
 A hash ``h`` lives in bucket ``h & (buckets - 1)``, in any of its slots. A slot counts only
-while its tag is ``TAG_CACHED`` without ``TAG_CHANGING``. With at most ``2 * num_blocks``
-slots for ``num_blocks`` blocks a bucket is rarely full; a block whose bucket is full is left
-out (counted in :attr:`ReadDirectory.unpublished`) and readers take another path for it.
+while its tag is ``TAG_CACHED`` without ``TAG_CHANGING``. There is a bucket per block (rounded
+up to a power of two), so a bucket holds one block on average and is full (nine or more) with
+probability about 1e-6; a block whose bucket is full is left out (counted in
+:attr:`ReadDirectory.unpublished`) and readers take another path for it. (Half as many buckets
+fill one in fifty: a 512-block pull would then miss one of its blocks four times in five.)
 
 Writer (the pool, under its lock; ``s`` is the slot's current seq)
 ------------------------------------------------------------------
@@ -82,9 +84,8 @@ class ReadDirectory:
 
     def __init__(self, num_blocks: int) -> None:
         check_positive_int("num_blocks", num_blocks)
-        need = max(1, -(-2 * num_blocks // BUCKET_SLOTS))
         self._num_blocks = num_blocks
-        self._buckets = 1 << (need - 1).bit_length()
+        self._buckets = 1 << (num_blocks - 1).bit_length()  # a bucket per block (module doc)
         nbytes = self._buckets * BUCKET_BYTES
         self._buffer = np.zeros(nbytes + ALIGN, dtype=np.uint8)
         start = -self._buffer.ctypes.data % ALIGN
