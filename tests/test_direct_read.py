@@ -134,3 +134,35 @@ def test_read_index_is_advisory_and_bounded():
            {k: v for k, v in good.items() if k != "dir_key"}]
     for doc in bad:
         assert parse_read_index(doc) is None, doc
+
+
+def test_a_killed_source_ends_a_direct_read_promptly(make_puller):
+    """The destination holds the source's state (cached) and an open read endpoint when
+    the source dies: the next pull's direct read fails, the grant it then asks for cannot
+    connect, and the request runs unhinted within the transfer timeout, leaving nothing
+    behind."""
+    import signal  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from tests.test_pull import Source  # noqa: PLC0415
+
+    first, second = list(range(9, 9 + 4 * BS)), list(range(90_009, 90_009 + 4 * BS))
+    s = Source("source_peer.py", "--seq", f"9:{9 + 4 * BS}").wait_ready()
+    try:
+        s.commit(second)
+        group = make_group()
+        p = make_puller(group, direct_reads=True, transfer_timeout_s=2.0)
+        o = pull(p, "warm", first, hint_for(s, first))
+        assert o.used and o.messages == 0, o  # state cached, read endpoint open
+        group.manager.release(p.claim("warm"))
+        s.proc.send_signal(signal.SIGKILL)
+        s.proc.wait(10)
+        t0 = time.monotonic()
+        o = pull(p, "dead", second, hint_for(s, second))
+        assert not o.used and o.reason in (Reason.TRANSFER_FAILED, Reason.TRANSFER_TIMEOUT,
+                                           Reason.METADATA_FETCH_FAILED,
+                                           Reason.METADATA_TIMEOUT), o
+        assert time.monotonic() - t0 < 5, o
+        assert_clean(group)
+    finally:
+        s.kill()

@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 
 __all__ = ["DirectRead", "read_directly"]
 
+# Whole-directory buffers kept per source for the next pull: at most this many, each at most
+# this large (a directory is 256 B per pool block).
+SCRATCH_TABLES = 16
+SCRATCH_TABLE_BYTES = 4 << 20
+
 log = logging.getLogger("kvkern.xfer")
 
 
@@ -68,6 +73,8 @@ class DirectRead:
     def __init__(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV, index: ReadIndex,
                  receiver: ReadReceiver) -> None:
         self.job, self.pair, self.rank_kv, self.index = job, pair, rank_kv, index
+        self.scratch = receiver.direct_scratch  # used on the first lane's thread only
+        self.buffers: list[np.ndarray] = []  # what this read's reads write, besides blocks
         hashes = job.chained[job.local:job.local + job.count]
         self.want = np.asarray(hashes, dtype=np.uint64)
         self.buckets = bucket_of(self.want, index.dir_buckets)
@@ -123,17 +130,36 @@ class DirectRead:
 
         index = self.index
         if self.whole:
-            table = np.empty((index.dir_buckets, BUCKET_SLOTS, SLOT_WORDS), np.uint64)
+            table = self._table()
             read([(index.dir_key, [(table.ctypes.data, index.dir_base, table.nbytes)])])
             return table[self.buckets]
         k = len(self.want)
         rows = np.empty((k, BUCKET_SLOTS, SLOT_WORDS), np.uint64)
+        self.buffers.append(rows)
         local = np.uint64(rows.ctypes.data) + np.arange(k, dtype=np.uint64) * np.uint64(
             BUCKET_BYTES)
         remote = np.uint64(index.dir_base) + self.buckets.astype(np.uint64) * np.uint64(
             BUCKET_BYTES)
         read([(index.dir_key, coalesce_arrays(local, remote, BUCKET_BYTES))])
         return rows
+
+    def _table(self) -> np.ndarray:
+        """A buffer for the whole directory: this source's from earlier reads when it is
+        small (no fresh pages to fault in per pull), else a new one."""
+        index = self.index
+        shape = (index.dir_buckets, BUCKET_SLOTS, SLOT_WORDS)
+        if index.dir_buckets * BUCKET_BYTES > SCRATCH_TABLE_BYTES:
+            table = np.empty(shape, np.uint64)
+            self.buffers.append(table)
+            return table
+        key = (index.dir_key, index.dir_base, index.dir_buckets)
+        table = self.scratch.pop(key, None)
+        if table is None:
+            table = np.empty(shape, np.uint64)
+        self.scratch[key] = table  # most recently used last
+        while len(self.scratch) > SCRATCH_TABLES:
+            del self.scratch[next(iter(self.scratch))]
+        return table
 
     def _slots(self, read: Reader, slot: np.ndarray) -> np.ndarray:
         """The found slots' words, read again after the blocks."""
@@ -143,6 +169,7 @@ class DirectRead:
             return entries(self._directory(read), slot)
         k = len(self.want)
         post = np.empty((k, SLOT_WORDS), np.uint64)
+        self.buffers.append(post)
         local = np.uint64(post.ctypes.data) + np.arange(k, dtype=np.uint64) * np.uint64(
             SLOT_BYTES)
         remote = np.uint64(self.index.dir_base) + slot_offsets(self.buckets, slot).astype(
@@ -173,6 +200,9 @@ async def read_directly(receiver: ReadReceiver, job: PullJob, pair: PeerTransfer
         first = await lanes.run_script(worker, direct, timeout=xfer_t)
     except ReadsStuck:
         job.quarantined = True
+        # UCX may still write the directory buffers: never reuse (or free) them
+        receiver.stuck_buffers.extend([*direct.buffers, *receiver.direct_scratch.values()])
+        receiver.direct_scratch.clear()
         raise
     except TransportError as exc:
         if exc.reason != "transfer_failed":

@@ -259,6 +259,9 @@ class ReadReceiver:
         self._closed = closed
         self._spawn = spawn
         self.lanes: ReadLanes | None = None  # made by the first lane read
+        # whole read directories by source (kvkern.xfer.direct; first lane's thread only)
+        self.direct_scratch: dict[tuple, np.ndarray] = {}
+        self.stuck_buffers: list[np.ndarray] = []  # written by reads that outlived their abort
         self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
 
     def can_read(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
