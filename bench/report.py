@@ -109,7 +109,9 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
            "directory) and `stream` (pack, send, unpack) are the same pull "
            "by other paths in the same runs (`-`: not measured by that record); "
            "`scattered` reads from a source whose blocks are "
-           "shuffled in its pool. Cells are median [min-max] (runs) over the records.", ""]
+           "shuffled in its pool. Cells are median [min-max] (runs) over the records. "
+           "Records with a `granted` figure read directly in `ratio`, `scattered` and `one "
+           "lane`; the older ones asked for a grant there.", ""]
     if not records:
         return out + ["No run is recorded.", ""]
     by_layout: dict[str, list[tuple[str, dict]]] = {}
