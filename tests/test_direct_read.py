@@ -166,3 +166,66 @@ def test_a_killed_source_ends_a_direct_read_promptly(make_puller):
         assert_clean(group)
     finally:
         s.kill()
+
+
+def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeypatch):
+    """The source keeps evicting a prefix, writing another prefix's KV into the freed blocks,
+    evicting that and committing the prefix again (its KV a function of its hashes, so the
+    same bytes each time), while the destination pulls the prefix over and over. Every pull
+    the destination uses holds exactly the prefix's bytes: a block overwritten during a
+    direct read is caught by the directory (or the read asks for a grant), never used."""
+    import collections  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from tests.test_pull import Source, block_bytes, sha  # noqa: PLC0415
+
+    tokens, other = list(range(5, 5 + 8 * BS)), list(range(70_005, 70_005 + 8 * BS))
+    s = Source("source_peer.py", "--num-blocks", "24", "--kv-by-hash").wait_ready()
+    try:
+        hashes = s.commit(tokens)
+        want = {h: d["sha256"]["0"] for h, d in
+                ((int(k), v) for k, v in s.blocks(hashes).items())}
+        group = make_group()
+        p = make_puller(group, direct_reads=True, default_policy="strict")
+        misses: list[str] = []
+        call = direct.DirectRead.__call__
+
+        def counted(self, read):
+            first = call(self, read)
+            if self.miss:
+                misses.append(self.miss)
+            return first
+
+        monkeypatch.setattr(direct.DirectRead, "__call__", counted)
+        # the prefix held 2 ms a round (a round takes about as long): pulls meet it cached,
+        # absent, and changing under their reads
+        s.http("POST", "/test/churn", {"tokens": tokens, "other": other, "seconds": 6.0,
+                                       "pause_s": 0.002})
+        seen: dict[str, int] = {}
+        used = unasked = 0
+        end = time.monotonic() + 5.0
+        i = 0
+        while time.monotonic() < end:
+            i += 1
+            o = pull(p, f"churn-{i}", tokens, hint_for(s, tokens))
+            seen[o.reason.value] = seen.get(o.reason.value, 0) + 1
+            if not o.used:
+                continue
+            used += 1
+            unasked += o.messages == 0
+            ids = p.claim(f"churn-{i}")
+            for h, bid in zip(hashes, ids, strict=True):
+                assert sha(block_bytes(group, 0, bid)) == want[h], (i, o)
+            group.manager.release(ids)
+            group.manager.evict(hashes)  # pull it again next time
+        churned = s.http("GET", "/test/churn")
+        stats = (seen, used, unasked, churned, collections.Counter(m.split(" ", 1)[-1]
+                                                                  for m in misses))
+        assert churned["error"] is None and churned["rounds"] > 20, stats
+        assert used and unasked, stats  # reads without a message ran during the churn
+        assert set(seen) <= {"ok", "source_miss"}, stats
+        print("churn:", stats)
+        assert_clean(group)
+        s.wait_no_pins()
+    finally:
+        s.kill()

@@ -40,6 +40,8 @@ Flags
 ``--http-port N``             default 0 (the OS picks)
 ``--worker-id ID``            default "source-peer"
 ``--lifetime-s S``            exit after S seconds (default 120)
+``--kv-by-hash``              a committed block's KV is a function of its hash (and rank), so
+                              a prefix committed again holds the same bytes
 
 Test-only HTTP routes (``extra_routes``)
 ----------------------------------------
@@ -53,6 +55,11 @@ Test-only HTTP routes (``extra_routes``)
 ``POST /test/commit``     body ``{"tokens": [...]}`` or ``{"range": [A, B]}``: commit the full
                           blocks (new blocks get fresh random KV); answers ``{"hashes",
                           "block_ids"}``
+``POST /test/churn``      body ``{"tokens", "other", "seconds", "pause_s"}``: in a thread, until
+                          the time is up: evict ``tokens``' blocks, commit ``other`` (fresh
+                          KV in the blocks just freed), evict those, commit ``tokens`` again,
+                          hold them ``pause_s``;
+                          ``GET /test/churn`` answers ``{"rounds", "running", "error"}``
 ``GET  /test/blocks``     ``?hashes=h1,h2[&layers=A:B][&heads=C:D]``: per hash, its block id
                           and per rank the sha256 of the block's canonical staging bytes
                           ``[1, L', 2, H', T, D]`` (rank-local layer/head ranges; all by
@@ -160,6 +167,7 @@ class Peer:
             ranks[r] = RankKV(r, layout, layout.allocate(fill="random", generator=self.gen))
         self.group = KVGroup(self.topo, 0, self.pool, ranks)
         self.lock = threading.Lock()  # KV writes (commit) vs reads (blocks)
+        self.churned: dict = {"rounds": 0, "running": False, "error": None}
         self.service = FaultySource(
             [self.group], worker_id=args.worker_id, http_port=args.http_port,
             chunk_bytes=args.chunk_bytes, chunks_in_flight=args.chunks_in_flight,
@@ -173,6 +181,8 @@ class Peer:
                           web.post("/test/evict", self.h_evict),
                           web.post("/test/commit", self.h_commit),
                           web.get("/test/blocks", self.h_blocks),
+                          web.post("/test/churn", self.h_churn),
+                          web.get("/test/churn", self.h_churn),
                           web.post("/test/faults", self.h_faults)])
 
     # ---- KV helpers
@@ -187,18 +197,46 @@ class Peer:
             if new is None:
                 self.pool.release(have)
                 raise web.HTTPInsufficientStorage(text="pool full")
-            for rkv in self.group.ranks.values():  # fresh KV in the new blocks
+            for r, rkv in self.group.ranks.items():  # fresh KV in the new blocks
                 if not new:
                     break
                 staging = allocate_staging(rkv.layout, len(new))
-                raw = torch.randint(0, 256, (staging.numel() * staging.element_size(),),
-                                    dtype=torch.uint8, generator=self.gen)
-                staging.view(-1).view(torch.uint8).copy_(raw)
+                flat = staging.view(-1).view(torch.uint8)
+                if self.args.kv_by_hash:  # each block's bytes a function of its hash
+                    per = flat.numel() // len(new)
+                    for j, h in enumerate(hs[len(have):]):
+                        g = torch.Generator().manual_seed((h + r) & ((1 << 63) - 1))
+                        flat[j * per:(j + 1) * per].copy_(
+                            torch.randint(0, 256, (per,), dtype=torch.uint8, generator=g))
+                else:
+                    flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8,
+                                             generator=self.gen))
                 unpack(staging, rkv.pool, rkv.layout, new)
             ids = have + new
             self.pool.commit(ids, hs)
             self.pool.release(ids)
         return {"hashes": hs, "block_ids": ids}
+
+    def churn(self, tokens: list[int], other: list[int], seconds: float,
+              pause_s: float) -> None:
+        """Until ``seconds`` pass: evict ``tokens``' blocks, commit ``other`` (its fresh KV
+        lands in the blocks just freed), evict those, commit ``tokens`` again, hold them
+        ``pause_s``; counts rounds in ``self.churned``."""
+        hs = sequence_hashes(tokens, self.args.block_size, self.args.hash_scheme)
+        hs_other = sequence_hashes(other, self.args.block_size, self.args.hash_scheme)
+        end = time.monotonic() + seconds
+        try:
+            while time.monotonic() < end:
+                self.evict(hs)
+                self.commit_tokens(other)
+                self.evict(hs_other)
+                self.commit_tokens(tokens)
+                self.churned["rounds"] += 1
+                time.sleep(pause_s)
+        except Exception as exc:  # noqa: BLE001 (reported by GET /test/churn)
+            self.churned["error"] = repr(exc)
+        finally:
+            self.churned["running"] = False
 
     def evict(self, hashes: list[int]) -> dict:
         """Drop cached, unheld blocks from the index (BlockPool.evict), then check the pool."""
@@ -242,6 +280,19 @@ class Peer:
         body = await request.json()
         tokens = body["tokens"] if "tokens" in body else list(range(*body["range"]))
         return web.json_response(self.commit_tokens([int(t) for t in tokens]))
+
+    async def h_churn(self, request: web.Request) -> web.Response:
+        if request.method == "POST":
+            body = await request.json()
+            if self.churned["running"]:
+                raise web.HTTPConflict(text="already churning")
+            self.churned.update(rounds=0, running=True, error=None)
+            threading.Thread(target=self.churn, daemon=True,
+                             args=([int(t) for t in body["tokens"]],
+                                   [int(t) for t in body["other"]],
+                                   float(body["seconds"]),
+                                   float(body.get("pause_s", 0.0)))).start()
+        return web.json_response(self.churned)
 
     async def h_blocks(self, request: web.Request) -> web.Response:
         q = request.query
@@ -294,6 +345,7 @@ def main() -> int:
     ap.add_argument("--http-port", type=int, default=0)
     ap.add_argument("--worker-id", default="source-peer")
     ap.add_argument("--lifetime-s", type=float, default=120.0)
+    ap.add_argument("--kv-by-hash", action="store_true")
     args = ap.parse_args()
 
     parent = os.getppid()
