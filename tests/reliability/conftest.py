@@ -67,14 +67,16 @@ def pytest_runtest_makereport(item, call):
 @pytest.fixture(scope="session")
 def cluster():
     """S: the source; K, K2: two more sources, which the stream and the read kill cases
-    kill; D1..D4: destinations, which ask the source for every read (``--direct-reads off``:
-    the faults act on that exchange; tests/test_direct_read.py covers reads without it). All
-    are fault workers (the real ``kvkern worker`` plus test routes) on 127.0.0.1."""
+    kill; D1..D4: destinations. D1, the fault matrix's, asks the source for every read
+    (``--direct-reads off``: the faults act on that exchange); D4 (trtllm, as S) reads S
+    directly under load. All are fault workers (the real ``kvkern worker`` plus test routes)
+    on 127.0.0.1."""
     t0 = time.monotonic()
     specs = {"S": [*COMMON, "--worker-id", "S"], "K": [*COMMON, "--worker-id", "K"],
              "K2": [*COMMON, "--worker-id", "K2"]}
     for i in range(1, 5):
-        specs[f"D{i}"] = [*COMMON, "--worker-id", f"D{i}", "--direct-reads", "off",
+        specs[f"D{i}"] = [*COMMON, "--worker-id", f"D{i}",
+                          "--direct-reads", "off" if i == 1 else "on",
                           "--layout", ("trtllm", "vllm_flash", "vllm_nhd", "trtllm")[i - 1]]
     procs = start_fault_workers(specs, env={"KVKERN_TEST_MAX_SENDS": "64"})
     procs["_startup_s"] = time.monotonic() - t0
