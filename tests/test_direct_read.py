@@ -42,6 +42,7 @@ def test_direct_read_sends_no_message(src, make_puller, n_blocks):
     assert o.used and o.reason is Reason.OK and o.blocks_transferred == n_blocks, o
     assert o.messages == 0 and o.reads >= 1 and "direct" in o.phases, o
     assert served_kinds(src, sent) == {k: 0 for k in sent}  # the source saw no request
+    assert p.metrics.value("kvkern_direct_reads_total", result="used") == 1
     ids = claim_check_release(p, group, src, f"direct-{n_blocks}", hashes)
     assert_only_changed(group, before, set(ids))
     assert_clean(group)
@@ -77,6 +78,7 @@ def test_a_hash_missing_from_the_directory_asks_for_a_grant(src, make_puller):
     o = pull(p, "missing", tokens, hint_for(src, tokens))
     assert o.used and o.reason is Reason.PARTIAL and o.blocks_transferred == 5, o
     assert o.messages >= 2 and served_kinds(src, sent)["read"] == 1, o  # the granted way
+    assert p.metrics.value("kvkern_direct_reads_total", result="missing") == 1
     claim_check_release(p, group, src, "missing", hashes[:5])
     assert_clean(group)
 
@@ -109,6 +111,7 @@ def test_blocks_changed_during_the_read_are_never_used(src, make_puller, monkeyp
     sent = stats(src)
     o = pull(p, f"changed-{recommit}", tokens, hint_for(src, tokens))
     assert calls == [1]
+    assert p.metrics.value("kvkern_direct_reads_total", result="changed") == 1
     if recommit:
         assert o.used and o.blocks_transferred == 6 and served_kinds(src, sent)["read"] == 1, o
         claim_check_release(p, group, src, f"changed-{recommit}", hashes)

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from kvkern.layout.plan import PeerTransfer
     from kvkern.layout.segments import BlockSegments
     from kvkern.xfer.kvgroup import RankKV
+    from kvkern.xfer.metrics import XferMetrics
     from kvkern.xfer.read_lanes import Reader
     from kvkern.xfer.receive import ReadReceiver
     from kvkern.xfer.state import ReadIndex
@@ -88,11 +89,12 @@ class DirectRead:
             read_segment_bytes=index.segment_bytes, read_more_rkeys=list(index.keys[1:]),
             read_more_bases=list(index.bases[1:]),
             read_native=job.state.reads.get((job.source_dp, pair.src_rank)) == "native")
-        self.segs: BlockSegments = receiver._check_offer(job, pair, self.template, rank_kv)
+        self.segs: BlockSegments = receiver.check_offer(job, pair, self.template, rank_kv)
         self.whole = index.dir_buckets * BUCKET_BYTES <= len(self.want) * DIRECTORY_READ_COST_BYTES
         self.reads = 0
         self.data_s = 0.0  # the block reads alone (step 2)
         self.miss = ""  # why nothing was kept (a grant is asked for instead)
+        self.result = "used"  # kvkern.xfer.metrics.DIRECT_READ_RESULTS
 
     # ---- on the first lane's thread
 
@@ -103,15 +105,17 @@ class DirectRead:
         slot, block, _ = find(rows, self.want)
         if (block < 0).any():
             self.miss = f"{int((block < 0).sum())} of {len(block)} hashes not in the directory"
+            self.result = "missing"
             return None
         if (block >= self.index.blocks).any():
             self.miss = "the directory names a block beyond the pool"
+            self.result = "failed"
             return None
         pre = entries(rows, slot)
         grant = msgspec.structs.replace(self.template, read_blocks=block.tolist())
         from kvkern.xfer.receive import ReadReceiver  # noqa: PLC0415
 
-        parts = ReadReceiver._parts(self.job, self.pair, grant, self.rank_kv, self.segs)
+        parts = ReadReceiver.grant_runs(self.job, self.pair, grant, self.rank_kv, self.segs)
         keys = [grant.read_rkey, *grant.read_more_rkeys]
         t = time.perf_counter()
         first = read([(keys[j], runs) for j, runs in parts.items()])
@@ -121,6 +125,7 @@ class DirectRead:
         kept = stable(pre, post, self.want)
         if not kept.all():
             self.miss = f"{int((~kept).sum())} blocks changed while they were read"
+            self.result = "changed"
             return None
         return first
 
@@ -179,7 +184,8 @@ class DirectRead:
 
 
 async def read_directly(receiver: ReadReceiver, job: PullJob, pair: PeerTransfer,
-                        rank_kv: RankKV, xfer_t: float) -> int | None:
+                        rank_kv: RankKV, xfer_t: float,
+                        metrics: XferMetrics | None = None) -> int | None:
     """The pair's blocks read directly into the private blocks: the served count (every
     wanted block), or None when the caller must ask for a grant (nothing read counts; the
     private blocks are rewritten by the granted read)."""
@@ -205,12 +211,16 @@ async def read_directly(receiver: ReadReceiver, job: PullJob, pair: PeerTransfer
         receiver.direct_scratch.clear()
         raise
     except TransportError as exc:
+        if metrics is not None:
+            metrics.direct_read("failed")
         if exc.reason != "transfer_failed":
             raise
         receiver.lanes_failed(worker, exc)  # the granted read goes on the connection
         job.phases["direct"] = time.perf_counter() - t
         return None
     job.phases["direct"] = time.perf_counter() - t
+    if metrics is not None:
+        metrics.direct_read(direct.result)
     if direct.miss:
         log.debug("pull %r: direct read not used (%s): asking for a grant",
                   job.rec.request_id, direct.miss)

@@ -63,6 +63,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     10.0, 30.0, 60.0,
 )
 SOURCE_STATUSES: tuple[str, ...] = ("ok", "partial", "miss", "rejected", "busy", "error")
+DIRECT_READ_RESULTS: tuple[str, ...] = ("used", "missing", "changed", "failed")
 _LABEL_RE = re.compile(r"[a-z0-9_]{1,64}")
 
 
@@ -110,6 +111,9 @@ class XferMetrics:
         self.bytes_transferred = counter("bytes_transferred", "KV bytes received.")
         self.blocks_skipped = counter("blocks_skipped", "Hinted blocks the destination "
                                       "already held (not transferred).")
+        self.direct_reads = counter("direct_reads", "Pairs read without a message to the "
+                                    "source, by result (used; else a grant was asked for).",
+                                    ("result",))
         self.pulls_in_flight = Gauge(p + "pulls_in_flight", "Pulls in progress.", registry=r)
         self.phase_seconds = Histogram(p + "phase_seconds", "Latency of each pull phase.",
                                        ("phase",), buckets=LATENCY_BUCKETS, registry=r)
@@ -135,6 +139,8 @@ class XferMetrics:
             self.phase_seconds.labels(phase=ph)
         for status in SOURCE_STATUSES:
             self.source_requests.labels(status=status)
+        for result in DIRECT_READ_RESULTS:
+            self.direct_reads.labels(result=result)
 
     # ------------------------------------------------------------------- destination side
 
@@ -166,6 +172,11 @@ class XferMetrics:
 
     def skipped(self, blocks: int) -> None:
         self.blocks_skipped.inc(_count("blocks", blocks))
+
+    def direct_read(self, result: str) -> None:
+        """A direct read ended: ``used``, ``missing`` (a hash not in the directory),
+        ``changed`` (a block changed while read) or ``failed`` (the lanes failed)."""
+        self.direct_reads.labels(result=_label("direct read", result)).inc()
 
     def pull_started(self) -> None:
         self.pulls_in_flight.inc()

@@ -296,8 +296,8 @@ class ReadReceiver:
         source counts from its receipt, so our window closes first); else only
         ``ReadAck(held=True)`` after our ReadDone makes them count. See
         :mod:`kvkern.xfer.ucp_rma`."""
-        segs = self._check_offer(job, pair, reply, rank_kv)
-        parts = self._parts(job, pair, reply, rank_kv, segs)
+        segs = self.check_offer(job, pair, reply, rank_kv)
+        parts = self.grant_runs(job, pair, reply, rank_kv, segs)
         t = time.perf_counter()
         key = (job.source_dp, pair.src_rank)
         keys = [reply.read_rkey, *reply.read_more_rkeys]
@@ -311,7 +311,7 @@ class ReadReceiver:
         job.phases["read"] = job.phases.get("read", 0.0) + (t_ack - t)
         await self._confirm(job, pair, conn, reply, xfer_t, t_req, t_ack)
 
-    def _check_offer(self, job: PullJob, pair: PeerTransfer, reply: ReadGrant,
+    def check_offer(self, job: PullJob, pair: PeerTransfer, reply: ReadGrant,
                      rank_kv: RankKV) -> BlockSegments:
         """The destination segments the offer's reads land in; Fallback when the offer is
         not what this pair's state and plan promise."""
@@ -343,7 +343,7 @@ class ReadReceiver:
         return segs
 
     @staticmethod
-    def _parts(job: PullJob, pair: PeerTransfer, reply: ReadGrant, rank_kv: RankKV,
+    def grant_runs(job: PullJob, pair: PeerTransfer, reply: ReadGrant, rank_kv: RankKV,
                segs: BlockSegments) -> dict[int, list]:
         """Per source segment (remote key index), the coalesced ``(local, remote, nbytes)``
         runs that move the pair's pieces of every served block."""

@@ -289,7 +289,7 @@ class PullRunner:
         """One (source rank, destination rank) pair; returns the validated served count."""
         rank_kv = self.group.ranks[pair.dst_rank]
         if self._direct(job, pair, rank_kv):  # no message: the directory confirms the read
-            served = await read_directly(self.reads, job, pair, rank_kv, xfer_t)
+            served = await read_directly(self.reads, job, pair, rank_kv, xfer_t, self.metrics)
             if served is not None:
                 return served
         conn = await self._connect(job, addr, xfer_t)
