@@ -49,6 +49,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -560,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         worker = Worker(opts)
         worker.start()
+        # What start-up made (model, pools, imports) lives as long as the process: frozen, a
+        # full collection no longer walks it (unfrozen, one took 93-110 ms, inside pulls).
+        gc.freeze()
         print(READY_PREFIX + json.dumps(worker.ready_info()), flush=True)
         while not stop.wait(1.0):
             pass
