@@ -232,3 +232,13 @@ def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeyp
         s.wait_no_pins()
     finally:
         s.kill()
+
+
+def test_the_whole_directory_is_read_only_when_small():
+    """By bucket when the directory is larger than the wanted hashes' small reads cost, and
+    always beyond 64 MiB: a source announcing 2**30 buckets (256 GiB) makes no pull read or
+    allocate it whole, however many blocks it asks for."""
+    assert direct.read_whole(1024, 16) and not direct.read_whole(1024, 15)  # 256 KiB
+    assert direct.read_whole(1 << 18, 1 << 20)  # 64 MiB, a million hashes
+    assert not direct.read_whole((1 << 18) + 1, 1 << 20)
+    assert not direct.read_whole(1 << 30, 1 << 20)

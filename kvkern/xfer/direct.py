@@ -57,14 +57,25 @@ if TYPE_CHECKING:
     from kvkern.xfer.receive import ReadReceiver
     from kvkern.xfer.state import ReadIndex
 
-__all__ = ["DirectRead", "read_directly"]
+__all__ = ["DirectRead", "read_directly", "read_whole"]
 
 # Whole-directory buffers kept per source for the next pull: at most this many, each at most
 # this large (a directory is 256 B per pool block).
 SCRATCH_TABLES = 16
 SCRATCH_TABLE_BYTES = 4 << 20
+# A larger directory is read by bucket, whatever the pull's size (no read, and no buffer, of
+# more than this on a source's word).
+MAX_WHOLE_DIRECTORY_BYTES = 64 << 20
 
 log = logging.getLogger("kvkern.xfer")
+
+
+def read_whole(dir_buckets: int, k: int) -> bool:
+    """Look ``k`` hashes up by reading the whole directory of ``dir_buckets`` buckets (else
+    one bucket each): when it is no more bytes than ``k`` small reads cost, and never more
+    than :data:`MAX_WHOLE_DIRECTORY_BYTES` (the size is the source's word)."""
+    table = dir_buckets * BUCKET_BYTES
+    return table <= min(k * DIRECTORY_READ_COST_BYTES, MAX_WHOLE_DIRECTORY_BYTES)
 
 
 class DirectRead:
@@ -90,7 +101,7 @@ class DirectRead:
             read_more_bases=list(index.bases[1:]),
             read_native=job.state.reads.get((job.source_dp, pair.src_rank)) == "native")
         self.segs: BlockSegments = receiver.check_offer(job, pair, self.template, rank_kv)
-        self.whole = index.dir_buckets * BUCKET_BYTES <= len(self.want) * DIRECTORY_READ_COST_BYTES
+        self.whole = read_whole(index.dir_buckets, len(self.want))
         self.reads = 0
         self.data_s = 0.0  # the block reads alone (step 2)
         self.miss = ""  # why nothing was kept (a grant is asked for instead)
