@@ -138,7 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tokens per prefill step (default: the whole prompt at once)")
     model.add_argument("--max-new-tokens", type=positive_int, default=256,
                        help="cap on a request's max_new_tokens")
-    pull = p.add_argument_group("pull policy and bounds")
+    _add_pull_flags(p.add_argument_group("pull policy and bounds"))
+    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
+                   help="stderr log level; INFO shows one line per pull outcome")
+    p.add_argument("--debug-send-delay-s", type=nonneg_float, default=0.0,
+                   help=argparse.SUPPRESS)  # fault tests: the source stalls each send
+    return p
+
+def _add_pull_flags(pull: argparse._ArgumentGroup) -> None:
     pull.add_argument("--policy", choices=("strict", "best_effort"), default="strict",
                       help="strict: all hinted blocks or none; best_effort: the longest "
                            "prefix served")
@@ -167,11 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="read a source that publishes its read directory (remote read on "
                            "its side) without a message to it, confirmed by the directory; "
                            "'off' asks the source for a grant before every read")
-    p.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS,
-                   help="stderr log level; INFO shows one line per pull outcome")
-    p.add_argument("--debug-send-delay-s", type=nonneg_float, default=0.0,
-                   help=argparse.SUPPRESS)  # fault tests: the source stalls each send
-    return p
+
 
 
 def check_options(opts: argparse.Namespace) -> None:

@@ -86,12 +86,13 @@ class RegionRegistry:
     def get(self, rank: int) -> RegisteredPool | None:
         return self._pools.get(rank)
 
-    def register(self, ranks: Iterable[RankKV]) -> None:
+    def register(self, ranks: Iterable[RankKV], groups: Iterable[KVGroup] = ()) -> None:
         """Register each rank's pool for remote reads where ``remote_read`` allows it: by
         canonical segments (:attr:`RankKV.read_segments`: block rows, or each layer of a
         per-layer HND pool; any destination and plan pieces), else by the pool's own
         segments (:attr:`RankKV.native_segments`: destinations of the same layout, whole
-        blocks). A rank with neither is served by the stream (logged, not an error)."""
+        blocks). A rank with neither is served by the stream (logged, not an error). Then
+        the read directories of ``groups`` (:meth:`register_directories`)."""
         if self.remote_read == "off":
             return
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
@@ -113,6 +114,7 @@ class RegionRegistry:
                 self._pools[rank_kv.rank] = RegisteredPool(segs, regions, native)
         if self._pools:
             self.read_worker = worker_address_hex()
+            self.register_directories(groups)
 
     def register_directories(self, groups: Iterable[KVGroup]) -> None:
         """Register the read directory of each group whose block manager offers one

@@ -381,9 +381,8 @@ class SourceService:
             for device in {ctx.rkv.device for ctx in self._ctx.values()}:
                 self.staging.prewarm(device, cfg.chunk_bytes, cfg.chunks_in_flight)
             if self.credential is not None:  # no credential: peers are not served at all
-                self.regions.register(ctx.rkv for ctx in self._ctx.values())
-                if cfg.read_directory:
-                    self.regions.register_directories(self.groups)
+                self.regions.register((ctx.rkv for ctx in self._ctx.values()),
+                                      self.groups if cfg.read_directory else ())
                 await self._start_listeners()
             else:
                 log.warning("source %s has no fleet credential (%s): serving no peers",
