@@ -49,25 +49,6 @@ def test_direct_read_sends_no_message(src, make_puller, n_blocks):
     src.wait_no_pins()
 
 
-def test_direct_read_of_a_remote_tail(src, make_puller):
-    tokens = fresh_tokens(12 * BS)
-    hashes = src.commit(tokens)
-    group = make_group()
-    mgr = group.manager
-    local_ids = mgr.allocate(4)  # the destination computed the first 4 blocks itself
-    mgr.commit(local_ids, hashes[:4])
-    mgr.release(local_ids)
-    before = snapshot(group)
-    p = make_puller(group, direct_reads=True)
-    o = pull(p, "tail", tokens, hint_for(src, tokens))
-    assert o.used and (o.blocks_local, o.blocks_transferred, o.messages) == (4, 8, 0), o
-    ids = claim_check_release(p, group, src, "tail", hashes[4:])
-    assert not set(ids) & set(local_ids)
-    assert_only_changed(group, before, set(ids))
-    assert mgr.longest_prefix(hashes) == 12
-    assert_clean(group)
-
-
 def test_a_hash_missing_from_the_directory_asks_for_a_grant(src, make_puller):
     tokens = fresh_tokens(8 * BS)
     hashes = src.commit(tokens)

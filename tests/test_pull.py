@@ -14,9 +14,9 @@ A pair between two trtllm pools (whole contiguous block rows) is read one-sided 
 (``XferConfig.remote_read``, the source's "read/1"); tests about the stream's chunks ask for
 the stream explicitly (``remote_read=False``), the fault tests run both, and the tests at the
 end cover the read path itself. Pullers here ask the source for every read (a grant:
-``direct_reads=False``), so the protocol's messages stay visible; reads without a message are
-covered in tests/test_direct_read.py. The source peer counts the replies it sent by kind
-(``/test/stats`` "replies"), so a test can tell which path a pull took.
+``direct_reads=False``; one test runs both ways), so the protocol's messages stay visible;
+reads without a message are covered in tests/test_direct_read.py. The source peer counts the
+replies it sent by kind (``/test/stats`` "replies"), so a test can tell which path a pull took.
 """
 
 from __future__ import annotations
@@ -341,7 +341,9 @@ def test_other_engine_layouts_and_split_blocks(src, make_puller, layout, chunk_b
     src.wait_no_pins()
 
 
-def test_local_prefix_and_remote_tail(src, make_puller):
+@pytest.mark.parametrize("direct", [False, True], ids=["granted", "direct"])
+def test_local_prefix_and_remote_tail(src, make_puller, direct):
+    """(``direct``: the tail read without a message, kvkern.xfer.direct.)"""
     tokens = fresh_tokens(12 * BS)
     hashes = src.commit(tokens)
     group = make_group()
@@ -350,9 +352,10 @@ def test_local_prefix_and_remote_tail(src, make_puller):
     mgr.commit(local_ids, hashes[:5])
     mgr.release(local_ids)
     before = snapshot(group)
-    p = make_puller(group)
+    p = make_puller(group, direct_reads=direct)
     o = pull(p, "tail", tokens, hint_for(src, tokens))
     assert o.used and (o.blocks_local, o.blocks_requested, o.blocks_transferred) == (5, 7, 7), o
+    assert (o.messages == 0) == direct, o
     assert o.bytes_transferred == 7 * group.ranks[0].layout.bytes_per_block
     ids = claim_check_release(p, group, src, "tail", hashes[5:])
     assert not set(ids) & set(local_ids)
