@@ -16,9 +16,11 @@ from kvkern.xfer.ucp_rma import rma_unavailable
 
 
 @pytest.mark.parametrize("layout,tp,reads", [("trtllm", "1:1", 1), ("vllm_hnd", "1:1", 8),
-                                             ("trtllm", "2:1", 0)])
+                                             ("trtllm", "2:1", 2), ("trtllm", "1:2", 0)])
 def test_bench_xfer_pull_json(layout, tp, reads):
-    """(A 2:1 reshard's runs are below read_min_run_bytes: it streams, 2 pairs.)"""
+    """(A 2:1 reshard reads each source rank's consecutive blocks in one read scattered
+    over the destination's rows: 2 pairs, 2 reads; a 1:2 reshard's runs, a head range of
+    each layer's K or V, are below read_min_run_bytes: it streams, 2 pairs.)"""
     if rma_unavailable() is not None:
         pytest.skip(f"one-sided reads unavailable: {rma_unavailable()}")
     cmd = [sys.executable, "-m", "kvkern", "bench", "xfer", "--cases", "raw,pull",

@@ -8,9 +8,10 @@ import pytest
 from kvkern.layout.chunks import count_chunks, direct_order, plan_chunks
 from kvkern.layout.plan import plan_transfer
 from kvkern.layout.segments import (
-    min_run_bytes,
     piece_nbytes,
+    segment_gathers,
     segment_runs,
+    source_segment_bytes,
     spans_whole_block,
     whole_block_pair,
 )
@@ -40,10 +41,28 @@ def test_tp_reshard_cuts_runs_per_layer_and_kv():
     tr = next(tr for tr in plan_transfer(src_t, 0, dst_t, 0).transfers if tr.dst_rank == 0)
     assert not whole_block_pair(tr.pieces, src, dst)
     row = MODEL.block_size * MODEL.head_dim * 2  # one head's [T, D] in fp16
-    assert min_run_bytes(tr.pieces, src, dst) == 2 * row  # two heads of one layer's K or V
     runs = segment_runs(tr.pieces, src, dst, src.bytes_per_block, dst.bytes_per_block)
     assert len(runs) == MODEL.num_layers * 2
     assert sum(r[4] for r in runs) == dst.bytes_per_block
+    # each a head range of one layer's K or V, apart on the source side: no gather merges
+    gathers = segment_gathers(tr.pieces, src, dst, src.bytes_per_block, dst.bytes_per_block)
+    assert [g[2] for g in gathers] == [2 * row] * len(runs)
+
+
+def test_tp_reshard_into_a_wider_rank_reads_each_source_block_once():
+    """TP2 -> TP1: a source rank's whole block is a head range of every destination layer:
+    one gather of the source block, scattered over a piece per layer and K/V."""
+    src_t, dst_t = topo(tp=2), topo(tp=1)
+    src, dst = src_t.local_layout(1, 8), dst_t.local_layout(0, 8)
+    tr = next(tr for tr in plan_transfer(src_t, 0, dst_t, 0).transfers if tr.src_rank == 1)
+    row = MODEL.block_size * MODEL.head_dim * 2
+    half = MODEL.num_kv_heads // 2
+    assert source_segment_bytes(src) == src.bytes_per_block
+    ((j, off, n, pieces),) = segment_gathers(tr.pieces, src, dst, src.bytes_per_block,
+                                             dst.bytes_per_block)
+    assert (j, off, n) == (0, 0, src.bytes_per_block)
+    assert pieces == tuple((0, (i * MODEL.num_kv_heads + half) * row, half * row)
+                           for i in range(MODEL.num_layers * 2))
 
 
 @pytest.mark.parametrize("lengths,n,limit", [([10], 7, 30), ([10, 4], 5, 8), ([100], 3, 32)])

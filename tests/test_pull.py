@@ -41,6 +41,7 @@ from kvkern.cache.hashing import local_block_hashes, sequence_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.kernels.pack import pack
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+from kvkern.xfer import ucp_rma
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.metrics import XferMetrics
@@ -776,19 +777,23 @@ def test_source_killed_mid_transfer(make_puller):
         s.kill()
 
 
-# A reshard reads only when its runs are big enough (read_min_run_bytes, default 64 KiB:
-# smaller ones read slower than the stream); this tiny model's are 256 B, so the "read"
-# variants lower the threshold to exercise the read path, and "auto" checks the default.
+# A reshard reads only when each read is big enough (read_min_run_bytes, default 64 KiB:
+# smaller ones read slower than the stream); this tiny model's are 256 B - 1 KiB, so the
+# "read" variants lower the threshold to exercise the read path, and "auto" checks the
+# default. "read_pieces": a UCX that refuses to scatter a read over an iov.
 RESHARD = {"read": dict(read_min_run_bytes=0), "stream": dict(remote_read=False),
-           "auto": {}}
+           "auto": {}, "read_pieces": dict(read_min_run_bytes=0)}
 
 
 @pytest.mark.parametrize("how", sorted(RESHARD))
-def test_tp2_source_to_tp1_destination(make_puller, how):
+def test_tp2_source_to_tp1_destination(make_puller, how, monkeypatch):
     """Each source rank's heads land in a head range of the TP1 destination's blocks: read
-    one-sided (one run per layer, K/V and block: the destination's rows interleave the
-    two ranks' heads) or streamed; a TP2 destination of the same source reads whole
-    blocks whatever the threshold."""
+    one-sided (the source rank's consecutive blocks in one read, scattered over a piece
+    per layer and K/V of each destination row, where the two ranks' heads interleave) or
+    streamed; a TP2 destination of the same source reads whole blocks whatever the
+    threshold."""
+    if how == "read_pieces":
+        monkeypatch.setattr(ucp_rma, "_iov_reads", False)
     tokens = list(range(3, 3 + 8 * BS))
     s = Source("source_peer.py", "--tp", "2", "--seq", f"3:{3 + 8 * BS}", tp=2).wait_ready()
     try:
@@ -798,7 +803,7 @@ def test_tp2_source_to_tp1_destination(make_puller, how):
         p = make_puller(group, **RESHARD[how])
         o = pull(p, "tp21", tokens, hint_for(s, tokens))
         assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
-        assert o.reads == (2 * 8 * MODEL.num_layers * 2 if how == "read" else 0), o
+        assert o.reads == (2 if how.startswith("read") else 0), o  # a read per source rank
         ids = claim_check_release(p, group, s, "tp21", hashes)
         assert_only_changed(group, before, set(ids))
         assert_clean(group)
@@ -831,7 +836,7 @@ def test_tp1_source_to_tp2_destination(src, make_puller, how):
     o = pull(p, "tp12", tokens, hint_for(src, tokens))
     assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
     assert o.bytes_transferred == 8 * 2048  # each rank gets its half of the heads
-    kind = "read" if how == "read" else "stream"
+    kind = "read" if how.startswith("read") else "stream"
     assert served_kinds(src, sent) == {"read": 0, "stream": 0, kind: 2}
     ids = claim_check_release(p, group, src, "tp12", hashes)
     assert_only_changed(group, before, set(ids))
@@ -1126,7 +1131,8 @@ def src_hnd():
 def test_read_per_layer_pools(src, src_hnd, make_puller, src_layout, dst_layout, scattered):
     """A per-layer HND pool reads too, one segment (its ``[2, H, T, D]``) per layer and
     block, into or out of TRT-LLM's block rows or another HND pool; stretches of blocks
-    consecutive on both sides merge per layer between two HND pools."""
+    consecutive on both sides merge per layer between two HND pools, and a TRT-LLM row is
+    one read scattered over the HND pool's layers."""
     source = src if src_layout == "trtllm" else src_hnd
     n, layers = 12, MODEL.num_layers
     tokens = fresh_tokens(n * BS)
@@ -1149,6 +1155,8 @@ def test_read_per_layer_pools(src, src_hnd, make_puller, src_layout, dst_layout,
         assert o.reads == layers * len(coalesce(ids, remote, 1)), (o, ids, remote)
         if not scattered:
             assert o.reads < n * layers, (o, ids, remote)
+    elif src_layout == "trtllm":  # a source row is one read, scattered over the layers
+        assert o.reads == n, o
     else:  # a TRT-LLM row holds every layer of one block: nothing merges across blocks
         assert o.reads == n * layers, o
     check_and_release(p, group, source, hashes, ids, before, held)

@@ -451,3 +451,36 @@ async def main():
 if __name__ == "__main__":
     asyncio.run(main())
 '''
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.tuples(st.booleans(), st.integers(1, 1 << 22)), max_size=12),
+       n=st.integers(1, 4), min_bytes=st.sampled_from([0, 4096, 1 << 20]))
+def test_split_never_cuts_a_scattered_read(sizes, n, min_bytes):
+    """A Scatter is one read: it lands whole in one share, in order with the plain runs
+    around it, and every byte still lands once."""
+    import numpy as np  # noqa: PLC0415
+
+    runs = []
+    for i, (scattered, nb) in enumerate(sizes):
+        at = i << 30
+        runs.append(ucp_rma.Scatter(np.asarray([[at, nb]], np.uint64), at, nb) if scattered
+                    else (at, at, nb))
+    shares = split_parts([(b"k", runs)], n, min_bytes=min_bytes)
+    out = [run for share in shares for _, rs in share for run in rs]
+    whole = [r for r in out if type(r) is ucp_rma.Scatter]
+    assert whole == [r for r in runs if type(r) is ucp_rma.Scatter]
+    assert sum(r[2] for r in out) == sum(nb for _, nb in sizes)
+    _assert_tiles(list(ucp_rma.expand(out)), runs)
+
+
+def _assert_tiles(pieces, runs):
+    """``pieces`` (plain runs cut from ``runs``) tile ``runs`` in order."""
+    it = iter(pieces)
+    for lo, re, nb in ucp_rma.expand(runs):
+        off = 0
+        while off < nb:
+            plo, pre, pnb = next(it)
+            assert (plo, pre) == (lo + off, re + off) and pnb <= nb - off
+            off += pnb
+    assert next(it, None) is None

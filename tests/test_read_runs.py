@@ -1,4 +1,5 @@
-"""The byte runs a one-sided read moves (:func:`kvkern.layout.segments.segment_runs`), checked
+"""The byte runs a one-sided read moves (:func:`kvkern.layout.segments.segment_runs`, read
+as :func:`~kvkern.layout.segments.segment_gathers`), checked
 without UCX: for random TP/PP topologies on both sides and TRT-LLM / HND pools, every
 destination rank applies its pairs' runs as plain memory copies between the real pool
 addresses that ``RankKV.read_segments`` describes (what ``ucp_get_nbx`` would copy), with
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvkern.kernels.reference import reference_pack, reference_unpack
 from kvkern.layout.plan import plan_transfer
-from kvkern.layout.segments import segment_runs
+from kvkern.layout.segments import segment_gathers, segment_runs, source_segment_bytes
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.kvgroup import RankKV
 
@@ -73,13 +74,24 @@ def test_segment_runs_move_exactly_each_ranks_layers_and_heads(case):
         for tr in plan.for_destination(d):
             src = sources[tr.src_rank]
             ssegs = src.read_segments
+            assert source_segment_bytes(src.layout) == ssegs.nbytes
             runs = segment_runs(tr.pieces, src.layout, dst.layout, ssegs.nbytes, dsegs.nbytes)
             assert sum(r[4] for r in runs) == tr.block_nbytes
-            for j, s_off, k, d_off, nbytes in runs:
-                assert s_off + nbytes <= ssegs.nbytes and d_off + nbytes <= dsegs.nbytes
+            # the reads: each gather is contiguous source bytes, scattered over its pieces
+            gathers = segment_gathers(tr.pieces, src.layout, dst.layout, ssegs.nbytes,
+                                      dsegs.nbytes)
+            assert sorted((j, so + sum(p[2] for p in pieces[:i]), *piece)
+                          for j, so, _, pieces in gathers
+                          for i, piece in enumerate(pieces)) == sorted(runs)
+            for j, s_off, total, pieces in gathers:
+                assert s_off + total <= ssegs.nbytes and total == sum(p[2] for p in pieces)
                 for s_id, d_id in zip(src_ids, dst_ids, strict=True):
-                    ctypes.memmove(dsegs.bases[k] + d_id * dsegs.stride + d_off,
-                                   ssegs.bases[j] + s_id * ssegs.stride + s_off, nbytes)
+                    at = ssegs.bases[j] + s_id * ssegs.stride + s_off
+                    for k, d_off, nbytes in pieces:
+                        assert d_off + nbytes <= dsegs.nbytes
+                        ctypes.memmove(dsegs.bases[k] + d_id * dsegs.stride + d_off, at,
+                                       nbytes)
+                        at += nbytes
         (l0, l1), (h0, h1) = dst_topo.layer_range(d), dst_topo.head_range(d)
         got = reference_pack(dst.pool, dst.layout, dst_ids)
         assert torch.equal(got.view(torch.int16),

@@ -22,6 +22,7 @@ Observed on this machine (ucxx 0.52, libucx 1.21, reads over ``cma/memory``, i.e
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import random
@@ -42,7 +43,7 @@ from hypothesis import strategies as st
 from kvkern.layout.hostmem import host_buffer
 from kvkern.xfer import transport, ucp_rma, ucxcompat
 from kvkern.xfer.transport import ConnectionPool, Listener, ReadsStuck, TransportError
-from kvkern.xfer.ucp_rma import RmaError, coalesce
+from kvkern.xfer.ucp_rma import RmaError, coalesce, expand, scatter_arrays
 
 from .rma_helpers import NeverDone, held_batch_class, random_host_buffer
 
@@ -81,6 +82,8 @@ CONSTANTS = {  # header name -> the value kvkern uses
     "UCP_MEM_MAP_PROT_LOCAL_WRITE": ucxcompat.PROT_LOCAL_WRITE,
     "UCP_MEM_MAP_PROT_REMOTE_READ": ucxcompat.PROT_REMOTE_READ,
     "UCP_OP_ATTR_FIELD_MEMORY_TYPE": ucxcompat.OP_ATTR_FIELD_MEMORY_TYPE,
+    "UCP_OP_ATTR_FIELD_DATATYPE": ucxcompat.OP_ATTR_FIELD_DATATYPE,
+    "ucp_dt_make_iov()": ucxcompat.DATATYPE_IOV,
     "UCP_FEATURE_RMA": ucxcompat.UCP_FEATURE_RMA,
     "UCS_MEMORY_TYPE_HOST": ucp_rma.MEMORY_TYPES["host"],
     "UCS_MEMORY_TYPE_CUDA": ucp_rma.MEMORY_TYPES["cuda"],
@@ -90,7 +93,8 @@ CONSTANTS = {  # header name -> the value kvkern uses
     "UCS_ERR_LAST": ucxcompat.UCS_ERR_LAST,
 }
 STRUCTS = {"ucp_mem_map_params_t": ucxcompat.MemMapParams,
-           "ucp_request_param_t": ucxcompat.RequestParam}
+           "ucp_request_param_t": ucxcompat.RequestParam,
+           "ucp_dt_iov_t": ucp_rma.DtIov}
 # ucs_status_ptr_t values at the edges of UCS_PTR_IS_PTR / UCS_PTR_IS_ERR
 PTR_PROBES = [0, 1, 4096, (1 << 63) - 1, 1 << 63, 2**64 - 101, 2**64 - 100, 2**64 - 25,
               2**64 - 16, 2**64 - 1]
@@ -352,6 +356,54 @@ def spy_batches(monkeypatch):
 
     monkeypatch.setattr(ucp_rma, "ReadBatch", SpyBatch)
     return made
+
+
+@st.composite
+def scatter_cases(draw):
+    """Blocks of ``m`` pieces each, the blocks' remote starts continuing or jumping."""
+    m = draw(st.integers(1, 6))
+    sizes = draw(st.lists(st.integers(1, 5000), min_size=m, max_size=m))
+    total = sum(sizes)
+    n = draw(st.integers(0, 30))
+    remote, at = [], draw(st.integers(0, 1 << 40))
+    for i in range(n):
+        if i and draw(st.booleans()):
+            at += draw(st.integers(0, 1 << 20))
+        elif i:
+            at += total
+        remote.append(at)
+    local = [[draw(st.integers(0, 1 << 40)) for _ in range(m)] for _ in range(n)]
+    return (local, remote, sizes, draw(st.integers(1, 40)), draw(st.integers(1, 1 << 16)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(scatter_cases())
+def test_scatter_arrays_properties(case):
+    """Expanded, the reads are each block's pieces in order at its remote bytes; each read
+    is contiguous remotely, within the caps (or one block), and only merges blocks that
+    continue one another remotely."""
+    local, remote, sizes, max_pieces, max_bytes = case
+    m, total = len(sizes), sum(sizes)
+    reads = scatter_arrays(np.asarray(local, np.uint64).reshape(len(local), m),
+                           np.asarray(remote, np.uint64), sizes, max_pieces=max_pieces,
+                           max_bytes=max_bytes)
+    want = []
+    for lo, at in zip(local, remote, strict=True):
+        for a, n in zip(lo, sizes, strict=True):
+            want.append((a, at, n))
+            at += n
+    assert list(expand(reads)) == want
+    b = 0
+    for r in reads:
+        k = len(r.local) // m
+        assert r.nbytes == k * total and int(r.local[:, 1].sum()) == r.nbytes
+        assert k == 1 or (len(r.local) <= max_pieces and r.nbytes <= max_bytes)
+        assert r.remote == remote[b] and remote[b:b + k] == [remote[b] + i * total
+                                                              for i in range(k)]
+        b += k
+    assert b == len(local)
+    plain = (1, 2, 3)
+    assert list(expand([plain, *reads[:1]]))[0] == plain
 
 
 # ---------------------------------------------------------------------- loopback reads
@@ -802,3 +854,115 @@ async def test_read_on_closed_connection(listener, pool, source):
     with pytest.raises(TransportError) as info:
         await conn.read(region.rkey, [], timeout=1)
     assert info.value.reason == "closed"
+
+
+# ---------------------------------------------------------------- scattered reads (iov)
+
+
+def _scatter_reads(region, dst: torch.Tensor, seed: int):
+    """Source blocks of 4 pieces (3000, 8192, 1, 5000 B) at shuffled places, each piece
+    at its own shuffled slot of ``dst``: the reads and the bytes ``dst`` must end with."""
+    rng = random.Random(seed)
+    sizes = [3000, 8192, 1, 5000]
+    total, slot = sum(sizes), 8192
+    blocks = rng.sample(range(SRC_BYTES // total - 1), 24)
+    blocks[5:9] = [blocks[5] + i for i in range(4)]  # a run of consecutive source blocks
+    slots = rng.sample(range(dst.numel() // slot - 1), 24 * 4)
+    local = np.asarray([dst.data_ptr() + s * slot + 7 for s in slots], np.uint64).reshape(24, 4)
+    remote = np.asarray([region.address + b * total for b in blocks], np.uint64)
+    reads = scatter_arrays(local, remote, sizes, max_pieces=64, max_bytes=1 << 20)
+    return reads, local, remote, sizes
+
+
+def _expected(src, dst, local, remote, region, sizes) -> torch.Tensor:
+    out = torch.full_like(dst, POISON)
+    for lo, start in zip(local.tolist(), remote.tolist(), strict=True):
+        at = start - region.address
+        for a, n in zip(lo, sizes, strict=True):
+            d = a - dst.data_ptr()
+            out[d:d + n] = src[at:at + n]
+            at += n
+    return out
+
+
+@pytest.fixture
+def fresh_iov(monkeypatch):
+    """Iov reads allowed again and no endpoint checked yet."""
+    monkeypatch.setattr(ucp_rma, "_iov_reads", True)
+    monkeypatch.setattr(ucp_rma, "_iov_verified", collections.OrderedDict())
+
+
+@aio
+async def test_scattered_reads_land_bit_exact_and_are_checked_once(listener, pool, source,
+                                                                   fresh_iov):
+    """Scatter reads (with plain runs in the same part): every piece bit-exact, the rest
+    poison; the endpoint's first iov read is checked against a whole re-read, once."""
+    src, region = source
+    conn = await connect(pool, listener)
+    dst = poisoned(4 << 20)
+    reads, local, remote, sizes = _scatter_reads(region, dst, 1)
+    assert len(reads) < 24 and any(len(r.local) > 4 for r in reads)
+    extra = poisoned(4096)
+    plain = (extra.data_ptr(), region.address + 12345, 4096)
+    await conn.read(region.rkey, [plain, *reads], timeout=10)
+    assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
+    assert torch.equal(extra, src[12345:12345 + 4096])
+    assert ucp_rma._iov_reads and len(ucp_rma._iov_verified) == 1
+    checks = []
+    real = ucp_rma.ReadBatch._verify
+    ucp_rma.ReadBatch._verify = lambda self, *a: checks.append(1) or real(self, *a)
+    try:
+        dst.fill_(POISON)
+        await conn.read(region.rkey, reads, timeout=10)
+    finally:
+        ucp_rma.ReadBatch._verify = real
+    assert checks == [] and torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
+
+
+def _fake_iov(monkeypatch, answer):
+    """ucp_get_nbx over an iov replaced by ``answer(ep, iov, count, remote, rkey)``."""
+    real = ucxcompat.read_poster
+
+    def poster(memory_type, *, iov=False):
+        return answer if iov else real(memory_type)
+
+    monkeypatch.setattr(ucxcompat, "read_poster", poster)
+
+
+@aio
+async def test_a_ucx_refusing_iov_reads_gets_pieces(listener, pool, source, fresh_iov,
+                                                    monkeypatch):
+    src, region = source
+    conn = await connect(pool, listener)
+    _fake_iov(monkeypatch, lambda *a: (1 << 64) + ucp_rma.UCS_ERR_UNSUPPORTED_STATUS)
+    dst = poisoned(4 << 20)
+    reads, local, remote, sizes = _scatter_reads(region, dst, 2)
+    await conn.read(region.rkey, reads, timeout=10)
+    assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
+    assert not ucp_rma._iov_reads and conn.alive
+
+
+@aio
+async def test_an_iov_read_that_moves_nothing_is_caught(listener, pool, source, fresh_iov,
+                                                        monkeypatch):
+    """A UCX that completes an iov read without moving its bytes (and scribbles over the
+    iov it was given): the check fails the read, later reads go piece by piece, and the
+    reads' own iovs were never touched."""
+    src, region = source
+    conn = await connect(pool, listener)
+
+    def no_op(ep, iov, count, remote, rkey):
+        ctypes.memset(iov, 0x5A, count)  # as a UCX taking the iov for a contiguous buffer
+        return 0
+
+    _fake_iov(monkeypatch, no_op)
+    dst = poisoned(4 << 20)
+    reads, local, remote, sizes = _scatter_reads(region, dst, 3)
+    before = [r.local.copy() for r in reads]
+    with pytest.raises(TransportError, match="scattered read check"):
+        await conn.read(region.rkey, reads, timeout=10)
+    assert not ucp_rma._iov_reads
+    assert all(np.array_equal(r.local, b) for r, b in zip(reads, before, strict=True))
+    conn = await connect(pool, listener)  # (a failed read aborts its connection)
+    await conn.read(region.rkey, reads, timeout=10)
+    assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))

@@ -23,9 +23,9 @@ from typing import Any
 
 from kvkern.layout.kv_layout import Axis, KVLayout
 
-__all__ = ["BlockSegments", "block_rows", "layout_signature", "min_run_bytes",
-           "native_segments", "piece_nbytes", "read_segments", "segment_runs",
-           "spans_whole_block", "whole_block_pair"]
+__all__ = ["BlockSegments", "block_rows", "layout_signature",
+           "native_segments", "piece_nbytes", "read_segments", "segment_gathers",
+           "segment_runs", "source_segment_bytes", "spans_whole_block", "whole_block_pair"]
 
 Range = tuple[int, int]  # [start, stop)
 
@@ -154,19 +154,6 @@ def whole_block_pair(pieces: Sequence[Any], src: KVLayout, dst: KVLayout) -> boo
             and spans_whole_block(dst, p.dst_layers, p.dst_heads))
 
 
-def min_run_bytes(pieces: Sequence[Any], src: KVLayout, dst: KVLayout) -> int:
-    """The smallest run a reshard pair's read would make per block: a piece's head range of
-    one layer's K or V, or, where a piece has every head of both ranks, its layers' K and V
-    together (contiguous on both sides then)."""
-    row = dst.block_size * dst.head_dim * dst.itemsize
-    out = []
-    for p in pieces:
-        heads = p.dst_heads[1] - p.dst_heads[0]
-        whole = heads == dst.num_heads == src.num_heads
-        out.append(heads * row * (2 * (p.dst_layers[1] - p.dst_layers[0]) if whole else 1))
-    return min(out)
-
-
 @functools.lru_cache(maxsize=1024)
 def segment_runs(pieces: Any, src: KVLayout, dst: KVLayout, src_seg: int,
                  dst_seg: int) -> tuple[tuple[int, int, int, int, int], ...]:
@@ -197,3 +184,33 @@ def segment_runs(pieces: Any, src: KVLayout, dst: KVLayout, src_seg: int,
             out.append((so // src_seg, so % src_seg, do // dst_seg, do % dst_seg, cut))
             so, do, n = so + cut, do + cut, n - cut
     return tuple(out)  # cached per (pieces, layouts, segments): immutable
+
+
+Gather = tuple[int, int, int, tuple[tuple[int, int, int], ...]]
+
+
+@functools.lru_cache(maxsize=1024)
+def segment_gathers(pieces: Any, src: KVLayout, dst: KVLayout, src_seg: int,
+                    dst_seg: int) -> tuple[Gather, ...]:
+    """:func:`segment_runs` grouped into reads that are contiguous on the source side:
+    ``(src segment, offset in it, nbytes, ((dst segment, offset in it, nbytes), ...))``, the
+    pieces in source order. A TP reshard into a wider destination (each source rank's
+    heads a head range of every destination layer) makes one gather per source segment
+    out of a run per layer and K/V: one read of the source's bytes, scattered over the
+    destination's rows on arrival."""
+    runs = sorted(segment_runs(pieces, src, dst, src_seg, dst_seg))
+    out: list[list] = []
+    for j, s_off, d, d_off, n in runs:
+        last = out[-1] if out else None
+        if last is not None and last[0] == j and last[1] + last[2] == s_off:
+            last[2] += n
+            last[3].append((d, d_off, n))
+        else:
+            out.append([j, s_off, n, [(d, d_off, n)]])
+    return tuple((j, off, n, tuple(parts)) for j, off, n, parts in out)
+
+
+def source_segment_bytes(src: KVLayout) -> int:
+    """The canonical read segment of a source layout's block (:func:`read_segments`): the
+    whole block, or one layer of a per-layer pool."""
+    return src.bytes_per_block // (src.num_layers if src.per_layer else 1)

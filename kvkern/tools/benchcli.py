@@ -168,10 +168,12 @@ def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
 
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
                              scattered: bool = False, layout_name: str = "trtllm",
-                             tp: int = 1, device: str = "cpu") -> Any:
+                             tp: int = 1, device: str = "cpu", readers: int = 1) -> Any:
     """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
     ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
-    so every chunk goes through the pack kernel instead of the zero-copy send."""
+    so every chunk goes through the pack kernel instead of the zero-copy send. The pool has
+    room for ``readers`` times the blocks: that many destination ranks read each source
+    rank (a TP reshard into a narrower destination), and each request's pins count."""
     import torch  # noqa: PLC0415
 
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
@@ -181,8 +183,8 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 
     topo = _pull_topology(tp)
     bs = topo.model.block_size
-    ranks = _rank_pools(topo, n_blocks, layout_name, device)
-    pool = BlockPool(n_blocks, block_size=bs)
+    ranks = _rank_pools(topo, n_blocks * readers, layout_name, device)
+    pool = BlockPool(n_blocks * readers, block_size=bs)
     hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
     ids = pool.allocate(n_blocks)
     if scattered:
@@ -207,7 +209,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                      in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
                      pull_layout: str = "trtllm", pull_tp: int = 1,
-                     device: str = "cpu") -> None:
+                     device: str = "cpu", readers: int = 1) -> None:
     from kvkern.xfer.messages import Cancel, Status, StreamReply  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
@@ -243,9 +245,11 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
     info: dict[str, Any] = {"port": listener.port}
     if pull_blocks:
         source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
-                                          layout_name=pull_layout, tp=pull_tp, device=device)
+                                          layout_name=pull_layout, tp=pull_tp, device=device,
+                                          readers=readers)
         scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
                                              layout_name=pull_layout, tp=pull_tp,
+                                             readers=readers,
                                              scattered=True, device=device)
         info["http_port"] = source.http_port
         info["scattered_http_port"] = scattered.http_port
@@ -622,6 +626,7 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                "--in-flight", str(s.in_flight), "--chunk-bytes", str(s.chunk_bytes),
                "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0),
                "--pull-layout", s.pull_layout, "--pull-tp", str(s.pull_tp[0]),
+               "--pull-readers", str(max(1, s.pull_tp[1] // s.pull_tp[0])),
                "--device", s.device]
         peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
                                 stdin=subprocess.DEVNULL)
@@ -767,6 +772,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-blocks", type=int, default=0)
     p.add_argument("--pull-layout", default="trtllm")
     p.add_argument("--pull-tp", type=int, default=1)
+    p.add_argument("--pull-readers", type=int, default=1)
     p.add_argument("--device", default="cpu")
     return parser
 
@@ -779,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.what == "_peer":
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
                                ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
-                               ns.pull_layout, ns.pull_tp, ns.device))
+                               ns.pull_layout, ns.pull_tp, ns.device, ns.pull_readers))
         return 0
     cases = tuple(c for c in ns.cases.split(",") if c)
     unknown = set(cases) - set(CASES)

@@ -89,10 +89,11 @@ class XferConfig:
     # read whole-block pieces one-sided from a source that offers it ("read/1"): one copy
     # from the source's pool into the private blocks, no pack, staging or unpack
     remote_read: bool = True
-    # a TP/PP reshard pair reads one-sided only if each of its runs (a head range of one
-    # layer's K or V of one block) has at least this many bytes; else it streams. Measured
-    # (kvkern bench xfer --pull-tp 2:1): 16 KiB runs read at 0.23-0.36 of raw, the stream at
-    # 0.50-0.70.
+    # a TP/PP reshard pair reads one-sided only if each of its reads (a stretch of source
+    # bytes that is contiguous: a head range of one layer's K or V, or a whole source block
+    # scattered over the destination's rows) has at least this many bytes; else it streams.
+    # Measured (kvkern bench xfer --pull-tp 2:1): 16 KiB reads at 0.33 of raw, the stream at
+    # 0.45.
     read_min_run_bytes: int = 64 << 10
     # reads run on this many read lanes (kvkern.xfer.read_lanes: a UCX worker and a thread
     # each; at most one per CPU the process may use), split by bytes with at least

@@ -59,6 +59,7 @@ from kvkern.xfer.seam import BufferT, ReadPart
 from kvkern.xfer.send import RankCtx, Rejected, validate_request, whole_blocks
 from kvkern.xfer.state import CAPABILITIES, PROTOCOL, DpGroupDoc, RankDoc, StateDoc
 from kvkern.xfer.transport import Lane, TransportError, tag_for
+from kvkern.xfer.ucp_rma import expand
 
 if TYPE_CHECKING:
     import torch
@@ -371,7 +372,7 @@ class MemoryConnection:
             if faults.disconnect == "read":
                 self.abort()
                 raise TransportError("peer_closed", "memory source went away mid-read")
-            for local, remote, nbytes in runs:
+            for local, remote, nbytes in expand(runs):
                 if faults.stall_after is not None and done >= faults.stall_after:
                     await asyncio.sleep(timeout)
                     self.abort()

@@ -58,6 +58,7 @@ from kvkern.xfer.tuning import (
     MAX_LANE_PEERS,
     SPLIT_ALIGN,
 )
+from kvkern.xfer.ucp_rma import Scatter
 
 if TYPE_CHECKING:
     from ucxx._lib.libucxx import UCXAddress, UCXContext, UCXEndpoint, UCXWorker
@@ -82,7 +83,8 @@ def split_parts(parts: Sequence[Part], n: int, *, min_bytes: int = 0,
     their order: one share per lane. A share gets at least ``min_bytes`` (fewer shares
     otherwise). Share j ends at byte ``(j + 1) * ceil(total / shares)`` of the whole read,
     moved back to a multiple of ``align`` bytes from the start of the run it falls in, so
-    each share is within ``align`` of that size. Every byte of every run lands in exactly
+    each share is within ``align`` of that size (a :class:`~kvkern.xfer.ucp_rma.Scatter`
+    is never cut: its share ends before it). Every byte of every run lands in exactly
     one share; runs between the cuts are passed through as they are. No share is empty (but
     for no bytes at all: one empty share)."""
     check_positive_int("n", n)
@@ -120,7 +122,8 @@ def split_parts(parts: Sequence[Part], n: int, *, min_bytes: int = 0,
         while lane < k - 1 and (lane + 1) * quota < starts[-1]:
             bound = (lane + 1) * quota
             m = bisect.bisect_right(starts, bound, lo=i) - 1
-            cut = (bound - starts[m]) // align * align
+            # a Scatter is one read: never cut (it goes to the next share whole)
+            cut = 0 if type(runs[m]) is Scatter else (bound - starts[m]) // align * align
             if m == i:
                 cut = max(cut, off)
             emit(key, runs, i, off, m, cut)

@@ -22,14 +22,24 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvkern.layout.segments import min_run_bytes, segment_runs, whole_block_pair
+from kvkern.layout.segments import (
+    segment_gathers,
+    source_segment_bytes,
+    whole_block_pair,
+)
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.kvgroup import RankKV
 from kvkern.xfer.messages import READ_CAPABILITY, ReadGrant, StreamReply
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
 from kvkern.xfer.seam import TransferConnection
-from kvkern.xfer.tuning import HOLD_MARGIN_S, HOLD_RATE_SLACK, LANE_RETRY_S
+from kvkern.xfer.tuning import (
+    HOLD_MARGIN_S,
+    HOLD_RATE_SLACK,
+    LANE_RETRY_S,
+    SCATTER_MAX_BYTES,
+    SCATTER_MAX_PIECES,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -280,9 +290,12 @@ class ReadReceiver:
             if rank_kv.read_segments is None:
                 return False
             src = source_layout(state.topology, pair.src_rank)
-            return (whole_block_pair(pair.pieces, src, rank_kv.layout)
-                    or min_run_bytes(pair.pieces, src, rank_kv.layout)
-                    >= self.config.read_min_run_bytes)
+            if whole_block_pair(pair.pieces, src, rank_kv.layout):
+                return True
+            gathers = segment_gathers(pair.pieces, src, rank_kv.layout,
+                                      source_segment_bytes(src),
+                                      rank_kv.read_segments.nbytes)
+            return min(g[2] for g in gathers) >= self.config.read_min_run_bytes
         return (kind == "native" and rank_kv.native_segments is not None
                 and state.layouts.get(key) == rank_kv.layout_signature
                 and whole_block_pair(pair.pieces, rank_kv.layout,
@@ -345,9 +358,11 @@ class ReadReceiver:
     @staticmethod
     def grant_runs(job: PullJob, pair: PeerTransfer, reply: ReadGrant, rank_kv: RankKV,
                segs: BlockSegments) -> dict[int, list]:
-        """Per source segment (remote key index), the coalesced ``(local, remote, nbytes)``
-        runs that move the pair's pieces of every served block."""
-        from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
+        """Per source segment (remote key index), the reads that move the pair's pieces of
+        every served block: coalesced ``(local, remote, nbytes)`` runs, and a
+        :class:`~kvkern.xfer.ucp_rma.Scatter` where source bytes that are contiguous land
+        in several places of a destination block (a reshard's interleaved heads)."""
+        from kvkern.xfer.ucp_rma import coalesce_arrays, scatter_arrays  # noqa: PLC0415
 
         served = reply.served_blocks
         n_keys = 1 + len(reply.read_more_rkeys)
@@ -357,14 +372,22 @@ class ReadReceiver:
         there = np.asarray(reply.read_blocks, dtype=np.uint64) * np.uint64(reply.read_stride)
         parts: dict[int, list] = {}
         if reply.read_native:  # same layout, whole blocks: segment j into segment j
-            runs = [(j, 0, j, 0, seg) for j in range(n_keys)]
+            gathers: tuple = tuple((j, 0, seg, ((j, 0, seg),)) for j in range(n_keys))
         else:
             src_lay = source_layout(job.state.topology, pair.src_rank)
-            runs = segment_runs(pair.pieces, src_lay, rank_kv.layout, seg, segs.nbytes)
-        for j, s_off, d, d_off, n in runs:
-            local = here + np.uint64(segs.bases[d] + d_off)
+            gathers = segment_gathers(pair.pieces, src_lay, rank_kv.layout, seg,
+                                      segs.nbytes)
+        for j, s_off, _, pieces in gathers:
             remote = there + np.uint64(bases[j] + s_off)
-            parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))
+            if len(pieces) == 1:
+                d, d_off, n = pieces[0]
+                local = here + np.uint64(segs.bases[d] + d_off)
+                parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))
+                continue
+            offs = np.asarray([segs.bases[d] + d_off for d, d_off, _ in pieces], np.uint64)
+            parts.setdefault(j, []).extend(scatter_arrays(
+                here[:, None] + offs[None, :], remote, [n for *_, n in pieces],
+                max_pieces=SCATTER_MAX_PIECES, max_bytes=SCATTER_MAX_BYTES))
         return parts
 
     async def _copy(self, job: PullJob, conn: TransferConnection, worker: bytes | None,

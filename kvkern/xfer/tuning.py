@@ -25,6 +25,8 @@ __all__ = [
     "MAX_CACHED_SOURCES",
     "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "PACK_WAIT_S", "QUOTA_POLL_S",
     "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "READ_WAITER_THREADS",
+    "SCATTER_MAX_BYTES",
+    "SCATTER_MAX_PIECES",
     "SPLIT_ALIGN",
 ]
 
@@ -71,6 +73,11 @@ LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
 # whole directory when that is at most this many bytes per hash: a small one-sided read
 # costs about as long as moving this many bytes (1-2 us against 10 GB/s and more).
 DIRECTORY_READ_COST_BYTES = 16 << 10
+# A read scattered over the destination's rows (a reshard's source block, kvkern.xfer.ucp_rma
+# .Scatter) covers consecutive source blocks up to this many local pieces and bytes, so a
+# pull's reads still split evenly over the lanes.
+SCATTER_MAX_PIECES = 256
+SCATTER_MAX_BYTES = 4 << 20
 # After its read lanes failed, a source worker is read on the control connection this long.
 LANE_RETRY_S = 60.0
 

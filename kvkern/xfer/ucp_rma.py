@@ -43,18 +43,24 @@ transports (``memory_type`` below), but no GPU has run this code yet.
 
 from __future__ import annotations
 
+import collections
+import ctypes
+import itertools
+import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvkern.xfer import ucxcompat
 
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "coalesce", "coalesce_arrays",
-           "rma_unavailable", "MEMORY_TYPES"]
+__all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "Scatter", "coalesce",
+           "coalesce_arrays", "expand", "rma_unavailable", "scatter_arrays", "MEMORY_TYPES"]
+
+log = logging.getLogger("kvkern.xfer")
 
 UCS_OK = ucxcompat.UCS_OK
 UCS_INPROGRESS = 1
@@ -69,6 +75,44 @@ _ERR_NAMES = ("NO_MESSAGE", "NO_RESOURCE", "IO_ERROR", "NO_MEMORY", "INVALID_PAR
 _STATUS_NAMES = {0: "UCS_OK", -80: "UCS_ERR_ENDPOINT_TIMEOUT",
                  **{-1 - i: f"UCS_ERR_{n}" for i, n in enumerate(_ERR_NAMES)}}
 UCS_ERR_CANCELED = -16
+UCS_ERR_IO_ERROR = -3
+UCS_ERR_UNSUPPORTED_STATUS = -22
+# what a UCX that cannot scatter a read over a local iov answers (the read is then posted
+# piece by piece): INVALID_PARAM, NOT_IMPLEMENTED, UNSUPPORTED
+_NO_IOV = frozenset((-5, -8, UCS_ERR_UNSUPPORTED_STATUS))
+_iov_reads = True  # this UCX scatters a read over an iov (until it refuses or fails one)
+# Endpoints whose first scattered read matched the same bytes read whole (see
+# ReadBatch.wait): ucp.h documents only contiguous reads, and a UCX that takes an iov read
+# without moving a byte was seen (the v1 protocols, UCX_PROTO_ENABLE=n).
+_iov_verified: collections.OrderedDict[int, None] = collections.OrderedDict()
+_IOV_VERIFIED_MAX = 1024
+
+
+class DtIov(ctypes.Structure):  # ucp_dt_iov_t (ucp/api/ucp.h); Scatter.local rows
+    _fields_ = [("buffer", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+class Scatter(NamedTuple):
+    """One read of ``nbytes`` contiguous remote bytes at ``remote``, scattered on arrival
+    over ``local``: a ``uint64`` array of ``(address, nbytes)`` rows (``ucp_dt_iov_t``),
+    whose lengths add up to ``nbytes``. Unpacks like a run, ``(local, remote, nbytes)``."""
+
+    local: np.ndarray
+    remote: int
+    nbytes: int
+
+
+def expand(runs: Sequence[tuple]) -> Iterator[tuple[int, int, int]]:
+    """``runs`` as plain ``(local, remote, nbytes)`` runs: a :class:`Scatter` as one run
+    per local piece."""
+    for run in runs:
+        if type(run) is Scatter:
+            remote = run.remote
+            for local, n in run.local.tolist():
+                yield local, remote, n
+                remote += n
+        else:
+            yield run
 
 
 class RmaError(Exception):
@@ -152,7 +196,9 @@ class ReadBatch:
     """Reads ``runs`` of ``(local_address, remote_address, nbytes)`` through ``key``.
 
     :meth:`post` issues every read (``ucp_get_nbx``; ucxx's progress thread moves the
-    bytes); a read that cannot be posted stops the posting and is reported by :meth:`wait`.
+    bytes; a :class:`Scatter` is one read over an iov, the first on an endpoint checked
+    against the same bytes read whole, or one read per piece); a read that cannot be posted
+    stops the posting and is reported by :meth:`wait`.
     :meth:`wait` blocks (call both off the event loop: a post can wait for the worker lock
     while the progress thread copies) until every posted read has completed, polling with a
     short sleep; it returns the time the first run completed and raises :class:`RmaError`
@@ -165,6 +211,8 @@ class ReadBatch:
     def __init__(self, key: RemoteKey, runs: Sequence[tuple[int, int, int]], *,
                  memory_type: str = "host", worker_handle: int | None = None) -> None:
         self._post = ucxcompat.read_poster(MEMORY_TYPES[memory_type])
+        self._post_iov = ucxcompat.read_poster(MEMORY_TYPES[memory_type], iov=True)
+        self._host = memory_type == "host"  # (a scattered read is checked on the host)
         self._check, self._free, self._progress = ucxcompat.request_calls()
         self._worker = worker_handle
         self._key = key
@@ -172,24 +220,62 @@ class ReadBatch:
         self._reqs: list[int | None] = []  # None: completed (at post time or retired)
         self._failed: tuple[int, int] | None = None  # (run index, status)
         self._next = 0  # reads before this index are complete and freed
+        self._ep: int | None = None
+        self._unverified: Scatter | None = None  # a first iov read on an endpoint
+        self._check_batch: ReadBatch | None = None  # its whole re-read (see _verify)
+        self._iovs: list[np.ndarray] = []  # what the iov reads were posted with
         self.nbytes = 0
 
     def post(self, ep_handle: int) -> None:
         """Issue the reads on ``ep_handle`` (the caller keeps the endpoint alive meanwhile)."""
         if self._key.handle is None:
             raise ValueError("remote key already destroyed")
-        get, rkey, status_of = self._post, self._key.handle, ucxcompat.ptr_status
-        for i, (local, remote, n) in enumerate(self._runs):
-            ptr = get(ep_handle, local, n, remote, rkey)
-            status = status_of(ptr)
-            if status is None:
-                self._reqs.append(ptr)
-            elif status == UCS_OK:
-                self._reqs.append(None)
-            else:
+        self._ep = ep_handle
+        for i, run in enumerate(self._runs):
+            local, remote, n = run
+            status = (self._scatter(ep_handle, run) if type(run) is Scatter
+                      else self._get(ep_handle, self._post, local, n, remote))
+            if status is not None:
                 self._failed = (i, status)
                 break
             self.nbytes += n
+
+    def _get(self, ep_handle: int, post: Callable, local: int, count: int,
+             remote: int) -> int | None:
+        """One ``ucp_get_nbx``; None when it is running or done, else its failed status."""
+        ptr = post(ep_handle, local, count, remote, self._key.handle)
+        status = ucxcompat.ptr_status(ptr)
+        if status is None:
+            self._reqs.append(ptr)
+        elif status == UCS_OK:
+            self._reqs.append(None)
+        else:
+            return status
+        return None
+
+    def _scatter(self, ep_handle: int, run: Scatter) -> int | None:
+        """A :class:`Scatter` as one read over its iov, or piece by piece where this UCX
+        refuses an iov for a read (then for the rest of the process)."""
+        global _iov_reads
+        local = run.local
+        if _iov_reads and self._host and len(local) > 1:
+            # UCX gets a copy of the iov, kept until the batch is dropped (a UCX that took
+            # the iov for a contiguous buffer wrote into it): run.local stays as built
+            iov = local.copy()
+            self._iovs.append(iov)
+            status = self._get(ep_handle, self._post_iov, iov.ctypes.data, len(iov),
+                               run.remote)
+            if status not in _NO_IOV:
+                if status is None and self._unverified is None \
+                        and ep_handle not in _iov_verified:
+                    self._unverified = run
+                return status
+            _iov_reads = False
+        for lo, re, n in expand([run]):
+            status = self._get(ep_handle, self._post, lo, n, re)
+            if status is not None:
+                return status
+        return None
 
     @property
     def posted(self) -> int:
@@ -197,10 +283,13 @@ class ReadBatch:
 
     @property
     def stuck(self) -> bool:
-        return self._next < len(self._reqs)
+        return self._next < len(self._reqs) or (self._check_batch is not None
+                                                and self._check_batch.stuck)
 
     def poll(self) -> bool:
         """Retire completed reads in order; True when all are done (no blocking)."""
+        if self._check_batch is not None and not self._check_batch.poll():
+            return False
         check, free = self._check, self._free
         reqs = self._reqs
         while self._next < len(reqs):
@@ -248,7 +337,38 @@ class ReadBatch:
         if self._failed is not None:
             i, status = self._failed
             raise RmaError(f"read {i} of {len(self._reqs)}", status)
+        if self._unverified is not None:
+            self._verify(self._unverified, max(deadline - time.perf_counter(), 0.0), cancelled)
         return first
+
+    def _verify(self, run: Scatter, timeout: float,
+                cancelled: threading.Event | None) -> None:
+        """Read ``run``'s remote bytes again whole and compare them with what its iov read
+        left in the pieces: equal, the endpoint's iov reads are trusted from now on; else
+        no read is scattered over an iov any more, and this batch fails (RmaError), so
+        what it read is not used."""
+        global _iov_reads
+        import numpy as np  # noqa: PLC0415
+
+        whole = np.empty(run.nbytes, np.uint8)
+        check = ReadBatch(self._key, [(whole.ctypes.data, run.remote, run.nbytes)],
+                          worker_handle=self._worker)
+        self._check_batch = check  # drained (and kept, if stuck) with this batch
+        check.post(self._ep)
+        check.wait(timeout, cancelled)
+        pos = 0
+        for address, n in run.local.tolist():
+            got = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(address))
+            if not np.array_equal(got, whole[pos:pos + n]):
+                _iov_reads = False
+                log.warning("a read scattered over an iov did not land as the same bytes "
+                            "read whole: reads are posted piece by piece from now on")
+                raise RmaError("scattered read check", UCS_ERR_IO_ERROR)
+            pos += n
+        self._unverified = None
+        _iov_verified[self._ep] = None
+        while len(_iov_verified) > _IOV_VERIFIED_MAX:
+            _iov_verified.popitem(last=False)
 
 
 def coalesce_arrays(local: np.ndarray, remote: np.ndarray,
@@ -268,6 +388,35 @@ def coalesce_arrays(local: np.ndarray, remote: np.ndarray,
     sizes = np.diff(np.concatenate((starts, [len(local)]))) * nbytes
     return list(zip(local[starts].tolist(), remote[starts].tolist(), sizes.tolist(),
                     strict=True))
+
+
+def scatter_arrays(local: np.ndarray, remote: np.ndarray, sizes: Sequence[int], *,
+                   max_pieces: int, max_bytes: int) -> list[Scatter]:
+    """:class:`Scatter` reads for blocks whose bytes are contiguous at ``remote`` (``uint64``,
+    one per block) and land at ``local`` (``uint64 [blocks, pieces]``), piece ``i`` being
+    ``sizes[i]`` bytes: consecutive blocks that are consecutive on the remote side share
+    one read of at most ``max_pieces`` pieces and ``max_bytes`` bytes (or one block)."""
+    import numpy as np  # noqa: PLC0415
+
+    blocks, m = local.shape
+    if len(remote) != blocks or len(sizes) != m:
+        raise ValueError(f"{blocks}x{m} local pieces for {len(remote)} blocks of "
+                         f"{len(sizes)} pieces")
+    if not blocks:
+        return []
+    total = int(sum(sizes))
+    rows = np.empty((blocks, m, 2), np.uint64)
+    rows[:, :, 0] = local
+    rows[:, :, 1] = np.asarray(sizes, dtype=np.uint64)
+    per = max(1, min(max_pieces // m, max_bytes // max(total, 1)))
+    cut = np.flatnonzero(remote[1:] != remote[:-1] + np.uint64(total)) + 1
+    bounds = [0, *cut.tolist(), blocks]
+    out = []
+    for a, b in itertools.pairwise(bounds):
+        for c in range(a, b, per):
+            e = min(c + per, b)
+            out.append(Scatter(rows[c:e].reshape(-1, 2), int(remote[c]), total * (e - c)))
+    return out
 
 
 def coalesce(local: Sequence[int], remote: Sequence[int], nbytes: int) -> list[tuple[int, int, int]]:

@@ -54,7 +54,8 @@ UCS_ERR_LAST = -100  # the lowest ucs_status_t (UCS_ERR_LAST in ucs/type/status.
 # ucp/api/ucp.h values (checked against the header by tests/test_ucp_rma.py)
 MAP_FIELD_ADDRESS, MAP_FIELD_LENGTH, MAP_FIELD_PROT, MAP_FIELD_MEMORY_TYPE = 1, 2, 8, 16
 PROT_LOCAL_READ, PROT_LOCAL_WRITE, PROT_REMOTE_READ = 1, 2, 1 << 8
-OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
+OP_ATTR_FIELD_DATATYPE, OP_ATTR_FIELD_MEMORY_TYPE = 1 << 3, 1 << 6
+DATATYPE_IOV = 2  # ucp_dt_make_iov(): the buffer is an array of ucp_dt_iov_t
 UCP_FEATURE_RMA = 1 << 1
 RKEY_PAD = 4096  # zero bytes after a received rkey (see unpack_rkey)
 
@@ -294,15 +295,21 @@ def destroy_rkey(handle: int) -> None:
     libucp().ucp_rkey_destroy(handle)
 
 
-def read_poster(memory_type: int) -> Callable[[int, int, int, int, int], int | None]:
-    """``post(ep_handle, local, nbytes, remote, rkey)``: one ``ucp_get_nbx`` into local
-    memory of ``memory_type``; returns its ``ucs_status_ptr_t`` (see :func:`ptr_status`)."""
+def read_poster(memory_type: int, *, iov: bool = False,
+                ) -> Callable[[int, int, int, int, int], int | None]:
+    """``post(ep_handle, local, count, remote, rkey)``: one ``ucp_get_nbx`` into local
+    memory of ``memory_type``; returns its ``ucs_status_ptr_t`` (see :func:`ptr_status`).
+    ``local`` is ``count`` bytes, or with ``iov`` an array of ``count`` ``ucp_dt_iov_t``
+    (address, length) the contiguous remote bytes are scattered over, in order."""
     get = libucp().ucp_get_nbx
     param = RequestParam(op_attr_mask=OP_ATTR_FIELD_MEMORY_TYPE, memory_type=memory_type)
+    if iov:
+        param.op_attr_mask |= OP_ATTR_FIELD_DATATYPE
+        param.datatype = DATATYPE_IOV
     pref = ctypes.byref(param)
 
-    def post(ep_handle: int, local: int, nbytes: int, remote: int, rkey: int) -> int | None:
-        return get(ep_handle, local, nbytes, remote, rkey, pref)  # pref keeps param alive
+    def post(ep_handle: int, local: int, count: int, remote: int, rkey: int) -> int | None:
+        return get(ep_handle, local, count, remote, rkey, pref)  # pref keeps param alive
 
     return post
 
