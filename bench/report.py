@@ -11,7 +11,8 @@ Records, one JSON object per file:
     ``by_size`` maps a byte count to the run's figures (``ratio``, ``scattered_ratio``,
     ``lanes1_ratio``, ``lanes0_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
     ``raw_gbps``, ...) and ``env`` holds its environment (``commit``, ``cpus``, versions).
-    Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``). A record
+    Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``); a TP or
+    PP reshard (``--pull-tp``, ``--pull-pp``) is read from ``cases.pull``. A record
     of several runs has a list of values per figure and ``"runs": N``; ``raw_gbps_range``
     is a ``[low, high]`` pair where only the range was kept.
 ``bench/results/cpu_kernels/*.json``
@@ -114,14 +115,18 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
            "lane`; the older ones asked for a grant there.", ""]
     if not records:
         return out + ["No run is recorded.", ""]
-    by_layout: dict[str, list[tuple[str, dict]]] = {}
+    by_kind: dict[tuple[str, str, str], list[tuple[str, dict]]] = {}
     for name, rec in records:
-        by_layout.setdefault(rec.get("pull_layout", "trtllm"), []).append((name, rec))
-    for layout in sorted(by_layout, key=lambda lay: (lay != "trtllm", lay)):
-        recs = by_layout[layout]
+        by_kind.setdefault(_pull_kind(rec), []).append((name, rec))
+    for kind in sorted(by_kind, key=lambda k: (k[1:] != ("1:1", "1:1"), k[0] != "trtllm", k)):
+        recs = by_kind[kind]
+        layout, tp, pp = kind
         runs = sum(int(r.get("runs", 1)) for _, r in recs)
         sizes = sorted({int(s) for _, r in recs for s in r.get("by_size", {})})
-        out += [f"### Pool layout `{layout}` ({_count(runs, 'run')}, "
+        reshard = ", ".join(f"{what} {split.replace(':', ' → ')}" for what, split
+                            in (("TP", tp), ("PP", pp)) if split != "1:1")
+        title = f"Reshard {reshard}, pool layout" if reshard else "Pool layout"
+        out += [f"### {title} `{layout}` ({_count(runs, 'run')}, "
                 f"{_count(len(recs), 'record')})", "",
                 "| size | " + " | ".join(label for _, label in XFER_METRICS) + " | raw GB/s |",
                 "|---|" + "---|" * (len(XFER_METRICS) + 1)]
@@ -146,9 +151,17 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
     notes = [(name, r["note"]) for name, r in records if r.get("note")]
     if notes:
         out += ["", "Notes:", ""] + [f"- `{name}`: {note}" for name, note in notes]
-    out += _one_block_lines(records)
+    out += _one_block_lines([(n, r) for n, r in records
+                             if _pull_kind(r)[1:] == ("1:1", "1:1")])
     out += ["", f"![pull / raw per run]({PLOT})", ""]
     return out
+
+
+def _pull_kind(rec: dict) -> tuple[str, str, str]:
+    """A record's pool layout and its TP and PP ``source:destination`` sizes."""
+    pull = rec.get("cases", {}).get("pull", {})
+    return (rec.get("pull_layout", pull.get("layout", "trtllm")), pull.get("tp", "1:1"),
+            pull.get("pp", "1:1"))
 
 
 def _one_block_lines(records: list[tuple[str, dict]]) -> list[str]:
@@ -329,7 +342,7 @@ def plot(data: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
-    recs = [r for _, r in data["xfer"] if r.get("pull_layout", "trtllm") == "trtllm"]
+    recs = [r for _, r in data["xfer"] if _pull_kind(r) == ("trtllm", "1:1", "1:1")]
     sizes = sorted({int(s) for r in recs for s in r["by_size"]})
     for j, (key, label) in enumerate(XFER_METRICS):
         xs, ys = [], []

@@ -15,16 +15,19 @@ import pytest
 from kvkern.xfer.ucp_rma import rma_unavailable
 
 
-@pytest.mark.parametrize("layout,tp,reads", [("trtllm", "1:1", 1), ("vllm_hnd", "1:1", 8),
-                                             ("trtllm", "2:1", 2), ("trtllm", "1:2", 0)])
-def test_bench_xfer_pull_json(layout, tp, reads):
-    """(A 2:1 reshard reads each source rank's consecutive blocks in one read scattered
-    over the destination's rows: 2 pairs, 2 reads; a 1:2 reshard's runs, a head range of
-    each layer's K or V, are below read_min_run_bytes: it streams, 2 pairs.)"""
+@pytest.mark.parametrize("layout,tp,pp,reads", [
+    ("trtllm", "1:1", "1:1", 1), ("vllm_hnd", "1:1", "1:1", 8), ("trtllm", "2:1", "1:1", 2),
+    ("trtllm", "1:2", "1:1", 0), ("trtllm", "1:1", "2:1", 4)])
+def test_bench_xfer_pull_json(layout, tp, pp, reads):
+    """(A TP 2:1 reshard reads each source rank's consecutive blocks in one read scattered
+    over the destination's rows: 2 pairs, 2 reads; a TP 1:2 reshard's runs, a head range of
+    each layer's K or V, are below read_min_run_bytes: it streams, 2 pairs; a PP 2:1
+    reshard reads each stage's block into half a destination block: 2 pairs of 2 reads.)"""
     if rma_unavailable() is not None:
         pytest.skip(f"one-sided reads unavailable: {rma_unavailable()}")
     cmd = [sys.executable, "-m", "kvkern", "bench", "xfer", "--cases", "raw,pull",
            "--sizes", "1MiB", "--repeats", "2", "--pull-layout", layout, "--pull-tp", tp,
+           "--pull-pp", pp,
            "--timeout", "60", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -36,7 +39,8 @@ def test_bench_xfer_pull_json(layout, tp, reads):
     assert res["pull_gbps"] > 0 and res["raw_gbps"] > 0
     assert res["ratio"] == pytest.approx(res["pull_gbps"] / res["raw_gbps"], rel=0.01)
     pull = res["cases"]["pull"]
-    assert pull["layout"] == layout and pull["data_path"] == "both" and pull["tp"] == tp
+    assert pull["layout"] == layout and pull["data_path"] == "both"
+    assert (pull["tp"], pull["pp"]) == (tp, pp)
     one = pull[str(1 << 20)]
     assert one["reads"] == reads, one  # consecutive source blocks
     assert one["messages"] == (0 if reads else 2 * (2 + 1)), one  # 2 pairs: 1 chunk each

@@ -60,15 +60,17 @@ MiB = 1 << 20
 _PATTERN_PERIOD = 251  # prime, so chunk boundaries never line up with the pattern
 
 
-def _parse_tp(text: str, parser: Any) -> tuple[int, int]:
+def _parse_split(flag: str, text: str, parser: Any) -> tuple[int, int]:
+    """``--pull-tp`` / ``--pull-pp`` ``S:D``: each size dividing the model's KV heads (TP)
+    or layers (PP)."""
+    total, what = ((PULL_MODEL["num_kv_heads"], "KV heads") if flag == "--pull-tp"
+                   else (PULL_MODEL["num_layers"], "layers"))
     try:
         src, dst = (int(x) for x in text.split(":"))
-        if src < 1 or dst < 1 or PULL_MODEL["num_kv_heads"] % src or \
-                PULL_MODEL["num_kv_heads"] % dst:
+        if src < 1 or dst < 1 or total % src or total % dst:
             raise ValueError
     except ValueError:
-        parser.error(f"--pull-tp {text!r}: want S:D, each dividing the "
-                     f"{PULL_MODEL['num_kv_heads']} KV heads")
+        parser.error(f"{flag} {text!r}: want S:D, each dividing the {total} {what}")
     return src, dst
 
 
@@ -97,6 +99,7 @@ class Settings:
     data_path: str = "both"  # pull case: "read", "stream" or both (read is the headline)
     pull_layout: str = "trtllm"  # pull case: the engine layout of both pools
     pull_tp: tuple[int, int] = (1, 1)  # pull case: TP size of the source and the destination
+    pull_pp: tuple[int, int] = (1, 1)  # pull case: PP size of the source and the destination
     read_lanes: int = 2  # pull case: XferConfig.read_lanes of the headline puller
     device: str = "cpu"  # where both peers' buffers and pools live ("cuda": device memory)
 
@@ -134,10 +137,11 @@ PULL_MODEL = {"num_layers": 8, "num_kv_heads": 8, "head_dim": 128, "block_size":
               "dtype": "bfloat16"}
 
 
-def _pull_topology(tp: int = 1) -> Any:
+def _pull_topology(tp: int = 1, pp: int = 1) -> Any:
     from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
 
-    return Topology(model=ModelKVSpec(**PULL_MODEL), parallel=Parallelism(tp_size=tp))
+    return Topology(model=ModelKVSpec(**PULL_MODEL),
+                    parallel=Parallelism(tp_size=tp, pp_size=pp))
 
 
 def _rank_pools(topo: Any, n_blocks: int, layout_name: str,
@@ -168,12 +172,14 @@ def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
 
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
                              scattered: bool = False, layout_name: str = "trtllm",
-                             tp: int = 1, device: str = "cpu", readers: int = 1) -> Any:
+                             tp: int = 1, device: str = "cpu", readers: int = 1,
+                             pp: int = 1) -> Any:
     """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
     ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
     so every chunk goes through the pack kernel instead of the zero-copy send. The pool has
     room for ``readers`` times the blocks: that many destination ranks read each source
-    rank (a TP reshard into a narrower destination), and each request's pins count."""
+    rank (a TP or PP reshard into narrower destination ranks), and each request's pins
+    count."""
     import torch  # noqa: PLC0415
 
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
@@ -181,7 +187,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
     from kvkern.xfer.kvgroup import KVGroup  # noqa: PLC0415
     from kvkern.xfer.source import PeerQuotas, SourceService  # noqa: PLC0415
 
-    topo = _pull_topology(tp)
+    topo = _pull_topology(tp, pp)
     bs = topo.model.block_size
     ranks = _rank_pools(topo, n_blocks * readers, layout_name, device)
     pool = BlockPool(n_blocks * readers, block_size=bs)
@@ -209,7 +215,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                      in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
                      pull_layout: str = "trtllm", pull_tp: int = 1,
-                     device: str = "cpu", readers: int = 1) -> None:
+                     device: str = "cpu", readers: int = 1, pull_pp: int = 1) -> None:
     from kvkern.xfer.messages import Cancel, Status, StreamReply  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
@@ -246,10 +252,10 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
     if pull_blocks:
         source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
                                           layout_name=pull_layout, tp=pull_tp, device=device,
-                                          readers=readers)
+                                          readers=readers, pp=pull_pp)
         scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
                                              layout_name=pull_layout, tp=pull_tp,
-                                             readers=readers,
+                                             readers=readers, pp=pull_pp,
                                              scattered=True, device=device)
         info["http_port"] = source.http_port
         info["scattered_http_port"] = scattered.http_port
@@ -414,7 +420,7 @@ class _PullBench:
                 return 0
 
         self.bench = bench
-        topo = _pull_topology(s.pull_tp[1])
+        topo = _pull_topology(s.pull_tp[1], s.pull_pp[1])
         self.bs = topo.model.block_size
         self.n_max = _pull_blocks_for(s)
         self.ranks = _rank_pools(topo, self.n_max + 8, s.pull_layout,  # faulted in untimed
@@ -470,6 +476,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         out: dict[str, Any] = {"block_bytes": pb.per_block, "data_path": s.data_path,
                                "layout": s.pull_layout,
                                "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}",
+                               "pp": f"{s.pull_pp[0]}:{s.pull_pp[1]}",
                                "read_lanes": s.read_lanes}
         await _check_pulls(pb)
         for size in s.sizes:
@@ -626,7 +633,9 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                "--in-flight", str(s.in_flight), "--chunk-bytes", str(s.chunk_bytes),
                "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0),
                "--pull-layout", s.pull_layout, "--pull-tp", str(s.pull_tp[0]),
-               "--pull-readers", str(max(1, s.pull_tp[1] // s.pull_tp[0])),
+               "--pull-pp", str(s.pull_pp[0]),
+               "--pull-readers", str(max(1, s.pull_tp[1] // s.pull_tp[0])
+                                     * max(1, s.pull_pp[1] // s.pull_pp[0])),
                "--device", s.device]
         peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
                                 stdin=subprocess.DEVNULL)
@@ -753,6 +762,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--pull-tp", default="1:1", metavar="S:D",
                    help="pull case: TP size of the source and of the destination (e.g. 2:1, "
                         "a reshard: each destination block gathers every source rank's heads)")
+    x.add_argument("--pull-pp", default="1:1", metavar="S:D",
+                   help="pull case: PP size of the source and of the destination (e.g. 2:1: "
+                        "each destination block gathers every source stage's layers)")
     x.add_argument("--read-lanes", type=int, default=Settings.read_lanes,
                    help="pull case: read lanes of the headline pull (XferConfig.read_lanes); "
                         "fewer lanes are measured in the same run (lanes1_*, lanes0_*)")
@@ -773,6 +785,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-layout", default="trtllm")
     p.add_argument("--pull-tp", type=int, default=1)
     p.add_argument("--pull-readers", type=int, default=1)
+    p.add_argument("--pull-pp", type=int, default=1)
     p.add_argument("--device", default="cpu")
     return parser
 
@@ -785,7 +798,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.what == "_peer":
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
                                ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
-                               ns.pull_layout, ns.pull_tp, ns.device, ns.pull_readers))
+                               ns.pull_layout, ns.pull_tp, ns.device, ns.pull_readers,
+                               ns.pull_pp))
         return 0
     cases = tuple(c for c in ns.cases.split(",") if c)
     unknown = set(cases) - set(CASES)
@@ -801,7 +815,8 @@ def main(argv: list[str] | None = None) -> int:
                  chunk_bytes=_parse_size(ns.chunk), in_flight=ns.in_flight,
                  repeats=ns.repeats, cases=cases, peer_timeout_s=ns.timeout,
                  data_path=ns.data_path, pull_layout=ns.pull_layout,
-                 pull_tp=_parse_tp(ns.pull_tp, parser), read_lanes=ns.read_lanes,
+                 pull_tp=_parse_split("--pull-tp", ns.pull_tp, parser),
+                 pull_pp=_parse_split("--pull-pp", ns.pull_pp, parser), read_lanes=ns.read_lanes,
                  device=ns.device)
     res = run_xfer(s)
     if ns.compare == "nixl":

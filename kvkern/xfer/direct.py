@@ -103,7 +103,7 @@ class DirectRead:
         self.segs: BlockSegments = receiver.check_offer(job, pair, self.template, rank_kv)
         self.whole = read_whole(index.dir_buckets, len(self.want))
         self.reads = 0
-        self.data_s = 0.0  # the block reads alone (step 2)
+        self.lookup_s = self.data_s = self.confirm_s = 0.0  # steps 1, 2 and 3
         self.miss = ""  # why nothing was kept (a grant is asked for instead)
         self.result = "used"  # kvkern.xfer.metrics.DIRECT_READ_RESULTS
 
@@ -112,6 +112,7 @@ class DirectRead:
     def __call__(self, read: Reader) -> float | None:
         """Look up, read, confirm; the time the first byte landed, or None with ``miss``
         set when the blocks do not all count."""
+        t0 = time.perf_counter()
         rows = self._directory(read)
         slot, block, _ = find(rows, self.want)
         if (block < 0).any():
@@ -129,11 +130,14 @@ class DirectRead:
         parts = ReadReceiver.grant_runs(self.job, self.pair, grant, self.rank_kv, self.segs)
         keys = [grant.read_rkey, *grant.read_more_rkeys]
         t = time.perf_counter()
+        self.lookup_s = t - t0
         first = read([(keys[j], runs) for j, runs in parts.items()])
-        self.data_s = time.perf_counter() - t
+        t1 = time.perf_counter()
+        self.data_s = t1 - t
         self.reads = sum(len(runs) for runs in parts.values())
         post = self._slots(read, slot)
         kept = stable(pre, post, self.want)
+        self.confirm_s = time.perf_counter() - t1
         if not kept.all():
             self.miss = f"{int((~kept).sum())} blocks changed while they were read"
             self.result = "changed"
@@ -241,5 +245,7 @@ async def read_directly(receiver: ReadReceiver, job: PullJob, pair: PeerTransfer
     job.reads += direct.reads
     job.bytes += job.count * pair.block_nbytes
     job.phases["read"] = job.phases.get("read", 0.0) + job.phases["direct"]
-    job.phases["data"] = job.phases.get("data", 0.0) + direct.data_s
+    for phase, took in (("lookup", direct.lookup_s), ("data", direct.data_s),
+                        ("confirm", direct.confirm_s)):
+        job.phases[phase] = job.phases.get(phase, 0.0) + took
     return job.count
