@@ -28,6 +28,8 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvkern.cache.hashing import sequence_hashes
 from kvkern.cache.pool import BlockPool
@@ -1066,3 +1068,41 @@ async def test_a_granted_read_hold_outlasts_a_lost_connection_and_close():
         mgr.check_invariants()
     finally:
         await svc.close()
+
+
+# ------------------------------------------------------------------ pin quotas (ledger)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["pin", "unpin"]), st.sampled_from("ab"),
+                              st.integers(0, 1),
+                              st.lists(st.integers(0, 11), min_size=1, max_size=6)),
+                    max_size=40))
+def test_pin_quotas_count_distinct_blocks(ops):
+    """Against a reference over the live pin handles: a peer's share and all peers' share of
+    a rank are the distinct blocks pinned, so the same blocks pinned again (each narrower
+    destination rank asking for its part) hold nothing more; every unpin restores it."""
+    from kvkern.xfer.send import PeerLedger
+
+    pool = 16
+    ledger = PeerLedger(PeerQuotas(peer_pin_fraction=0.5, total_pin_fraction=0.75), 8)
+    live: list[tuple[str, int, list[int]]] = []
+    for op, peer, rank, hs in ops:
+        if op == "unpin" and live:
+            ledger.unpinned(*live.pop(len(hs) % len(live)))
+            continue
+        mine = {h for p, r, held in live if (p, r) == (peer, rank) for h in held}
+        every = {h for _, r, held in live if r == rank for h in held}
+        verdict = ledger.over_pin_quota(peer, rank, hs, pool)
+        if len(mine | set(hs)) > pool * 0.5:
+            assert verdict is not None and verdict.startswith("peer quota"), verdict
+        elif len(every | set(hs)) > pool * 0.75:
+            assert verdict is not None and verdict.startswith("pin quota"), verdict
+        else:
+            assert verdict is None, verdict
+            ledger.pinned(peer, rank, hs)
+            live.append((peer, rank, hs))
+    for args in live:
+        ledger.unpinned(*args)
+    assert ledger.pins == ledger.pinned_blocks == 0
+    assert ledger.peer_pins == {} and ledger.rank_pins == {}

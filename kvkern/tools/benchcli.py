@@ -172,14 +172,10 @@ def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
 
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
                              scattered: bool = False, layout_name: str = "trtllm",
-                             tp: int = 1, device: str = "cpu", readers: int = 1,
-                             pp: int = 1) -> Any:
+                             tp: int = 1, device: str = "cpu", pp: int = 1) -> Any:
     """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
     ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
-    so every chunk goes through the pack kernel instead of the zero-copy send. The pool has
-    room for ``readers`` times the blocks: that many destination ranks read each source
-    rank (a TP or PP reshard into narrower destination ranks), and each request's pins
-    count."""
+    so every chunk goes through the pack kernel instead of the zero-copy send."""
     import torch  # noqa: PLC0415
 
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
@@ -189,8 +185,8 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 
     topo = _pull_topology(tp, pp)
     bs = topo.model.block_size
-    ranks = _rank_pools(topo, n_blocks * readers, layout_name, device)
-    pool = BlockPool(n_blocks * readers, block_size=bs)
+    ranks = _rank_pools(topo, n_blocks, layout_name, device)
+    pool = BlockPool(n_blocks, block_size=bs)
     hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
     ids = pool.allocate(n_blocks)
     if scattered:
@@ -215,7 +211,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                      in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
                      pull_layout: str = "trtllm", pull_tp: int = 1,
-                     device: str = "cpu", readers: int = 1, pull_pp: int = 1) -> None:
+                     device: str = "cpu", pull_pp: int = 1) -> None:
     from kvkern.xfer.messages import Cancel, Status, StreamReply  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
@@ -252,11 +248,10 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
     if pull_blocks:
         source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
                                           layout_name=pull_layout, tp=pull_tp, device=device,
-                                          readers=readers, pp=pull_pp)
+                                          pp=pull_pp)
         scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
                                              layout_name=pull_layout, tp=pull_tp,
-                                             readers=readers, pp=pull_pp,
-                                             scattered=True, device=device)
+                                             pp=pull_pp, scattered=True, device=device)
         info["http_port"] = source.http_port
         info["scattered_http_port"] = scattered.http_port
     tmp = port_file + ".tmp"
@@ -634,8 +629,6 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0),
                "--pull-layout", s.pull_layout, "--pull-tp", str(s.pull_tp[0]),
                "--pull-pp", str(s.pull_pp[0]),
-               "--pull-readers", str(max(1, s.pull_tp[1] // s.pull_tp[0])
-                                     * max(1, s.pull_pp[1] // s.pull_pp[0])),
                "--device", s.device]
         peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
                                 stdin=subprocess.DEVNULL)
@@ -784,7 +777,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-blocks", type=int, default=0)
     p.add_argument("--pull-layout", default="trtllm")
     p.add_argument("--pull-tp", type=int, default=1)
-    p.add_argument("--pull-readers", type=int, default=1)
     p.add_argument("--pull-pp", type=int, default=1)
     p.add_argument("--device", default="cpu")
     return parser
@@ -798,8 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     if ns.what == "_peer":
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
                                ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
-                               ns.pull_layout, ns.pull_tp, ns.device, ns.pull_readers,
-                               ns.pull_pp))
+                               ns.pull_layout, ns.pull_tp, ns.device, ns.pull_pp))
         return 0
     cases = tuple(c for c in ns.cases.split(",") if c)
     unknown = set(cases) - set(CASES)

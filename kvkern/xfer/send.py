@@ -7,6 +7,7 @@ docstring of :mod:`kvkern.xfer.source`."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextlib
 import functools
@@ -180,16 +181,20 @@ def _check_piece(ctx: RankCtx, layout: KVLayout, p: PlanPiece, end: int) -> None
 
 class PeerLedger:
     """Admitted sends and pinned blocks, in all and per authenticated peer, held to
-    :class:`PeerQuotas` (loop thread only)."""
+    :class:`PeerQuotas` (loop thread only). The quotas count distinct blocks: destination
+    ranks that each ask for their part of the same blocks (a TP reshard into narrower
+    ranks) hold them once."""
 
     def __init__(self, quotas: PeerQuotas, max_concurrent_sends: int) -> None:
         self.quotas = quotas
         self.max_concurrent_sends = max_concurrent_sends
         self.active = 0  # admitted sends (count toward max_concurrent_sends)
         self.pins = 0  # pin handles held
-        self.pinned_blocks = 0
+        self.pinned_blocks = 0  # blocks of every pin handle (a block pinned twice: twice)
         self.peer_sends: dict[str, int] = {}  # authenticated peer -> admitted sends
-        self.peer_pins: dict[tuple[str, int], int] = {}  # (peer, rank) -> blocks pinned
+        # (peer, rank) / rank -> pinned block hash -> pin handles holding it
+        self.peer_pins: dict[tuple[str, int], collections.Counter[int]] = {}
+        self.rank_pins: dict[int, collections.Counter[int]] = {}
 
     def may_admit(self, peer: str) -> bool:
         return (self.active < self.max_concurrent_sends
@@ -207,33 +212,43 @@ class PeerLedger:
         else:
             self.peer_sends.pop(peer, None)
 
-    def pinned(self, peer: str, rank: int, n: int) -> None:
+    def pinned(self, peer: str, rank: int, hashes: Sequence[int]) -> None:
         self.pins += 1
-        self.pinned_blocks += n
-        key = (peer, rank)
-        self.peer_pins[key] = self.peer_pins.get(key, 0) + n
+        self.pinned_blocks += len(hashes)
+        self.peer_pins.setdefault((peer, rank), collections.Counter()).update(hashes)
+        self.rank_pins.setdefault(rank, collections.Counter()).update(hashes)
 
-    def unpinned(self, peer: str, rank: int, n: int) -> None:
+    def unpinned(self, peer: str, rank: int, hashes: Sequence[int]) -> None:
         self.pins -= 1
-        self.pinned_blocks -= n
-        key = (peer, rank)
-        left = self.peer_pins.get(key, n) - n
-        if left > 0:
-            self.peer_pins[key] = left
-        else:
-            self.peer_pins.pop(key, None)
+        self.pinned_blocks -= len(hashes)
+        for table, key in ((self.peer_pins, (peer, rank)), (self.rank_pins, rank)):
+            held = table.get(key)
+            if held is None:
+                continue
+            for h in hashes:
+                left = held.get(h, 0) - 1
+                if left > 0:
+                    held[h] = left
+                else:
+                    held.pop(h, None)
+            if not held:
+                del table[key]
 
-    def over_pin_quota(self, peer: str, rank: int, want: int, pool: int) -> str | None:
-        """Why pinning ``want`` more blocks of ``rank``'s ``pool``-block pool would exceed a
-        :class:`PeerQuotas` share, or None."""
+    def over_pin_quota(self, peer: str, rank: int, want: Sequence[int],
+                       pool: int) -> str | None:
+        """Why pinning the blocks of hashes ``want`` on ``rank``'s ``pool``-block pool would
+        exceed a :class:`PeerQuotas` share, or None. Blocks already pinned count once."""
         q = self.quotas
-        mine = self.peer_pins.get((peer, rank), 0)
-        if mine + want > q.peer_pin_fraction * pool:
-            return (f"peer quota: {mine} blocks pinned + {want} requested > "
+        wanted = set(want)
+        mine = self.peer_pins.get((peer, rank), {})
+        new = sum(1 for h in wanted if h not in mine)
+        if len(mine) + new > q.peer_pin_fraction * pool:
+            return (f"peer quota: {len(mine)} blocks pinned + {new} requested > "
                     f"{q.peer_pin_fraction:g} of the {pool}-block pool")
-        total = sum(n for (_, r), n in self.peer_pins.items() if r == rank)
-        if total + want > q.total_pin_fraction * pool:
-            return (f"pin quota: {total} blocks pinned by peers + {want} requested > "
+        held = self.rank_pins.get(rank, {})
+        new = sum(1 for h in wanted if h not in held)
+        if len(held) + new > q.total_pin_fraction * pool:
+            return (f"pin quota: {len(held)} blocks pinned by peers + {new} requested > "
                     f"{q.total_pin_fraction:g} of the {pool}-block pool")
         return None
 
@@ -320,12 +335,12 @@ class Sender:
 
     async def _quota_verdict(self, s: SendSession) -> str | None:
         ledger, pool = self.svc.ledger, s.ctx.rkv.layout.num_blocks
-        busy = ledger.over_pin_quota(s.peer, s.ctx.rank, s.req.count, pool)
+        busy = ledger.over_pin_quota(s.peer, s.ctx.rank, s.req.requested_hashes, pool)
         waited = 0.0
         while busy is not None and waited < QUOTA_WAIT_S:  # a send of the peer finishing
             await asyncio.sleep(QUOTA_POLL_S)
             waited += QUOTA_POLL_S
-            busy = ledger.over_pin_quota(s.peer, s.ctx.rank, s.req.count, pool)
+            busy = ledger.over_pin_quota(s.peer, s.ctx.rank, s.req.requested_hashes, pool)
         return busy
 
     async def _pin(self, s: SendSession) -> PinHandle | None:
@@ -334,7 +349,7 @@ class Sender:
         handle = ctx.group.manager.pin(req.requested_hashes, require_all=req.require_all)
         if handle is not None:
             s.handle = handle
-            svc.ledger.pinned(s.peer, ctx.rank, len(handle.block_ids))
+            svc.ledger.pinned(s.peer, ctx.rank, handle.hashes)
             svc.metrics.source_pins_changed(len(handle.block_ids))
             return handle
         if req.require_all:  # how many there are, for the destination's log line
