@@ -223,3 +223,37 @@ def test_the_whole_directory_is_read_only_when_small():
     assert direct.read_whole(1 << 18, 1 << 20)  # 64 MiB, a million hashes
     assert not direct.read_whole((1 << 18) + 1, 1 << 20)
     assert not direct.read_whole(1 << 30, 1 << 20)
+
+
+@pytest.mark.parametrize("dst_tp", [1, 2])
+def test_pairs_of_one_source_pool_share_one_look_up(make_puller, dst_tp):
+    """A TP2 source's two ranks announce one read directory and one read worker: a TP1
+    destination (each row gathers both ranks' heads, one read scattered per rank) or a
+    TP2 one (whole blocks per rank) reads both pairs in one direct read, bit for bit, with
+    no message to the source."""
+    tokens = list(range(5, 5 + 8 * BS))
+    s = tp.Source("source_peer.py", "--tp", "2", "--seq", f"5:{5 + 8 * BS}", tp=2).wait_ready()
+    try:
+        hashes = tp.sequence_hashes(tokens, BS)
+        group = make_group(tp=dst_tp)
+        before, sent = snapshot(group), stats(s)
+        p = make_puller(group, direct_reads=True, read_min_run_bytes=0)
+        o = pull(p, "tp2-direct", tokens, hint_for(s, tokens))
+        assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
+        assert o.messages == 0 and o.reads == 2, o  # the 8 blocks of each rank in one read
+        assert p.metrics.value("kvkern_direct_reads_total", result="used") == 1
+        assert served_kinds(s, sent) == {k: 0 for k in sent}
+        if dst_tp == 1:
+            ids = claim_check_release(p, group, s, "tp2-direct", hashes)
+            assert_only_changed(group, before, set(ids))
+        else:
+            ids = p.claim("tp2-direct")
+            want = s.blocks(hashes)
+            for h, bid in zip(hashes, ids, strict=True):
+                for r in (0, 1):
+                    assert tp.sha(tp.block_bytes(group, r, bid)) == \
+                        want[str(h)]["sha256"][str(r)]
+            group.manager.release(ids)
+        assert_clean(group)
+    finally:
+        s.kill()

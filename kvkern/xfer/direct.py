@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.receive import ReadReceiver
     from kvkern.xfer.state import ReadIndex
 
-__all__ = ["DirectRead", "read_directly", "read_whole"]
+__all__ = ["DirectRead", "read_directly", "read_whole", "same_directory"]
 
 # Whole-directory buffers kept per source for the next pull: at most this many, each at most
 # this large (a directory is 256 B per pool block).
@@ -78,29 +79,46 @@ def read_whole(dir_buckets: int, k: int) -> bool:
     return table <= min(k * DIRECTORY_READ_COST_BYTES, MAX_WHOLE_DIRECTORY_BYTES)
 
 
-class DirectRead:
-    """One pair's direct read (see the module docstring): built on the event loop, run on
-    the first read lane's thread by :meth:`__call__`."""
+def same_directory(a: ReadIndex, b: ReadIndex) -> bool:
+    """Two ranks' indexes name one read directory (the ranks of one pool): one look-up and
+    one confirmation serve the pairs of both."""
+    return (a.dir_key, a.dir_base, a.dir_buckets, a.blocks) == \
+        (b.dir_key, b.dir_base, b.dir_buckets, b.blocks)
 
-    def __init__(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV, index: ReadIndex,
-                 receiver: ReadReceiver) -> None:
-        self.job, self.pair, self.rank_kv, self.index = job, pair, rank_kv, index
+
+class DirectRead:
+    """The direct read of one or more pairs whose source ranks share a read directory and a
+    read worker (see the module docstring): one look-up, the blocks of every pair in one
+    read over the lanes, one confirmation. Built on the event loop, run on the first read
+    lane's thread by :meth:`__call__`."""
+
+    def __init__(self, job: PullJob, pairs: Sequence[tuple[PeerTransfer, RankKV]],
+                 indexes: Sequence[ReadIndex], receiver: ReadReceiver) -> None:
+        index = indexes[0]
+        if not all(same_directory(index, other) for other in indexes):
+            raise ValueError("the pairs' source ranks announce different read directories")
+        self.job, self.pairs, self.index = job, list(pairs), index
         self.scratch = receiver.direct_scratch  # used on the first lane's thread only
         self.buffers: list[np.ndarray] = []  # what this read's reads write, besides blocks
         hashes = job.chained[job.local:job.local + job.count]
         self.want = np.asarray(hashes, dtype=np.uint64)
         self.buckets = bucket_of(self.want, index.dir_buckets)
-        # A grant as the source would write it, for the largest block the index allows:
-        # the receiver's checks of an offer then bound every address this read computes.
-        self.template = ReadGrant(
-            transfer_id=1, status=Status.OK, served_blocks=job.count, block_hashes=hashes,
-            total_bytes=job.count * pair.block_nbytes, read_rkey=index.keys[0],
-            read_base=index.bases[0], read_stride=index.stride,
-            read_blocks=[index.blocks - 1] * job.count,
-            read_segment_bytes=index.segment_bytes, read_more_rkeys=list(index.keys[1:]),
-            read_more_bases=list(index.bases[1:]),
-            read_native=job.state.reads.get((job.source_dp, pair.src_rank)) == "native")
-        self.segs: BlockSegments = receiver.check_offer(job, pair, self.template, rank_kv)
+        # Per pair, a grant as the source rank would write it, for the largest block the
+        # index allows: the receiver's checks of an offer then bound every address this
+        # read computes.
+        self.templates: list[ReadGrant] = []
+        self.segs: list[BlockSegments] = []
+        for (pair, rank_kv), idx in zip(self.pairs, indexes, strict=True):
+            template = ReadGrant(
+                transfer_id=1, status=Status.OK, served_blocks=job.count, block_hashes=hashes,
+                total_bytes=job.count * pair.block_nbytes, read_rkey=idx.keys[0],
+                read_base=idx.bases[0], read_stride=idx.stride,
+                read_blocks=[idx.blocks - 1] * job.count,
+                read_segment_bytes=idx.segment_bytes, read_more_rkeys=list(idx.keys[1:]),
+                read_more_bases=list(idx.bases[1:]),
+                read_native=job.state.reads.get((job.source_dp, pair.src_rank)) == "native")
+            self.templates.append(template)
+            self.segs.append(receiver.check_offer(job, pair, template, rank_kv))
         self.whole = read_whole(index.dir_buckets, len(self.want))
         self.reads = 0
         self.lookup_s = self.data_s = self.confirm_s = 0.0  # steps 1, 2 and 3
@@ -124,17 +142,22 @@ class DirectRead:
             self.result = "failed"
             return None
         pre = entries(rows, slot)
-        grant = msgspec.structs.replace(self.template, read_blocks=block.tolist())
         from kvkern.xfer.receive import ReadReceiver  # noqa: PLC0415
 
-        parts = ReadReceiver.grant_runs(self.job, self.pair, grant, self.rank_kv, self.segs)
-        keys = [grant.read_rkey, *grant.read_more_rkeys]
+        blocks = block.tolist()
+        parts = []
+        for (pair, rank_kv), template, segs in zip(self.pairs, self.templates, self.segs,
+                                                   strict=True):
+            grant = msgspec.structs.replace(template, read_blocks=blocks)
+            keys = [grant.read_rkey, *grant.read_more_rkeys]
+            runs = ReadReceiver.grant_runs(self.job, pair, grant, rank_kv, segs)
+            parts += [(keys[j], part) for j, part in runs.items()]
         t = time.perf_counter()
         self.lookup_s = t - t0
-        first = read([(keys[j], runs) for j, runs in parts.items()])
+        first = read(parts)
         t1 = time.perf_counter()
         self.data_s = t1 - t
-        self.reads = sum(len(runs) for runs in parts.values())
+        self.reads = sum(len(runs) for _, runs in parts)
         post = self._slots(read, slot)
         kept = stable(pre, post, self.want)
         self.confirm_s = time.perf_counter() - t1
@@ -198,22 +221,23 @@ class DirectRead:
         return post
 
 
-async def read_directly(receiver: ReadReceiver, job: PullJob, pair: PeerTransfer,
-                        rank_kv: RankKV, xfer_t: float,
+async def read_directly(receiver: ReadReceiver, job: PullJob,
+                        pairs: Sequence[tuple[PeerTransfer, RankKV]], xfer_t: float,
                         metrics: XferMetrics | None = None) -> int | None:
-    """The pair's blocks read directly into the private blocks: the served count (every
-    wanted block), or None when the caller must ask for a grant (nothing read counts; the
-    private blocks are rewritten by the granted read)."""
+    """The blocks of ``pairs`` (source ranks with one read worker and one read directory,
+    see :func:`same_directory`) read directly into the private blocks: the served count
+    (every wanted block, for every pair), or None when the caller must ask for grants
+    (nothing read counts; the private blocks are rewritten by the granted reads)."""
     from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
 
-    key = (job.source_dp, pair.src_rank)
-    worker = job.state.read_workers[key]
+    keys = [(job.source_dp, pair.src_rank) for pair, _ in pairs]
+    worker = job.state.read_workers[keys[0]]
     lanes = receiver.lanes_for(worker)
-    if lanes is None:
+    if lanes is None or any(job.state.read_workers[k] != worker for k in keys):
         return None
     t = time.perf_counter()
     try:
-        direct = DirectRead(job, pair, rank_kv, job.state.read_indexes[key], receiver)
+        direct = DirectRead(job, pairs, [job.state.read_indexes[k] for k in keys], receiver)
     except (Fallback, ValueError) as exc:  # an index a grant could not match: ask for one
         log.debug("pull %r: no direct read: %s", job.rec.request_id, exc)
         return None
@@ -243,7 +267,7 @@ async def read_directly(receiver: ReadReceiver, job: PullJob, pair: PeerTransfer
     if job.t_first_byte is None:
         job.t_first_byte = first or time.perf_counter()
     job.reads += direct.reads
-    job.bytes += job.count * pair.block_nbytes
+    job.bytes += job.count * sum(pair.block_nbytes for pair, _ in pairs)
     job.phases["read"] = job.phases.get("read", 0.0) + job.phases["direct"]
     for phase, took in (("lookup", direct.lookup_s), ("data", direct.data_s),
                         ("confirm", direct.confirm_s)):

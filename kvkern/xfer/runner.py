@@ -21,7 +21,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvkern.layout.chunks import direct_order
 from kvkern.xfer.codes import CONNECT_FAILURES, reject_reason, transport_reason
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CANCEL_SEND_TIMEOUT_S", "PullRunner", "job_outcome"]
 
+T = TypeVar("T")
 log = logging.getLogger("kvkern.xfer")
 
 
@@ -188,10 +189,7 @@ class PullRunner:
 
         t = time.perf_counter()
         xfer_t = job.timeouts[1]
-        if len(pairs) == 1:  # one pair: no task to spawn and wait for (a loop hop less)
-            served = [await self._pull_pair(job, pairs[0], addrs[pairs[0].src_rank], xfer_t)]
-        else:
-            served = await self._pull_pairs(job, pairs, addrs, xfer_t)
+        served = await self._pull_pairs(job, pairs, addrs, xfer_t)
         xfer_s = time.perf_counter() - t
         job.phases["transfer"] = xfer_s
 
@@ -270,28 +268,48 @@ class PullRunner:
     async def _pull_pairs(self, job: PullJob, pairs: list[PeerTransfer],
                           addrs: dict[int, tuple[str, int]],
                           xfer_t: float) -> list[int]:
-        """Every pair concurrently; the first failure cancels the others (awaited)."""
-        tasks = [asyncio.ensure_future(self._pull_pair(job, pair, addrs[pair.src_rank], xfer_t))
-                 for pair in pairs]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            for tk in tasks:
-                if tk.done() and not tk.cancelled() and tk.exception() is not None:
-                    raise tk.exception()
-            return [tk.result() for tk in tasks]
-        finally:
-            for tk in tasks:
-                tk.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        """The pairs that read directly, in groups of one look-up each; then every other
+        pair (and those whose direct read did not count) concurrently, asking the source.
+        The first failure cancels the others (awaited)."""
+        groups = self._direct_groups(job, pairs)
+        served: dict[int, int] = {}
+        for group, got in zip(groups, await _all([
+                read_directly(self.reads, job, [(pairs[i], self.group.ranks[pairs[i].dst_rank])
+                                                for i in group], xfer_t, self.metrics)
+                for group in groups]), strict=True):
+            if got is not None:
+                served.update(dict.fromkeys(group, got))
+        rest = [i for i in range(len(pairs)) if i not in served]
+        asked = await _all([self._pull_pair(job, pairs[i], addrs[pairs[i].src_rank], xfer_t)
+                            for i in rest])
+        served.update(zip(rest, asked, strict=True))
+        return [served[i] for i in range(len(pairs))]
+
+    def _direct_groups(self, job: PullJob, pairs: list[PeerTransfer]) -> list[list[int]]:
+        """The pairs that may read directly (:meth:`_direct`), grouped by the read worker
+        and read directory their source ranks announce (one look-up per group)."""
+        from kvkern.xfer.direct import same_directory  # noqa: PLC0415
+
+        groups: list[list[int]] = []
+        for i, pair in enumerate(pairs):
+            if not self._direct(job, pair, self.group.ranks[pair.dst_rank]):
+                continue
+            key = (job.source_dp, pair.src_rank)
+            worker, index = job.state.read_workers[key], job.state.read_indexes[key]
+            for group in groups:
+                other = (job.source_dp, pairs[group[0]].src_rank)
+                if job.state.read_workers[other] == worker and same_directory(
+                        job.state.read_indexes[other], index):
+                    group.append(i)
+                    break
+            else:
+                groups.append([i])
+        return groups
 
     async def _pull_pair(self, job: PullJob, pair: PeerTransfer, addr: tuple[str, int],
                          xfer_t: float) -> int:
         """One (source rank, destination rank) pair; returns the validated served count."""
         rank_kv = self.group.ranks[pair.dst_rank]
-        if self._direct(job, pair, rank_kv):  # no message: the directory confirms the read
-            served = await read_directly(self.reads, job, pair, rank_kv, xfer_t, self.metrics)
-            if served is not None:
-                return served
         conn = await self._connect(job, addr, xfer_t)
         unit = pair.block_nbytes
         # Whole blocks per chunk (zero-copy landing, no carry); a block larger than
@@ -427,3 +445,21 @@ class PullRunner:
                                         CONTROL_TAG, timeout=CANCEL_SEND_TIMEOUT_S)
 
             self._spawn(send())
+
+
+async def _all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run ``coros`` concurrently (one: inline); their results in order. The first failure
+    cancels the others (awaited) and is raised."""
+    if len(coros) <= 1:  # no task to spawn and wait for (a loop hop less)
+        return [await c for c in coros]
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for tk in tasks:
+            if tk.done() and not tk.cancelled() and tk.exception() is not None:
+                raise tk.exception()
+        return [tk.result() for tk in tasks]
+    finally:
+        for tk in tasks:
+            tk.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
