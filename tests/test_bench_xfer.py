@@ -17,12 +17,13 @@ from kvkern.xfer.ucp_rma import rma_unavailable
 
 @pytest.mark.parametrize("layout,tp,pp,reads", [
     ("trtllm", "1:1", "1:1", 1), ("vllm_hnd", "1:1", "1:1", 8), ("trtllm", "2:1", "1:1", 2),
-    ("trtllm", "1:2", "1:1", 0), ("trtllm", "1:1", "2:1", 4)])
+    ("trtllm", "1:2", "1:1", 1), ("trtllm", "1:1", "2:1", 4)])
 def test_bench_xfer_pull_json(layout, tp, pp, reads):
     """(A TP 2:1 reshard reads each source rank's consecutive blocks in one read scattered
-    over the destination's rows: 2 pairs, 2 reads; a TP 1:2 reshard's runs, a head range of
-    each layer's K or V, are below read_min_run_bytes: it streams, 2 pairs; a PP 2:1
-    reshard reads each stage's block into half a destination block: 2 pairs of 2 reads.)"""
+    over the destination's rows: 2 pairs, 2 reads; in a TP 1:2 reshard both destination
+    ranks read the source's consecutive blocks together, one read scattered over both; a
+    PP 2:1 reshard reads each stage's block into half a destination block: 2 pairs of 2
+    reads.)"""
     if rma_unavailable() is not None:
         pytest.skip(f"one-sided reads unavailable: {rma_unavailable()}")
     cmd = [sys.executable, "-m", "kvkern", "bench", "xfer", "--cases", "raw,pull",

@@ -257,3 +257,29 @@ def test_pairs_of_one_source_pool_share_one_look_up(make_puller, dst_tp):
         assert_clean(group)
     finally:
         s.kill()
+
+
+def test_ranks_of_a_narrower_destination_read_each_source_block_once(src, make_puller):
+    """TP1 -> TP2: each destination rank takes a head range of every source layer, runs
+    too small to read alone (read_min_run_bytes between a rank's run and the whole
+    block): read directly, both pairs together are one read of the 8 consecutive source
+    blocks scattered over both ranks' rows; asked for grants, each pair streams."""
+    tokens = fresh_tokens(8 * BS)
+    hashes = src.commit(tokens)
+    block = tp.MODEL.num_layers * 2 * tp.MODEL.num_kv_heads * BS * tp.MODEL.head_dim * 2
+    for direct_reads in (True, False):
+        group = make_group(tp=2)
+        before, sent = snapshot(group), stats(src)
+        p = make_puller(group, direct_reads=direct_reads, read_min_run_bytes=block // 2)
+        rid = f"narrower-{direct_reads}"
+        o = pull(p, rid, tokens, hint_for(src, tokens))
+        assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
+        if direct_reads:
+            assert o.messages == 0 and o.reads == 1, o
+            assert served_kinds(src, sent) == {k: 0 for k in sent}
+        else:
+            assert o.reads == 0 and served_kinds(src, sent)["stream"] == 2, o
+        ids = claim_check_release(p, group, src, rid, hashes)
+        assert_only_changed(group, before, set(ids))
+        assert_clean(group)
+    src.wait_no_pins()

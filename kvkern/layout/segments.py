@@ -25,6 +25,7 @@ from kvkern.layout.kv_layout import Axis, KVLayout
 
 __all__ = ["BlockSegments", "block_rows", "layout_signature",
            "native_segments", "piece_nbytes", "read_segments", "segment_gathers",
+           "segment_gathers_to",
            "segment_runs", "source_segment_bytes", "spans_whole_block", "whole_block_pair"]
 
 Range = tuple[int, int]  # [start, stop)
@@ -187,6 +188,7 @@ def segment_runs(pieces: Any, src: KVLayout, dst: KVLayout, src_seg: int,
 
 
 Gather = tuple[int, int, int, tuple[tuple[int, int, int], ...]]
+MultiGather = tuple[int, int, int, tuple[tuple[int, int, int, int], ...]]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -198,15 +200,28 @@ def segment_gathers(pieces: Any, src: KVLayout, dst: KVLayout, src_seg: int,
     heads a head range of every destination layer) makes one gather per source segment
     out of a run per layer and K/V: one read of the source's bytes, scattered over the
     destination's rows on arrival."""
-    runs = sorted(segment_runs(pieces, src, dst, src_seg, dst_seg))
+    return tuple((j, off, n, tuple(p[1:] for p in parts)) for j, off, n, parts
+                 in segment_gathers_to(((pieces, dst, dst_seg),), src, src_seg))
+
+
+@functools.lru_cache(maxsize=1024)
+def segment_gathers_to(dsts: tuple[tuple[Any, KVLayout, int], ...], src: KVLayout,
+                       src_seg: int) -> tuple[MultiGather, ...]:
+    """:func:`segment_gathers` of one source rank's blocks into several destinations, each
+    ``(pieces, layout, segment bytes)``: the pieces of a gather are ``(destination index,
+    dst segment, offset in it, nbytes)``. The ranks of a narrower destination (TP 1 -> 2:
+    each a head range of every source layer) together read each source block once."""
+    runs = sorted((j, s_off, k, d, d_off, n) for k, (pieces, dst, dst_seg) in enumerate(dsts)
+                  for j, s_off, d, d_off, n in segment_runs(pieces, src, dst, src_seg,
+                                                            dst_seg))
     out: list[list] = []
-    for j, s_off, d, d_off, n in runs:
+    for j, s_off, k, d, d_off, n in runs:
         last = out[-1] if out else None
         if last is not None and last[0] == j and last[1] + last[2] == s_off:
             last[2] += n
-            last[3].append((d, d_off, n))
+            last[3].append((k, d, d_off, n))
         else:
-            out.append([j, s_off, n, [(d, d_off, n)]])
+            out.append([j, s_off, n, [(k, d, d_off, n)]])
     return tuple((j, off, n, tuple(parts)) for j, off, n, parts in out)
 
 

@@ -89,8 +89,9 @@ def same_directory(a: ReadIndex, b: ReadIndex) -> bool:
 class DirectRead:
     """The direct read of one or more pairs whose source ranks share a read directory and a
     read worker (see the module docstring): one look-up, the blocks of every pair in one
-    read over the lanes, one confirmation. Built on the event loop, run on the first read
-    lane's thread by :meth:`__call__`."""
+    read over the lanes (the pairs of one source rank read together: each stretch of its
+    blocks once, scattered over every destination rank it feeds), one confirmation. Built
+    on the event loop, run on the first read lane's thread by :meth:`__call__`."""
 
     def __init__(self, job: PullJob, pairs: Sequence[tuple[PeerTransfer, RankKV]],
                  indexes: Sequence[ReadIndex], receiver: ReadReceiver) -> None:
@@ -145,12 +146,15 @@ class DirectRead:
         from kvkern.xfer.receive import ReadReceiver  # noqa: PLC0415
 
         blocks = block.tolist()
+        by_source: dict[int, list[int]] = {}  # a source rank's pairs read together
+        for i, (pair, _) in enumerate(self.pairs):
+            by_source.setdefault(pair.src_rank, []).append(i)
         parts = []
-        for (pair, rank_kv), template, segs in zip(self.pairs, self.templates, self.segs,
-                                                   strict=True):
-            grant = msgspec.structs.replace(template, read_blocks=blocks)
+        for members in by_source.values():
+            grant = msgspec.structs.replace(self.templates[members[0]], read_blocks=blocks)
             keys = [grant.read_rkey, *grant.read_more_rkeys]
-            runs = ReadReceiver.grant_runs(self.job, pair, grant, rank_kv, segs)
+            runs = ReadReceiver.source_runs(self.job, grant, [
+                (*self.pairs[i], self.segs[i]) for i in members])
             parts += [(keys[j], part) for j, part in runs.items()]
         t = time.perf_counter()
         self.lookup_s = t - t0

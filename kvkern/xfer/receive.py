@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvkern.layout.segments import (
-    segment_gathers,
+    segment_gathers_to,
     source_segment_bytes,
     whole_block_pair,
 )
@@ -275,11 +275,17 @@ class ReadReceiver:
         self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
 
     def can_read(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
-        """Ask for a one-sided read: allowed here, into host memory, and the source rank's
-        pool is registered (its state says how). Canonical segments on both sides (TRT-LLM
-        rows, per-layer HND): any plan pieces (a TP or PP reshard reads head and layer
-        ranges). A source pool readable only in its own order (e.g. vLLM NHD): a
-        destination pool of the same layout, whole blocks. Else the stream."""
+        """Ask for a one-sided read: :meth:`read_allowed`, and its reads are not too small
+        (:meth:`reads_big_enough`). Else the stream."""
+        return (self.read_allowed(job, pair, rank_kv)
+                and self.reads_big_enough(job, [(pair, rank_kv)]))
+
+    def read_allowed(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
+        """Reads allowed here, into host memory, and the source rank's pool is registered
+        (its state says how). Canonical segments on both sides (TRT-LLM rows, per-layer
+        HND): any plan pieces (a TP or PP reshard reads head and layer ranges). A source pool
+        readable only in its own order (e.g. vLLM NHD): a destination pool of the same
+        layout, whole blocks."""
         state = job.state
         if not (self.config.remote_read and state is not None
                 and READ_CAPABILITY in state.capabilities and rank_kv.device.type == "cpu"):
@@ -287,19 +293,26 @@ class ReadReceiver:
         key = (job.source_dp, pair.src_rank)
         kind = state.reads.get(key)
         if kind == "canonical":
-            if rank_kv.read_segments is None:
-                return False
-            src = source_layout(state.topology, pair.src_rank)
-            if whole_block_pair(pair.pieces, src, rank_kv.layout):
-                return True
-            gathers = segment_gathers(pair.pieces, src, rank_kv.layout,
-                                      source_segment_bytes(src),
-                                      rank_kv.read_segments.nbytes)
-            return min(g[2] for g in gathers) >= self.config.read_min_run_bytes
+            return rank_kv.read_segments is not None
         return (kind == "native" and rank_kv.native_segments is not None
                 and state.layouts.get(key) == rank_kv.layout_signature
                 and whole_block_pair(pair.pieces, rank_kv.layout,
                                      rank_kv.layout))  # same dims
+
+    def reads_big_enough(self, job: PullJob,
+                         members: Sequence[tuple[PeerTransfer, RankKV]]) -> bool:
+        """The pairs of one source rank (read together, :meth:`source_runs`) move whole
+        blocks, or every read moves at least ``read_min_run_bytes``."""
+        src_rank = members[0][0].src_rank
+        if job.state.reads.get((job.source_dp, src_rank)) != "canonical":
+            return True  # whole blocks in the source's order (read_allowed)
+        src = source_layout(job.state.topology, src_rank)
+        if all(whole_block_pair(pair.pieces, src, rank_kv.layout) for pair, rank_kv in members):
+            return True
+        gathers = segment_gathers_to(tuple(
+            (pair.pieces, rank_kv.layout, rank_kv.read_segments.nbytes)
+            for pair, rank_kv in members), src, source_segment_bytes(src))
+        return min(g[2] for g in gathers) >= self.config.read_min_run_bytes
 
     async def receive(self, job: PullJob, pair: PeerTransfer, conn: TransferConnection,
                       reply: ReadGrant, rank_kv: RankKV, xfer_t: float, t_req: float) -> None:
@@ -357,36 +370,50 @@ class ReadReceiver:
 
     @staticmethod
     def grant_runs(job: PullJob, pair: PeerTransfer, reply: ReadGrant, rank_kv: RankKV,
-               segs: BlockSegments) -> dict[int, list]:
+                   segs: BlockSegments) -> dict[int, list]:
         """Per source segment (remote key index), the reads that move the pair's pieces of
         every served block: coalesced ``(local, remote, nbytes)`` runs, and a
         :class:`~kvkern.xfer.ucp_rma.Scatter` where source bytes that are contiguous land
         in several places of a destination block (a reshard's interleaved heads)."""
+        return ReadReceiver.source_runs(job, reply, [(pair, rank_kv, segs)])
+
+    @staticmethod
+    def source_runs(job: PullJob, reply: ReadGrant,
+                    members: Sequence[tuple[PeerTransfer, RankKV, BlockSegments]],
+                    ) -> dict[int, list]:
+        """:meth:`grant_runs` of the pairs of one source rank into destination ranks of
+        this group (``(pair, rank kv, its segments)`` each, the private block ids shared):
+        where their pieces of a source block are contiguous (the ranks of a narrower
+        destination), one read scattered over all of them."""
         from kvkern.xfer.ucp_rma import coalesce_arrays, scatter_arrays  # noqa: PLC0415
 
         served = reply.served_blocks
         n_keys = 1 + len(reply.read_more_rkeys)
         bases = [reply.read_base, *reply.read_more_bases]
-        seg = reply.read_segment_bytes or pair.block_nbytes
-        here = np.asarray(job.private[:served], dtype=np.uint64) * np.uint64(segs.stride)
+        seg = reply.read_segment_bytes or members[0][0].block_nbytes
+        ids = np.asarray(job.private[:served], dtype=np.uint64)
+        heres = [ids * np.uint64(segs.stride) for _, _, segs in members]
         there = np.asarray(reply.read_blocks, dtype=np.uint64) * np.uint64(reply.read_stride)
         parts: dict[int, list] = {}
         if reply.read_native:  # same layout, whole blocks: segment j into segment j
-            gathers: tuple = tuple((j, 0, seg, ((j, 0, seg),)) for j in range(n_keys))
+            if len(members) != 1:
+                raise ValueError("a read in the source's own order has one destination")
+            gathers: tuple = tuple((j, 0, seg, ((0, j, 0, seg),)) for j in range(n_keys))
         else:
-            src_lay = source_layout(job.state.topology, pair.src_rank)
-            gathers = segment_gathers(pair.pieces, src_lay, rank_kv.layout, seg,
-                                      segs.nbytes)
+            src_lay = source_layout(job.state.topology, members[0][0].src_rank)
+            gathers = segment_gathers_to(tuple(
+                (pair.pieces, rank_kv.layout, segs.nbytes) for pair, rank_kv, segs in members),
+                src_lay, seg)
         for j, s_off, _, pieces in gathers:
             remote = there + np.uint64(bases[j] + s_off)
+            local = [heres[k] + np.uint64(members[k][2].bases[d] + d_off)
+                     for k, d, d_off, _ in pieces]
             if len(pieces) == 1:
-                d, d_off, n = pieces[0]
-                local = here + np.uint64(segs.bases[d] + d_off)
-                parts.setdefault(j, []).extend(coalesce_arrays(local, remote, n))
+                parts.setdefault(j, []).extend(coalesce_arrays(local[0], remote,
+                                                               pieces[0][3]))
                 continue
-            offs = np.asarray([segs.bases[d] + d_off for d, d_off, _ in pieces], np.uint64)
             parts.setdefault(j, []).extend(scatter_arrays(
-                here[:, None] + offs[None, :], remote, [n for *_, n in pieces],
+                np.stack(local, axis=1), remote, [n for *_, n in pieces],
                 max_pieces=SCATTER_MAX_PIECES, max_bytes=SCATTER_MAX_BYTES))
         return parts
 

@@ -304,7 +304,18 @@ class PullRunner:
                     break
             else:
                 groups.append([i])
-        return groups
+        out = []
+        for group in groups:  # a source rank's pairs read together: each read big enough
+            by_source: dict[int, list[int]] = {}
+            for i in group:
+                by_source.setdefault(pairs[i].src_rank, []).append(i)
+            kept = [i for members in by_source.values()
+                    if self.reads.reads_big_enough(job, [
+                        (pairs[i], self.group.ranks[pairs[i].dst_rank]) for i in members])
+                    for i in members]
+            if kept:
+                out.append(kept)
+        return out
 
     async def _pull_pair(self, job: PullJob, pair: PeerTransfer, addr: tuple[str, int],
                          xfer_t: float) -> int:
@@ -333,13 +344,14 @@ class PullRunner:
         return served
 
     def _direct(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
-        """Read this pair directly (:mod:`kvkern.xfer.direct`): allowed on both sides, the
-        source rank publishes its directory and read worker, and a granted read would be
-        allowed too."""
+        """This pair may read directly (:mod:`kvkern.xfer.direct`): allowed on both sides,
+        the source rank publishes its directory and read worker, and a granted read would
+        be allowed too, but for the size of its reads (which the pairs of one source rank
+        have together: :meth:`_direct_groups`)."""
         state, key = job.state, (job.source_dp, pair.src_rank)
         return (self.config.direct_reads and job.into is None and state is not None
                 and key in state.read_indexes and key in state.read_workers
-                and self.reads.can_read(job, pair, rank_kv))
+                and self.reads.read_allowed(job, pair, rank_kv))
 
     async def _connect(self, job: PullJob, addr: tuple[str, int],
                        xfer_t: float) -> TransferConnection:
