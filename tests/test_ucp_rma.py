@@ -896,7 +896,8 @@ def fresh_iov(monkeypatch):
 async def test_scattered_reads_land_bit_exact_and_are_checked_once(listener, pool, source,
                                                                    fresh_iov):
     """Scatter reads (with plain runs in the same part): every piece bit-exact, the rest
-    poison; the endpoint's first iov read is checked against a whole re-read, once."""
+    poison; the endpoint's first iov read is checked against a whole re-read, once, and
+    again on a new endpoint once the old one is gone."""
     src, region = source
     conn = await connect(pool, listener)
     dst = poisoned(4 << 20)
@@ -917,6 +918,11 @@ async def test_scattered_reads_land_bit_exact_and_are_checked_once(listener, poo
     finally:
         ucp_rma.ReadBatch._verify = real
     assert checks == [] and torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
+    conn.abort()  # its handle may come back for another endpoint: checked again there
+    assert not ucp_rma._iov_verified
+    conn = await connect(pool, listener)
+    await conn.read(region.rkey, reads, timeout=10)
+    assert len(ucp_rma._iov_verified) == 1
 
 
 def _fake_iov(monkeypatch, answer):

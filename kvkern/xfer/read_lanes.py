@@ -238,6 +238,9 @@ class _Lane:
         """Close the endpoint (UCX cancels its running reads), drain ``batches``, then
         destroy the keys (libucp 1.21 releases a key through its worker, so after the
         endpoint is fine). Raises _Stuck if reads outlive READ_DRAIN_S."""
+        from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+        ucp_rma.forget_endpoint(peer.handle)
         with contextlib.suppress(Exception):
             peer.ep.close_blocking()
         deadline = time.monotonic() + transport.READ_DRAIN_S

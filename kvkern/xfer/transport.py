@@ -323,6 +323,10 @@ class Connection:
         if self.failure is None:
             self.failure = reason
         if ep is not None:
+            from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+            with contextlib.suppress(Exception):  # (no handle: it never read)
+                ucp_rma.forget_endpoint(ep.ucp_endpoint)
             try:
                 ep.abort()
             except Exception as exc:  # noqa: BLE001 (closing a broken endpoint may complain)

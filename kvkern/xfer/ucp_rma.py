@@ -58,7 +58,8 @@ if TYPE_CHECKING:
     import numpy as np
 
 __all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "Scatter", "coalesce",
-           "coalesce_arrays", "expand", "rma_unavailable", "scatter_arrays", "MEMORY_TYPES"]
+           "coalesce_arrays", "expand", "forget_endpoint", "rma_unavailable", "scatter_arrays",
+           "MEMORY_TYPES"]
 
 log = logging.getLogger("kvkern.xfer")
 
@@ -86,6 +87,12 @@ _iov_reads = True  # this UCX scatters a read over an iov (until it refuses or f
 # without moving a byte was seen (the v1 protocols, UCX_PROTO_ENABLE=n).
 _iov_verified: collections.OrderedDict[int, None] = collections.OrderedDict()
 _IOV_VERIFIED_MAX = 1024
+
+
+def forget_endpoint(ep_handle: int) -> None:
+    """An endpoint is going away: its handle may come back for another endpoint, whose
+    first scattered read must be checked again."""
+    _iov_verified.pop(ep_handle, None)
 
 
 class DtIov(ctypes.Structure):  # ucp_dt_iov_t (ucp/api/ucp.h); Scatter.local rows
