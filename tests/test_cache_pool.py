@@ -37,6 +37,16 @@ DOCS = [chain(d) for d in range(3)]
 ALL_HASHES = [h for doc in DOCS for h in doc]
 
 
+def cached_blocks(pool: BlockPool, hashes) -> dict[int, int]:
+    """hash -> the block the pool caches it in, for each of ``hashes`` it caches."""
+    out = {}
+    for h in hashes:
+        ids = pool.match_prefix([h])
+        if ids:
+            out[h] = ids[0]
+    return out
+
+
 def assert_leak_free(pool: BlockPool) -> None:
     s = pool.stats()
     assert (s["referenced"], s["pinned"], s["pins"], s["leased"], s["leases"], s["private"]) == (
@@ -84,12 +94,7 @@ class PoolMachine(RuleBasedStateMachine):
             assert self.held_refs[b] >= 0
 
     def _mapped_ids(self) -> dict[int, int]:
-        out = {}
-        for h in ALL_HASHES:
-            ids = self.pool.match_prefix([h])
-            if ids:
-                out[h] = ids[0]
-        return out
+        return cached_blocks(self.pool, ALL_HASHES)
 
     def _expire_model(self):
         self.live_leases = [x for x in self.live_leases if x.expires_at > self.clock.now]

@@ -32,6 +32,7 @@ from kvkern.cache.directory import (
     slot_offsets,
     stable,
 )
+from tests.test_cache_pool import cached_blocks
 
 U64 = 2**64 - 1
 
@@ -297,12 +298,7 @@ class DirectoryMachine(RuleBasedStateMachine):
             self.attach()
 
     def _index(self) -> dict[int, int]:
-        out = {}
-        for h in UNIVERSE:
-            ids = self.pool.match_prefix([h])
-            if ids:
-                out[h] = ids[0]
-        return out
+        return cached_blocks(self.pool, UNIVERSE)
 
     def _sync(self, published_order: list[int] = ()) -> None:
         """Fold one call's index change into the model (a call only publishes or only
