@@ -21,7 +21,8 @@ budget, and a step that fails or times out is recorded and the next one runs:
   ``tests/test_devstream.py`` included), with the name of each test it ran
   -> ``pytest_gpu.json``
 * xfer: ``kvkern bench xfer``, a 256 MiB pull between two processes against a raw UCXX
-  send of the same bytes (pools on the GPU where the command offers ``--device``)
+  send of the same bytes (pools on the GPU where the command offers ``--device``), then
+  the TP and PP reshards (``--reshards all``), with the targets judged on that run
   -> ``xfer.json``
 * demo: ``kvkern demo --device cuda`` with its exactness check -> ``demo.json``
 * autotune: ``bench/autotune.py`` when budget is left (GPU only) -> ``autotune.json``
@@ -416,13 +417,16 @@ def main(argv: list[str] | None = None) -> int:
     xcmd = [PY, "-m", "kvkern", "bench", "xfer"]
     device_pools = not dry and cuda and _help_offers(xcmd, "--device")
     size = "16MiB" if dry else "256MiB"
-    cmd = xcmd + ["--sizes", size, "--cases", "raw,pull", "--json",
+    # and each reshard with a peer of its own (on device pools they stream: the head- and
+    # layer-sliced pack kernels between two processes); the JSON judges its own targets
+    reshards = "tp2:1" if dry else "all"
+    cmd = xcmd + ["--sizes", size, "--cases", "raw,pull", "--json", "--reshards", reshards,
                   "--timeout", "60" if dry else "150"] + (["--repeats", "1"] if dry else [])
     if device_pools:
         cmd += ["--device", "cuda"]
     # UCX_PROTO_INFO: UCX logs the protocol and transport it selects for each endpoint and
     # memory type (cuda_ipc, cuda_copy, rc...): the log shows which one carried the pull
-    res = run_step(cmd, out / "xfer.log", min(180.0, left()), env={"UCX_PROTO_INFO": "y"})
+    res = run_step(cmd, out / "xfer.log", min(300.0, left()), env={"UCX_PROTO_INFO": "y"})
     xfer = last_json_line((out / "xfer.log").read_text(errors="replace"))
     res["device_pools"] = device_pools
     if not device_pools:

@@ -14,7 +14,9 @@ Records, one JSON object per file:
     Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``); a TP or
     PP reshard (``--pull-tp``, ``--pull-pp``) is read from ``cases.pull``. A record
     of several runs has a list of values per figure and ``"runs": N``; ``raw_gbps_range``
-    is a ``[low, high]`` pair where only the range was kept.
+    is a ``[low, high]`` pair where only the range was kept. A run with ``--reshards``
+    holds each reshard's run under ``reshards`` (shown with the reshard records) and a run
+    of ``--compare nixl`` its ``targets`` (``kvkern/tools/benchtargets.py``).
 ``bench/results/cpu_kernels/*.json``
     ``make bench`` writes one to ``bench/out/cpu_kernels.json``: ``cases`` maps a case to
     GB/s of ``pack``, ``unpack``, ``per_block_loop`` and ``contiguous_copy``; ``env`` its
@@ -80,10 +82,22 @@ def load(results_dir: Path = RESULTS_DIR) -> dict[str, Any]:
                 for p in sorted((results_dir / sub).glob("*.json"))]
 
     aot = results_dir / "kernel_aot.json"
-    return {"xfer": read_all("xfer"), "cpu_kernels": read_all("cpu_kernels"),
+    return {"xfer": _with_reshards(read_all("xfer")), "cpu_kernels": read_all("cpu_kernels"),
             "vllm": read_all("vllm"),
             "gpu": read_all("gpu"), "kernel_aot": json.loads(aot.read_text())
             if aot.exists() else None}
+
+
+def _with_reshards(records: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """Each record, then the reshard runs it holds (``--reshards``) as records of their own,
+    named ``NAME (tp2:1)``, with the record's environment."""
+    out = []
+    for name, rec in records:
+        out.append((name, rec))
+        for key, sub in rec.get("reshards", {}).items():
+            if "cases" in sub:
+                out.append((f"{name} ({key})", {**sub, "env": rec.get("env", {})}))
+    return out
 
 
 def _count(n: int, what: str) -> str:
@@ -238,6 +252,25 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
     return out
 
 
+def _targets_section(records: list[tuple[str, dict]]) -> list[str]:
+    """The targets judged on one run (``targets`` of a record, kvkern.tools.benchtargets)."""
+    runs = [(name, r) for name, r in records if r.get("targets")]
+    if not runs:
+        return []
+    out = ["## Targets judged on one run", "",
+           "`kvkern bench xfer --compare nixl` judges each target on figures of its own run "
+           "(`kvkern/tools/benchtargets.py`): the pull against NIXL, one-block pulls, the "
+           "stream and the reshards against a raw send of the same bytes.", ""]
+    for name, rec in runs:
+        met = sum(1 for t in rec["targets"] if t["met"])
+        out += [f"Record `{name}` (commit {_commit(rec)}): {met} of {len(rec['targets'])} met.",
+                "", "| target | where | value | wanted | met |", "|---|---|---|---|---|"]
+        out += [f"| {t['what']} | {t['where']} | {t['value']:.3f} | {t['bound']} | "
+                f"{'yes' if t['met'] else 'no'} |" for t in rec["targets"]]
+        out.append("")
+    return out
+
+
 def _cpu_section(records: list[tuple[str, dict]]) -> list[str]:
     out = ["## Kernels on CPU (`make bench`)", "",
            "The torch pack/unpack path against a per-block `copy_` loop and one contiguous "
@@ -327,6 +360,7 @@ def render(data: dict[str, Any]) -> str:
     lines += _gpu_section(data["gpu"], data["kernel_aot"])
     lines += _xfer_section(data["xfer"])
     lines += _peer_section(data["xfer"])
+    lines += _targets_section(data["xfer"])
     lines += _vllm_section(data.get("vllm", []))
     lines += _cpu_section(data["cpu_kernels"])
     return "\n".join(lines).rstrip() + "\n"

@@ -62,3 +62,25 @@ def test_bench_xfer_device_cuda_needs_a_device():
     out = subprocess.run([sys.executable, "-m", "kvkern", "bench", "xfer", "--device", "cuda"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no CUDA device" in out.stderr.splitlines()[-1]
+
+
+def test_bench_xfer_reshards_and_targets_in_the_same_run():
+    """``--reshards`` pulls through each reshard with a peer of its own, against the raw send
+    of the same bytes, and the targets are judged on the figures of this one run."""
+    if rma_unavailable() is not None:
+        pytest.skip(f"one-sided reads unavailable: {rma_unavailable()}")
+    cmd = [sys.executable, "-m", "kvkern", "bench", "xfer", "--cases", "raw,pull",
+           "--sizes", "1MiB", "--repeats", "1", "--reshards", "tp2:1", "--timeout", "60",
+           "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    sub = res["reshards"]["tp2:1"]["cases"]["pull"]
+    assert (sub["tp"], sub["pp"]) == ("2:1", "1:1")
+    row = sub[str(1 << 20)]
+    assert row["ratio"] > 0 and row["reads"] == 2 and row["stream_pull_gbps"] > 0
+    assert "granted_ratio" not in row and "lanes1_ratio" not in row  # headline paths only
+    targets = {(t["target"], t["where"]): t for t in res["targets"]}
+    assert targets[("reshard_vs_raw", "TP 2:1, 1 MiB")]["value"] == round(row["ratio"], 3)
+    assert targets[("hint_to_first_byte_ms", "1 block")]["value"] == \
+        round(res["cases"]["pull"]["hint_to_first_byte_ms"], 3)

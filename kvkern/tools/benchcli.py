@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from kvkern.tools import benchtargets
 from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env
 
 MiB = 1 << 20
@@ -102,6 +103,8 @@ class Settings:
     pull_pp: tuple[int, int] = (1, 1)  # pull case: PP size of the source and the destination
     read_lanes: int = 2  # pull case: XferConfig.read_lanes of the headline puller
     device: str = "cpu"  # where both peers' buffers and pools live ("cuda": device memory)
+    all_variants: bool = True  # pull case: also fewer lanes and granted reads (else headline,
+    # scattered and stream only)
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
         if self.ucx_env == "off":
@@ -435,10 +438,11 @@ class _PullBench:
         # worker), so the headline's gain from parallel copies is visible in the same run
         self.fewer = {f"lanes{n}": Puller(self.group, config=cfg.replace(read_lanes=n),
                                           loop=bench.loop)
-                      for n in (1, 0) if s.data_path != "stream" and n < s.read_lanes}
+                      for n in (1, 0)
+                      if s.all_variants and s.data_path != "stream" and n < s.read_lanes}
         # and every read asking the source first (a grant and its round trip), so the gain
         # of direct reads (kvkern.xfer.direct) is measured in the same run
-        if s.data_path != "stream":
+        if s.all_variants and s.data_path != "stream":
             self.fewer["granted"] = Puller(self.group, config=cfg.replace(direct_reads=False),
                                            loop=bench.loop)
         self.per_block = sum(rkv.layout.bytes_per_block for rkv in self.ranks.values())
@@ -476,7 +480,8 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         await _check_pulls(pb)
         for size in s.sizes:
             out[str(size)] = await _pull_size(pb, s, size)
-        out.update(await _one_block(pb, s, pb.puller))
+        if s.all_variants:
+            out.update(await _one_block(pb, s, pb.puller))
         if "granted" in pb.fewer:
             out["granted"] = await _one_block(pb, s, pb.fewer["granted"])
         return out
@@ -661,7 +666,7 @@ def run_xfer(s: Settings) -> dict[str, Any]:
         out |= {"bytes": pr["bytes"], "blocks": pr["blocks"], "pull_gbps": pr["pull_gbps"],
                 "raw_gbps": pr["raw_gbps"], "ratio": pr["ratio"],
                 "messages": pr["messages"],
-                "hint_to_first_byte_ms": result["pull"]["hint_to_first_byte_ms"],
+                "hint_to_first_byte_ms": result["pull"].get("hint_to_first_byte_ms"),
                 "scattered_ratio": pr.get("scattered_ratio"),
                 "data_path": result["pull"]["data_path"],
                 "by_size": {size: {k: r[k] for k in ("bytes", "blocks", "pull_gbps",
@@ -716,6 +721,19 @@ def _print_human(res: dict[str, Any]) -> None:
               f"(scattered {r['scattered']['gbps']:.2f})  kvkern / NIXL "
               f"{r.get('kvkern_vs_nixl', float('nan')):.2f} "
               f"(scattered {r.get('kvkern_vs_nixl_scattered', float('nan')):.2f})")
+    for name, sub in res.get("reshards", {}).items():
+        if "error" in sub:
+            print(f"  reshard  {name}: {sub['error']}")
+        for size, r in sub.get("cases", {}).get("pull", {}).items():
+            if size.isdigit():
+                extra = "  ".join(f"{k} {r[k]:.2f}" for k in
+                                  ("scattered_ratio", "stream_ratio", "stream_scattered_ratio")
+                                  if k in r)
+                print(f"  reshard  {name:5s} {int(size) // MiB:5d} MiB  ratio {r['ratio']:.2f}  "
+                      f"{r['reads']} reads  {extra}")
+    if res.get("targets"):
+        print("  targets (same run):")
+        print("\n".join(benchtargets.format_lines(res["targets"])))
     if "messages" in cases:
         m = cases["messages"]
         print(f"  messages control rtt {m['control_rtt_us']} us; {m['n']} x 64 KiB: "
@@ -764,6 +782,10 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--compare", choices=["nixl"], default=None,
                    help="also measure NIXL's block-list READ on the same pool shapes and sizes "
                         "in this run, with kvkern / NIXL ratios (needs nixl: make bench-nixl)")
+    x.add_argument("--reshards", default=None, metavar="LIST",
+                   help="also pull through TP and PP reshards (a peer each), with the raw "
+                        "send of the same bytes: all, none or a comma list of "
+                        "tp2:1,tp1:2,pp2:1,pp1:2 (default: all with --compare, else none)")
     x.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where both processes' buffers and KV pools live (cuda: device "
                         "memory, moved by UCX's CUDA transports; the pull streams)")
@@ -809,11 +831,19 @@ def main(argv: list[str] | None = None) -> int:
                  pull_tp=_parse_split("--pull-tp", ns.pull_tp, parser),
                  pull_pp=_parse_split("--pull-pp", ns.pull_pp, parser), read_lanes=ns.read_lanes,
                  device=ns.device)
+    try:
+        reshards = benchtargets.parse_reshards(ns.reshards, compare=ns.compare is not None)
+    except ValueError as exc:
+        parser.error(f"--reshards: {exc}")
     res = run_xfer(s)
     if ns.compare == "nixl":
         from kvkern.tools.nixlbench import compare  # noqa: PLC0415
 
         res["compare"] = {"nixl": compare(res)}
+    if reshards and "pull" in cases:
+        res["reshards"] = benchtargets.run_reshards(s, reshards, run_xfer)
+    if "pull" in cases:
+        res["targets"] = benchtargets.evaluate(res)
     if ns.json:
         sys.stdout.flush()
         print(json.dumps(res), flush=True)
