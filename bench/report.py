@@ -225,9 +225,18 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
         out += ["No run is recorded.", ""]
     for name, rec in runs:
         nixl, pull = rec["compare"]["nixl"], rec.get("cases", {}).get("pull", {})
-        out += [f"Record `{name}` (commit {_commit(rec)}):", "",
-                "| size | NIXL READ | NIXL READ scattered | kvkern pull | kvkern scattered | "
-                "kvkern / NIXL | scattered |", "|---|---|---|---|---|---|---|"]
+        per_request = any("consecutive_per_request" in r for r in nixl["cases"].values())
+        out += [f"Record `{name}` (commit {_commit(rec)}):", ""]
+        if per_request:
+            out += [f"NIXL also issued every READ as vLLM's connector issues a request "
+                    f"(descriptor ids, `make_prepped_xfer` with `notif_msg`, `transfer`, "
+                    f"until DONE; {nixl.get('notifications', '?')} notifications, each "
+                    f"received by the target): GB/s per request, consecutive / scattered, "
+                    f"and kvkern / NIXL against those.", ""]
+        out += ["| size | NIXL READ | NIXL READ scattered | kvkern pull | kvkern scattered | "
+                "kvkern / NIXL | scattered |"
+                + (" NIXL per request | kvkern / NIXL per request |" if per_request else ""),
+                "|---|---|---|---|---|---|---|" + ("---|---|" if per_request else "")]
         for size in sorted(nixl["cases"], key=int):
             row, ours = nixl["cases"][size], pull.get(size, {})
 
@@ -235,10 +244,16 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
                 lo, hi = c["gbps_range"]
                 return f"{_fmt(c['gbps'])} [{_fmt(lo)}-{_fmt(hi)}]"
 
-            out.append(f"| {_size(size)} | {gb(row['consecutive'])} | {gb(row['scattered'])} "
-                       f"| {_two(ours.get('pull_gbps'))} | {_two(ours.get('scattered_pull_gbps'))}"
-                       f" | {_two(row.get('kvkern_vs_nixl'))} "
-                       f"| {_two(row.get('kvkern_vs_nixl_scattered'))} |")
+            line = (f"| {_size(size)} | {gb(row['consecutive'])} | {gb(row['scattered'])} "
+                    f"| {_two(ours.get('pull_gbps'))} | {_two(ours.get('scattered_pull_gbps'))}"
+                    f" | {_two(row.get('kvkern_vs_nixl'))} "
+                    f"| {_two(row.get('kvkern_vs_nixl_scattered'))} |")
+            if per_request:
+                a, b = row.get("consecutive_per_request"), row.get("scattered_per_request")
+                line += (f" {_two(a and a['gbps'])} / {_two(b and b['gbps'])} "
+                         f"| {_two(row.get('kvkern_vs_nixl_per_request'))} / "
+                         f"{_two(row.get('kvkern_vs_nixl_per_request_scattered'))} |")
+            out.append(line)
         out.append("")
     auth = [(name, r["cases"]["messages"]) for name, r in records
             if "auth_ms" in r.get("cases", {}).get("messages", {})]

@@ -721,6 +721,12 @@ def _print_human(res: dict[str, Any]) -> None:
               f"(scattered {r['scattered']['gbps']:.2f})  kvkern / NIXL "
               f"{r.get('kvkern_vs_nixl', float('nan')):.2f} "
               f"(scattered {r.get('kvkern_vs_nixl_scattered', float('nan')):.2f})")
+        if "consecutive_per_request" in r:
+            print(f"  nixl     {int(size) // MiB:5d} MiB  per request "
+                  f"{r['consecutive_per_request']['gbps']:.2f} GB/s (scattered "
+                  f"{r['scattered_per_request']['gbps']:.2f})  kvkern / NIXL "
+                  f"{r.get('kvkern_vs_nixl_per_request', float('nan')):.2f} (scattered "
+                  f"{r.get('kvkern_vs_nixl_per_request_scattered', float('nan')):.2f})")
     for name, sub in res.get("reshards", {}).items():
         if "error" in sub:
             print(f"  reshard  {name}: {sub['error']}")
