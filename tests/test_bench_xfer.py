@@ -49,6 +49,8 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
     assert pull["hint_to_first_byte_ms"] > 0
     if reads:  # the copy is timed apart; the granted read is measured in the same run
         assert 0 < pull["one_block_overhead_ms"] < pull["one_block_total_ms"]
+        assert one["copy_gbps"] >= one["pull_gbps"] > 0  # the copy alone is the faster
+        assert one["phases_ms"]["data"] <= one["phases_ms"]["total"]
         assert one["granted_pull_gbps"] > 0 and pull["granted"]["hint_to_first_byte_ms"] > 0
 
 

@@ -536,7 +536,7 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
     n = max(1, size // pb.per_block)
     nbytes = n * pb.per_block
     await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
-    raw_t, msgs, reads = [], [], []
+    raw_t, msgs, reads, phases = [], [], [], []
     times: dict[str, list[float]] = {"pull": [], "scattered": [], "stream": [],
                                      "stream_scattered": [], **{k: [] for k in pb.fewer}}
     scat = bench.scattered_http_port
@@ -560,15 +560,23 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
             if kind == "pull":
                 msgs.append(o.messages)
                 reads.append(o.reads)
-                last = o
+                phases.append(o.phases)
     ps, rs = _summary(nbytes, times["pull"]), _summary(nbytes, raw_t)
+    # each phase's median over the headline pulls that had it (the copy alone: "data" of a
+    # direct read, "read" of a granted one; a stream's copy is not apart from its messages)
+    median_phases = {k: round(statistics.median(p[k] for p in phases if k in p) * 1e3, 3)
+                     for k in dict.fromkeys(k for p in phases for k in p)}
     row = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
            "pull_gbps_p20": ps["gbps_p20"], "pull_gbps_p80": ps["gbps_p80"],
            "raw_gbps": rs["gbps"], "ratio": round(ps["gbps"] / rs["gbps"], 3),
            "pull_ms": ps["ms"], "raw_ms": rs["ms"], "messages": statistics.median(msgs),
            "chunk_bytes": s.chunk_bytes,
-           "phases_ms": {k: round(v * 1e3, 3) for k, v in last.phases.items()}}
+           "phases_ms": median_phases}
     row["reads"] = statistics.median(reads)
+    copy_ms = next((median_phases[k] for k in ("data", "read") if k in median_phases), None)
+    if copy_ms:  # the bytes' own move: what the pull costs beyond it is its overhead
+        row["copy_gbps"] = round(nbytes / copy_ms / 1e6, 3)
+        row["copy_ratio"] = round(row["copy_gbps"] / rs["gbps"], 3)
     if times["scattered"]:  # source blocks at shuffled ids: one read (or pack) per block
         ss = _summary(nbytes, times["scattered"])
         row.update(scattered_pull_gbps=ss["gbps"],
@@ -671,6 +679,7 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                 "data_path": result["pull"]["data_path"],
                 "by_size": {size: {k: r[k] for k in ("bytes", "blocks", "pull_gbps",
                                                      "raw_gbps", "ratio", "messages", "reads",
+                                                     "copy_gbps", "copy_ratio",
                                                      "scattered_pull_gbps", "scattered_ratio",
                                                      "stream_ratio", "stream_scattered_ratio",
                                                      "lanes1_ratio", "lanes0_ratio",
@@ -702,7 +711,7 @@ def _print_human(res: dict[str, Any]) -> None:
                   f"[p20 {r['pull_gbps_p20']:.2f}, p80 {r['pull_gbps_p80']:.2f}]  "
                   f"raw {r['raw_gbps']:.2f} GB/s  ratio {r['ratio']:.2f}  {r['blocks']} blocks "
                   f"{r['messages']} messages {r['reads']} reads")
-            extra = [f"{k} {r[k]:.2f}" for k in ("scattered_ratio", "granted_ratio",
+            extra = [f"{k} {r[k]:.2f}" for k in ("copy_ratio", "scattered_ratio", "granted_ratio",
                                                  "stream_ratio", "stream_scattered_ratio",
                                                  "lanes1_ratio", "lanes0_ratio") if k in r]
             if extra:
@@ -733,8 +742,8 @@ def _print_human(res: dict[str, Any]) -> None:
         for size, r in sub.get("cases", {}).get("pull", {}).items():
             if size.isdigit():
                 extra = "  ".join(f"{k} {r[k]:.2f}" for k in
-                                  ("scattered_ratio", "stream_ratio", "stream_scattered_ratio")
-                                  if k in r)
+                                  ("copy_ratio", "scattered_ratio", "stream_ratio",
+                                   "stream_scattered_ratio") if k in r)
                 print(f"  reshard  {name:5s} {int(size) // MiB:5d} MiB  ratio {r['ratio']:.2f}  "
                       f"{r['reads']} reads  {extra}")
     if res.get("targets"):

@@ -33,8 +33,8 @@ RESHARDS: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
 
 # target -> (bound, ">=" or "<=", what it measures)
 TARGETS: dict[str, tuple[float, str, str]] = {
-    "kvkern_vs_nixl": (1.0, ">=", "pull / NIXL READ of the same blocks, consecutive"),
-    "kvkern_vs_nixl_scattered": (1.0, ">=", "pull / NIXL READ of the same blocks, scattered"),
+    "kvkern_vs_nixl": (1.0, ">=", "pull / NIXL (its faster way) of the same blocks, consecutive"),
+    "kvkern_vs_nixl_scattered": (1.0, ">=", "pull / NIXL (its faster way) of the same blocks, scattered"),
     # (NIXL's figure is the faster of its READ alone and its READ issued per request as
     # vLLM's connector does, descriptor ids and notification included: the stricter bound)
     "hint_to_first_byte_ms": (0.5, "<=", "hint to first byte of a 1-block pull, warm (ms)"),
