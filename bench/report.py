@@ -193,18 +193,21 @@ def _one_block_lines(records: list[tuple[str, dict]]) -> list[str]:
             rows.append(f"| `{name}` | {_fmt(pull['hint_to_first_byte_ms'])} | "
                         f"{_fmt(pull['one_block_overhead_ms'])} | "
                         f"{_fmt(pull['one_block_total_ms'])} | "
+                        f"{_two(pull.get('one_block_cpu_ms'))} | "
                         f"{_fmt(granted['hint_to_first_byte_ms'])} | "
                         f"{_fmt(granted['one_block_overhead_ms'])} | "
-                        f"{_fmt(granted['one_block_total_ms'])} |")
+                        f"{_fmt(granted['one_block_total_ms'])} | "
+                        f"{_two(granted.get('one_block_cpu_ms'))} |")
         else:
             older += _values(r.get("hint_to_first_byte_ms"))
     out = []
     if rows:
         out += ["", "One-block pulls (512 KiB) on a warm connection, medians in ms: the time from "
                 "the hint to the first byte, the overhead (the whole pull less its block's "
-                "copy) and the whole pull; direct reads against granted ones in the same run.",
-                "", "| record | direct: first byte | overhead | whole | granted: first byte | "
-                "overhead | whole |", "|---|---|---|---|---|---|---|", *rows]
+                "copy), the whole pull and the destination process's CPU time per pull (all "
+                "threads; `-`: not measured); direct reads against granted ones in the same run.",
+                "", "| record | direct: first byte | overhead | whole | CPU | granted: first byte | "
+                "overhead | whole | CPU |", "|---|---|---|---|---|---|---|---|---|", *rows]
     if older:
         out += ["", f"Hint to first byte in records before direct reads (1 block, warm "
                     f"connection, granted reads): {_fmt(min(older))}-{_fmt(max(older))} ms."]
