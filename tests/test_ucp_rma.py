@@ -890,6 +890,7 @@ def fresh_iov(monkeypatch):
     """Iov reads allowed again and no endpoint checked yet."""
     monkeypatch.setattr(ucp_rma, "_iov_reads", True)
     monkeypatch.setattr(ucp_rma, "_iov_verified", collections.OrderedDict())
+    monkeypatch.setattr(ucp_rma, "_iov_mismatches", 0)
 
 
 @aio
@@ -952,10 +953,9 @@ async def test_a_ucx_refusing_iov_reads_gets_pieces(listener, pool, source, fres
 async def test_an_iov_read_that_moves_nothing_is_caught(listener, pool, source, fresh_iov,
                                                         monkeypatch):
     """A UCX that completes an iov read without moving its bytes (and scribbles over the
-    iov it was given): the check fails the read, later reads go piece by piece, and the
-    reads' own iovs were never touched."""
+    iov it was given): the check fails the read, and again on the retry, after which later
+    reads go piece by piece; the reads' own iovs were never touched."""
     src, region = source
-    conn = await connect(pool, listener)
 
     def no_op(ep, iov, count, remote, rkey):
         ctypes.memset(iov, 0x5A, count)  # as a UCX taking the iov for a contiguous buffer
@@ -965,10 +965,44 @@ async def test_an_iov_read_that_moves_nothing_is_caught(listener, pool, source, 
     dst = poisoned(4 << 20)
     reads, local, remote, sizes = _scatter_reads(region, dst, 3)
     before = [r.local.copy() for r in reads]
-    with pytest.raises(TransportError, match="scattered read check"):
-        await conn.read(region.rkey, reads, timeout=10)
-    assert not ucp_rma._iov_reads
+    for still_scattering in (True, False):
+        conn = await connect(pool, listener)  # (a failed read aborts its connection)
+        with pytest.raises(TransportError, match="scattered read check"):
+            await conn.read(region.rkey, reads, timeout=10)
+        assert ucp_rma._iov_reads is still_scattering
     assert all(np.array_equal(r.local, b) for r, b in zip(reads, before, strict=True))
-    conn = await connect(pool, listener)  # (a failed read aborts its connection)
+    conn = await connect(pool, listener)
     await conn.read(region.rkey, reads, timeout=10)
     assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
+
+
+@aio
+async def test_a_source_rewriting_a_checked_read_costs_that_read_only(listener, pool, source,
+                                                                      fresh_iov,
+                                                                      monkeypatch):
+    """The source's bytes change between an endpoint's first iov read and its whole
+    re-read (a block evicted and rewritten under load): that read fails, iov reads stay on,
+    and the endpoint's next scattered read is checked again and passes."""
+    src, region = source
+    conn = await connect(pool, listener)
+    dst = poisoned(4 << 20)
+    reads, local, remote, sizes = _scatter_reads(region, dst, 4)
+    real = ucp_rma.ReadBatch._verify
+    saved = src.clone()
+
+    def rewritten(self, run, *a):
+        at = run.remote - region.address
+        src[at:at + run.nbytes] ^= 0xFF  # after the iov read, before the re-read
+        return real(self, run, *a)
+
+    monkeypatch.setattr(ucp_rma.ReadBatch, "_verify", rewritten)
+    with pytest.raises(TransportError, match="scattered read check"):
+        await conn.read(region.rkey, reads, timeout=10)
+    monkeypatch.setattr(ucp_rma.ReadBatch, "_verify", real)
+    src.copy_(saved)
+    assert ucp_rma._iov_reads and not ucp_rma._iov_verified
+    conn = await connect(pool, listener)
+    dst.fill_(POISON)
+    await conn.read(region.rkey, reads, timeout=10)
+    assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
+    assert ucp_rma._iov_reads and len(ucp_rma._iov_verified) == 1

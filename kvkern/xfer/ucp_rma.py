@@ -81,12 +81,17 @@ UCS_ERR_UNSUPPORTED_STATUS = -22
 # what a UCX that cannot scatter a read over a local iov answers (the read is then posted
 # piece by piece): INVALID_PARAM, NOT_IMPLEMENTED, UNSUPPORTED
 _NO_IOV = frozenset((-5, -8, UCS_ERR_UNSUPPORTED_STATUS))
-_iov_reads = True  # this UCX scatters a read over an iov (until it refuses or fails one)
+_iov_reads = True  # this UCX scatters a read over an iov (until it refuses one, or fails checks)
 # Endpoints whose first scattered read matched the same bytes read whole (see
 # ReadBatch.wait): ucp.h documents only contiguous reads, and a UCX that takes an iov read
 # without moving a byte was seen (the v1 protocols, UCX_PROTO_ENABLE=n).
 _iov_verified: collections.OrderedDict[int, None] = collections.OrderedDict()
 _IOV_VERIFIED_MAX = 1024
+# Checks that found other bytes than the whole re-read. One can be the source rewriting the
+# block between the two reads (an eviction under load); a UCX that does not scatter fails
+# every check, so the second one turns iov reads off for the process.
+_IOV_MISMATCHES_TO_STOP = 2
+_iov_mismatches = 0
 
 
 def forget_endpoint(ep_handle: int) -> None:
@@ -352,9 +357,10 @@ class ReadBatch:
                 cancelled: threading.Event | None) -> None:
         """Read ``run``'s remote bytes again whole and compare them with what its iov read
         left in the pieces: equal, the endpoint's iov reads are trusted from now on; else
-        no read is scattered over an iov any more, and this batch fails (RmaError), so
-        what it read is not used."""
-        global _iov_reads
+        this batch fails (RmaError), so what it read is not used, the endpoint's next
+        scattered read is checked again, and from the second such failure in the process
+        on no read is scattered over an iov any more."""
+        global _iov_reads, _iov_mismatches
         import numpy as np  # noqa: PLC0415
 
         whole = np.empty(run.nbytes, np.uint8)
@@ -367,9 +373,16 @@ class ReadBatch:
         for address, n in run.local.tolist():
             got = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(address))
             if not np.array_equal(got, whole[pos:pos + n]):
-                _iov_reads = False
-                log.warning("a read scattered over an iov did not land as the same bytes "
-                            "read whole: reads are posted piece by piece from now on")
+                _iov_mismatches += 1
+                if _iov_mismatches >= _IOV_MISMATCHES_TO_STOP:
+                    _iov_reads = False
+                    log.warning("a read scattered over an iov did not land as the same bytes "
+                                "read whole, again: reads are posted piece by piece from now "
+                                "on")
+                else:
+                    log.warning("a read scattered over an iov did not land as the same bytes "
+                                "read whole (or the source rewrote them in between): the read "
+                                "fails, and the endpoint's next one is checked again")
                 raise RmaError("scattered read check", UCS_ERR_IO_ERROR)
             pos += n
         self._unverified = None
