@@ -47,7 +47,9 @@ Every operation is bounded. Failures raise :class:`TransportError` whose ``reaso
 aborts the connection before the error is raised: UCX may still own the buffers of
 outstanding requests (a timed-out send is *not* cancelled by UCX) and only an endpoint abort
 cancels them, so after the raise every caller buffer is free to reuse. A
-:class:`ConnectionPool` then reconnects on the next ``get``.
+:class:`ConnectionPool` then reconnects on the next ``get``. The same rule holds before a
+connection exists: connects and accepts run their first exchange through
+:mod:`kvkern.xfer.handshake`, whose buffers outlive an exchange that ends early.
 
 Progress mode
 -------------
@@ -104,7 +106,7 @@ from enum import IntEnum
 from typing import TYPE_CHECKING
 
 from kvkern.checks import check_positive_int
-from kvkern.xfer import ucxcompat
+from kvkern.xfer import handshake, ucxcompat
 from kvkern.xfer.auth import FROM_ENV, NONCE_BYTES, Credential
 from kvkern.xfer.auth import resolve as resolve_credential
 from kvkern.xfer.messages import (
@@ -927,16 +929,22 @@ class Listener:
         if self._listener is not None:
             raise RuntimeError("listener already started")
         _check_config()
-        ucxx = import_ucxx()
-        self._listener = ucxx.create_listener(self._on_accept, port=self._port,
-                                              connect_timeout=self.connect_timeout)
+        self._listener = handshake.create_listener(self._on_accept, port=self._port,
+                                                   timeout=self.connect_timeout)
         return self
 
     async def _on_accept(self, ep: UcxEndpoint) -> None:
         if self._closing:
             ep.abort()
             return
-        conn = Connection(ep, peer=None, codec=self.codec, max_frame_bytes=self.max_frame_bytes)
+        try:
+            conn = Connection(ep, peer=None, codec=self.codec,
+                              max_frame_bytes=self.max_frame_bytes)
+        except RuntimeError as exc:  # the peer went between the handshake and here
+            log.debug("accepted connection already closed: %s", exc)
+            with contextlib.suppress(Exception):
+                ep.abort()
+            return
         task = asyncio.current_task()
         self._conns.add(conn)
         if task is not None:
@@ -1031,13 +1039,10 @@ class ConnectionPool:
 
     async def _connect(self, key: tuple[str, int]) -> Connection:
         _check_config()
-        ucxx = import_ucxx()
         host, port = key
         started = time.monotonic()
-        try:
-            ep = await asyncio.wait_for(
-                ucxx.create_endpoint(host, port, connect_timeout=self.connect_timeout),
-                self.connect_timeout)
+        try:  # (a connect ended early closes its endpoint before its buffers go)
+            ep = await handshake.connect(host, port, self.connect_timeout)
         except (asyncio.TimeoutError, TimeoutError) as exc:
             raise TransportError("connect_timeout", f"{host}:{port} did not accept within "
                                  f"{self.connect_timeout} s") from exc

@@ -235,6 +235,7 @@ class ReadBatch:
         self._ep: int | None = None
         self._unverified: Scatter | None = None  # a first iov read on an endpoint
         self._check_batch: ReadBatch | None = None  # its whole re-read (see _verify)
+        self._check_buffer: np.ndarray | None = None  # what that re-read writes
         self._iovs: list[np.ndarray] = []  # what the iov reads were posted with
         self.nbytes = 0
 
@@ -366,7 +367,9 @@ class ReadBatch:
         whole = np.empty(run.nbytes, np.uint8)
         check = ReadBatch(self._key, [(whole.ctypes.data, run.remote, run.nbytes)],
                           worker_handle=self._worker)
-        self._check_batch = check  # drained (and kept, if stuck) with this batch
+        # drained (and kept, if stuck) with this batch, and its buffer with it: a wait cut
+        # short (a timeout, another lane's failure) leaves the read to the caller's drain
+        self._check_batch, self._check_buffer = check, whole
         check.post(self._ep)
         check.wait(timeout, cancelled)
         pos = 0

@@ -1,0 +1,185 @@
+"""The first exchange on a new UCX connection, with buffers that outlive every request on them.
+
+ucxx gives every endpoint its message tags in a first exchange on the UCX stream API: each side
+sends 16 bytes, ``struct.pack("QQ", tag, hash64bits(tag))``, the accepting side first. ucxx's
+own ``exchange_peer_info`` bounds each wait with a timeout and lets its buffers go when that
+timeout, or a cancellation, ends the wait, while the receive is still posted: when the peer's
+bytes arrive later, UCX writes them into memory Python has handed to other objects. Seen: a
+destination whose connect was cancelled (a sibling pair of its pull failed) crashed with a
+corrupted list; a source is exposed the same way to any client that connects and answers
+after the timeout, before any credential is checked.
+
+:class:`Handshake` keeps the buffers and requests of one exchange. Whatever ends a wait early
+(a timeout, a cancellation, an error) closes the endpoint first, which cancels its requests,
+and the handshake object is kept until those requests have completed; one whose requests never
+complete stays for the life of the process (32 bytes and two request objects). :func:`connect`
+and :func:`create_listener` are ucxx's ``create_endpoint`` and ``create_listener`` built on it,
+on the same wire format, so either side may be stock ucxx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from kvkern.xfer.ucx_env import import_ucxx
+
+__all__ = ["Handshake", "HandshakeError", "abandoned", "connect", "create_listener"]
+
+log = logging.getLogger("kvkern.xfer")
+
+_FORMAT = "QQ"  # (the sender's message tag, hash64bits(tag)), as ucxx's exchange_peer_info
+# Closing an endpoint waits at most this long (ns) for each of its internal steps.
+_CLOSE_PERIOD_NS = 1_000_000_000
+_abandoned: list[Handshake] = []  # ended early, some request still open (see abandon)
+
+
+class HandshakeError(Exception):
+    """The peer's tags did not arrive, or not intact."""
+
+
+def abandoned() -> int:
+    """Handshakes ended early whose requests are still open (their buffers are kept)."""
+    _sweep()
+    return len(_abandoned)
+
+
+def _sweep() -> None:
+    _abandoned[:] = [h for h in _abandoned if not h.settled]
+
+
+def _ucx_api() -> Any:
+    import_ucxx()
+    import ucxx._lib.libucxx as ucx_api  # noqa: PLC0415
+
+    return ucx_api
+
+
+def _hash64(*args: object) -> int:
+    from ucxx._lib_async.utils import hash64bits  # noqa: PLC0415 (the checksum ucxx uses)
+
+    return hash64bits(*args)
+
+
+class Handshake:
+    """One exchange of message tags on ``ucx_ep`` (a ``UCXEndpoint``); :meth:`run` returns the
+    peer's tag. Holds its buffers and requests until they are safe to drop."""
+
+    def __init__(self, ucx_ep: Any, *, accepting: bool) -> None:
+        from ucxx._lib.arr import Array  # noqa: PLC0415
+
+        self.ep = ucx_ep
+        self.accepting = accepting
+        self.tag = _hash64("msg_tag", os.urandom(16), ucx_ep.handle)
+        self._mine = struct.pack(_FORMAT, self.tag, _hash64(self.tag))
+        self._theirs = bytearray(struct.calcsize(_FORMAT))
+        self._arrays = (Array(self._mine), Array(self._theirs))
+        self._reqs: list[Any] = []
+
+    @property
+    def settled(self) -> bool:
+        """Every request posted has completed (UCX holds none of the buffers)."""
+        return all(req.completed for req in self._reqs)
+
+    async def run(self, timeout: float) -> int:
+        """Send ours and receive theirs (the accepting side sends first) within ``timeout``
+        seconds; the peer's tag. On any early end the endpoint is closed (:meth:`abandon`)."""
+        send, recv = self._arrays
+        steps = ((True, send), (False, recv)) if self.accepting else ((False, recv), (True, send))
+        try:
+            async with asyncio.timeout(timeout):
+                for sending, arr in steps:
+                    req = self.ep.stream_send(arr) if sending else self.ep.stream_recv(arr)
+                    self._reqs.append(req)
+                    await req.wait()
+        except BaseException:
+            self.abandon()
+            raise
+        tag, checksum = struct.unpack(_FORMAT, self._theirs)
+        if _hash64(tag) != checksum:
+            self.abandon()
+            raise HandshakeError(f"peer tags fail their checksum ({checksum:#x})")
+        return tag
+
+    def abandon(self) -> None:
+        """Close the endpoint (cancelling its requests); keep this object while any request
+        is still open, so UCX never writes into freed memory."""
+        with contextlib.suppress(Exception):  # (an endpoint in error may refuse to close)
+            self.ep.close_blocking(period=_CLOSE_PERIOD_NS, max_attempts=1)
+        _sweep()
+        if not self.settled:
+            _abandoned.append(self)
+            log.debug("a connection handshake ended with requests open: its buffers are "
+                      "kept (%d such)", len(_abandoned))
+
+
+async def connect(host: str, port: int, timeout: float) -> Any:
+    """ucxx's ``create_endpoint(host, port)`` with error handling on: the connected ucxx
+    ``Endpoint``, or the exchange's exception (``TimeoutError`` after ``timeout`` s)."""
+    ucxx = import_ucxx()
+    from ucxx._lib_async.endpoint import Endpoint  # noqa: PLC0415
+
+    ctx = ucxx.core._get_ctx()
+    ctx.continuous_ucx_progress()
+    ucx_ep = _ucx_api().UCXEndpoint.create(ctx.worker, host, port, True)
+    if not ctx.progress_mode.startswith("thread"):
+        ctx.worker.progress()
+    hs = Handshake(ucx_ep, accepting=False)
+    peer = await hs.run(timeout)
+    return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer, "msg_recv": hs.tag})
+
+
+def create_listener(callback: Callable[[Any], Awaitable[None]], *, port: int,
+                    timeout: float) -> Any:
+    """ucxx's ``create_listener(callback, port)`` with error handling on: a ucxx
+    ``Listener`` whose connections run :class:`Handshake` (``timeout`` s) before
+    ``callback(endpoint)``; a connection that fails it is closed and never seen."""
+    ucxx = import_ucxx()
+    from ucxx._lib_async.listener import Listener, _ListenerHandlerTracker  # noqa: PLC0415
+
+    ctx = ucxx.core._get_ctx()
+    ctx.continuous_ucx_progress()
+    tracker = _ListenerHandlerTracker()
+    loop = asyncio.get_event_loop()
+    return Listener(
+        _ucx_api().UCXListener.create(
+            worker=ctx.worker, port=port, cb_func=_on_request,
+            cb_args=(loop, callback, weakref.ref(ctx), timeout, tracker),
+            deliver_endpoint=True),
+        tracker, ctx)
+
+
+def _on_request(conn_request: Any, loop: asyncio.AbstractEventLoop,
+                callback: Callable[[Any], Awaitable[None]], ctx_ref: weakref.ref,
+                timeout: float, tracker: Any) -> None:
+    """On UCX's progress thread: the accepted endpoint's handler goes to the loop."""
+    tracker.submit(_accept(conn_request, ctx_ref, callback, timeout), loop)
+
+
+async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
+                  callback: Callable[[Any], Awaitable[None]], timeout: float) -> None:
+    from ucxx._lib_async.endpoint import Endpoint  # noqa: PLC0415
+
+    ctx = ctx_ref()
+    if ctx is None:  # the context went first: nothing to hand the connection to
+        with contextlib.suppress(Exception):
+            ucx_ep.close_blocking(period=_CLOSE_PERIOD_NS, max_attempts=1)
+        return
+    hs = Handshake(ucx_ep, accepting=True)
+    try:
+        peer = await hs.run(timeout)
+    except Exception as exc:  # noqa: BLE001 (a peer that did not complete it: dropped)
+        log.debug("dropped a connection whose handshake failed: %s: %s",
+                  type(exc).__name__, exc)
+        return
+    ep = Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer, "msg_recv": hs.tag})
+    try:
+        await callback(ep)
+    except Exception:
+        log.exception("listener callback failed")
