@@ -291,3 +291,41 @@ def test_ranks_of_a_narrower_destination_read_each_source_block_once(src, make_p
         assert_only_changed(group, before, set(ids))
         assert_clean(group)
     src.wait_no_pins()
+
+
+def test_a_failed_scattered_read_check_costs_one_grant_not_the_lanes(make_puller, monkeypatch):
+    """A TP2 -> TP1 direct read whose first scattered read fails its check (as when the
+    source rewrote the block between the read and its re-read): that pull asks for a grant
+    and is exact, the read lanes stay up, and the next pull reads directly again."""
+    from kvkern.xfer import ucp_rma  # noqa: PLC0415
+
+    tokens = list(range(9, 9 + 8 * BS))
+    s = tp.Source("source_peer.py", "--tp", "2", "--seq", f"9:{9 + 8 * BS}", tp=2).wait_ready()
+    try:
+        hashes = tp.sequence_hashes(tokens, BS)
+        group = make_group()
+        p = make_puller(group, direct_reads=True, read_min_run_bytes=0)
+        monkeypatch.setattr(ucp_rma, "_iov_reads", True)
+        monkeypatch.setattr(ucp_rma, "_iov_verified", type(ucp_rma._iov_verified)())
+        monkeypatch.setattr(ucp_rma, "_iov_mismatches", 0)
+        real, failed = ucp_rma.ReadBatch._verify, []
+
+        def verify_once_wrong(self, run, *a):
+            if not failed:
+                failed.append(run)
+                ucp_rma._iov_mismatches += 1
+                raise ucp_rma.ScatterCheckError("scattered read check", ucp_rma.UCS_ERR_IO_ERROR)
+            return real(self, run, *a)
+
+        monkeypatch.setattr(ucp_rma.ReadBatch, "_verify", verify_once_wrong)
+        for i, direct_read in enumerate((False, True)):
+            o = pull(p, f"checked-{i}", tokens, hint_for(s, tokens))
+            assert o.used and o.blocks_transferred == 8, o
+            assert (o.messages == 0) is direct_read, o
+            claim_check_release(p, group, s, f"checked-{i}", hashes)
+            group.manager.evict(hashes)
+        assert failed and ucp_rma._iov_reads and not p._runner.reads._lanes_down
+        assert p.metrics.value("kvkern_direct_reads_total", result="changed") == 1
+        assert_clean(group)
+    finally:
+        s.kill()

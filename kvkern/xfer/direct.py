@@ -233,6 +233,7 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
     (every wanted block, for every pair), or None when the caller must ask for grants
     (nothing read counts; the private blocks are rewritten by the granted reads)."""
     from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
+    from kvkern.xfer.ucp_rma import scatter_check_failed  # noqa: PLC0415
 
     keys = [(job.source_dp, pair.src_rank) for pair, _ in pairs]
     worker = job.state.read_workers[keys[0]]
@@ -254,12 +255,20 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
         receiver.direct_scratch.clear()
         raise
     except TransportError as exc:
+        if exc.reason != "transfer_failed":
+            if metrics is not None:
+                metrics.direct_read("failed")
+            raise
+        job.phases["direct"] = time.perf_counter() - t
+        if scatter_check_failed(exc):  # not the lanes' fault (see ReadBatch.wait)
+            if metrics is not None:
+                metrics.direct_read("changed")
+            log.debug("pull %r: direct read not used (%s): asking for a grant",
+                      job.rec.request_id, exc)
+            return None
         if metrics is not None:
             metrics.direct_read("failed")
-        if exc.reason != "transfer_failed":
-            raise
         receiver.lanes_failed(worker, exc)  # the granted read goes on the connection
-        job.phases["direct"] = time.perf_counter() - t
         return None
     job.phases["direct"] = time.perf_counter() - t
     if metrics is not None:

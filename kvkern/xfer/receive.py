@@ -422,6 +422,7 @@ class ReadReceiver:
         """Run the reads, on the lanes when there are, else on the connection; returns when
         the first byte landed (if known)."""
         from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
+        from kvkern.xfer.ucp_rma import scatter_check_failed  # noqa: PLC0415
 
         lanes = self.lanes_for(worker)
         try:
@@ -433,8 +434,10 @@ class ReadReceiver:
                         raise
                     # The lanes failed, not the copy's time: read again on the connection
                     # (the private blocks are ours; the pins are held), and leave this
-                    # source's lanes alone for a while.
-                    self.lanes_failed(worker, exc)
+                    # source's lanes alone for a while (not for a failed scattered-read
+                    # check: see ReadBatch.wait).
+                    if not scatter_check_failed(exc):
+                        self.lanes_failed(worker, exc)
             return await conn.read_parts(keyed, timeout=xfer_t)
         except ReadsStuck:
             job.quarantined = True

@@ -57,9 +57,9 @@ from kvkern.xfer import ucxcompat
 if TYPE_CHECKING:
     import numpy as np
 
-__all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "Scatter", "coalesce",
-           "coalesce_arrays", "expand", "forget_endpoint", "rma_unavailable", "scatter_arrays",
-           "MEMORY_TYPES"]
+__all__ = ["RmaError", "Region", "RemoteKey", "ReadBatch", "Scatter", "ScatterCheckError",
+           "coalesce", "coalesce_arrays", "expand", "forget_endpoint", "rma_unavailable",
+           "scatter_arrays", "scatter_check_failed", "MEMORY_TYPES"]
 
 log = logging.getLogger("kvkern.xfer")
 
@@ -134,6 +134,21 @@ class RmaError(Exception):
         name = _STATUS_NAMES.get(status, f"status {status}")
         super().__init__(f"{what}: {name}")
         self.status = status
+
+
+class ScatterCheckError(RmaError):
+    """An endpoint's first scattered read did not match the same bytes read whole (see
+    :meth:`ReadBatch.wait`): that read is not used; the endpoint and its transport are
+    not at fault unless it happens again."""
+
+
+def scatter_check_failed(exc: BaseException) -> bool:
+    """``exc`` (or what it was raised from) is a :class:`ScatterCheckError`."""
+    while exc is not None:
+        if isinstance(exc, ScatterCheckError):
+            return True
+        exc = exc.__cause__
+    return False
 
 
 def rma_unavailable() -> str | None:
@@ -386,7 +401,7 @@ class ReadBatch:
                     log.warning("a read scattered over an iov did not land as the same bytes "
                                 "read whole (or the source rewrote them in between): the read "
                                 "fails, and the endpoint's next one is checked again")
-                raise RmaError("scattered read check", UCS_ERR_IO_ERROR)
+                raise ScatterCheckError("scattered read check", UCS_ERR_IO_ERROR)
             pos += n
         self._unverified = None
         _iov_verified[self._ep] = None
