@@ -305,8 +305,9 @@ def test_unauthenticated_http(fleet, record, rng):
 
 def test_unauthenticated_ucx(fleet, record, client, rng, model_id):
     """S's UCX control port: a peer that skips authentication and sends a PullRequest as
-    its first frame, one holding another fleet's secret, one that forges the Proof, and one
-    sending a 100 KiB first frame are all cut off without a reply; S keeps serving."""
+    its first frame, one holding another fleet's secret, one that forges the Proof, one
+    sending a 100 KiB first frame, and peers answering the connection handshake after S gave
+    up on them are all cut off without a reply; S keeps serving."""
     S, D = fleet["S"], fleet["D"]
     port = ucx_port(S)
     rec: dict = {}
@@ -370,6 +371,10 @@ def test_unauthenticated_ucx(fleet, record, client, rng, model_id):
         rec["big_first_frame_cut_s"] = round(cut_s, 3)
         assert not alive and cut_s < 5.0
 
+        # peers that connect and answer the tags handshake only after S gave up on them:
+        # S closed their endpoints and kept the handshake's buffers, the late bytes land
+        # nowhere, and S (its heap intact) keeps serving
+        rec["late_handshakes_sent"] = client.run(late_handshakes(port, 3))
         served1 = metric_sum(S, "kvkern_source_requests_total")
         rec["requests_answered_to_intruders"] = served1 - served0
         assert served1 == served0  # not one PullRequest reached S's request handling
@@ -377,6 +382,35 @@ def test_unauthenticated_ucx(fleet, record, client, rng, model_id):
         rec["leaks"] = leaks(S, D)
     finally:
         record(SECTION, "unauthenticated_ucx", **rec)
+
+
+async def late_handshakes(port: int, n: int) -> int:
+    """``n`` raw UCX connections to ``port`` that send their tags (the first exchange, 16
+    bytes) only after the listener's handshake timeout; how many late sends completed."""
+    import struct  # noqa: PLC0415
+
+    import ucxx._lib.libucxx as ucx_api  # noqa: PLC0415
+    from ucxx._lib.arr import Array  # noqa: PLC0415
+    from ucxx._lib_async.utils import hash64bits  # noqa: PLC0415
+
+    from kvkern.xfer import transport  # noqa: PLC0415
+    from kvkern.xfer.ucx_env import import_ucxx  # noqa: PLC0415
+
+    transport.bind_ucxx_loop()
+    ctx = import_ucxx().core._get_ctx()
+    ctx.continuous_ucx_progress()
+    eps = [ucx_api.UCXEndpoint.create(ctx.worker, "127.0.0.1", port, True) for _ in range(n)]
+    await asyncio.sleep(transport.DEFAULT_CONNECT_TIMEOUT_S + 1.0)
+    late, sent = Array(struct.pack("QQ", 1, hash64bits(1))), 0
+    for ep in eps:
+        with contextlib.suppress(Exception):  # (S closed the endpoint: may fail or not)
+            await asyncio.wait_for(ep.stream_send(late).wait(), 2)
+            sent += 1
+    await asyncio.sleep(0.5)
+    for ep in eps:
+        with contextlib.suppress(Exception):
+            ep.close_blocking(period=10**9, max_attempts=1)
+    return sent
 
 
 # ------------------------------------------------------------------------------ 3. no secret
