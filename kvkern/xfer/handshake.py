@@ -28,20 +28,20 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvkern.xfer.ucx_env import import_ucxx
+from kvkern.xfer import ucxcompat
 
 __all__ = ["Handshake", "HandshakeError", "abandoned", "connect", "create_listener"]
 
 log = logging.getLogger("kvkern.xfer")
 
-_FORMAT = "QQ"  # (the sender's message tag, hash64bits(tag)), as ucxx's exchange_peer_info
+_FORMAT = "QQ"  # (the sender's message tag, its checksum), as ucxx's exchange_peer_info
 # Closing an endpoint waits at most this long (ns) for each of its internal steps.
 _CLOSE_PERIOD_NS = 1_000_000_000
 _abandoned: list[Handshake] = []  # ended early, some request still open (see abandon)
 
 
 class HandshakeError(Exception):
-    """The peer's tags did not arrive, or not intact."""
+    """The peer's tags did not arrive intact."""
 
 
 def abandoned() -> int:
@@ -54,32 +54,18 @@ def _sweep() -> None:
     _abandoned[:] = [h for h in _abandoned if not h.settled]
 
 
-def _ucx_api() -> Any:
-    import_ucxx()
-    import ucxx._lib.libucxx as ucx_api  # noqa: PLC0415
-
-    return ucx_api
-
-
-def _hash64(*args: object) -> int:
-    from ucxx._lib_async.utils import hash64bits  # noqa: PLC0415 (the checksum ucxx uses)
-
-    return hash64bits(*args)
-
-
 class Handshake:
     """One exchange of message tags on ``ucx_ep`` (a ``UCXEndpoint``); :meth:`run` returns the
     peer's tag. Holds its buffers and requests until they are safe to drop."""
 
     def __init__(self, ucx_ep: Any, *, accepting: bool) -> None:
-        from ucxx._lib.arr import Array  # noqa: PLC0415
-
         self.ep = ucx_ep
         self.accepting = accepting
-        self.tag = _hash64("msg_tag", os.urandom(16), ucx_ep.handle)
-        self._mine = struct.pack(_FORMAT, self.tag, _hash64(self.tag))
+        self.tag = ucxcompat.tags_checksum("msg_tag", os.urandom(16), ucx_ep.handle)
+        self._mine = struct.pack(_FORMAT, self.tag, ucxcompat.tags_checksum(self.tag))
         self._theirs = bytearray(struct.calcsize(_FORMAT))
-        self._arrays = (Array(self._mine), Array(self._theirs))
+        self._arrays = (ucxcompat.stream_buffer(self._mine),
+                        ucxcompat.stream_buffer(self._theirs))
         self._reqs: list[Any] = []
 
     @property
@@ -102,7 +88,7 @@ class Handshake:
             self.abandon()
             raise
         tag, checksum = struct.unpack(_FORMAT, self._theirs)
-        if _hash64(tag) != checksum:
+        if ucxcompat.tags_checksum(tag) != checksum:
             self.abandon()
             raise HandshakeError(f"peer tags fail their checksum ({checksum:#x})")
         return tag
@@ -122,17 +108,10 @@ class Handshake:
 async def connect(host: str, port: int, timeout: float) -> Any:
     """ucxx's ``create_endpoint(host, port)`` with error handling on: the connected ucxx
     ``Endpoint``, or the exchange's exception (``TimeoutError`` after ``timeout`` s)."""
-    ucxx = import_ucxx()
-    from ucxx._lib_async.endpoint import Endpoint  # noqa: PLC0415
-
-    ctx = ucxx.core._get_ctx()
-    ctx.continuous_ucx_progress()
-    ucx_ep = _ucx_api().UCXEndpoint.create(ctx.worker, host, port, True)
-    if not ctx.progress_mode.startswith("thread"):
-        ctx.worker.progress()
+    ucx_ep, ctx = ucxcompat.new_client_endpoint(host, port)
     hs = Handshake(ucx_ep, accepting=False)
     peer = await hs.run(timeout)
-    return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer, "msg_recv": hs.tag})
+    return ucxcompat.endpoint_with_tags(ucx_ep, ctx, send_tag=peer, recv_tag=hs.tag)
 
 
 def create_listener(callback: Callable[[Any], Awaitable[None]], *, port: int,
@@ -140,32 +119,18 @@ def create_listener(callback: Callable[[Any], Awaitable[None]], *, port: int,
     """ucxx's ``create_listener(callback, port)`` with error handling on: a ucxx
     ``Listener`` whose connections run :class:`Handshake` (``timeout`` s) before
     ``callback(endpoint)``; a connection that fails it is closed and never seen."""
-    ucxx = import_ucxx()
-    from ucxx._lib_async.listener import Listener, _ListenerHandlerTracker  # noqa: PLC0415
-
-    ctx = ucxx.core._get_ctx()
-    ctx.continuous_ucx_progress()
-    tracker = _ListenerHandlerTracker()
-    loop = asyncio.get_event_loop()
-    return Listener(
-        _ucx_api().UCXListener.create(
-            worker=ctx.worker, port=port, cb_func=_on_request,
-            cb_args=(loop, callback, weakref.ref(ctx), timeout, tracker),
-            deliver_endpoint=True),
-        tracker, ctx)
+    return ucxcompat.new_listener(port, _on_request, (callback, timeout))
 
 
-def _on_request(conn_request: Any, loop: asyncio.AbstractEventLoop,
-                callback: Callable[[Any], Awaitable[None]], ctx_ref: weakref.ref,
-                timeout: float, tracker: Any) -> None:
+def _on_request(ucx_ep: Any, loop: asyncio.AbstractEventLoop, ctx_ref: weakref.ref,
+                tracker: Any, callback: Callable[[Any], Awaitable[None]],
+                timeout: float) -> None:
     """On UCX's progress thread: the accepted endpoint's handler goes to the loop."""
-    tracker.submit(_accept(conn_request, ctx_ref, callback, timeout), loop)
+    tracker.submit(_accept(ucx_ep, ctx_ref, callback, timeout), loop)
 
 
 async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
                   callback: Callable[[Any], Awaitable[None]], timeout: float) -> None:
-    from ucxx._lib_async.endpoint import Endpoint  # noqa: PLC0415
-
     ctx = ctx_ref()
     if ctx is None:  # the context went first: nothing to hand the connection to
         with contextlib.suppress(Exception):
@@ -178,7 +143,7 @@ async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
         log.debug("dropped a connection whose handshake failed: %s: %s",
                   type(exc).__name__, exc)
         return
-    ep = Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": peer, "msg_recv": hs.tag})
+    ep = ucxcompat.endpoint_with_tags(ucx_ep, ctx, send_tag=peer, recv_tag=hs.tag)
     try:
         await callback(ep)
     except Exception:

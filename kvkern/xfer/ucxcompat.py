@@ -9,6 +9,9 @@ application context        :func:`worker_address`, :func:`ucp_context_handle`,
 notifier thread            :func:`rebind_notifier`, :func:`stop_notifier`
 lane workers (``_lib``)    :func:`new_rma_context`, :func:`new_worker`,
                            :func:`endpoint_to_address`
+connection handshake       :func:`new_client_endpoint`, :func:`new_listener`,
+                           :func:`endpoint_with_tags`, :func:`stream_buffer`,
+                           :func:`tags_checksum` (:mod:`kvkern.xfer.handshake`)
 libucp (ctypes)            :func:`libucp`, :func:`map_for_remote_read`, :func:`pack_rkey`,
                            :func:`unmap`,
                            :func:`unpack_rkey`, :func:`destroy_rkey`, :func:`read_poster`,
@@ -18,7 +21,9 @@ libucp (ctypes)            :func:`libucp`, :func:`map_for_remote_read`, :func:`p
 The private pieces used: ucxx's application context (``ucxx.core._get_ctx()`` /
 ``ucxx.core._ctx``: its ``context.handle``, ``context.feature_flags``, ``worker.address``,
 notifier thread and Python-future pool), the Cython binding ``ucxx._lib.libucxx``
-(``UCXContext``, ``UCXWorker``, ``UCXAddress``, ``Feature``), and the libucp that ucxx loaded,
+(``UCXContext``, ``UCXWorker``, ``UCXAddress``, ``Feature``, ``UCXEndpoint``,
+``UCXListener``), ucxx's asyncio ``Endpoint``, ``Listener`` and listener handler tracker,
+``Array`` and ``hash64bits`` (a connection's first exchange), and the libucp that ucxx loaded,
 bound with :mod:`ctypes` (ucxx 0.52's Python API has no RMA): the calls' signatures and the
 two parameter structs of ``ucp/api/ucp.h``.
 
@@ -34,7 +39,7 @@ import os
 import threading
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvkern.xfer.ucx_env import import_ucxx
 
@@ -173,6 +178,60 @@ def endpoint_to_address(worker: UCXWorker,
     ucx_address = _libucxx().UCXAddress.create_from_buffer(memoryview(bytearray(address)))
     ep = worker.create_endpoint_from_worker_address(ucx_address, True)
     return ep, ucx_address, int(ep.handle)
+
+
+# ---------------------------------------------------------------- connection handshake
+
+def tags_checksum(*args: object) -> int:
+    """ucxx's 64-bit hash, the checksum of the tags each side sends in its first exchange."""
+    from ucxx._lib_async.utils import hash64bits  # noqa: PLC0415
+
+    return hash64bits(*args)
+
+
+def stream_buffer(buf: bytes | bytearray) -> Any:
+    """``buf`` as the buffer object ucxx's stream calls take (it refers to ``buf``)."""
+    from ucxx._lib.arr import Array  # noqa: PLC0415
+
+    return Array(buf)
+
+
+def new_client_endpoint(host: str, port: int) -> tuple[Any, Any]:
+    """A ``UCXEndpoint`` to the listener at ``host:port`` (error handling on) and the
+    application context it belongs to; its tags are not exchanged yet."""
+    ctx = _app_context()
+    ctx.continuous_ucx_progress()
+    ucx_ep = _libucxx().UCXEndpoint.create(ctx.worker, host, port, True)
+    if not ctx.progress_mode.startswith("thread"):
+        ctx.worker.progress()
+    return ucx_ep, ctx
+
+
+def endpoint_with_tags(ucx_ep: Any, ctx: Any, *, send_tag: int, recv_tag: int) -> Any:
+    """ucxx's ``Endpoint`` over ``ucx_ep`` with the tags both sides exchanged."""
+    from ucxx._lib_async.endpoint import Endpoint  # noqa: PLC0415
+
+    return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": send_tag, "msg_recv": recv_tag})
+
+
+def new_listener(port: int, on_request: Callable[..., None], args: tuple) -> Any:
+    """ucxx's ``Listener`` on ``port``: every connection request calls
+    ``on_request(ucx_endpoint, loop, ctx_ref, tracker, *args)`` on UCX's progress thread,
+    where ``tracker.submit(coroutine, loop)`` runs a handler on the loop (tracked, as ucxx
+    tracks its own)."""
+    import weakref  # noqa: PLC0415
+
+    from ucxx._lib_async.listener import Listener, _ListenerHandlerTracker  # noqa: PLC0415
+
+    ctx = _app_context()
+    ctx.continuous_ucx_progress()
+    tracker = _ListenerHandlerTracker()
+    loop = asyncio.get_event_loop()
+    return Listener(
+        _libucxx().UCXListener.create(
+            worker=ctx.worker, port=port, cb_func=on_request,
+            cb_args=(loop, weakref.ref(ctx), tracker, *args), deliver_endpoint=True),
+        tracker, ctx)
 
 
 # ---------------------------------------------------------------- libucp (ctypes)
