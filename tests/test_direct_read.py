@@ -164,9 +164,8 @@ def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeyp
     import collections  # noqa: PLC0415
     import time  # noqa: PLC0415
 
-    from tests.test_pull import Source, block_bytes, sha  # noqa: PLC0415
-
     from kvkern.xfer import ucp_rma  # noqa: PLC0415
+    from tests.test_pull import Source, block_bytes, sha  # noqa: PLC0415
 
     # (scattered-read checks that fail under the churn change process-wide state: restored)
     for name in ("_iov_reads", "_iov_mismatches"):

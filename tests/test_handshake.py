@@ -85,7 +85,7 @@ async def test_stock_ucxx_on_either_side_interoperates():
         accepted.set_result(ep)
         await asyncio.sleep(1)
 
-    ours = handshake.create_listener(keep, port=0, timeout=5)
+    ours = handshake.create_listener(keep, port=0, timeout=5, gate=handshake.Gate(8))
     client = await ucxx.create_endpoint(HOST, ours.port)  # stock client, our listener
     await _round_trip(client, accepted)
     ours.close()
@@ -146,3 +146,46 @@ async def test_a_client_that_never_answers_is_dropped_before_the_handler(monkeyp
             assert conn.alive
             await asyncio.sleep(0.1)
         assert lst.accepted == 1 and len(handled) == 1
+
+
+async def _until(cond, timeout: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def test_the_gate_counts_and_refuses_past_its_limit():
+    gate = handshake.Gate(2)
+    assert gate.enter() and gate.enter() and not gate.enter()
+    gate.leave()
+    assert gate.enter() and (gate.inside, gate.refused) == (2, 1)
+    with pytest.raises(ValueError):
+        handshake.Gate(0)
+
+
+@aio
+async def test_connections_not_yet_trusted_are_bounded():
+    """A listener holds at most max_untrusted connections that have not authenticated:
+    silent clients past that are closed as they arrive; once the silent ones time out the
+    count is back to 0 and a real client gets in."""
+    handled: list = []
+
+    async def handler(conn):
+        handled.append(conn)
+
+    async with Listener(handler, connect_timeout=0.5, credential=None,
+                        max_untrusted=3) as lst:
+        _, ucx_api, ctx = _ucx()
+        raws = [ucx_api.UCXEndpoint.create(ctx.worker, HOST, lst.port, True) for _ in range(5)]
+        await _until(lambda: lst.refused_untrusted == 2, 5)
+        assert lst.untrusted_connections == 3  # (the refused went before the first timed out)
+        await _until(lambda: lst.untrusted_connections == 0, 5)  # the silent three dropped
+        assert not handled and lst.refused_untrusted == 2
+        for raw in raws:
+            with contextlib.suppress(Exception):
+                raw.close_blocking(period=10**9, max_attempts=1)
+        async with ConnectionPool(credential=None, connect_timeout=5) as pool:
+            assert (await pool.get(HOST, lst.port)).alive
+            await asyncio.sleep(0.1)
+        assert len(handled) == 1 and lst.untrusted_connections == 0

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvkern.xfer import ucxcompat
 
-__all__ = ["Handshake", "HandshakeError", "abandoned", "connect", "create_listener"]
+__all__ = ["Gate", "Handshake", "HandshakeError", "abandoned", "connect", "create_listener"]
 
 log = logging.getLogger("kvkern.xfer")
 
@@ -96,8 +96,7 @@ class Handshake:
     def abandon(self) -> None:
         """Close the endpoint (cancelling its requests); keep this object while any request
         is still open, so UCX never writes into freed memory."""
-        with contextlib.suppress(Exception):  # (an endpoint in error may refuse to close)
-            self.ep.close_blocking(period=_CLOSE_PERIOD_NS, max_attempts=1)
+        _close(self.ep)
         _sweep()
         if not self.settled:
             _abandoned.append(self)
@@ -114,32 +113,69 @@ async def connect(host: str, port: int, timeout: float) -> Any:
     return ucxcompat.endpoint_with_tags(ucx_ep, ctx, send_tag=peer, recv_tag=hs.tag)
 
 
+class Gate:
+    """At most ``limit`` connections at once between their arrival and :meth:`leave`, which
+    the listener's owner calls once it trusts the connection (after its authentication) or
+    drops it; ``refused`` counts those turned away at once."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        self.limit = limit
+        self.inside = 0
+        self.refused = 0
+
+    def enter(self) -> bool:
+        if self.inside >= self.limit:
+            self.refused += 1
+            return False
+        self.inside += 1
+        return True
+
+    def leave(self) -> None:
+        self.inside -= 1
+
+
 def create_listener(callback: Callable[[Any], Awaitable[None]], *, port: int,
-                    timeout: float) -> Any:
+                    timeout: float, gate: Gate) -> Any:
     """ucxx's ``create_listener(callback, port)`` with error handling on: a ucxx
     ``Listener`` whose connections run :class:`Handshake` (``timeout`` s) before
-    ``callback(endpoint)``; a connection that fails it is closed and never seen."""
-    return ucxcompat.new_listener(port, _on_request, (callback, timeout))
+    ``callback(endpoint)``; a connection that fails it is closed and never seen. Each
+    connection enters ``gate`` first (closed at once when it is full); the handshake leaves
+    it on failure, ``callback`` owns the leave after that."""
+    return ucxcompat.new_listener(port, _on_request, (callback, timeout, gate))
 
 
 def _on_request(ucx_ep: Any, loop: asyncio.AbstractEventLoop, ctx_ref: weakref.ref,
                 tracker: Any, callback: Callable[[Any], Awaitable[None]],
-                timeout: float) -> None:
+                timeout: float, gate: Gate) -> None:
     """On UCX's progress thread: the accepted endpoint's handler goes to the loop."""
-    tracker.submit(_accept(ucx_ep, ctx_ref, callback, timeout), loop)
+    tracker.submit(_accept(ucx_ep, ctx_ref, callback, timeout, gate), loop)
+
+
+def _close(ucx_ep: Any) -> None:
+    with contextlib.suppress(Exception):  # (an endpoint in error may refuse to close)
+        ucx_ep.close_blocking(period=_CLOSE_PERIOD_NS, max_attempts=1)
 
 
 async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
-                  callback: Callable[[Any], Awaitable[None]], timeout: float) -> None:
+                  callback: Callable[[Any], Awaitable[None]], timeout: float,
+                  gate: Gate) -> None:
     ctx = ctx_ref()
     if ctx is None:  # the context went first: nothing to hand the connection to
-        with contextlib.suppress(Exception):
-            ucx_ep.close_blocking(period=_CLOSE_PERIOD_NS, max_attempts=1)
+        _close(ucx_ep)
+        return
+    if not gate.enter():
+        log.debug("refused a connection: %d not yet trusted (the limit)", gate.inside)
+        _close(ucx_ep)
         return
     hs = Handshake(ucx_ep, accepting=True)
     try:
         peer = await hs.run(timeout)
-    except Exception as exc:  # noqa: BLE001 (a peer that did not complete it: dropped)
+    except BaseException as exc:
+        gate.leave()
+        if not isinstance(exc, Exception):
+            raise
         log.debug("dropped a connection whose handshake failed: %s: %s",
                   type(exc).__name__, exc)
         return

@@ -123,6 +123,7 @@ from kvkern.xfer.tuning import (
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_TIMEOUT_S,
     MAX_CACHED_RKEYS,
+    MAX_UNTRUSTED_CONNECTIONS,
     READ_CANCEL_GRACE_S,
     READ_DRAIN_S,
     READ_WAITER_THREADS,
@@ -892,8 +893,12 @@ class Listener:
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
                  codec: Codec = DEFAULT_CODEC, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
                  credential: Credential | str | None = FROM_ENV,
-                 max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES,
+                 max_untrusted: int = MAX_UNTRUSTED_CONNECTIONS) -> None:
         self._handler = handler
+        # connections between their arrival and their authentication (the handshake and
+        # the proof, each bounded in time): more are closed as they arrive
+        self._gate = handshake.Gate(max_untrusted)
         self.credential = resolve_credential(credential)
         self.max_frame_bytes = max_frame_bytes
         self.auth_failures = 0
@@ -922,6 +927,16 @@ class Listener:
         return len(self._conns)
 
     @property
+    def untrusted_connections(self) -> int:
+        """Connections arrived and not yet authenticated (or dropped)."""
+        return self._gate.inside
+
+    @property
+    def refused_untrusted(self) -> int:
+        """Connections closed as they arrived because ``max_untrusted`` were pending."""
+        return self._gate.refused
+
+    @property
     def running_handlers(self) -> int:
         return len(self._tasks)
 
@@ -930,10 +945,26 @@ class Listener:
             raise RuntimeError("listener already started")
         _check_config()
         self._listener = handshake.create_listener(self._on_accept, port=self._port,
-                                                   timeout=self.connect_timeout)
+                                                   timeout=self.connect_timeout,
+                                                   gate=self._gate)
         return self
 
     async def _on_accept(self, ep: UcxEndpoint) -> None:
+        """A connection past the handshake: authenticate it (it then leaves the gate of
+        untrusted connections), then serve it until it ends."""
+        untrusted = [True]
+
+        def trusted() -> None:
+            if untrusted[0]:
+                untrusted[0] = False
+                self._gate.leave()
+
+        try:
+            await self._serve_accepted(ep, trusted)
+        finally:
+            trusted()
+
+    async def _serve_accepted(self, ep: UcxEndpoint, trusted: Callable[[], None]) -> None:
         if self._closing:
             ep.abort()
             return
@@ -959,6 +990,7 @@ class Listener:
                     log.warning("refused an unauthenticated peer on port %s: %s",
                                 self._port or "?", exc.detail or exc.reason)
                     return
+            trusted()
             await self._handler(conn)
         except asyncio.CancelledError:
             pass

@@ -23,7 +23,8 @@ __all__ = [
     "DEFAULT_TIMEOUT_S", "HOLD_MARGIN_S", "HOLD_RATE_SLACK", "HTTP_SKEW_S", "LANE_DRAIN_POLL_S",
     "DIRECTORY_READ_COST_BYTES", "LANE_RETRY_S", "LANE_UCX_CONFIG", "MAX_CACHED_RKEYS",
     "MAX_CACHED_SOURCES",
-    "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "PACK_WAIT_S", "QUOTA_POLL_S",
+    "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "MAX_UNTRUSTED_CONNECTIONS",
+    "PACK_WAIT_S", "QUOTA_POLL_S",
     "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "READ_WAITER_THREADS",
     "SCATTER_MAX_BYTES",
     "SCATTER_MAX_PIECES",
@@ -40,6 +41,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 5.0
 # Chunks posted at once on a stream by default: enough to keep the wire busy while the next
 # chunk is packed or unpacked, few enough to bound the staging memory.
 DEFAULT_MAX_IN_FLIGHT = 4
+# Connections a listener holds between their arrival and their authentication (each bounded
+# in time by the handshake and the proof); more are closed as they arrive.
+MAX_UNTRUSTED_CONNECTIONS = 256
 # The body of a control frame split in two must follow its preamble within this.
 BODY_TIMEOUT_S = 5.0
 # The authentication exchange (Hello, Challenge, Proof) must complete within this.
