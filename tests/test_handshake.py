@@ -156,12 +156,21 @@ async def _until(cond, timeout: float) -> None:
 
 
 def test_the_gate_counts_and_refuses_past_its_limit():
-    gate = handshake.Gate(2)
+    told: list[str] = []
+    gate = handshake.Gate(2, on_refuse=told.append)
     assert gate.enter() and gate.enter() and not gate.enter()
     gate.leave()
     assert gate.enter() and (gate.inside, gate.refused) == (2, 1)
+    gate.drop("handshake")
+    assert gate.inside == 1 and told == ["untrusted_limit", "handshake"]
     with pytest.raises(ValueError):
         handshake.Gate(0)
+
+    def broken(reason):
+        raise RuntimeError("a metrics hook failing")
+
+    quiet = handshake.Gate(1, on_refuse=broken)  # never breaks an accept
+    assert quiet.enter() and not quiet.enter()
 
 
 @aio
@@ -174,8 +183,9 @@ async def test_connections_not_yet_trusted_are_bounded():
     async def handler(conn):
         handled.append(conn)
 
+    told: list[str] = []
     async with Listener(handler, connect_timeout=0.5, credential=None,
-                        max_untrusted=3) as lst:
+                        max_untrusted=3, on_refused=told.append) as lst:
         _, ucx_api, ctx = _ucx()
         raws = [ucx_api.UCXEndpoint.create(ctx.worker, HOST, lst.port, True) for _ in range(5)]
         await _until(lambda: lst.refused_untrusted == 2, 5)
@@ -189,3 +199,4 @@ async def test_connections_not_yet_trusted_are_bounded():
             assert (await pool.get(HOST, lst.port)).alive
             await asyncio.sleep(0.1)
         assert len(handled) == 1 and lst.untrusted_connections == 0
+    assert sorted(told) == ["handshake"] * 3 + ["untrusted_limit"] * 2

@@ -963,6 +963,9 @@ def test_metrics_names_labels_and_render():
         m.fallback("Timeout after 3 s")
     with pytest.raises(ValueError, match="phase 'prefill'"):
         m.observe_phase("prefill", 1.0)
+    m.source_connection_refused("untrusted_limit")
+    assert m.value("kvkern_source_connections_refused_total", reason="untrusted_limit") == 1
+    assert m.value("kvkern_source_connections_refused_total", reason="handshake") == 0
     text = m.render().decode()
     for name in ("kvkern_bytes_transferred_total 300.0", "kvkern_blocks_skipped_total",
                  "kvkern_metadata_fetch_failures_total", "kvkern_transfer_failures_total",

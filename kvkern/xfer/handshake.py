@@ -115,25 +115,39 @@ async def connect(host: str, port: int, timeout: float) -> Any:
 
 class Gate:
     """At most ``limit`` connections at once between their arrival and :meth:`leave`, which
-    the listener's owner calls once it trusts the connection (after its authentication) or
-    drops it; ``refused`` counts those turned away at once."""
+    the listener's owner calls once it trusts the connection (after its authentication), or
+    :meth:`drop` when it turns it away; ``refused`` counts those turned away at once.
+    ``on_refuse(reason)`` hears of every connection refused (``untrusted_limit``) or dropped
+    (the reason given to :meth:`drop`)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_refuse: Callable[[str], None] | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
         self.inside = 0
         self.refused = 0
+        self._on_refuse = on_refuse
 
     def enter(self) -> bool:
         if self.inside >= self.limit:
             self.refused += 1
+            self._tell("untrusted_limit")
             return False
         self.inside += 1
         return True
 
     def leave(self) -> None:
         self.inside -= 1
+
+    def drop(self, reason: str) -> None:
+        """:meth:`leave` for a connection turned away (``reason``)."""
+        self.leave()
+        self._tell(reason)
+
+    def _tell(self, reason: str) -> None:
+        if self._on_refuse is not None:
+            with contextlib.suppress(Exception):  # (a metrics hook never breaks an accept)
+                self._on_refuse(reason)
 
 
 def create_listener(callback: Callable[[Any], Awaitable[None]], *, port: int,
@@ -173,7 +187,7 @@ async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
     try:
         peer = await hs.run(timeout)
     except BaseException as exc:
-        gate.leave()
+        gate.drop("handshake")
         if not isinstance(exc, Exception):
             raise
         log.debug("dropped a connection whose handshake failed: %s: %s",

@@ -29,6 +29,10 @@ Source side (:class:`kvkern.xfer.source.SourceService`)::
                                                                (a block two sends pin counts 2)
     kvkern_source_sends_in_flight                    gauge
     kvkern_source_send_seconds                       histogram pin -> last chunk sent
+    kvkern_source_connections_refused_total{reason}  counter   UCX connections turned away
+                                                               before they were trusted
+                                                               (handshake unauthenticated
+                                                               untrusted_limit)
 
 Histogram buckets run from 100 us to 60 s. Label values (reasons, outcomes) must be short
 identifiers (``[a-z0-9_]``, at most 64 characters) so an exception text can never explode the
@@ -64,6 +68,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 SOURCE_STATUSES: tuple[str, ...] = ("ok", "partial", "miss", "rejected", "busy", "error")
 DIRECT_READ_RESULTS: tuple[str, ...] = ("used", "missing", "changed", "failed")
+CONNECTION_REFUSALS: tuple[str, ...] = ("handshake", "unauthenticated", "untrusted_limit")
 _LABEL_RE = re.compile(r"[a-z0-9_]{1,64}")
 
 
@@ -132,6 +137,9 @@ class XferMetrics:
                                           registry=r)
         self.source_sends_in_flight = Gauge(p + "source_sends_in_flight",
                                             "Source sends in progress.", registry=r)
+        self.source_connections_refused = counter(
+            "source_connections_refused", "UCX connections turned away before they were "
+            "trusted, by reason.", ("reason",))
         self.source_send_seconds = Histogram(p + "source_send_seconds",
                                              "Source send latency (pin to last chunk).",
                                              buckets=LATENCY_BUCKETS, registry=r)
@@ -141,6 +149,8 @@ class XferMetrics:
             self.source_requests.labels(status=status)
         for result in DIRECT_READ_RESULTS:
             self.direct_reads.labels(result=result)
+        for reason in CONNECTION_REFUSALS:
+            self.source_connections_refused.labels(reason=reason)
 
     # ------------------------------------------------------------------- destination side
 
@@ -222,6 +232,10 @@ class XferMetrics:
 
     def source_send_failed(self, reason: str) -> None:
         self.source_send_failures.labels(reason=_label("reason", reason)).inc()
+
+    def source_connection_refused(self, reason: str) -> None:
+        """A UCX connection turned away before it was trusted (:data:`CONNECTION_REFUSALS`)."""
+        self.source_connections_refused.labels(reason=_label("reason", reason)).inc()
 
     def source_pins_changed(self, delta_blocks: int) -> None:
         self.source_pinned_blocks.inc(delta_blocks)

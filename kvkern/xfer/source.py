@@ -399,7 +399,8 @@ class SourceService:
         for rank, ctx in self._ctx.items():
             lst = Listener(self._handler_for(ctx), host=self.advertise_host,
                            port=self._ucx_ports.get(rank, 0), codec=self.codec,
-                           credential=self.credential)
+                           credential=self.credential,
+                           on_refused=self.metrics.source_connection_refused)
             await asyncio.wait_for(lst.start(), 10.0)
             self._listeners[rank] = lst
 

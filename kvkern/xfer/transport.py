@@ -887,18 +887,23 @@ class Listener:
     this listener advertises in ``address``. With a ``credential`` (by default the
     environment's, :meth:`Credential.from_env`) every connection must pass
     :func:`authenticate_server` before the handler sees it (failures are counted in
-    ``auth_failures``); with ``credential=None`` the handler gets every connection.
+    ``auth_failures``); with ``credential=None`` the handler gets every connection. At most
+    ``max_untrusted`` connections are held between arrival and authentication; more are
+    closed as they arrive. ``on_refused(reason)`` hears of every connection turned away:
+    ``untrusted_limit``, ``handshake`` (its first exchange failed or timed out) or
+    ``unauthenticated``.
     """
 
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
                  codec: Codec = DEFAULT_CODEC, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT_S,
                  credential: Credential | str | None = FROM_ENV,
                  max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES,
-                 max_untrusted: int = MAX_UNTRUSTED_CONNECTIONS) -> None:
+                 max_untrusted: int = MAX_UNTRUSTED_CONNECTIONS,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self._handler = handler
         # connections between their arrival and their authentication (the handshake and
         # the proof, each bounded in time): more are closed as they arrive
-        self._gate = handshake.Gate(max_untrusted)
+        self._gate = handshake.Gate(max_untrusted, on_refuse=on_refused)
         self.credential = resolve_credential(credential)
         self.max_frame_bytes = max_frame_bytes
         self.auth_failures = 0
@@ -959,12 +964,18 @@ class Listener:
                 untrusted[0] = False
                 self._gate.leave()
 
+        def refused(reason: str) -> None:
+            if untrusted[0]:
+                untrusted[0] = False
+                self._gate.drop(reason)
+
         try:
-            await self._serve_accepted(ep, trusted)
+            await self._serve_accepted(ep, trusted, refused)
         finally:
             trusted()
 
-    async def _serve_accepted(self, ep: UcxEndpoint, trusted: Callable[[], None]) -> None:
+    async def _serve_accepted(self, ep: UcxEndpoint, trusted: Callable[[], None],
+                              refused: Callable[[str], None]) -> None:
         if self._closing:
             ep.abort()
             return
@@ -989,6 +1000,7 @@ class Listener:
                     self.auth_failures += 1
                     log.warning("refused an unauthenticated peer on port %s: %s",
                                 self._port or "?", exc.detail or exc.reason)
+                    refused("unauthenticated")
                     return
             trusted()
             await self._handler(conn)

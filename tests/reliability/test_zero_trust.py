@@ -316,6 +316,7 @@ def test_unauthenticated_ucx(fleet, record, client, rng, model_id):
         gen(S, {"token_ids": prefix, "max_new_tokens": 0})
         req = pull_request(hashes(prefix), model=model_id, read=True)
         served0 = metric_sum(S, "kvkern_source_requests_total")
+        refused0 = metric_sum(S, "kvkern_source_connections_refused_total")
 
         async def no_credential():
             conn = await client.pool(None).get("127.0.0.1", port)
@@ -377,6 +378,9 @@ def test_unauthenticated_ucx(fleet, record, client, rng, model_id):
         rec["late_handshakes_sent"] = client.run(late_handshakes(port, 3))
         served1 = metric_sum(S, "kvkern_source_requests_total")
         rec["requests_answered_to_intruders"] = served1 - served0
+        refused = metric_sum(S, "kvkern_source_connections_refused_total") - refused0
+        rec["connections_refused"] = refused
+        assert refused >= 3 + 3, refused  # no proof or a wrong/forged one; late handshakes
         assert served1 == served0  # not one PullRequest reached S's request handling
         rec.update(legit_pull(S, D, rng))
         rec["leaks"] = leaks(S, D)
