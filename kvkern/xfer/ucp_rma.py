@@ -87,9 +87,10 @@ _iov_reads = True  # this UCX scatters a read over an iov (until it refuses one,
 # without moving a byte was seen (the v1 protocols, UCX_PROTO_ENABLE=n).
 _iov_verified: collections.OrderedDict[int, None] = collections.OrderedDict()
 _IOV_VERIFIED_MAX = 1024
-# Checks that found other bytes than the whole re-read. One can be the source rewriting the
-# block between the two reads (an eviction under load); a UCX that does not scatter fails
-# every check, so the second one turns iov reads off for the process.
+# Checks in a row that found other bytes than the whole re-read (a passing check starts the
+# count again). One can be the source rewriting the block between the two reads (an eviction
+# under load); a UCX that does not scatter fails every check, so the second failure in a
+# row turns iov reads off for the process.
 _IOV_MISMATCHES_TO_STOP = 2
 _iov_mismatches = 0
 
@@ -374,8 +375,8 @@ class ReadBatch:
         """Read ``run``'s remote bytes again whole and compare them with what its iov read
         left in the pieces: equal, the endpoint's iov reads are trusted from now on; else
         this batch fails (RmaError), so what it read is not used, the endpoint's next
-        scattered read is checked again, and from the second such failure in the process
-        on no read is scattered over an iov any more."""
+        scattered read is checked again, and after a second failure with no passing check
+        in between no read is scattered over an iov any more."""
         global _iov_reads, _iov_mismatches
         import numpy as np  # noqa: PLC0415
 
@@ -404,6 +405,7 @@ class ReadBatch:
                 raise ScatterCheckError("scattered read check", UCS_ERR_IO_ERROR)
             pos += n
         self._unverified = None
+        _iov_mismatches = 0
         _iov_verified[self._ep] = None
         while len(_iov_verified) > _IOV_VERIFIED_MAX:
             _iov_verified.popitem(last=False)
