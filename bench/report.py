@@ -273,6 +273,48 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
     return out
 
 
+# A direct read's steps (kvkern.tools.benchcli.DIRECT_STEPS) as the columns of the time table
+TIME_COLUMNS = (("data", ("data",)), ("queue", ("queue",)),
+                ("state, plan, allocate", ("metadata", "plan", "allocate")),
+                ("hand-offs", ("handoff",)), ("look-up", ("lookup",)),
+                ("confirm", ("confirm",)), ("validate, commit", ("validate", "commit")),
+                ("rest", ("rest",)))
+
+
+def _time_section(records: list[tuple[str, dict]]) -> list[str]:
+    """Where a pull's time goes, step by step, beside NIXL's READ of the same bytes."""
+    runs = [(name, r) for name, r in records
+            if any("rest" in v.get("phases_ms", {})
+                   for v in r.get("cases", {}).get("pull", {}).values() if isinstance(v, dict))]
+    if not runs:
+        return []
+    out = ["## Where a pull's time goes", "",
+           "The headline pull (direct reads) step by step, medians of the run's repeats in ms: "
+           "`data` is the copy of the blocks; `queue` the hint's admission on the caller's "
+           "thread and its hand-off onto kvkern's loop; `hand-offs` the read's setup and its "
+           "hand-offs onto the first read lane's thread and back; `look-up` and `confirm` the "
+           "read directory's two reads with the work on them; `rest` what no step covers. "
+           "NIXL's READ of the same blocks (its faster way) from the same run.", ""]
+    for name, rec in runs:
+        pull = rec["cases"]["pull"]
+        nixl = rec.get("compare", {}).get("nixl", {}).get("cases", {})
+        out += [f"Record `{name}` (commit {_commit(rec)}):", "",
+                "| size | NIXL READ | pull | " + " | ".join(c for c, _ in TIME_COLUMNS) + " |",
+                "|---|---|---|" + "---|" * len(TIME_COLUMNS)]
+        for size in sorted((k for k in pull if k.isdigit()), key=int):
+            ph = pull[size].get("phases_ms", {})
+            if "rest" not in ph:
+                continue
+            ways = [nixl.get(size, {}).get(k, {}).get("ms")
+                    for k in ("consecutive", "consecutive_per_request")]
+            ways = [w for w in ways if w is not None]
+            cells = [_fmt(sum(ph.get(k, 0.0) for k in keys)) for _, keys in TIME_COLUMNS]
+            out.append(f"| {_size(size)} | {_fmt(min(ways)) if ways else '-'} "
+                       f"| {_fmt(ph['total'])} | " + " | ".join(cells) + " |")
+        out.append("")
+    return out
+
+
 def _targets_section(records: list[tuple[str, dict]]) -> list[str]:
     """The targets judged on one run (``targets`` of a record, kvkern.tools.benchtargets)."""
     runs = [(name, r) for name, r in records if r.get("targets")]
@@ -381,6 +423,7 @@ def render(data: dict[str, Any]) -> str:
     lines += _gpu_section(data["gpu"], data["kernel_aot"])
     lines += _xfer_section(data["xfer"])
     lines += _peer_section(data["xfer"])
+    lines += _time_section(data["xfer"])
     lines += _targets_section(data["xfer"])
     lines += _vllm_section(data.get("vllm", []))
     lines += _cpu_section(data["cpu_kernels"])

@@ -51,6 +51,10 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
         assert 0 < pull["one_block_overhead_ms"] < pull["one_block_total_ms"]
         assert one["copy_gbps"] >= one["pull_gbps"] > 0  # the copy alone is the faster
         assert one["phases_ms"]["data"] <= one["phases_ms"]["total"]
+        # the steps of a direct read are disjoint: what none covers is not negative
+        ph = one["phases_ms"]
+        assert ph["queue"] > 0 and ph["handoff"] > 0 and ph["rest"] >= -0.005, ph
+        assert 0 < one["overhead_ms"] < ph["total"]
         assert one["granted_pull_gbps"] > 0 and pull["granted"]["hint_to_first_byte_ms"] > 0
 
 

@@ -45,3 +45,25 @@ def test_a_bench_xfer_json_record_is_read_as_printed(tmp_path):
     assert "| 64 MiB | 1.30 | - | - | - | 0.90 | - | 0.80 | - | 5.00-5.00 |" in text
     assert "`run.json` (commit abc1234, 1 run)" in text
     assert "No GPU run is recorded." in text and "cpus 8" in text
+
+
+def test_a_pulls_steps_show_beside_nixl(tmp_path):
+    """A record whose pull has its direct-read steps (``rest`` among them) gets a row of
+    where the time went, beside NIXL's faster way from the same run."""
+    report = _report()
+    (tmp_path / "xfer").mkdir()
+    size = str(16 << 20)
+    phases = {"queue": 0.2, "metadata": 0.01, "plan": 0.06, "allocate": 0.03, "handoff": 0.25,
+              "lookup": 0.3, "data": 1.5, "confirm": 0.15, "validate": 0.01, "commit": 0.04,
+              "rest": 0.05, "total": 2.6, "direct": 2.2}
+    rec = {"bench": "xfer", "by_size": {}, "env": {"commit": "abc1234"},
+           "cases": {"pull": {size: {"phases_ms": phases}}},
+           "compare": {"nixl": {"cases": {size: {
+               way: {"ms": ms, "gbps": 9.0, "gbps_range": [8.0, 10.0]}
+               for way, ms in (("consecutive", 1.9), ("consecutive_per_request", 1.8),
+                               ("scattered", 2.0), ("scattered_per_request", 2.1))}}}}}
+    (tmp_path / "xfer" / "run.json").write_text(json.dumps(rec))
+    text = report.render(report.load(tmp_path))
+    assert "## Where a pull's time goes" in text
+    assert ("| 16 MiB | 1.80 | 2.60 | 1.50 | 0.20 | 0.10 | 0.25 | 0.30 | 0.15 | 0.05 "
+            "| 0.05 |") in text

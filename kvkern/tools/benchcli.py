@@ -534,6 +534,19 @@ async def _check_pulls(pb: _PullBench) -> None:
             pb.group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
 
 
+# A direct read's phases, one after another from the hint to the commit (``direct``,
+# ``read`` and ``transfer`` contain some of them); ``rest`` is the pull's time outside them.
+DIRECT_STEPS = ("queue", "metadata", "plan", "allocate", "handoff", "lookup", "data",
+                "confirm", "validate", "commit")
+
+
+def _with_rest(phases: dict[str, float]) -> dict[str, float]:
+    """``phases`` with ``rest`` added for a direct read."""
+    if not all(k in phases for k in (*DIRECT_STEPS, "total")):
+        return phases
+    return {**phases, "rest": phases["total"] - sum(phases[k] for k in DIRECT_STEPS)}
+
+
 async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
     """Every variant once per repeat, in a shuffled order, at one size."""
     bench = pb.bench
@@ -564,7 +577,7 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
             if kind == "pull":
                 msgs.append(o.messages)
                 reads.append(o.reads)
-                phases.append(o.phases)
+                phases.append(_with_rest(o.phases))
     ps, rs = _summary(nbytes, times["pull"]), _summary(nbytes, raw_t)
     # each phase's median over the headline pulls that had it (the copy alone: "data" of a
     # direct read, "read" of a granted one; a stream's copy is not apart from its messages)
@@ -581,6 +594,8 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
     if copy_ms:  # the bytes' own move: what the pull costs beyond it is its overhead
         row["copy_gbps"] = round(nbytes / copy_ms / 1e6, 3)
         row["copy_ratio"] = round(row["copy_gbps"] / rs["gbps"], 3)
+        over = [p["total"] - p.get("data", p.get("read", 0.0)) for p in phases]
+        row["overhead_ms"] = round(statistics.median(over) * 1e3, 3)
     if times["scattered"]:  # source blocks at shuffled ids: one read (or pack) per block
         ss = _summary(nbytes, times["scattered"])
         row.update(scattered_pull_gbps=ss["gbps"],

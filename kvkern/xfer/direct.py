@@ -123,6 +123,7 @@ class DirectRead:
         self.whole = read_whole(index.dir_buckets, len(self.want))
         self.reads = 0
         self.lookup_s = self.data_s = self.confirm_s = 0.0  # steps 1, 2 and 3
+        self.t_in = self.t_out = 0.0  # when the steps began and ended (perf_counter)
         self.miss = ""  # why nothing was kept (a grant is asked for instead)
         self.result = "used"  # kvkern.xfer.metrics.DIRECT_READ_RESULTS
 
@@ -131,7 +132,13 @@ class DirectRead:
     def __call__(self, read: Reader) -> float | None:
         """Look up, read, confirm; the time the first byte landed, or None with ``miss``
         set when the blocks do not all count."""
-        t0 = time.perf_counter()
+        t0 = self.t_in = time.perf_counter()
+        try:
+            return self._steps(read, t0)
+        finally:
+            self.t_out = time.perf_counter()
+
+    def _steps(self, read: Reader, t0: float) -> float | None:
         rows = self._directory(read)
         slot, block, _ = find(rows, self.want)
         if (block < 0).any():
@@ -270,7 +277,11 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
             metrics.direct_read("failed")
         receiver.lanes_failed(worker, exc)  # the granted read goes on the connection
         return None
-    job.phases["direct"] = time.perf_counter() - t
+    now = time.perf_counter()
+    job.phases["direct"] = now - t
+    # the read's setup here and its hand-offs onto the first lane's thread and back
+    job.phases["handoff"] = job.phases.get("handoff", 0.0) + (
+        direct.t_in - t + now - direct.t_out)
     if metrics is not None:
         metrics.direct_read(direct.result)
     if direct.miss:

@@ -176,6 +176,8 @@ class PullRunner:
     async def _pull(self, job: PullJob) -> tuple[Lease | None, Reason, str, dict]:
         group = self.group
         t = time.perf_counter()
+        # the hint's admission on the engine's thread and the hand-off onto this loop
+        job.phases["queue"] = t - job.t_submit
         state = await self.discovery.discover(job)
         job.phases["metadata"] = time.perf_counter() - t
 
