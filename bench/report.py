@@ -233,6 +233,12 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
         nixl, pull = rec["compare"]["nixl"], rec.get("cases", {}).get("pull", {})
         per_request = any("consecutive_per_request" in r for r in nixl["cases"].values())
         out += [f"Record `{name}` (commit {_commit(rec)}):", ""]
+        if len(nixl.get("agents", [])) > 1:
+            won = sorted({c["agent"] for r in nixl["cases"].values() for c in r.values()
+                          if isinstance(c, dict) and "agent" in c})
+            out += [f"NIXL ran with each of its agent configurations "
+                    f"({', '.join(nixl['agents'])}); each cell is the faster "
+                    f"(taken from: {', '.join(won)}).", ""]
         if per_request:
             out += [f"NIXL also issued every READ as vLLM's connector issues a request "
                     f"(descriptor ids, `make_prepped_xfer` with `notif_msg`, `transfer`, "

@@ -1,6 +1,6 @@
 """NIXL's side of ``kvkern bench xfer --compare nixl`` (optional: ``make bench-nixl`` installs
-nixl): both of its ways of reading, every transfer verified, and each per-request
-notification received by the target."""
+nixl): both of its ways of reading with each agent configuration, every transfer verified,
+each per-request notification received by the target, and the faster configuration kept."""
 
 from __future__ import annotations
 
@@ -10,15 +10,45 @@ import sys
 
 import pytest
 
+from kvkern.tools import nixlbench
+
+WAYS = ("consecutive", "scattered", "consecutive_per_request", "scattered_per_request")
+
 
 def test_nixl_reads_alone_and_per_request_with_notifications():
     pytest.importorskip("nixl")
     out = subprocess.run([sys.executable, "-m", "kvkern.tools.nixlbench", "--sizes", "1MiB",
                           "--repeats", "2", "--json"], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=180)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["agents"] == list(nixlbench.AGENTS)
     row = res["cases"][str(1 << 20)]
-    for key in ("consecutive", "scattered", "consecutive_per_request", "scattered_per_request"):
+    for key in WAYS:
         assert row[key]["gbps"] > 0 and row[key]["verified"] == 3, row
-    assert res["notifications"] == 2 * 3  # per-request READs, warm-up included
+        assert row[key]["agent"] in nixlbench.AGENTS
+    # per-request READs, warm-up included, for each of the two configurations
+    assert res["notifications"] == 2 * 3 * len(nixlbench.AGENTS)
+
+
+def _run(agent: str, gbps: dict[str, float]) -> dict:
+    return {"bench": "nixl_read", "agents": [agent], "notifications": 6,
+            "cases": {"1048576": {"bytes": 1 << 20, "blocks": 2, **{
+                k: {"gbps": g, "gbps_range": [g, g], "ms": 1.0 / g, "verified": 3,
+                    "agent": agent} for k, g in gbps.items()}}}}
+
+
+def test_the_faster_configuration_is_kept_per_size_and_way():
+    lean = _run("lean", dict(zip(WAYS, (6.5, 6.4, 6.3, 6.2), strict=True)))
+    vllm = _run("vllm", dict(zip(WAYS, (3.0, 7.0, 6.3, 2.0), strict=True)))
+    res = nixlbench.faster([lean, vllm])
+    row = res["cases"]["1048576"]
+    assert [row[k]["agent"] for k in WAYS] == ["lean", "vllm", "lean", "lean"]
+    assert [row[k]["gbps"] for k in WAYS] == [6.5, 7.0, 6.3, 6.2]
+    assert row["bytes"] == 1 << 20 and row["blocks"] == 2
+    assert res["agents"] == ["lean", "vllm"] and res["notifications"] == 12
+
+
+def test_an_unknown_agent_configuration_is_refused():
+    with pytest.raises(ValueError, match="agent must be one of"):
+        nixlbench.run([1 << 20], agent="fast")

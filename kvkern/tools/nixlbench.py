@@ -5,8 +5,8 @@ it, on pools shaped like ``kvkern bench xfer``'s: the peer baseline for kvkern's
     kvkern bench xfer --compare nixl          # both, in one run, with kvkern / NIXL ratios
 
 A target process allocates a host pool (huge pages, as kvkern's pools), fills block ``b`` with
-``arange + b * 1_000_003`` (int64), registers it with a NIXL agent (UCX backend, progress
-thread off) and publishes its agent metadata and pool address. The initiator (this process)
+``arange + b * 1_000_003`` (int64), registers it with a NIXL agent (UCX backend) and publishes
+its agent metadata and pool address. The initiator (this process)
 registers its own pool, loads the target's metadata, prepares one descriptor per block on
 both sides once (``prep_xfer_dlist``), and then, per transfer, ``make_prepped_xfer("READ",
 ...)`` + ``transfer`` + polling ``check_xfer_state`` until DONE: no per-transfer control
@@ -17,6 +17,12 @@ the run fails unless every one arrived). Block mappings: ``consecutive`` (remote
 ``scattered`` (remote blocks in the order of ``torch.randperm(n, seed 0)``, kvkern's scattered
 source). Before every transfer the local blocks are poisoned; after it every block is compared
 with what the target holds, so a figure is never of bytes that did not move.
+
+Two agent configurations (``--agent``, :data:`AGENTS`): ``vllm``, what vLLM's NIXL connector
+creates by default (``num_threads=4``, NIXL's progress thread on), and ``lean`` (no progress
+thread, one worker: the initiator polls its READs itself). ``--agent both`` measures each in
+turn and keeps, per size and way, the faster (its ``agent`` says which);
+``kvkern bench xfer --compare nixl`` runs both, so kvkern is judged against NIXL at its best.
 
 Both processes run with kvkern's UCX settings (:mod:`kvkern.xfer.ucx_env`), so NIXL's UCX
 and kvkern's pull choose among the same transports. NIXL is an optional bench dependency:
@@ -38,11 +44,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BLOCK_BYTES", "compare", "main", "run"]
+__all__ = ["AGENTS", "BLOCK_BYTES", "compare", "faster", "main", "run"]
 
 BLOCK_BYTES = 512 << 10  # kvkern bench xfer's block: 8 layers x 2 x 8 heads x 16 x 128 x bf16
 STRIDE = 1_000_003
 MiB = 1 << 20
+# nixl_agent_config arguments of each agent configuration
+AGENTS = {"lean": {"enable_prog_thread": False, "backends": ["UCX"]},
+          "vllm": {"num_threads": 4}}  # vLLM's NixlConnector default (extra config num_threads)
 
 
 def _parse_size(text: str) -> int:
@@ -53,12 +62,10 @@ def _parse_size(text: str) -> int:
     return int(text)
 
 
-def _agent(name: str):
+def _agent(name: str, config: str):
     from nixl._api import nixl_agent, nixl_agent_config  # noqa: PLC0415
 
-    # vLLM's connector polls its own transfers; the progress thread off is NIXL's fastest
-    # setting for a READ (UCX one-sided: the target need not progress for CMA / RDMA).
-    return nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    return nixl_agent(name, nixl_agent_config(**AGENTS[config]))
 
 
 def _pool(n_blocks: int, fill: bool):
@@ -76,11 +83,11 @@ def _pool(n_blocks: int, fill: bool):
     return buf, words
 
 
-def _target(workdir: Path, n_blocks: int, parent: int) -> int:
+def _target(workdir: Path, n_blocks: int, parent: int, config: str) -> int:
     """The target process: hold the pool registered until ``stop`` appears or the parent
     dies; poll for notifications meanwhile (progress for transports that need it)."""
     buf, _ = _pool(n_blocks, fill=True)
-    agent = _agent("target")
+    agent = _agent("target", config)
     agent.register_memory([(buf.data_ptr(), buf.numel(), 0, "")], "DRAM")
     (workdir / "meta.tmp").write_bytes(agent.get_agent_metadata())
     (workdir / "meta.tmp").rename(workdir / "meta.bin")
@@ -110,33 +117,39 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.01)
 
 
-def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0) -> dict[str, Any]:
-    """Measure NIXL READ of each size, consecutive and scattered; returns the result
-    document (GB/s medians and ranges, every transfer verified)."""
+def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0,
+        agent: str = "lean") -> dict[str, Any]:
+    """Measure NIXL READ of each size, consecutive and scattered, with the agent
+    configuration ``agent`` (:data:`AGENTS`); returns the result document (GB/s medians and
+    ranges, every transfer verified)."""
+    if agent not in AGENTS:
+        raise ValueError(f"agent must be one of {sorted(AGENTS)}, got {agent!r}")
     import torch  # noqa: PLC0415
 
     from kvkern.xfer.ucx_env import configure_ucx_env  # noqa: PLC0415
 
     configure_ucx_env()  # before NIXL loads UCX, in this process and (inherited) the target
     n_max = max(1, max(sizes) // BLOCK_BYTES)
-    out: dict[str, Any] = {"bench": "nixl_read", "block_bytes": BLOCK_BYTES, "cases": {}}
+    out: dict[str, Any] = {"bench": "nixl_read", "block_bytes": BLOCK_BYTES, "agents": [agent],
+                           "cases": {}}
     with tempfile.TemporaryDirectory(prefix="kvkern-nixl-") as tmp:
         work = Path(tmp)
         proc = subprocess.Popen([sys.executable, "-m", "kvkern.tools.nixlbench", "_target",
-                                 str(work), str(n_max), str(os.getpid())], stdin=subprocess.DEVNULL,
+                                 str(work), str(n_max), str(os.getpid()), agent],
+                                stdin=subprocess.DEVNULL,
                                 stdout=subprocess.DEVNULL, env=dict(os.environ))
         try:
             _wait_for(work / "info.json", proc, 60)
             info = json.loads((work / "info.json").read_text())
-            agent = _agent("initiator")
+            nx = _agent("initiator", agent)
             local, words = _pool(n_max, fill=False)
-            agent.register_memory([(local.data_ptr(), local.numel(), 0, "")], "DRAM")
-            remote = agent.add_remote_agent((work / "meta.bin").read_bytes())
+            nx.register_memory([(local.data_ptr(), local.numel(), 0, "")], "DRAM")
+            remote = nx.add_remote_agent((work / "meta.bin").read_bytes())
             base = info["base"]
-            local_h = agent.prep_xfer_dlist("NIXL_INIT_AGENT", [
+            local_h = nx.prep_xfer_dlist("NIXL_INIT_AGENT", [
                 (local.data_ptr() + i * BLOCK_BYTES, BLOCK_BYTES, 0) for i in range(n_max)],
                 "DRAM")
-            remote_h = agent.prep_xfer_dlist(remote, [
+            remote_h = nx.prep_xfer_dlist(remote, [
                 (base + i * BLOCK_BYTES, BLOCK_BYTES, 0) for i in range(n_max)], "DRAM")
             expect = torch.arange(BLOCK_BYTES // 8, dtype=torch.int64)
             deadline = time.monotonic() + timeout_s
@@ -150,19 +163,19 @@ def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0) -> dict[st
                 connector issues every request (``make_prepped_xfer(..., notif_msg=)``)."""
                 local.fill_(0xA5)
                 t0 = time.perf_counter()
-                h = agent.make_prepped_xfer(
+                h = nx.make_prepped_xfer(
                     "READ", local_h, list(range(n)), remote_h, list(remote_ids),
                     **({"notif_msg": f"req-{sent[0]}:1".encode()} if per_request else {}))
                 sent[0] += per_request
                 if not per_request:
                     t0 = time.perf_counter()
-                state = agent.transfer(h)
+                state = nx.transfer(h)
                 while state not in ("DONE", "ERR"):
                     if time.monotonic() > deadline:
                         raise RuntimeError("NIXL READ did not finish in time")
-                    state = agent.check_xfer_state(h)
+                    state = nx.check_xfer_state(h)
                 dt = time.perf_counter() - t0
-                agent.release_xfer_handle(h)
+                nx.release_xfer_handle(h)
                 if state != "DONE":
                     raise RuntimeError("NIXL READ failed")
                 for j, r in enumerate(remote_ids):
@@ -183,7 +196,7 @@ def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0) -> dict[st
                         row[key] = {"gbps": round(statistics.median(gbps), 3),
                                     "gbps_range": [round(min(gbps), 3), round(max(gbps), 3)],
                                     "ms": round(statistics.median(times) * 1e3, 3),
-                                    "verified": repeats + 1}
+                                    "verified": repeats + 1, "agent": agent}
                 out["cases"][str(n * BLOCK_BYTES)] = row
         finally:
             (work / "stop").write_text("")
@@ -206,6 +219,19 @@ def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0) -> dict[st
     return out
 
 
+def faster(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One result document from runs of several agent configurations (same sizes): per
+    size and way, the run with the higher median GB/s (its ``agent`` names it)."""
+    out = {**results[0], "cases": {}, "agents": [a for r in results for a in r["agents"]],
+           "notifications": sum(r.get("notifications", 0) for r in results)}
+    for size in results[0]["cases"]:
+        rows = [r["cases"][size] for r in results]
+        out["cases"][size] = {k: (max((row[k] for row in rows), key=lambda c: c["gbps"])
+                                  if isinstance(v, dict) else v)
+                              for k, v in rows[0].items()}
+    return out
+
+
 def compare(kvkern_result: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
     """Run this benchmark in a process of its own (NIXL and ucxx each load a UCX) for the
     sizes of ``kvkern_result`` (a ``kvkern bench xfer`` result with its pull case) and add
@@ -215,7 +241,7 @@ def compare(kvkern_result: dict[str, Any], timeout_s: float = 600.0) -> dict[str
     sizes = [s for s, r in pull.items() if s.isdigit()]
     if not sizes:
         return {"error": "no pull case to compare (run with --cases including pull)"}
-    cmd = [sys.executable, "-m", "kvkern.tools.nixlbench", "--json",
+    cmd = [sys.executable, "-m", "kvkern.tools.nixlbench", "--json", "--agent", "both",
            "--sizes", ",".join(sizes)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
@@ -253,10 +279,13 @@ def _dist_version(name: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_target"]:
-        return _target(Path(argv[1]), int(argv[2]), int(argv[3]))
+        return _target(Path(argv[1]), int(argv[2]), int(argv[3]), argv[4])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="16MiB,64MiB,256MiB", help="comma list (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="timed transfers per case (default %(default)s)")
+    ap.add_argument("--agent", choices=[*AGENTS, "both"], default="both",
+                    help="NIXL agent configuration: vllm (vLLM's connector default), lean, "
+                         "or both, keeping the faster per size and way (default %(default)s)")
     ap.add_argument("--json", action="store_true", help="print the result document as one JSON line")
     args = ap.parse_args(argv)
     try:
@@ -265,7 +294,9 @@ def main(argv: list[str] | None = None) -> int:
         print("nixl is not installed: `make bench-nixl` installs it into the project venv",
               file=sys.stderr)
         return 2
-    res = run([_parse_size(s) for s in args.sizes.split(",") if s], repeats=args.repeats)
+    sizes = [_parse_size(s) for s in args.sizes.split(",") if s]
+    res = faster([run(sizes, repeats=args.repeats, agent=a)
+                  for a in (AGENTS if args.agent == "both" else [args.agent])])
     if args.json:
         print(json.dumps(res))
     else:
