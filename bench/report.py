@@ -288,10 +288,11 @@ TIME_COLUMNS = (("data", ("data",)), ("queue", ("queue",)),
 
 
 def _time_section(records: list[tuple[str, dict]]) -> list[str]:
-    """Where a pull's time goes, step by step, beside NIXL's READ of the same bytes."""
-    runs = [(name, r) for name, r in records
-            if any("rest" in v.get("phases_ms", {})
-                   for v in r.get("cases", {}).get("pull", {}).values() if isinstance(v, dict))]
+    """Where a pull's time goes, step by step, beside NIXL's READ of the same bytes (the
+    runs with a NIXL comparison)."""
+    runs = [(name, r) for name, r in records if "nixl" in r.get("compare", {})
+            and any("rest" in v.get("phases_ms", {})
+                    for v in r.get("cases", {}).get("pull", {}).values() if isinstance(v, dict))]
     if not runs:
         return []
     out = ["## Where a pull's time goes", "",
