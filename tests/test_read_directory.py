@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvkern.cache import BlockPool
+from kvkern.cache import BlockPool, directory
 from kvkern.cache.directory import (
     BUCKET_BYTES,
     BUCKET_SLOTS,
@@ -216,6 +216,32 @@ def test_find_and_stable_match_a_plain_reference(seed):
         post[0] = pre[0]
     got = stable(pre, post, want)
     assert got.dtype == bool and got.tolist() == ref_stable(pre, post, want)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_small_and_vectorized_readers_agree(seed, monkeypatch):
+    """Up to ``SMALL`` hashes the reader loops in Python: the same answers as numpy's, block
+    ids of 2**63 and above included (read as int64, like numpy's cast)."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(0, directory.SMALL + 1))
+    pool_of_hashes = np.array([0, 1, 7, U64, 2**63, 12345], dtype=np.uint64)
+    rows = np.zeros((k, BUCKET_SLOTS, SLOT_WORDS), dtype=np.uint64)
+    rows[:, :, 0] = rng.choice(pool_of_hashes, size=(k, BUCKET_SLOTS))
+    rows[:, :, 1] = rng.choice(np.array([0, 3, 2**63, U64], np.uint64), size=(k, BUCKET_SLOTS))
+    rows[:, :, 2] = rng.integers(0, 1 << 62, size=(k, BUCKET_SLOTS), dtype=np.uint64)
+    want = rng.choice(pool_of_hashes, size=k)
+    post = rows[:, 0].copy()
+    post[rng.random(k) < 0.3, 2] ^= np.uint64(4)
+
+    def answers():
+        slot, block, tag = find(rows, want)
+        pre = entries(rows, slot)
+        return (slot, block, tag, pre, stable(pre, pre, want), stable(pre, post, want))
+
+    small = answers()
+    monkeypatch.setattr(directory, "SMALL", -1)  # every call vectorized
+    for a, b in zip(small, answers(), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist()
 
 
 def test_reader_refuses_bad_shapes():

@@ -238,8 +238,13 @@ def test_coalesce_properties(case):
     local, remote, nbytes = case
     runs = coalesce(local, remote, nbytes)
     if min(local + remote, default=0) >= 0:  # the vectorized twin the pull path uses
-        assert ucp_rma.coalesce_arrays(np.asarray(local, dtype=np.uint64),
-                                       np.asarray(remote, dtype=np.uint64), nbytes) == runs
+        arrays = np.asarray(local, dtype=np.uint64), np.asarray(remote, dtype=np.uint64)
+        assert ucp_rma.coalesce_arrays(*arrays, nbytes) == runs
+        small, ucp_rma._SMALL_RUNS = ucp_rma._SMALL_RUNS, -1  # (its numpy path, any length)
+        try:
+            assert ucp_rma.coalesce_arrays(*arrays, nbytes) == runs
+        finally:
+            ucp_rma._SMALL_RUNS = small
     # the runs cover exactly the blocks, in order
     expanded = []
     for lo, rem, n in runs:

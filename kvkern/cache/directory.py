@@ -68,6 +68,9 @@ TAG_CACHED = 2
 ALIGN = 4096
 
 _HASH, _BLOCK, _TAG = 0, 1, 2
+# Up to this many hashes the reader's functions loop in Python, below numpy's fixed cost per
+# call (a one-block pull makes several such calls on its critical path).
+SMALL = 8
 _STATE = TAG_CACHED | TAG_CHANGING
 _FULL = (1 << BUCKET_SLOTS) - 1
 _U64 = (1 << 64) - 1
@@ -282,6 +285,27 @@ def find(rows: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
     when absent) and the slot's tag (uint64, 0 when absent). A slot matches when its hash is
     ``want[i]`` and its tag is cached and not changing; of several, the first."""
     r, w = _rows(rows, want)
+    return _find_small(r, w) if len(w) <= SMALL else _find_numpy(r, w)
+
+
+def _find_small(r: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    slots, blocks, tags = [], [], []
+    for bucket, h in zip(r.tolist(), w.tolist(), strict=True):
+        for i, (sh, sb, st, _) in enumerate(bucket):
+            if sh == h and st & _STATE == TAG_CACHED:
+                slots.append(i)
+                blocks.append(sb - (1 << 64) if sb >> 63 else sb)  # as int64, like numpy's
+                tags.append(st)
+                break
+        else:
+            slots.append(-1)
+            blocks.append(-1)
+            tags.append(0)
+    return (np.array(slots, np.int64), np.array(blocks, np.int64),
+            np.array(tags, np.uint64))
+
+
+def _find_numpy(r: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     match = (r[:, :, _HASH] == w[:, None]) & (
         (r[:, :, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED))
     hit = match.any(axis=1)
@@ -300,7 +324,17 @@ def entries(rows: np.ndarray, slot: np.ndarray) -> np.ndarray:
     if r.dtype != np.uint64 or r.ndim != 3 or r.shape[1:] != (BUCKET_SLOTS, SLOT_WORDS):
         raise ValueError(f"rows must be uint64 of shape (k, {BUCKET_SLOTS}, {SLOT_WORDS}), "
                          f"got {r.dtype} {r.shape}")
-    if s.shape != (r.shape[0],) or np.any((s < -1) | (s >= BUCKET_SLOTS)):
+    if s.shape != (r.shape[0],):
+        raise ValueError(f"slot must hold {r.shape[0]} values in [-1, {BUCKET_SLOTS})")
+    if len(s) <= SMALL:
+        out = np.zeros((len(s), SLOT_WORDS), np.uint64)
+        for i, x in enumerate(s.tolist()):
+            if not -1 <= x < BUCKET_SLOTS:
+                raise ValueError(f"slot must hold {r.shape[0]} values in [-1, {BUCKET_SLOTS})")
+            if x >= 0:
+                out[i] = r[i, x]
+        return out
+    if np.any((s < -1) | (s >= BUCKET_SLOTS)):
         raise ValueError(f"slot must hold {r.shape[0]} values in [-1, {BUCKET_SLOTS})")
     out = r[np.arange(len(s)), np.maximum(s, 0)].copy()
     out[s < 0] = 0
@@ -320,5 +354,9 @@ def stable(pre: np.ndarray, post: np.ndarray, want: np.ndarray) -> np.ndarray:
         if x.dtype != np.uint64 or x.shape != (len(w), SLOT_WORDS):
             raise ValueError(f"{name} must be uint64 of shape ({len(w)}, {SLOT_WORDS}), got "
                              f"{x.dtype} {x.shape}")
+    if len(w) <= SMALL:
+        return np.array([x == y and h == x[_HASH] and x[_TAG] & _STATE == TAG_CACHED
+                         for x, y, h in zip(a.tolist(), b.tolist(), w.tolist(), strict=True)],
+                        dtype=bool).reshape(len(w))
     return ((a == b).all(axis=1) & (a[:, _HASH] == w)
             & ((a[:, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED)))

@@ -411,6 +411,9 @@ class ReadBatch:
             _iov_verified.popitem(last=False)
 
 
+_SMALL_RUNS = 8
+
+
 def coalesce_arrays(local: np.ndarray, remote: np.ndarray,
                     nbytes: int) -> list[tuple[int, int, int]]:
     """:func:`coalesce` for numpy ``uint64`` arrays of addresses, vectorized (a per-layer
@@ -420,6 +423,8 @@ def coalesce_arrays(local: np.ndarray, remote: np.ndarray,
 
     if len(local) != len(remote):
         raise ValueError(f"{len(local)} local vs {len(remote)} remote addresses")
+    if len(local) <= _SMALL_RUNS:  # below numpy's fixed cost per call
+        return coalesce(local.tolist(), remote.tolist(), nbytes)
     if not len(local):
         return []
     n = np.uint64(nbytes)
