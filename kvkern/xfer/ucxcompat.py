@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -359,7 +360,13 @@ def read_poster(memory_type: int, *, iov: bool = False,
     """``post(ep_handle, local, count, remote, rkey)``: one ``ucp_get_nbx`` into local
     memory of ``memory_type``; returns its ``ucs_status_ptr_t`` (see :func:`ptr_status`).
     ``local`` is ``count`` bytes, or with ``iov`` an array of ``count`` ``ucp_dt_iov_t``
-    (address, length) the contiguous remote bytes are scattered over, in order."""
+    (address, length) the contiguous remote bytes are scattered over, in order. Made once
+    per kind (its parameters are only read, by any thread)."""
+    return _read_poster(memory_type, iov)
+
+
+@functools.cache
+def _read_poster(memory_type: int, iov: bool) -> Callable[[int, int, int, int, int], int | None]:
     get = libucp().ucp_get_nbx
     param = RequestParam(op_attr_mask=OP_ATTR_FIELD_MEMORY_TYPE, memory_type=memory_type)
     if iov:
