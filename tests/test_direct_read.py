@@ -5,6 +5,8 @@ confirm goes the granted way. Same source peer, model and checks as tests/test_p
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvkern.cache.hashing import local_block_hashes
 from kvkern.xfer import direct
@@ -27,12 +29,23 @@ from tests.test_pull import (
 rt, src, make_puller = tp.rt, tp.src, tp.make_puller  # the fixtures, shared
 
 
+@pytest.fixture(params=["whole", "spans", "apart"])
+def lookup(request, monkeypatch):
+    """How a direct read reads the directory: the whole table (what the tests' small pools
+    get), the wanted buckets and slots in spans, or each one alone."""
+    if request.param != "whole":
+        monkeypatch.setattr(direct, "read_whole", lambda dir_buckets, k: False)
+    if request.param == "apart":
+        monkeypatch.setattr(direct, "DIRECTORY_READ_COST_BYTES", 0)
+    return request.param
+
+
 def stats(src) -> dict:
     return src.http("GET", "/test/stats")["replies"]
 
 
 @pytest.mark.parametrize("n_blocks", [1, 16])
-def test_direct_read_sends_no_message(src, make_puller, n_blocks):
+def test_direct_read_sends_no_message(src, make_puller, n_blocks, lookup):
     tokens = fresh_tokens(n_blocks * BS + 1)
     hashes = src.commit(tokens)
     group = make_group()
@@ -66,7 +79,7 @@ def test_a_hash_missing_from_the_directory_asks_for_a_grant(src, make_puller):
 
 @pytest.mark.parametrize("recommit", [True, False], ids=["same-hashes-new-bytes", "evicted"])
 def test_blocks_changed_during_the_read_are_never_used(src, make_puller, monkeypatch,
-                                                       recommit):
+                                                       recommit, lookup):
     """Between the block reads and the second directory read, the source evicts the blocks
     and (``recommit``) computes the same prefix again into reused blocks with other bytes,
     so every hash is cached again under a new tag. The bytes already read are the old
@@ -153,7 +166,9 @@ def test_a_killed_source_ends_a_direct_read_promptly(make_puller):
 
 
 @pytest.mark.parametrize("src_tp", [1, 2])
-def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeypatch, src_tp):
+@pytest.mark.parametrize("lookup", ["whole", "spans"], indirect=True)
+def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeypatch, src_tp,
+                                                           lookup):
     """The source keeps evicting a prefix, writing another prefix's KV into the freed blocks,
     evicting that and committing the prefix again (its KV a function of its hashes, so the
     same bytes each time), while the destination pulls the prefix over and over. Every pull
@@ -227,6 +242,57 @@ def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeyp
         s.kill()
 
 
+def _spans_reference(offsets, item, gap):
+    """read_spans by brute force: each offset's entry index and the reads."""
+    reads, pos = [], 0
+    for off in sorted(set(offsets)):
+        if reads and off - (reads[-1][1] + reads[-1][2]) <= gap:
+            reads[-1][2] = off + item - reads[-1][1]
+        else:
+            pos = reads[-1][0] + reads[-1][2] if reads else 0
+            reads.append([pos, off, item])
+    index = []
+    for off in offsets:
+        p, o, _ = next(r for r in reads if r[1] <= off < r[1] + r[2])
+        index.append((p + off - o) // item)
+    return index, [tuple(r) for r in reads]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 300), max_size=40), st.sampled_from([32, 256]),
+       st.sampled_from([0, 32, 256, 1000, 16 << 10]), st.booleans())
+def test_read_spans_reads_each_entry_once_in_order(entries, item, gap, vectorized):
+    """Every wanted entry lands where its index says, each entry is read once, reads are
+    ascending, never overlap, and merge exactly the neighbours at most ``gap`` bytes apart;
+    the loop for a few offsets and the vectorized one give the same plan."""
+    import numpy as np  # noqa: PLC0415
+
+    from kvkern.cache import directory  # noqa: PLC0415
+
+    offsets = [e * item for e in entries]
+    small = directory.SMALL
+    try:
+        if vectorized:
+            direct.SMALL = -1
+        index, reads = direct.read_spans(np.array(offsets, np.int64), item, gap)
+    finally:
+        direct.SMALL = small
+    want_index, want_reads = _spans_reference(offsets, item, gap)
+    assert index.tolist() == want_index and reads == want_reads
+    assert sum(n for *_, n in reads) <= len(set(offsets)) * (item + gap)
+    for (p, o, n), (p2, o2, _) in zip(reads, reads[1:], strict=False):
+        assert p2 == p + n and o2 - (o + n) > gap
+
+
+def test_read_spans_refuses_unaligned_offsets():
+    import numpy as np  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match="multiples of 32"):
+        direct.read_spans(np.array([0, 40]), 32, 0)
+    with pytest.raises(ValueError, match="non-negative"):
+        direct.read_spans(np.array([-32]), 32, 0)
+
+
 def test_the_whole_directory_is_read_only_when_small():
     """By bucket when the directory is larger than the wanted hashes' small reads cost, and
     always beyond 64 MiB: a source announcing 2**30 buckets (256 GiB) makes no pull read or
@@ -274,10 +340,13 @@ def test_pairs_of_one_source_pool_share_one_look_up(make_puller, dst_tp):
 def test_ranks_of_a_narrower_destination_read_each_source_block_once(src, make_puller):
     """TP1 -> TP2: each destination rank takes a head range of every source layer, runs
     too small to read alone (read_min_run_bytes between a rank's run and the whole
-    block): read directly, both pairs together are one read of the 8 consecutive source
-    blocks scattered over both ranks' rows; asked for grants, each pair streams."""
+    block): read directly, both pairs together are one read per stretch of consecutive
+    source blocks (one for all 8 in a fresh pool) scattered over both ranks' rows; asked
+    for grants, each pair streams."""
     tokens = fresh_tokens(8 * BS)
-    hashes = src.commit(tokens)
+    done = src.http("POST", "/test/commit", {"tokens": tokens})
+    hashes, ids = done["hashes"], done["block_ids"]
+    stretches = 1 + sum(b != a + 1 for a, b in zip(ids, ids[1:], strict=False))
     block = tp.MODEL.num_layers * 2 * tp.MODEL.num_kv_heads * BS * tp.MODEL.head_dim * 2
     for direct_reads in (True, False):
         group = make_group(tp=2)
@@ -287,7 +356,7 @@ def test_ranks_of_a_narrower_destination_read_each_source_block_once(src, make_p
         o = pull(p, rid, tokens, hint_for(src, tokens))
         assert o.used and o.pairs == 2 and o.blocks_transferred == 8, o
         if direct_reads:
-            assert o.messages == 0 and o.reads == 1, o
+            assert o.messages == 0 and o.reads == stretches, (o, ids)
             assert served_kinds(src, sent) == {k: 0 for k in sent}
         else:
             assert o.reads == 0 and served_kinds(src, sent)["stream"] == 2, o

@@ -10,6 +10,10 @@ through the event loop between the steps::
     2. the blocks' bytes into the private blocks   (split over every lane, as a granted read)
     3. the same slots again                        -> kept only if every slot is unchanged
 
+Steps 1 and 3 read the wanted buckets (slots) in ascending order, neighbours that are at most
+``DIRECTORY_READ_COST_BYTES`` apart in one read with the bytes between them
+(:func:`read_spans`): a read's fixed cost buys that many bytes.
+
 A block is withdrawn from the directory (its slot's tag bumped) before its pool can hand it
 to a writer, and published only after its bytes are final; a slot's tag never repeats. So a
 slot that reads the same, cached, before and after the block's bytes proves those bytes are
@@ -39,6 +43,7 @@ from kvkern.cache.directory import (
     BUCKET_SLOTS,
     SLOT_BYTES,
     SLOT_WORDS,
+    SMALL,
     bucket_of,
     entries,
     find,
@@ -58,7 +63,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.receive import ReadReceiver
     from kvkern.xfer.state import ReadIndex
 
-__all__ = ["DirectRead", "read_directly", "read_whole", "same_directory"]
+__all__ = ["DirectRead", "read_directly", "read_spans", "read_whole", "same_directory"]
 
 # Whole-directory buffers kept per source for the next pull: at most this many, each at most
 # this large (a directory is 256 B per pool block).
@@ -67,6 +72,7 @@ SCRATCH_TABLE_BYTES = 4 << 20
 # A larger directory is read by bucket, whatever the pull's size (no read, and no buffer, of
 # more than this on a source's word).
 MAX_WHOLE_DIRECTORY_BYTES = 64 << 20
+_SPANS = ("spans",)  # the scratch key of the buffer that bucket and slot reads land in
 
 log = logging.getLogger("kvkern.xfer")
 
@@ -77,6 +83,42 @@ def read_whole(dir_buckets: int, k: int) -> bool:
     than :data:`MAX_WHOLE_DIRECTORY_BYTES` (the size is the source's word)."""
     table = dir_buckets * BUCKET_BYTES
     return table <= min(k * DIRECTORY_READ_COST_BYTES, MAX_WHOLE_DIRECTORY_BYTES)
+
+
+def read_spans(offsets: np.ndarray, item: int, gap: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """The reads that fetch the ``item``-byte entries at byte ``offsets`` of a remote table
+    (multiples of ``item``, repeats allowed): the distinct entries in ascending order,
+    neighbours at most ``gap`` bytes apart sharing one read of the bytes between them.
+    Returns each offset's entry index in the concatenation of the reads' bytes, and the
+    reads as ``(position, remote offset, nbytes)`` in that order (``position``: the read's
+    byte offset in the concatenation)."""
+    offs = np.asarray(offsets, dtype=np.int64)
+    if offs.ndim != 1 or (offs % item).any() or (len(offs) and offs.min() < 0):
+        raise ValueError(f"offsets must be non-negative multiples of {item}")
+    if len(offs) <= SMALL:
+        reads: list[list[int]] = []
+        at: dict[int, int] = {}
+        for off in sorted(set(offs.tolist())):
+            if reads and off - (reads[-1][1] + reads[-1][2]) <= gap:
+                reads[-1][2] = off + item - reads[-1][1]
+            else:
+                reads.append([reads[-1][0] + reads[-1][2] if reads else 0, off, item])
+            at[off] = (reads[-1][0] + off - reads[-1][1]) // item
+        return (np.array([at[o] for o in offs.tolist()], np.int64),
+                [(p, o, n) for p, o, n in reads])
+    if not len(offs):
+        return np.empty(0, np.int64), []
+    u, inv = np.unique(offs, return_inverse=True)
+    new = np.ones(len(u), bool)
+    new[1:] = u[1:] - (u[:-1] + item) > gap
+    first = np.flatnonzero(new)
+    last = np.append(first[1:] - 1, len(u) - 1)
+    start, nbytes = u[first], u[last] + item - u[first]
+    pos = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
+    span = np.cumsum(new) - 1
+    index = (pos[span] + u - start[span]) // item
+    return (index[inv.reshape(-1)],
+            list(zip(pos.tolist(), start.tolist(), nbytes.tolist(), strict=True)))
 
 
 def same_directory(a: ReadIndex, b: ReadIndex) -> bool:
@@ -180,22 +222,14 @@ class DirectRead:
 
     def _directory(self, read: Reader) -> np.ndarray:
         """The bucket of each wanted hash, read from the source."""
-        from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
 
         index = self.index
         if self.whole:
             table = self._table()
             read([(index.dir_key, [(table.ctypes.data, index.dir_base, table.nbytes)])])
             return table[self.buckets]
-        k = len(self.want)
-        rows = np.empty((k, BUCKET_SLOTS, SLOT_WORDS), np.uint64)
-        self.buffers.append(rows)
-        local = np.uint64(rows.ctypes.data) + np.arange(k, dtype=np.uint64) * np.uint64(
-            BUCKET_BYTES)
-        remote = np.uint64(index.dir_base) + self.buckets.astype(np.uint64) * np.uint64(
-            BUCKET_BYTES)
-        read([(index.dir_key, coalesce_arrays(local, remote, BUCKET_BYTES))])
-        return rows
+        at = self._spans(read, self.buckets * BUCKET_BYTES, BUCKET_BYTES)
+        return at.reshape(-1, BUCKET_SLOTS, SLOT_WORDS)
 
     def _table(self) -> np.ndarray:
         """A buffer for the whole directory: this source's from earlier reads when it is
@@ -217,19 +251,36 @@ class DirectRead:
 
     def _slots(self, read: Reader, slot: np.ndarray) -> np.ndarray:
         """The found slots' words, read again after the blocks."""
-        from kvkern.xfer.ucp_rma import coalesce_arrays  # noqa: PLC0415
 
         if self.whole:
             return entries(self._directory(read), slot)
-        k = len(self.want)
-        post = np.empty((k, SLOT_WORDS), np.uint64)
-        self.buffers.append(post)
-        local = np.uint64(post.ctypes.data) + np.arange(k, dtype=np.uint64) * np.uint64(
-            SLOT_BYTES)
-        remote = np.uint64(self.index.dir_base) + slot_offsets(self.buckets, slot).astype(
-            np.uint64)
-        read([(self.index.dir_key, coalesce_arrays(local, remote, SLOT_BYTES))])
-        return post
+        return self._spans(read, slot_offsets(self.buckets, slot), SLOT_BYTES)
+
+    def _spans(self, read: Reader, offsets: np.ndarray, item: int) -> np.ndarray:
+        """The ``item``-byte directory entries at byte ``offsets`` (:func:`read_spans`), as
+        ``uint64`` rows in the order of ``offsets``. The reads' gaps are narrowed so that
+        their bytes stay within :data:`MAX_WHOLE_DIRECTORY_BYTES`."""
+        gap = max(0, min(DIRECTORY_READ_COST_BYTES,
+                         MAX_WHOLE_DIRECTORY_BYTES // max(len(offsets), 1) - item))
+        index, reads = read_spans(offsets, item, gap)
+        total = sum(n for *_, n in reads)
+        buf = self._scratch(total // 8)
+        base = buf.ctypes.data
+        read([(self.index.dir_key, [(base + p, self.index.dir_base + off, n)
+                                    for p, off, n in reads])])
+        return buf.reshape(-1, item // 8)[index]  # (a copy: the buffer is reused)
+
+    def _scratch(self, words: int) -> np.ndarray:
+        """A buffer of ``words`` for bucket or slot reads: one kept for the next pull while
+        it is small, else a new one."""
+        if words * 8 > SCRATCH_TABLE_BYTES:
+            buf = np.empty(words, np.uint64)
+            self.buffers.append(buf)
+            return buf
+        buf = self.scratch.get(_SPANS)
+        if buf is None or len(buf) < words:
+            buf = self.scratch[_SPANS] = np.empty(max(words, 512), np.uint64)
+        return buf[:words]
 
 
 async def read_directly(receiver: ReadReceiver, job: PullJob,

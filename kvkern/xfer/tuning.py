@@ -73,9 +73,10 @@ LANE_DRAIN_POLL_S = 0.001
 # pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND
 # pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (kvkern bench xfer --pull-layout vllm_hnd).
 LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
-# A direct read looks its hashes up by reading their directory buckets, one read each, or the
-# whole directory when that is at most this many bytes per hash: a small one-sided read
-# costs about as long as moving this many bytes (1-2 us against 10 GB/s and more).
+# A direct read looks its hashes up by reading their directory buckets, or the whole
+# directory when that is at most this many bytes per hash; buckets (and slots) at most this
+# many bytes apart share one read: a small one-sided read costs about as long as moving this
+# many bytes (1-2 us against 10 GB/s and more).
 DIRECTORY_READ_COST_BYTES = 16 << 10
 # A read scattered over the destination's rows (a reshard's source block, kvkern.xfer.ucp_rma
 # .Scatter) covers consecutive source blocks up to this many local pieces and bytes, so a
