@@ -279,6 +279,11 @@ def test_read_spans_reads_each_entry_once_in_order(entries, item, gap, vectorize
         direct.SMALL = small
     want_index, want_reads = _spans_reference(offsets, item, gap)
     assert index.tolist() == want_index and reads == want_reads
+    # read a table whose entry i holds i: each offset's index finds its own entry
+    buf = np.full(sum(n for *_, n in reads) // item, -1)
+    for p, o, n in reads:
+        buf[p // item:(p + n) // item] = np.arange(o // item, (o + n) // item)
+    assert buf[index].tolist() == [o // item for o in offsets]
     assert sum(n for *_, n in reads) <= len(set(offsets)) * (item + gap)
     for (p, o, n), (p2, o2, _) in zip(reads, reads[1:], strict=False):
         assert p2 == p + n and o2 - (o + n) > gap

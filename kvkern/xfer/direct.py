@@ -222,7 +222,6 @@ class DirectRead:
 
     def _directory(self, read: Reader) -> np.ndarray:
         """The bucket of each wanted hash, read from the source."""
-
         index = self.index
         if self.whole:
             table = self._table()
@@ -251,7 +250,6 @@ class DirectRead:
 
     def _slots(self, read: Reader, slot: np.ndarray) -> np.ndarray:
         """The found slots' words, read again after the blocks."""
-
         if self.whole:
             return entries(self._directory(read), slot)
         return self._spans(read, slot_offsets(self.buckets, slot), SLOT_BYTES)
