@@ -42,6 +42,7 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
     pull = res["cases"]["pull"]
     assert pull["layout"] == layout and pull["data_path"] == "both"
     assert (pull["tp"], pull["pp"]) == (tp, pp)
+    assert pull["source_blocks"] == 16384  # a serving engine's pool: its directory's size
     one = pull[str(1 << 20)]
     assert one["reads"] == reads, one  # consecutive source blocks
     assert one["messages"] == (0 if reads else 2 * (2 + 1)), one  # 2 pairs: 1 chunk each

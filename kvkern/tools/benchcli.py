@@ -84,6 +84,13 @@ def _parse_size(text: str) -> int:
     return int(text)
 
 
+# Blocks in the bench's host source pools: 8 GiB of 512 KiB blocks, a serving engine's host
+# pool, so a direct read looks hashes up in a directory of that size (read by bucket; a pool
+# of only the pulled blocks has one small enough to read whole). Untouched pages take no
+# memory.
+SOURCE_POOL_BLOCKS = 16384
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Settings:
     """What both peers share. ``ucx_env='kvkern'`` applies kvkern.xfer.ucx_env; ``'off'``
@@ -105,6 +112,9 @@ class Settings:
     device: str = "cpu"  # where both peers' buffers and pools live ("cuda": device memory)
     all_variants: bool = True  # pull case: also fewer lanes and granted reads (else headline,
     # scattered and stream only)
+    # pull case: blocks in each host source pool (0: the pulled ones only), the pulled ones
+    # committed: a serving engine's pool size, so its read directory is as large
+    source_blocks: int = SOURCE_POOL_BLOCKS
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
         if self.ucx_env == "off":
@@ -148,14 +158,15 @@ def _pull_topology(tp: int = 1, pp: int = 1) -> Any:
 
 
 def _rank_pools(topo: Any, n_blocks: int, layout_name: str,
-                device: str = "cpu") -> dict[int, Any]:
-    """rank -> RankKV of every rank of DP group 0 on ``device``, pages faulted in."""
+                device: str = "cpu", fault_in: bool = True) -> dict[int, Any]:
+    """rank -> RankKV of every rank of DP group 0 on ``device``, pages faulted in (else
+    left untouched: host memory is only taken where blocks are written)."""
     from kvkern.xfer.kvgroup import RankKV  # noqa: PLC0415
 
     out = {}
     for r in topo.ranks_of_dp(0):
         layout = topo.local_layout(r, n_blocks, layout_name)
-        out[r] = RankKV(r, layout, layout.allocate(device, fill="zeros"))
+        out[r] = RankKV(r, layout, layout.allocate(device, fill="zeros" if fault_in else None))
     return out
 
 
@@ -175,8 +186,11 @@ def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
 
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
                              scattered: bool = False, layout_name: str = "trtllm",
-                             tp: int = 1, device: str = "cpu", pp: int = 1) -> Any:
-    """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``. With
+                             tp: int = 1, device: str = "cpu", pp: int = 1,
+                             pool_blocks: int = 0) -> Any:
+    """A SourceService over ``n_blocks`` committed blocks of tokens ``range(n * 16)``, in a
+    pool of ``max(n_blocks, pool_blocks)`` blocks (the rest free and untouched: a serving
+    engine's pool size, its read directory as large, without its memory). With
     ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
     so every chunk goes through the pack kernel instead of the zero-copy send."""
     import torch  # noqa: PLC0415
@@ -188,8 +202,9 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 
     topo = _pull_topology(tp, pp)
     bs = topo.model.block_size
-    ranks = _rank_pools(topo, n_blocks, layout_name, device)
-    pool = BlockPool(n_blocks, block_size=bs)
+    total = max(n_blocks, pool_blocks if device == "cpu" else 0)  # (device pools stream)
+    ranks = _rank_pools(topo, total, layout_name, device, fault_in=total == n_blocks)
+    pool = BlockPool(total, block_size=bs)
     hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
     ids = pool.allocate(n_blocks)
     if scattered:
@@ -214,7 +229,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
 async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
                      in_flight: int, pull_blocks: int = 0, chunk_bytes: int = 16 * MiB,
                      pull_layout: str = "trtllm", pull_tp: int = 1,
-                     device: str = "cpu", pull_pp: int = 1) -> None:
+                     device: str = "cpu", pull_pp: int = 1, pool_blocks: int = 0) -> None:
     from kvkern.xfer.messages import Cancel, Status, StreamReply  # noqa: PLC0415
     from kvkern.xfer.transport import Lane, Listener, TransportError, tag_for  # noqa: PLC0415
 
@@ -251,10 +266,11 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
     if pull_blocks:
         source = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
                                           layout_name=pull_layout, tp=pull_tp, device=device,
-                                          pp=pull_pp)
+                                          pp=pull_pp, pool_blocks=pool_blocks)
         scattered = await _start_pull_source(pull_blocks, chunk_bytes, in_flight,
                                              layout_name=pull_layout, tp=pull_tp,
-                                             pp=pull_pp, scattered=True, device=device)
+                                             pp=pull_pp, scattered=True, device=device,
+                                             pool_blocks=pool_blocks)
         info["http_port"] = source.http_port
         info["scattered_http_port"] = scattered.http_port
     tmp = port_file + ".tmp"
@@ -476,7 +492,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
                                "layout": s.pull_layout,
                                "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}",
                                "pp": f"{s.pull_pp[0]}:{s.pull_pp[1]}",
-                               "read_lanes": s.read_lanes}
+                               "read_lanes": s.read_lanes, "source_blocks": s.source_blocks}
         await _check_pulls(pb)
         for size in s.sizes:
             out[str(size)] = await _pull_size(pb, s, size)
@@ -660,7 +676,7 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                "--in-flight", str(s.in_flight), "--chunk-bytes", str(s.chunk_bytes),
                "--pull-blocks", str(_pull_blocks_for(s) if "pull" in s.cases else 0),
                "--pull-layout", s.pull_layout, "--pull-tp", str(s.pull_tp[0]),
-               "--pull-pp", str(s.pull_pp[0]),
+               "--pull-pp", str(s.pull_pp[0]), "--source-blocks", str(s.source_blocks),
                "--device", s.device]
         peer = subprocess.Popen(cmd, env=dict(os.environ), stdout=sys.stderr,
                                 stdin=subprocess.DEVNULL)
@@ -813,6 +829,11 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--read-lanes", type=int, default=Settings.read_lanes,
                    help="pull case: read lanes of the headline pull (XferConfig.read_lanes); "
                         "fewer lanes are measured in the same run (lanes1_*, lanes0_*)")
+    x.add_argument("--source-blocks", type=int, default=SOURCE_POOL_BLOCKS, metavar="N",
+                   help="pull case: blocks in each host source pool, the pulled ones "
+                        "committed and the rest free and untouched: a serving engine's pool "
+                        "size, so the read directory is as large (0: the pulled blocks "
+                        "only, a directory small enough to read whole)")
     x.add_argument("--compare", choices=["nixl"], default=None,
                    help="also measure NIXL's block-list READ on the same pool shapes and sizes "
                         "in this run, with kvkern / NIXL ratios (needs nixl: make bench-nixl)")
@@ -834,6 +855,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pull-layout", default="trtllm")
     p.add_argument("--pull-tp", type=int, default=1)
     p.add_argument("--pull-pp", type=int, default=1)
+    p.add_argument("--source-blocks", type=int, default=0)
     p.add_argument("--device", default="cpu")
     return parser
 
@@ -846,7 +868,8 @@ def main(argv: list[str] | None = None) -> int:
     if ns.what == "_peer":
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
                                ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
-                               ns.pull_layout, ns.pull_tp, ns.device, ns.pull_pp))
+                               ns.pull_layout, ns.pull_tp, ns.device, ns.pull_pp,
+                               ns.source_blocks))
         return 0
     cases = tuple(c for c in ns.cases.split(",") if c)
     unknown = set(cases) - set(CASES)
@@ -864,7 +887,7 @@ def main(argv: list[str] | None = None) -> int:
                  data_path=ns.data_path, pull_layout=ns.pull_layout,
                  pull_tp=_parse_split("--pull-tp", ns.pull_tp, parser),
                  pull_pp=_parse_split("--pull-pp", ns.pull_pp, parser), read_lanes=ns.read_lanes,
-                 device=ns.device)
+                 device=ns.device, source_blocks=ns.source_blocks)
     try:
         reshards = benchtargets.parse_reshards(ns.reshards, compare=ns.compare is not None)
     except ValueError as exc:
