@@ -115,6 +115,42 @@ def test_blocks_changed_during_the_read_are_never_used(src, make_puller, monkeyp
     assert_clean(group)
 
 
+@pytest.mark.parametrize("lookup", ["whole", "spans"], indirect=True)
+def test_reads_that_outlive_their_abort_keep_every_buffer_they_target(src, make_puller,
+                                                                     monkeypatch, lookup):
+    """A direct read whose reads are still running after their endpoint was aborted
+    (ReadsStuck): its private blocks are quarantined and every directory buffer UCX may still
+    write (the reused scratch among them) is kept and never handed to a later read, which
+    reads into new ones and is used."""
+    from kvkern.xfer.transport import ReadsStuck  # noqa: PLC0415
+
+    tokens = fresh_tokens(4 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    p = make_puller(group, direct_reads=True)
+    slots = direct.DirectRead._slots
+    stuck = []
+
+    def stuck_after_confirming(self, read, slot):
+        out = slots(self, read, slot)
+        if not stuck:
+            stuck.append([*self.buffers, *self.scratch.values()])
+            raise ReadsStuck("reads still running after their endpoint was closed")
+        return out
+
+    monkeypatch.setattr(direct.DirectRead, "_slots", stuck_after_confirming)
+    o = pull(p, "stuck", tokens, hint_for(src, tokens))
+    assert not o.used and p.quarantined_blocks == 4, o
+    kept = {id(b) for b in p._reads.stuck_buffers}
+    assert stuck[0] and all(id(b) in kept for b in stuck[0])
+    assert not p._reads.direct_scratch
+    o = pull(p, "after", tokens, hint_for(src, tokens))
+    assert o.used and o.messages == 0 and o.blocks_transferred == 4, o
+    assert not kept & {id(b) for b in p._reads.direct_scratch.values()}
+    claim_check_release(p, group, src, "after", hashes)
+    src.wait_no_pins()
+
+
 def test_read_index_is_advisory_and_bounded():
     """A state's read_index is used only when every field is well-formed and every address
     it implies fits in 64 bits; anything else means reads by grant (None), never an error."""
