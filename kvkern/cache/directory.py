@@ -324,18 +324,17 @@ def entries(rows: np.ndarray, slot: np.ndarray) -> np.ndarray:
     if r.dtype != np.uint64 or r.ndim != 3 or r.shape[1:] != (BUCKET_SLOTS, SLOT_WORDS):
         raise ValueError(f"rows must be uint64 of shape (k, {BUCKET_SLOTS}, {SLOT_WORDS}), "
                          f"got {r.dtype} {r.shape}")
-    if s.shape != (r.shape[0],):
+    small = len(s) <= SMALL
+    if s.shape != (r.shape[0],) or (
+            not all(-1 <= x < BUCKET_SLOTS for x in s.tolist()) if small
+            else np.any((s < -1) | (s >= BUCKET_SLOTS))):
         raise ValueError(f"slot must hold {r.shape[0]} values in [-1, {BUCKET_SLOTS})")
-    if len(s) <= SMALL:
+    if small:
         out = np.zeros((len(s), SLOT_WORDS), np.uint64)
         for i, x in enumerate(s.tolist()):
-            if not -1 <= x < BUCKET_SLOTS:
-                raise ValueError(f"slot must hold {r.shape[0]} values in [-1, {BUCKET_SLOTS})")
             if x >= 0:
                 out[i] = r[i, x]
         return out
-    if np.any((s < -1) | (s >= BUCKET_SLOTS)):
-        raise ValueError(f"slot must hold {r.shape[0]} values in [-1, {BUCKET_SLOTS})")
     out = r[np.arange(len(s)), np.maximum(s, 0)].copy()
     out[s < 0] = 0
     return out
