@@ -411,7 +411,7 @@ class ReadBatch:
             _iov_verified.popitem(last=False)
 
 
-_SMALL_RUNS = 8
+_SMALL_RUNS = 32  # as kvkern.cache.directory.SMALL: the cold crossover of looped vs vectorized
 
 
 def coalesce_arrays(local: np.ndarray, remote: np.ndarray,
