@@ -47,6 +47,8 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
     assert one["reads"] == reads, one  # consecutive source blocks
     assert one["messages"] == (0 if reads else 2 * (2 + 1)), one  # 2 pairs: 1 chunk each
     assert one["stream_pull_gbps"] > 0 and one["scattered_pull_gbps"] > 0
+    # the scattered source packs its streams: the time it took, from its own metrics
+    assert one["stream_scattered_pack_ms"] > 0 and one["stream_scattered_pack_gbps"] > 0
     assert pull["hint_to_first_byte_ms"] > 0 and pull["one_block_cpu_ms"] > 0
     if reads:  # the copy is timed apart; the granted read is measured in the same run
         assert 0 < pull["one_block_overhead_ms"] < pull["one_block_total_ms"]

@@ -31,6 +31,7 @@ from kvkern.xfer.config import XferConfig
 from kvkern.xfer.devstream import DONE, HOST, CudaStream, StreamConfig, wait_ready
 from kvkern.xfer.kvgroup import RankKV
 from kvkern.xfer.messages import DEFAULT_CODEC, PlanPiece
+from kvkern.xfer.metrics import XferMetrics
 from kvkern.xfer.receive import StreamReceiver
 from kvkern.xfer.send import Sender
 from kvkern.xfer.staging import StagingPool
@@ -279,7 +280,7 @@ async def send_all(device: str, log: list) -> FakeEp:
     svc = SimpleNamespace(config=SimpleNamespace(chunks_in_flight=RING,
                                                  chunk_bytes=2 * BLOCK_BYTES),
                           staging=StagingPool(1 << 20), executor=executor,
-                          _before_chunk=before_chunk)
+                          _before_chunk=before_chunk, metrics=XferMetrics())
     s = SimpleNamespace(ctx=SimpleNamespace(rkv=rkv), req=SimpleNamespace(transfer_id=9),
                         pack_cf=None, staging=[])
     ep = FakeEp(log)
@@ -293,6 +294,9 @@ async def send_all(device: str, log: list) -> FakeEp:
     got = b"".join(ep.sent[i] for i in range(len(chunks)))
     assert got == want.numpy().tobytes()  # bit-exact
     assert len({b.data_ptr() for b in s.staging}) == RING  # the ring was reused
+    # every chunk was packed (none is a run of a host pool's rows), and counted
+    assert svc.metrics.value("kvkern_source_packed_bytes_total") == want.numel()
+    assert svc.metrics.value("kvkern_source_pack_seconds_count") == len(chunks)
     return ep
 
 

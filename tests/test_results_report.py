@@ -57,7 +57,10 @@ def test_a_pulls_steps_show_beside_nixl(tmp_path):
               "lookup": 0.3, "data": 1.5, "confirm": 0.15, "validate": 0.01, "commit": 0.04,
               "rest": 0.05, "total": 2.6, "direct": 2.2}
     rec = {"bench": "xfer", "by_size": {}, "env": {"commit": "abc1234"},
-           "cases": {"pull": {size: {"phases_ms": phases}}},
+           "cases": {"pull": {size: {"phases_ms": phases, "bytes": 16 << 20, "raw_ms": 4.0,
+                                     "stream_scattered_pack_ms": 3.5,
+                                     "stream_scattered_pack_gbps": 4.79,
+                                     "stream_scattered_pull_gbps": 2.097152}}},
            "compare": {"nixl": {"cases": {size: {
                way: {"ms": ms, "gbps": 9.0, "gbps_range": [8.0, 10.0]}
                for way, ms in (("consecutive", 1.9), ("consecutive_per_request", 1.8),
@@ -67,3 +70,5 @@ def test_a_pulls_steps_show_beside_nixl(tmp_path):
     assert "## Where a pull's time goes" in text
     assert ("| 16 MiB | 1.80 | 2.60 | 1.50 | 0.20 | 0.10 | 0.25 | 0.30 | 0.15 | 0.05 "
             "| 0.05 |") in text
+    # a scattered stream's pack at the source, beside the raw send and the whole pull
+    assert "| 16 MiB | 4.00 | 3.50 (4.79) | 8.00 |" in text

@@ -965,6 +965,11 @@ def test_metrics_names_labels_and_render():
         m.observe_phase("prefill", 1.0)
     m.source_connection_refused("untrusted_limit")
     assert m.value("kvkern_source_connections_refused_total", reason="untrusted_limit") == 1
+    m.source_packed(4096, 0.002)
+    assert m.value("kvkern_source_packed_bytes_total") == 4096
+    assert m.value("kvkern_source_pack_seconds_sum") == pytest.approx(0.002)
+    with pytest.raises(ValueError, match="negative"):
+        m.source_packed(-1, 0.001)
     assert m.value("kvkern_source_connections_refused_total", reason="handshake") == 0
     text = m.render().decode()
     for name in ("kvkern_bytes_transferred_total 300.0", "kvkern_blocks_skipped_total",

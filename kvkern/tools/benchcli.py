@@ -209,6 +209,8 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
     ids = pool.allocate(n_blocks)
     if scattered:
         order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+        if order == sorted(order):  # (a few blocks can shuffle into their own order)
+            order.reverse()
         ids = [ids[k] for k in order]
     for i, b in enumerate(ids):
         for rkv in ranks.values():
@@ -563,6 +565,22 @@ def _with_rest(phases: dict[str, float]) -> dict[str, float]:
     return {**phases, "rest": phases["total"] - sum(phases[k] for k in DIRECT_STEPS)}
 
 
+async def _pack_totals(port: int) -> tuple[float, float]:
+    """The source at ``port``'s packing so far, from its metrics: seconds and bytes."""
+    import aiohttp  # noqa: PLC0415
+    from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+
+    async with aiohttp.ClientSession() as http, \
+            http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+        resp.raise_for_status()
+        text = await resp.text()
+    found = {m.name: m for m in text_string_to_metric_families(text)}
+    samples = {smp.name: smp.value for name in ("kvkern_source_pack_seconds",
+                                                "kvkern_source_packed_bytes")
+               for smp in found[name].samples}
+    return samples["kvkern_source_pack_seconds_sum"], samples["kvkern_source_packed_bytes_total"]
+
+
 async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
     """Every variant once per repeat, in a shuffled order, at one size."""
     bench = pb.bench
@@ -581,6 +599,8 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         if scat:
             variants.append(("stream_scattered", scat, pb.streamer))
     variants += [(k, None, via) for k, via in pb.fewer.items()]
+    # the scattered source packs for its streams only (the headline's reads do not pack)
+    packed = await _pack_totals(scat) if scat and pb.streamer is not None else None
     order = random.Random(size)
     for _ in range(s.repeats):  # every variant once per repeat, in a shuffled order
         order.shuffle(variants)  # (a fixed order favoured whichever ran after raw)
@@ -621,6 +641,14 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
             t = _summary(nbytes, times[key])
             row.update({f"{key}_pull_gbps": t["gbps"],
                         f"{key}_ratio": round(t["gbps"] / rs["gbps"], 3)})
+    if packed is not None and times["stream_scattered"]:
+        # what a scattered stream spends packing at the source: a second pass over the
+        # bytes, beside the raw send's one
+        secs, nb = (b - a for a, b in zip(packed, await _pack_totals(scat), strict=True))
+        if secs > 0:
+            row["stream_scattered_pack_ms"] = round(secs / len(times["stream_scattered"])
+                                                    * 1e3, 3)
+            row["stream_scattered_pack_gbps"] = round(nb / secs / 1e9, 3)
     return row
 
 
@@ -748,7 +776,8 @@ def _print_human(res: dict[str, Any]) -> None:
                   f"{r['messages']} messages {r['reads']} reads")
             extra = [f"{k} {r[k]:.2f}" for k in ("copy_ratio", "scattered_ratio", "granted_ratio",
                                                  "stream_ratio", "stream_scattered_ratio",
-                                                 "lanes1_ratio", "lanes0_ratio") if k in r]
+                                                 "lanes1_ratio", "lanes0_ratio",
+                                                 "stream_scattered_pack_ms") if k in r]
             if extra:
                 print(f"  pull     {int(size) // MiB:5d} MiB  " + "  ".join(extra))
     for name, one in (("pull", cases.get("pull")),

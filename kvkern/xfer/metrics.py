@@ -29,6 +29,10 @@ Source side (:class:`kvkern.xfer.source.SourceService`)::
                                                                (a block two sends pin counts 2)
     kvkern_source_sends_in_flight                    gauge
     kvkern_source_send_seconds                       histogram pin -> last chunk sent
+    kvkern_source_pack_seconds                       histogram one chunk packed into staging
+                                                               (a stream chunk that is not one
+                                                               run of a host row pool)
+    kvkern_source_packed_bytes_total                 counter   bytes packed into staging
     kvkern_source_connections_refused_total{reason}  counter   UCX connections turned away
                                                                before they were trusted
                                                                (handshake unauthenticated
@@ -143,6 +147,11 @@ class XferMetrics:
         self.source_send_seconds = Histogram(p + "source_send_seconds",
                                              "Source send latency (pin to last chunk).",
                                              buckets=LATENCY_BUCKETS, registry=r)
+        self.source_pack_seconds = Histogram(p + "source_pack_seconds",
+                                             "Time to pack one stream chunk into staging.",
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.source_packed_bytes = counter("source_packed_bytes",
+                                           "KV bytes packed into staging for streams.")
         for ph in PHASES:  # every series exists from the start (dashboards, rate())
             self.phase_seconds.labels(phase=ph)
         for status in SOURCE_STATUSES:
@@ -247,6 +256,12 @@ class XferMetrics:
         self.source_sends_in_flight.dec()
         if seconds is not None:
             self.source_send_seconds.observe(max(seconds, 0.0))
+
+    def source_packed(self, nbytes: int, seconds: float) -> None:
+        """One chunk packed: its bytes and the pack's time (launch to its event, on the
+        packing thread)."""
+        self.source_packed_bytes.inc(_count("bytes", nbytes))
+        self.source_pack_seconds.observe(max(seconds, 0.0))
 
     # ---------------------------------------------------------------------------- export
 

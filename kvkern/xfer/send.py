@@ -472,6 +472,7 @@ class Sender:
             """Runs on a packing thread: launches the pack on the device's side stream and
             waits for exactly its event, since UCX reads the staging as soon as the send is
             posted (no stream or device synchronisation)."""
+            t0 = time.perf_counter()
             shape = (b1 - b0, p.layer_stop - p.layer_start, 2, p.head_stop - p.head_start,
                      layout.block_size, layout.head_dim)
             view = None if out is None else out.view(layout.dtype).view(shape)
@@ -480,7 +481,9 @@ class Sender:
                 layers=(p.layer_start, p.layer_stop), heads=(p.head_start, p.head_stop),
                 max_programs=ds.max_programs), after=fence)
             ds.synchronize(ready)
-            return staged.reshape(-1).view(torch.uint8)
+            flat = staged.reshape(-1).view(torch.uint8)
+            svc.metrics.source_packed(flat.numel(), time.perf_counter() - t0)
+            return flat
 
         async def run(fn, *args):
             if svc.executor is None:
