@@ -190,10 +190,13 @@ def _one_block_lines(records: list[tuple[str, dict]]) -> list[str]:
         granted = pull.get("granted")
         if isinstance(granted, dict) and "one_block_overhead_ms" in granted \
                 and "one_block_overhead_ms" in pull:
+            thread = pull.get("lane_thread") or {}
             rows.append(f"| `{name}` | {_fmt(pull['hint_to_first_byte_ms'])} | "
                         f"{_fmt(pull['one_block_overhead_ms'])} | "
                         f"{_fmt(pull['one_block_total_ms'])} | "
                         f"{_two(pull.get('one_block_cpu_ms'))} | "
+                        f"{_two(thread.get('hint_to_first_byte_ms'))} | "
+                        f"{_two(thread.get('one_block_overhead_ms'))} | "
                         f"{_fmt(granted['hint_to_first_byte_ms'])} | "
                         f"{_fmt(granted['one_block_overhead_ms'])} | "
                         f"{_fmt(granted['one_block_total_ms'])} | "
@@ -205,9 +208,12 @@ def _one_block_lines(records: list[tuple[str, dict]]) -> list[str]:
         out += ["", "One-block pulls (512 KiB) on a warm connection, medians in ms: the time from "
                 "the hint to the first byte, the overhead (the whole pull less its block's "
                 "copy), the whole pull and the destination process's CPU time per pull (all "
-                "threads; `-`: not measured); direct reads against granted ones in the same run.",
-                "", "| record | direct: first byte | overhead | whole | CPU | granted: first byte | "
-                "overhead | whole | CPU |", "|---|---|---|---|---|---|---|---|---|", *rows]
+                "threads; `-`: not measured); direct reads (on the event loop's loop lane where "
+                "the record has the lane-thread columns: the same reads on the first read "
+                "lane's thread) against granted ones in the same run.",
+                "", "| record | direct: first byte | overhead | whole | CPU | lane thread: first "
+                "byte | overhead | granted: first byte | overhead | whole | CPU |",
+                "|---|---|---|---|---|---|---|---|---|---|---|", *rows]
     if older:
         out += ["", f"Hint to first byte in records before direct reads (1 block, warm "
                     f"connection, granted reads): {_fmt(min(older))}-{_fmt(max(older))} ms."]

@@ -32,9 +32,9 @@ def held_batch_class(made: list) -> type:
         def poll(self):
             return False if self.hold else super().poll()
 
-        def wait(self, timeout, cancelled=None):
+        def waiting(self, timeout, cancelled=None):
             try:
-                return super().wait(timeout, cancelled)
+                return (yield from super().waiting(timeout, cancelled))
             finally:
                 self.hold = False
 
@@ -55,6 +55,10 @@ class NeverDone:
 
     def wait(self, timeout, cancelled=None):
         raise TimeoutError("never")
+
+    def waiting(self, timeout, cancelled=None):
+        raise TimeoutError("never")
+        yield  # (steps, as ReadBatch.waiting)
 
     def poll(self):
         return False

@@ -59,6 +59,11 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
         assert ph["queue"] > 0 and ph["handoff"] > 0 and ph["rest"] >= -0.005, ph
         assert 0 < one["overhead_ms"] < ph["total"]
         assert one["granted_pull_gbps"] > 0 and pull["granted"]["hint_to_first_byte_ms"] > 0
+        # the 1-block pulls' steps, and the same pulls on a lane's thread in the same run
+        assert pull["one_block_phases_ms"]["lookup"] > 0, pull["one_block_phases_ms"]
+        thread = pull["lane_thread"]
+        assert 0 < thread["one_block_overhead_ms"] < thread["one_block_total_ms"]
+        assert thread["one_block_phases_ms"]["handoff"] > 0
 
 
 def test_bench_xfer_device_cuda_needs_a_device():

@@ -132,7 +132,7 @@ def test_reads_that_outlive_their_abort_keep_every_buffer_they_target(src, make_
     stuck = []
 
     def stuck_after_confirming(self, read, slot):
-        out = slots(self, read, slot)
+        out = yield from slots(self, read, slot)
         if not stuck:
             stuck.append([*self.buffers, *self.scratch.values()])
             raise ReadsStuck("reads still running after their endpoint was closed")
@@ -143,10 +143,11 @@ def test_reads_that_outlive_their_abort_keep_every_buffer_they_target(src, make_
     assert not o.used and p.quarantined_blocks == 4, o
     kept = {id(b) for b in p._reads.stuck_buffers}
     assert stuck[0] and all(id(b) in kept for b in stuck[0])
-    assert not p._reads.direct_scratch
+    assert not p._reads.direct_scratch and not p._reads.loop_scratch
     o = pull(p, "after", tokens, hint_for(src, tokens))
     assert o.used and o.messages == 0 and o.blocks_transferred == 4, o
-    assert not kept & {id(b) for b in p._reads.direct_scratch.values()}
+    assert not kept & {id(b) for b in [*p._reads.direct_scratch.values(),
+                                       *p._reads.loop_scratch.values()]}
     claim_check_release(p, group, src, "after", hashes)
     src.wait_no_pins()
 
@@ -236,7 +237,7 @@ def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeyp
         call = direct.DirectRead.__call__
 
         def counted(self, read):
-            first = call(self, read)
+            first = yield from call(self, read)
             if self.miss:
                 misses.append(self.miss)
             return first

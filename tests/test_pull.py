@@ -1039,14 +1039,16 @@ def test_receive_rings_are_prewarmed_only_for_ranks_that_stream(make_puller, lay
     assert p._staging.idle_bytes == rings * 3 * (1 << 20)
 
 
-LANES = {"connection": dict(read_lanes=0), "one-lane": {},
-         "two-lanes": dict(read_lane_min_bytes=1)}
+LANES = {"connection": dict(read_lanes=0), "loop-lane": {},
+         "one-lane": dict(loop_read_bytes=0),
+         "two-lanes": dict(read_lane_min_bytes=1, loop_read_bytes=0)}
 
 
 @pytest.mark.parametrize("lanes", sorted(LANES))
 def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller, lanes):
-    """Read on the control connection's worker, on one read lane (the default below 4 MiB)
-    and split over two (kvkern.xfer.read_lanes)."""
+    """Read on the control connection's worker, on the loop lane (the default for a pull of
+    at most 1 MiB), on one read lane (the default below 8 MiB) and split over two
+    (kvkern.xfer.read_lanes)."""
     n = 12
     tokens = fresh_tokens(n * BS)
     hashes, remote = commit_scattered(src, tokens)
@@ -1068,8 +1070,9 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert source_block_ids(src, hashes) == remote  # what was read is still there
     lane_set = p._lanes
     two = min(2, len(os.sched_getaffinity(0)))  # lanes are capped at the usable CPUs
-    assert (lane_set.peers if lane_set else 0) == {"connection": 0, "one-lane": 1,
-                                                   "two-lanes": two}[lanes]
+    assert (lane_set.peers if lane_set else 0) == {"connection": 0, "loop-lane": 1,
+                                                   "one-lane": 1, "two-lanes": two}[lanes]
+    assert (lane_set._on_loop.peers if lane_set else 0) == (lanes == "loop-lane")
     assert_only_changed(group, before, set(ids))  # the held blocks kept their bytes
     group.manager.release(ids)
     group.manager.release(held)
@@ -1144,7 +1147,8 @@ def test_read_per_layer_pools(src, src_hnd, make_puller, src_layout, dst_layout,
     group = make_group(layout=dst_layout)
     held = fragment(group) if scattered else []
     before = snapshot(group)
-    p = make_puller(group, read_lane_min_bytes=1)  # every layer's runs over two lanes
+    # every layer's runs over two lanes (not the loop lane, which would take so small a pull)
+    p = make_puller(group, read_lane_min_bytes=1, loop_read_bytes=0)
     sent = source.http("GET", "/test/stats")["replies"]
     o = pull(p, "per-layer", tokens, hint_for(source, tokens))
     assert o.used and o.blocks_transferred == n and o.bytes_transferred == n * 2048, o

@@ -14,6 +14,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -46,6 +47,7 @@ parts_st = st.lists(st.tuples(st.sampled_from([b"k0", b"k1", b"k2"]), runs_st), 
 @given(parts=parts_st, n=st.integers(1, 5), min_bytes=st.sampled_from([0, 1, 4096, 1 << 20]),
        align=st.sampled_from([1, 4096]))
 @example(parts=[(b"k0", [(0, 0, 10 << 20)])], n=2, min_bytes=4 << 20, align=4096)
+@example(parts=[(b"k0", [(0, 0, 1), (0, 0, 3)])], n=3, min_bytes=0, align=1)
 def test_split_covers_every_byte_once_in_order(parts, n, min_bytes, align):
     shares = split_parts(parts, n, min_bytes=min_bytes, align=align)
     total = sum(nb for _, runs in parts for *_, nb in runs)
@@ -69,7 +71,8 @@ def test_split_covers_every_byte_once_in_order(parts, n, min_bytes, align):
     sizes = [sum(nb for _, runs in share for *_, nb in runs) for share in shares]
     assert sum(sizes) == total
     if quota >= align:  # (below that, cuts may meet and shares go empty)
-        assert len(shares) == k
+        # (k - 1 shares of the rounded-up quota may hold every byte: 4 bytes in 3 shares)
+        assert len(shares) == k or len(shares) == k - 1 and (k - 1) * quota >= total
         for size in sizes[:-1]:
             assert abs(size - quota) < align
 
@@ -125,6 +128,18 @@ def lanes():
         assert lane.peers == 0
 
 
+@pytest.fixture(params=["threads", "loop"])
+def on(request):
+    """Where small reads run: the lanes' threads, or the loop lane (every read of these
+    tests is small enough for it)."""
+    return {"loop_bytes": 1 << 40} if request.param == "loop" else {}
+
+
+def lane_peers(rl: ReadLanes, index: int = 0):
+    """The endpoints of lane ``index`` (-1: the loop lane)."""
+    return (rl._on_loop if index < 0 else rl._lanes[index])._peers
+
+
 def poisoned(nbytes: int) -> torch.Tensor:
     t = host_buffer(nbytes)
     t.fill_(POISON)
@@ -156,13 +171,13 @@ async def test_scattered_blocks_bit_exact_on_every_lane(source, lanes, n_lanes, 
     stays poison, and each lane opened its own endpoint to the source worker."""
     src, region, address = source
     used = []
-    real_run = read_lanes._Lane.run
+    real_reading = read_lanes._Lane.reading
 
-    def run(self, *a):
+    def reading(self, *a):
         used.append(self.index)
-        return real_run(self, *a)
+        return real_reading(self, *a)
 
-    monkeypatch.setattr(read_lanes._Lane, "run", run)
+    monkeypatch.setattr(read_lanes._Lane, "reading", reading)
     rl = lanes(n_lanes, min_bytes=1)
     dst = poisoned(2 * 40 * 12288)
     runs, want = shuffled_blocks(src, region, dst, 40, 12288, seed=n_lanes)
@@ -203,11 +218,82 @@ async def test_small_reads_use_one_lane(source, lanes):
 
 
 @aio
-async def test_failed_read_closes_only_that_endpoint_and_names_the_status(source, lanes):
+async def test_small_reads_run_on_the_loop_lane(source, lanes, monkeypatch):
+    """Reads of at most loop_bytes run on the event loop's thread through the loop lane's
+    own endpoint, bit for bit; larger ones go to the lanes' threads; a second small read
+    while the loop lane is busy takes the lanes' threads, and both land."""
+    src, region, address = source
+    where = []
+    real_reading = read_lanes._Lane.reading
+
+    def reading(self, *a):
+        where.append((self.index, threading.get_ident()))
+        return real_reading(self, *a)
+
+    monkeypatch.setattr(read_lanes._Lane, "reading", reading)
+    rl = lanes(2, min_bytes=1, loop_bytes=64 << 10)
+    here = threading.get_ident()
+    dst = poisoned(2 * 16 * 4096)
+    runs, want = shuffled_blocks(src, region, dst, 16, 4096, seed=3)
+    first = await rl.read(address, [(region.rkey, runs)], timeout=5)  # 64 KiB
+    assert first is not None and torch.equal(dst, want)
+    assert where == [(-1, here)] and rl.peers == 1 and len(lane_peers(rl, -1)) == 1
+    where.clear()
+    dst = poisoned(2 * 17 * 4096)
+    runs, want = shuffled_blocks(src, region, dst, 17, 4096, seed=4)  # 68 KiB: the lanes
+    await rl.read(address, [(region.rkey, runs)], timeout=5)
+    assert torch.equal(dst, want)
+    assert sorted(i for i, _ in where) == [0, 1] and all(t != here for _, t in where)
+    # two at once: the first holds the loop lane (its polling held for a while)
+    where.clear()
+    made = []
+    held = held_batch_class(made)
+
+    def first_held(*args, **kw):  # (only the first batch's polling is held)
+        batch = held(*args, **kw)
+        batch.hold = len(made) == 1
+        return batch
+
+    monkeypatch.setattr(ucp_rma, "ReadBatch", first_held)
+    a, b = poisoned(4096), poisoned(4096)
+    slow = asyncio.ensure_future(rl.read(
+        address, [(region.rkey, [(a.data_ptr(), region.address, 4096)])], timeout=5))
+    await asyncio.sleep(0.002)
+    assert not slow.done() and where == [(-1, here)]
+    asyncio.get_running_loop().call_later(0.01, setattr, made[0], "hold", False)
+    await rl.read(address, [(region.rkey, [(b.data_ptr(), region.address + 4096, 4096)])],
+                  timeout=5)
+    await slow
+    assert where[1][0] == 0 and where[1][1] != here
+    assert torch.equal(a, src[:4096]) and torch.equal(b, src[4096:8192])
+
+
+@aio
+async def test_the_loop_lane_closes_on_its_loop_from_another_thread(source, lanes):
+    """close() from another thread while the loop runs closes the loop lane's endpoint on
+    the loop's thread; a closed ReadLanes refuses further reads."""
+    src, region, address = source
+    rl = lanes(1, loop_bytes=1 << 20)
+    dst = poisoned(4096)
+    await rl.read(address, [(region.rkey, [(dst.data_ptr(), region.address, 4096)])],
+                  timeout=5)
+    assert torch.equal(dst, src[:4096]) and len(lane_peers(rl, -1)) == 1
+    closed_on = []
+    real = rl._on_loop.close
+    rl._on_loop.close = lambda: (closed_on.append(threading.get_ident()), real())
+    await asyncio.to_thread(rl.close, 5.0)
+    assert closed_on == [threading.get_ident()] and rl.peers == 0
+    with pytest.raises(TransportError) as info:
+        await rl.read(address, [(region.rkey, [])], timeout=1)
+    assert info.value.reason == "closed"
+
+
+@aio
+async def test_failed_read_closes_only_that_endpoint_and_names_the_status(source, lanes, on):
     """A read from an unmapped address fails (UCS_ERR_IO_ERROR through CMA): transfer_failed
     naming the status, that lane's endpoint closed; the next read reopens it and works."""
     src, region, address = source
-    rl = lanes(1)
+    rl = lanes(1, **on)
     dst = poisoned(4096)
     ok = (dst.data_ptr(), region.address, 4096)
     await rl.read(address, [(region.rkey, [ok])], timeout=5)
@@ -223,11 +309,11 @@ async def test_failed_read_closes_only_that_endpoint_and_names_the_status(source
 
 
 @aio
-async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monkeypatch):
+async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monkeypatch, on):
     src, region, address = source
     made = []
     monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
-    rl = lanes(2, min_bytes=1)
+    rl = lanes(2, min_bytes=1, **on)
     dst = poisoned(2 * 64 * 4096)
     runs, _ = shuffled_blocks(src, region, dst, 64, 4096, seed=7)
     t0 = time.monotonic()
@@ -235,7 +321,7 @@ async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monk
         await rl.read(address, [(region.rkey, runs)], timeout=0.05)
     assert info.value.reason == "transfer_timeout" and not isinstance(info.value, ReadsStuck)
     assert 0.04 < time.monotonic() - t0 < 2
-    assert len(made) == 2 and not any(b.stuck for b in made)
+    assert len(made) == (1 if on else 2) and not any(b.stuck for b in made)
     assert rl.peers == 0  # both endpoints closed
     monkeypatch.undo()
     dst.fill_(POISON)
@@ -303,13 +389,57 @@ async def test_cancel(source, lanes, monkeypatch, grace):
         assert torch.equal(dst, snapshot)
 
 
+@pytest.mark.parametrize("grace", [0.0, 30.0], ids=["stopped", "finished-in-grace"])
 @aio
-async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkeypatch):
+async def test_cancel_on_the_loop_lane(source, lanes, monkeypatch, grace):
+    """The loop lane's reads run in the cancelled task itself, so a cancellation arrives at
+    one of their pauses: the reads go on through the grace (here: they land once their
+    polling is let go, and every byte is there) or, with none, are stopped (endpoint
+    closed, every request retired, nothing written afterwards); CancelledError either way.
+    Meanwhile the loop stays free: another task keeps running."""
+    src, region, address = source
+    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", grace)
+    made = []
+    monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
+    rl = lanes(2, min_bytes=1, loop_bytes=1 << 40)
+    dst = poisoned(2 * 256 * 4096)
+    runs, want = shuffled_blocks(src, region, dst, 256, 4096, seed=11)
+    ticks = []
+
+    async def ticker():
+        while True:
+            ticks.append(1)
+            await asyncio.sleep(0)
+
+    tick = asyncio.ensure_future(ticker())
+    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20))
+    await asyncio.sleep(0.005)
+    assert not task.done() and len(made) == 1 and ticks
+    task.cancel()
+    if grace:
+        await asyncio.sleep(0.005)
+        assert not task.done()
+        made[0].hold = False  # the reads complete within the grace
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    tick.cancel()
+    assert not any(b.stuck for b in made)
+    if grace:
+        assert torch.equal(dst, want) and rl.peers == 1
+    else:
+        assert rl.peers == 0
+        snapshot = dst.clone()
+        await asyncio.sleep(0.02)
+        assert torch.equal(dst, snapshot)
+
+
+@aio
+async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkeypatch, on):
     _, region, address = source
 
     monkeypatch.setattr(ucp_rma, "ReadBatch", NeverDone)
     monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
-    rl = lanes(1)
+    rl = lanes(1, **on)
     with pytest.raises(ReadsStuck) as info:
         await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01)
     assert info.value.reason == "transfer_failed" and "still running" in str(info.value)
@@ -317,7 +447,7 @@ async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkey
 
 
 @aio
-async def test_remote_key_cache_is_bounded_between_reads(source, lanes, monkeypatch):
+async def test_remote_key_cache_is_bounded_between_reads(source, lanes, monkeypatch, on):
     """Keys are unpacked once per endpoint and kept; a read whose new keys would overflow
     the cache first destroys the cached ones (never a key a posted read uses), and a read
     with more distinct keys than the cache holds is refused."""
@@ -328,7 +458,7 @@ async def test_remote_key_cache_is_bounded_between_reads(source, lanes, monkeypa
     monkeypatch.setattr(ucp_rma.RemoteKey, "destroy",
                         lambda self: (destroyed.append(self.handle), real(self)))
     keys = [region.rkey + bytes(i) for i in range(4)]  # one key, four spellings
-    rl = lanes(1)
+    rl = lanes(1, **on)
     dst = poisoned(3 * 4096)
 
     def parts(ks):
@@ -336,7 +466,7 @@ async def test_remote_key_cache_is_bounded_between_reads(source, lanes, monkeypa
                 for i, k in enumerate(ks)]
 
     await rl.read(address, parts(keys[:2]), timeout=5)
-    peer = next(iter(rl._lanes[0]._peers.values()))
+    peer = next(iter(lane_peers(rl, -1 if on else 0).values()))
     assert len(peer.rkeys) == 2 and destroyed == []
     await rl.read(address, parts(keys[:2]), timeout=5)  # cached: nothing unpacked again
     assert len(peer.rkeys) == 2 and destroyed == []
@@ -359,7 +489,7 @@ async def test_closed_lanes_refuse(source, lanes):
 
 
 @aio
-async def test_addresses_are_checked_before_ucx_sees_them(source, lanes):
+async def test_addresses_are_checked_before_ucx_sees_them(source, lanes, on):
     """libucp aborts the process on an address of an unknown version: such an address is
     refused before UCX sees it (the puller then reads on the connection); an address of
     the right version that names nobody fails the read, never the process."""
@@ -368,7 +498,7 @@ async def test_addresses_are_checked_before_ucx_sees_them(source, lanes):
     wrong = bytes([address[0] ^ 0x0F]) + address[1:]
     assert not address_usable(wrong) and not address_usable(b"")
     assert not address_usable(address + bytes(read_lanes.MAX_WORKER_ADDRESS_BYTES))
-    rl = lanes(1)
+    rl = lanes(1, **on)
     dst = poisoned(4096)
     runs = [(dst.data_ptr(), region.address, 4096)]
     with pytest.raises(TransportError) as info:
@@ -396,7 +526,8 @@ def test_a_source_process_that_dies_fails_the_read_not_the_reader(tmp_path):
                          timeout=50, env={**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n"})
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.split()
-    assert lines[:2] == ["read-ok", "killed-read-failed"], out.stdout + out.stderr
+    assert [line for line in lines if "read" in line] == [
+        "read-ok", "killed-read-failed", "killed-read-failed"], out.stdout + out.stderr
 
 
 _READER = r'''
@@ -430,21 +561,26 @@ async def main():
     async def hold(conn):
         await asyncio.sleep(60)
     async with Listener(hold):  # this process's worker progresses too
-        lanes = ReadLanes(2, min_bytes=1 << 20)
+        lanes = ReadLanes(2, min_bytes=1 << 20, loop_bytes=64 << 10)
         dst = np.zeros(8 << 20, dtype=np.uint8)
         parts = [(rkey, [(dst.ctypes.data, base, dst.nbytes)])]
+        small = [(rkey, [(dst.ctypes.data, base, 64 << 10)])]  # on the loop lane
         await lanes.read(address, parts, timeout=10)
         assert (dst == np.arange(8 << 20, dtype=np.uint8)).all()
+        dst[:] = 0
+        await lanes.read(address, small, timeout=10)
+        assert (dst[:64 << 10] == np.arange(64 << 10, dtype=np.uint8)).all()
         print("read-ok", flush=True)
         p.kill()
         p.join(10)
-        t0 = time.monotonic()
-        try:
-            await lanes.read(address, parts, timeout=10)
-            print("killed-read-succeeded", flush=True)
-        except TransportError as exc:
-            assert time.monotonic() - t0 < 10, exc
-            print("killed-read-failed", exc.reason, flush=True)
+        for what in (parts, small):
+            t0 = time.monotonic()
+            try:
+                await lanes.read(address, what, timeout=10)
+                print("killed-read-succeeded", flush=True)
+            except TransportError as exc:
+                assert time.monotonic() - t0 < 10, exc
+                print("killed-read-failed", exc.reason, flush=True)
         lanes.close()
     os._exit(0)  # (ucxx's notifier thread would hold the interpreter at exit)
 

@@ -463,12 +463,18 @@ class _PullBench:
         if s.all_variants and s.data_path != "stream":
             self.fewer["granted"] = Puller(self.group, config=cfg.replace(direct_reads=False),
                                            loop=bench.loop)
+        # and small pulls read on the first lane's thread rather than the loop lane
+        # (XferConfig.loop_read_bytes), for the 1-block figures of both in the same run
+        self.threaded = (Puller(self.group, config=cfg.replace(loop_read_bytes=0),
+                                loop=bench.loop)
+                         if s.all_variants and s.data_path != "stream" else None)
         self.per_block = sum(rkv.layout.bytes_per_block for rkv in self.ranks.values())
         self._rid = iter(range(1 << 30))
 
     @property
     def pullers(self) -> list[Any]:
-        return [p for p in (self.puller, self.streamer, *self.fewer.values()) if p is not None]
+        return [p for p in (self.puller, self.streamer, *self.fewer.values(), self.threaded)
+                if p is not None]
 
     async def pull(self, n: int, port: int | None = None, via: Any = None) -> Any:
         via = via or self.puller
@@ -502,6 +508,8 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
             out.update(await _one_block(pb, s, pb.puller))
         if "granted" in pb.fewer:
             out["granted"] = await _one_block(pb, s, pb.fewer["granted"])
+        if pb.threaded is not None:
+            out["lane_thread"] = await _one_block(pb, s, pb.threaded)
         return out
     finally:
         await pb.close()
@@ -510,12 +518,13 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
 async def _one_block(pb: _PullBench, s: Settings, via: Any) -> dict[str, float]:
     """One-block pulls on a warm connection: the time from the hint to the first byte, the
     whole pull, and its overhead (the pull less its block's copy; medians and p80)."""
-    fb, total, over = [], [], []
+    fb, total, over, phases = [], [], [], []
     cpu0, n = time.process_time(), max(20, s.repeats)
     for _ in range(n):
         o = await pb.pull(1, via=via)
         fb.append(o.phases["first_byte"])
         total.append(o.total_s)
+        phases.append(_with_rest(o.phases))
         copy = o.phases.get("data", o.phases.get("read"))  # a read's copy (a stream: none)
         if copy is not None:
             over.append(o.total_s - copy)
@@ -528,7 +537,8 @@ async def _one_block(pb: _PullBench, s: Settings, via: Any) -> dict[str, float]:
            "one_block_total_ms": ms(total, 2),
            # this process's CPU time per pull over all its threads (the bench's own loop
            # included): what a pull takes from the engine it runs in
-           "one_block_cpu_ms": round((time.process_time() - cpu0) / n * 1e3, 3)}
+           "one_block_cpu_ms": round((time.process_time() - cpu0) / n * 1e3, 3),
+           "one_block_phases_ms": _median_phases(phases)}
     if len(over) == len(total):
         out.update(one_block_overhead_ms=ms(over, 2), one_block_overhead_p80_ms=ms(over, 4))
     return out
@@ -563,6 +573,12 @@ def _with_rest(phases: dict[str, float]) -> dict[str, float]:
     if not all(k in phases for k in (*DIRECT_STEPS, "total")):
         return phases
     return {**phases, "rest": phases["total"] - sum(phases[k] for k in DIRECT_STEPS)}
+
+
+def _median_phases(phases: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the pulls that had it, in ms."""
+    return {k: round(statistics.median(p[k] for p in phases if k in p) * 1e3, 3)
+            for k in dict.fromkeys(k for p in phases for k in p)}
 
 
 async def _pack_totals(port: int) -> tuple[float, float]:
@@ -617,8 +633,7 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
     ps, rs = _summary(nbytes, times["pull"]), _summary(nbytes, raw_t)
     # each phase's median over the headline pulls that had it (the copy alone: "data" of a
     # direct read, "read" of a granted one; a stream's copy is not apart from its messages)
-    median_phases = {k: round(statistics.median(p[k] for p in phases if k in p) * 1e3, 3)
-                     for k in dict.fromkeys(k for p in phases for k in p)}
+    median_phases = _median_phases(phases)
     row = {"bytes": nbytes, "blocks": n, "pull_gbps": ps["gbps"],
            "pull_gbps_p20": ps["gbps_p20"], "pull_gbps_p80": ps["gbps_p80"],
            "raw_gbps": rs["gbps"], "ratio": round(ps["gbps"] / rs["gbps"], 3),

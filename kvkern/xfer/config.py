@@ -101,6 +101,11 @@ class XferConfig:
     # copy thread moves 5.8-6.3 GB/s on a 2-vCPU VM, two 10.9-11.7 (bench/RESULTS.md).
     read_lanes: int = 2
     read_lane_min_bytes: int = 4 << 20
+    # a pull that reads at most this many bytes of blocks reads them on the event loop's own
+    # UCX worker (the loop lane), with no hand-off to a lane's thread and back (two thread
+    # wakes per pull); a CMA copy then runs on the loop (~0.1-0.2 ms per MiB), so only small
+    # pulls take it. 0: every read goes to the lanes' threads.
+    loop_read_bytes: int = 1 << 20
     # read a source that publishes its read directory without asking it first
     # (kvkern.xfer.direct): no round trip, no pins; a block not confirmed by the directory
     # makes the pull ask for a grant as before
@@ -163,7 +168,8 @@ class XferConfig:
         if not isinstance(self.state_path, str) or not self.state_path.startswith("/"):
             raise ValueError(f"XferConfig.state_path must start with '/', got "
                              f"{self.state_path!r}")
-        for name in ("read_min_run_bytes", "read_lanes", "read_lane_min_bytes"):
+        for name in ("read_min_run_bytes", "read_lanes", "read_lane_min_bytes",
+                     "loop_read_bytes"):
             check_non_negative_int(f"XferConfig.{name}", getattr(self, name))
         for flag in ("dedup", "cost_guard", "remote_read", "direct_reads"):
             if not isinstance(getattr(self, flag), bool):

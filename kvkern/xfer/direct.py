@@ -2,8 +2,9 @@
 
 A source whose pools are registered for reads also registers its block manager's read
 directory (:mod:`kvkern.cache.directory`) and announces both in its state (``read_index``).
-A destination that has that state reads, on the first read lane's thread and without a hop
-through the event loop between the steps::
+A destination that has that state reads, on the first read lane's thread (or, for a pull of at
+most ``XferConfig.loop_read_bytes``, on the event loop through the loop lane: see
+:mod:`kvkern.xfer.read_lanes`) and without a hop between threads between the steps::
 
     1. the directory buckets of the wanted hashes (or the whole table, when that is fewer
        bytes than the buckets' per-read cost)      -> the block of each hash, its slot words
@@ -30,6 +31,7 @@ lanes, ``remote_read`` on the source) and are turned off on either side by
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -59,6 +61,7 @@ if TYPE_CHECKING:
     from kvkern.layout.segments import BlockSegments
     from kvkern.xfer.kvgroup import RankKV
     from kvkern.xfer.metrics import XferMetrics
+    from kvkern.xfer.pauses import Steps
     from kvkern.xfer.read_lanes import Reader
     from kvkern.xfer.receive import ReadReceiver
     from kvkern.xfer.state import ReadIndex
@@ -75,6 +78,16 @@ MAX_WHOLE_DIRECTORY_BYTES = 64 << 20
 _SPANS = ("spans",)  # the scratch key of the buffer that bucket and slot reads land in
 
 log = logging.getLogger("kvkern.xfer")
+
+
+def _on_event_loop() -> bool:
+    """Whether this thread is running an event loop (the loop lane's) rather than a read
+    lane's thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def read_whole(dir_buckets: int, k: int) -> bool:
@@ -133,7 +146,9 @@ class DirectRead:
     read worker (see the module docstring): one look-up, the blocks of every pair in one
     read over the lanes (the pairs of one source rank read together: each stretch of its
     blocks once, scattered over every destination rank it feeds), one confirmation. Built
-    on the event loop, run on the first read lane's thread by :meth:`__call__`."""
+    on the event loop; :meth:`__call__` is its steps (:mod:`kvkern.xfer.pauses`), run on
+    the first read lane's thread or on the loop (:meth:`ReadLanes.run_script
+    <kvkern.xfer.read_lanes.ReadLanes.run_script>`)."""
 
     def __init__(self, job: PullJob, pairs: Sequence[tuple[PeerTransfer, RankKV]],
                  indexes: Sequence[ReadIndex], receiver: ReadReceiver) -> None:
@@ -141,7 +156,10 @@ class DirectRead:
         if not all(same_directory(index, other) for other in indexes):
             raise ValueError("the pairs' source ranks announce different read directories")
         self.job, self.pairs, self.index = job, list(pairs), index
-        self.scratch = receiver.direct_scratch  # used on the first lane's thread only
+        # the buffers kept for the next pull: the first lane's or the loop lane's (each
+        # runs one read at a time), chosen when the read runs
+        self._scratches = (receiver.direct_scratch, receiver.loop_scratch)
+        self.scratch = receiver.direct_scratch
         self.buffers: list[np.ndarray] = []  # what this read's reads write, besides blocks
         hashes = job.chained[job.local:job.local + job.count]
         self.want = np.asarray(hashes, dtype=np.uint64)
@@ -163,25 +181,27 @@ class DirectRead:
             self.templates.append(template)
             self.segs.append(receiver.check_offer(job, pair, template, rank_kv))
         self.whole = read_whole(index.dir_buckets, len(self.want))
+        self.nbytes = job.count * sum(pair.block_nbytes for pair, _ in self.pairs)
         self.reads = 0
         self.lookup_s = self.data_s = self.confirm_s = 0.0  # steps 1, 2 and 3
         self.t_in = self.t_out = 0.0  # when the steps began and ended (perf_counter)
         self.miss = ""  # why nothing was kept (a grant is asked for instead)
         self.result = "used"  # kvkern.xfer.metrics.DIRECT_READ_RESULTS
 
-    # ---- on the first lane's thread
+    # ---- steps, on the first lane's thread or the loop lane's
 
-    def __call__(self, read: Reader) -> float | None:
+    def __call__(self, read: Reader) -> Steps[float | None]:
         """Look up, read, confirm; the time the first byte landed, or None with ``miss``
         set when the blocks do not all count."""
         t0 = self.t_in = time.perf_counter()
+        self.scratch = self._scratches[_on_event_loop()]
         try:
-            return self._steps(read, t0)
+            return (yield from self._steps(read, t0))
         finally:
             self.t_out = time.perf_counter()
 
-    def _steps(self, read: Reader, t0: float) -> float | None:
-        rows = self._directory(read)
+    def _steps(self, read: Reader, t0: float) -> Steps[float | None]:
+        rows = yield from self._directory(read)
         slot, block, _ = find(rows, self.want)
         if (block < 0).any():
             self.miss = f"{int((block < 0).sum())} of {len(block)} hashes not in the directory"
@@ -207,11 +227,11 @@ class DirectRead:
             parts += [(keys[j], part) for j, part in runs.items()]
         t = time.perf_counter()
         self.lookup_s = t - t0
-        first = read(parts)
+        first = yield from read(parts)
         t1 = time.perf_counter()
         self.data_s = t1 - t
         self.reads = sum(len(runs) for _, runs in parts)
-        post = self._slots(read, slot)
+        post = yield from self._slots(read, slot)
         kept = stable(pre, post, self.want)
         self.confirm_s = time.perf_counter() - t1
         if not kept.all():
@@ -220,14 +240,15 @@ class DirectRead:
             return None
         return first
 
-    def _directory(self, read: Reader) -> np.ndarray:
+    def _directory(self, read: Reader) -> Steps[np.ndarray]:
         """The bucket of each wanted hash, read from the source."""
         index = self.index
         if self.whole:
             table = self._table()
-            read([(index.dir_key, [(table.ctypes.data, index.dir_base, table.nbytes)])])
+            yield from read([(index.dir_key, [(table.ctypes.data, index.dir_base,
+                                               table.nbytes)])])
             return table[self.buckets]
-        at = self._spans(read, self.buckets * BUCKET_BYTES, BUCKET_BYTES)
+        at = yield from self._spans(read, self.buckets * BUCKET_BYTES, BUCKET_BYTES)
         return at.reshape(-1, BUCKET_SLOTS, SLOT_WORDS)
 
     def _table(self) -> np.ndarray:
@@ -248,13 +269,13 @@ class DirectRead:
             del self.scratch[next(iter(self.scratch))]
         return table
 
-    def _slots(self, read: Reader, slot: np.ndarray) -> np.ndarray:
+    def _slots(self, read: Reader, slot: np.ndarray) -> Steps[np.ndarray]:
         """The found slots' words, read again after the blocks."""
         if self.whole:
-            return entries(self._directory(read), slot)
-        return self._spans(read, slot_offsets(self.buckets, slot), SLOT_BYTES)
+            return entries((yield from self._directory(read)), slot)
+        return (yield from self._spans(read, slot_offsets(self.buckets, slot), SLOT_BYTES))
 
-    def _spans(self, read: Reader, offsets: np.ndarray, item: int) -> np.ndarray:
+    def _spans(self, read: Reader, offsets: np.ndarray, item: int) -> Steps[np.ndarray]:
         """The ``item``-byte directory entries at byte ``offsets`` (:func:`read_spans`), as
         ``uint64`` rows in the order of ``offsets``. The reads' gaps are narrowed so that
         their bytes stay within :data:`MAX_WHOLE_DIRECTORY_BYTES`."""
@@ -264,8 +285,8 @@ class DirectRead:
         total = sum(n for *_, n in reads)
         buf = self._scratch(total // 8)
         base = buf.ctypes.data
-        read([(self.index.dir_key, [(base + p, self.index.dir_base + off, n)
-                                    for p, off, n in reads])])
+        yield from read([(self.index.dir_key, [(base + p, self.index.dir_base + off, n)
+                                               for p, off, n in reads])])
         return buf.reshape(-1, item // 8)[index]  # (a copy: the buffer is reused)
 
     def _scratch(self, words: int) -> np.ndarray:
@@ -303,12 +324,12 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
         log.debug("pull %r: no direct read: %s", job.rec.request_id, exc)
         return None
     try:
-        first = await lanes.run_script(worker, direct, timeout=xfer_t)
+        first = await lanes.run_script(worker, direct, timeout=xfer_t, nbytes=direct.nbytes)
     except ReadsStuck:
         job.quarantined = True
         # UCX may still write the directory buffers: never reuse (or free) them
-        receiver.stuck_buffers.extend([*direct.buffers, *receiver.direct_scratch.values()])
-        receiver.direct_scratch.clear()
+        receiver.stuck_buffers.extend([*direct.buffers, *direct.scratch.values()])
+        direct.scratch.clear()
         raise
     except TransportError as exc:
         if exc.reason != "transfer_failed":
@@ -328,7 +349,8 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
         return None
     now = time.perf_counter()
     job.phases["direct"] = now - t
-    # the read's setup here and its hand-offs onto the first lane's thread and back
+    # the read's setup here and its hand-offs onto the first lane's thread and back (none
+    # on the loop lane: its script's driver only)
     job.phases["handoff"] = job.phases.get("handoff", 0.0) + (
         direct.t_in - t + now - direct.t_out)
     if metrics is not None:
@@ -340,7 +362,7 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
     if job.t_first_byte is None:
         job.t_first_byte = first or time.perf_counter()
     job.reads += direct.reads
-    job.bytes += job.count * sum(pair.block_nbytes for pair, _ in pairs)
+    job.bytes += direct.nbytes
     job.phases["read"] = job.phases.get("read", 0.0) + job.phases["direct"]
     for phase, took in (("lookup", direct.lookup_s), ("data", direct.data_s),
                         ("confirm", direct.confirm_s)):

@@ -23,6 +23,15 @@ it. The source needs nothing:
 a read is one-sided, and its UCX worker answers the endpoints' wire-up on its own progress
 thread.
 
+A lane's thread costs a pull two thread hand-offs (onto the first lane and back to the
+event loop: 0.2-0.4 ms of a 1-block pull on a 2-vCPU VM, ``one_block_phases_ms`` of
+``kvkern bench xfer``), as much as the copy of a small pull. So a pull of at most
+``loop_bytes`` runs on the **loop lane** instead: a worker of its own made, progressed and
+closed on the event loop's thread, whose script (:meth:`ReadLanes.run_script`) yields to the
+loop between polls (:mod:`kvkern.xfer.pauses`), one script at a time (a second small pull
+meanwhile takes the lanes' threads). A CMA copy then runs on the loop thread, which bounds
+``loop_bytes``; an RDMA read does not copy on the host at all.
+
 Failures never cost the control connection: a failed, timed-out or stopped lane closes its
 endpoint to that source (a forced close: UCX cancels the reads still running), drains its
 requests for up to ``READ_DRAIN_S`` and raises; the next read opens a new endpoint. A
@@ -48,12 +57,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from kvkern.checks import check_positive_int
+from kvkern.checks import check_non_negative_int, check_positive_int
 from kvkern.xfer import transport, ucxcompat
+from kvkern.xfer.pauses import Steps, run_blocking
 from kvkern.xfer.transport import ReadsStuck, TransportError
 from kvkern.xfer.tuning import (
     LANE_DRAIN_POLL_S,
     LANE_UCX_CONFIG,
+    LOOP_SPIN_S,
     MAX_CACHED_RKEYS,
     MAX_LANE_PEERS,
     SPLIT_ALIGN,
@@ -70,7 +81,7 @@ __all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
 
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
 Part = tuple[bytes, Sequence[Run]]  # (packed rkey, runs)
-Reader = Callable[[Sequence[Part]], "float | None"]  # what a script reads with
+Reader = Callable[[Sequence[Part]], "Steps[float | None]"]  # what a script reads with
 T = TypeVar("T")
 
 MAX_PEERS = MAX_LANE_PEERS
@@ -200,19 +211,21 @@ class _Peer:
 
 
 class _Lane:
-    """A UCX worker and the one thread that creates, progresses and closes it."""
+    """A UCX worker and the one thread that creates, progresses and closes it: a thread of
+    its own (``thread=True``), or the event loop's (the loop lane: it runs :meth:`reading`
+    through :func:`~kvkern.xfer.pauses.run_on_loop`, one script at a time)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, *, thread: bool = True) -> None:
         self.index = index
-        self.executor = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"kvkern-lane{index}")
+        self.executor = (concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix=f"kvkern-lane{index}") if thread else None)
         self._context: UCXContext | None = None
         self._worker: UCXWorker | None = None
         self._worker_handle = 0
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
         self.stuck_batches: list[ReadBatch] = []  # never freed: UCX may still write their memory
 
-    # ---- on the lane thread only
+    # ---- on the lane's thread only
 
     def _peer(self, address: bytes) -> _Peer:
         peer = self._peers.get(address)
@@ -235,6 +248,9 @@ class _Lane:
         return peer
 
     def _close_peer(self, peer: _Peer, batches: list[ReadBatch]) -> None:
+        run_blocking(self._closing_peer(peer, batches))
+
+    def _closing_peer(self, peer: _Peer, batches: list[ReadBatch]) -> Steps[None]:
         """Close the endpoint (UCX cancels its running reads), drain ``batches``, then
         destroy the keys (libucp 1.21 releases a key through its worker, so after the
         endpoint is fine). Raises _Stuck if reads outlive READ_DRAIN_S."""
@@ -251,12 +267,17 @@ class _Lane:
                 raise _Stuck(f"{sum(b.posted for b in batches)} reads still running after "
                              f"their endpoint was closed (waited {transport.READ_DRAIN_S} s)")
             if not progress(self._worker_handle):
-                time.sleep(LANE_DRAIN_POLL_S)
+                yield LANE_DRAIN_POLL_S
         peer.destroy_keys()
         peer.ep = peer.address = None  # released here, on the lane's thread
 
     def run(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
             timeout: float, stop: threading.Event) -> float | None:
+        """:meth:`reading` on this thread."""
+        return run_blocking(self.reading(address, parts, timeout, stop))
+
+    def reading(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
+                timeout: float, stop: threading.Event) -> Steps[float | None]:
         """Read ``parts`` from the source worker at ``address``; the time the first run
         completed. Raises RmaError (a failed read), TimeoutError (``timeout`` passed or
         ``stop`` set) or _Stuck, having closed the endpoint in each case."""
@@ -275,12 +296,19 @@ class _Lane:
                                           worker_handle=self._worker_handle)
                 batches.append(batch)
                 batch.post(peer.handle)
-            firsts = [b.wait(max(deadline - time.perf_counter(), 0.0), stop) for b in batches]
+            firsts = []
+            for b in batches:
+                firsts.append((yield from b.waiting(max(deadline - time.perf_counter(), 0.0),
+                                                    stop)))
             return min((f for f in firsts if f is not None), default=None)
-        except BaseException:
+        except BaseException as exc:
             if peer is not None:
                 self._peers.pop(address, None)
-                self._close_peer(peer, batches)
+                closing = self._closing_peer(peer, batches)
+                if isinstance(exc, GeneratorExit):  # (the driver stopped: no more pauses)
+                    run_blocking(closing)
+                else:
+                    yield from closing
             raise
 
     def close(self) -> None:
@@ -292,46 +320,66 @@ class _Lane:
             self._worker = self._context = None
 
     @property
+    def opened(self) -> bool:
+        return self._worker is not None
+
+    @property
     def peers(self) -> int:
         return len(self._peers)
 
 
 class ReadLanes:
-    """``n`` read lanes (see the module docstring). :meth:`read` is called on the event
-    loop; :meth:`close` from any thread but the lanes'."""
+    """``n`` read lanes (see the module docstring), and the loop lane for small reads.
+    :meth:`read` and :meth:`run_script` are called on the event loop; :meth:`close` from any
+    thread but the lanes'."""
 
-    def __init__(self, n: int, *, min_bytes: int = 4 << 20) -> None:
+    def __init__(self, n: int, *, min_bytes: int = 4 << 20, loop_bytes: int = 0) -> None:
         check_positive_int("read lanes", n)
+        check_non_negative_int("loop_bytes", loop_bytes)
         self.n = n
         self.min_bytes = min_bytes
+        self.loop_bytes = loop_bytes
         self._lanes = [_Lane(i) for i in range(n)]
+        self._on_loop = _Lane(-1, thread=False)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop lane's thread's
+        self._loop_busy = False
         self._closed = False
+
+    @property
+    def _all(self) -> list[_Lane]:
+        return [*self._lanes, self._on_loop]
 
     @property
     def peers(self) -> int:
         """Open endpoints over all lanes."""
-        return sum(lane.peers for lane in self._lanes)
+        return sum(lane.peers for lane in self._all)
 
     @property
     def stuck_reads(self) -> int:
-        return sum(len(lane.stuck_batches) for lane in self._lanes)
+        return sum(len(lane.stuck_batches) for lane in self._all)
 
     async def read(self, address: bytes, parts: Sequence[Part], *,
                    timeout: float) -> float | None:
         """Read every part's runs from the source worker at ``address``, split over the
-        lanes (shares of at least ``min_bytes``); returns the ``perf_counter`` time the first
-        run was seen complete. Raises :class:`TransportError` (``transfer_failed``,
-        ``transfer_timeout``, ``closed``) or :class:`ReadsStuck`; after a raise no lane
-        writes to any run's local memory, except for ReadsStuck."""
-        return await self.run_script(address, lambda read: read(parts), timeout=timeout)
+        lanes (shares of at least ``min_bytes``; on the loop lane when they are at most
+        ``loop_bytes``); returns the ``perf_counter`` time the first run was seen complete.
+        Raises :class:`TransportError` (``transfer_failed``, ``transfer_timeout``,
+        ``closed``) or :class:`ReadsStuck`; after a raise no lane writes to any run's local
+        memory, except for ReadsStuck."""
+        nbytes = sum(run[2] for _, runs in parts for run in runs)
+        return await self.run_script(address, lambda read: read(parts), timeout=timeout,
+                                     nbytes=nbytes)
 
-    async def run_script(self, address: bytes, script: Callable[[Reader], T], *,
-                         timeout: float) -> T:
-        """Run ``script(read)`` on the first lane's thread, where ``read(parts)`` reads
-        ``parts`` from the source worker at ``address`` split over every lane (as
-        :meth:`read`) and returns when all of them landed: a sequence of dependent reads
-        (look up, read, validate) with no hop through the event loop between them.
-        ``script`` must not block on anything but ``read``. Errors and cancellation as
+    async def run_script(self, address: bytes, script: Callable[[Reader], Steps[T]], *,
+                         timeout: float, nbytes: int | None = None) -> T:
+        """Run ``script(read)``, where ``read(parts)`` reads ``parts`` from the source worker
+        at ``address`` (steps that return when all of them landed, as :meth:`read`): a
+        sequence of dependent reads (look up, read, validate) with no hop through the event
+        loop between them. Where the script reads at most ``loop_bytes`` (``nbytes``, as
+        its caller counts them) and no other script is on the loop lane, it runs on the
+        event loop, its reads on the loop lane's worker (no thread hand-off either way);
+        else on the first lane's thread, each read split over every lane. ``script`` must
+        not block and may only pause through ``read``. Errors and cancellation as
         :meth:`read`."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
@@ -340,28 +388,19 @@ class ReadLanes:
         loop = asyncio.get_running_loop()
         stop = threading.Event()
         deadline = time.perf_counter() + timeout
-
-        def read(parts: Sequence[Part]) -> float | None:  # on the first lane's thread
-            return self._read_all(address, parts, deadline, stop)
-
-        fut = loop.run_in_executor(self._lanes[0].executor, script, read)
-        cancelled = False
-        try:
-            result = await asyncio.shield(fut)
-            error = None
-        except asyncio.CancelledError:
-            cancelled = True
-            # The copies are local and short: let them finish, then stop what is left.
-            with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(fut), transport.READ_CANCEL_GRACE_S)
-            if not fut.done():
-                stop.set()
-                with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(fut), transport.READ_DRAIN_S + 1.0)
-            error = (fut.exception() if fut.done() and not fut.cancelled()
-                     else _Stuck("lanes did not end"))
-        except BaseException as exc:  # noqa: BLE001 (mapped below)
-            error = exc
+        left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
+        if nbytes is not None and nbytes <= self.loop_bytes and not self._loop_busy \
+                and self._loop in (None, loop):
+            self._loop, self._loop_busy = loop, True
+            try:
+                result, error, cancelled = await _drive_here(script(
+                    lambda parts: self._on_loop.reading(address, parts, left(), stop)), stop)
+            finally:
+                self._loop_busy = False
+        else:
+            result, error, cancelled = await self._on_first_lane(
+                loop, lambda: run_blocking(script(
+                    lambda parts: self._reading_all(address, parts, deadline, stop))), stop)
         if isinstance(error, _Stuck):
             raise ReadsStuck(str(error))
         if cancelled:
@@ -378,11 +417,35 @@ class ReadLanes:
         raise TransportError("transfer_failed",
                              f"read lane: {type(error).__name__}: {error}") from error
 
-    def _read_all(self, address: bytes, parts: Sequence[Part], deadline: float,
-                  stop: threading.Event) -> float | None:
+    async def _on_first_lane(self, loop: asyncio.AbstractEventLoop, call: Callable[[], T],
+                             stop: threading.Event) -> tuple[T | None, BaseException | None,
+                                                             bool]:
+        """``call()`` on the first lane's thread: its result, its error, and whether this
+        wait was cancelled (the reads then finish within READ_CANCEL_GRACE_S or are
+        stopped, and the call ends by its own bounds)."""
+        fut = loop.run_in_executor(self._lanes[0].executor, call)
+        try:
+            return await asyncio.shield(fut), None, False
+        except asyncio.CancelledError:
+            # The copies are local and short: let them finish, then stop what is left.
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(fut), transport.READ_CANCEL_GRACE_S)
+            if not fut.done():
+                stop.set()
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(fut), transport.READ_DRAIN_S + 1.0)
+            return None, (fut.exception() if fut.done() and not fut.cancelled()
+                          else _Stuck("lanes did not end")), True
+        except BaseException as exc:  # noqa: BLE001 (mapped by the caller)
+            return None, exc, False
+
+    def _reading_all(self, address: bytes, parts: Sequence[Part], deadline: float,
+                     stop: threading.Event) -> Steps[float | None]:
         """On the first lane's thread: its share here, the others' on their threads (which
         never wait on another lane, so no wait cycle); one failing stops the rest. Raises
-        the first error that is not a timeout caused by the stop (_Stuck first)."""
+        the first error that is not a timeout caused by the stop (_Stuck first). Steps for
+        the script's driver on this thread, which alone runs them (the other lanes'
+        results are waited for by blocking)."""
         shares = split_parts(parts, self.n, min_bytes=self.min_bytes)
         if not shares:
             return None
@@ -395,7 +458,11 @@ class ReadLanes:
         firsts: list[float | None] = []
         errors: list[BaseException] = []
         try:
-            firsts.append(self._lanes[0].run(address, shares[0], left(), stop))
+            firsts.append((yield from self._lanes[0].reading(address, shares[0], left(),
+                                                             stop)))
+        except GeneratorExit:
+            stop.set()
+            raise
         except BaseException as exc:  # noqa: BLE001 (collected, raised below)
             stop.set()
             errors.append(exc)
@@ -412,14 +479,68 @@ class ReadLanes:
         return min((f for f in firsts if f is not None), default=None)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Close every endpoint and worker on its lane's thread; idempotent."""
+        """Close every endpoint and worker on its lane's thread (the loop lane's on the event
+        loop, while it runs); idempotent."""
         if self._closed:
             return
         self._closed = True
         deadline = time.monotonic() + timeout
         futs = [lane.executor.submit(lane.close) for lane in self._lanes]
+        if self._on_loop.opened:
+            futs.append(_on_loop_thread(self._loop, self._on_loop.close))
         for fut in futs:
             with contextlib.suppress(Exception):
                 fut.result(max(0.0, deadline - time.monotonic()))
         for lane in self._lanes:
             lane.executor.shutdown(wait=False)
+
+
+async def _drive_here(steps: Steps[T], stop: threading.Event) -> tuple[
+        T | None, BaseException | None, bool]:
+    """Run the loop lane's ``steps`` in this task, on the event loop: their result, their
+    error, and whether this task was cancelled meanwhile. For the first LOOP_SPIN_S of
+    pauses each one only yields to the loop (other ready work runs, then the next poll: no
+    timer); after that each pause is a timer (the selector sleeps at millisecond granularity),
+    so a slow read never keeps the loop busy. A CMA read lands during its first poll, so a
+    small pull's steps usually run through without pausing at all. A cancellation does not
+    cut the steps short (their reads write into memory the caller is about to reuse): they
+    go on for READ_CANCEL_GRACE_S, then with ``stop`` set, which ends them by their own
+    bounds (a drain of at most READ_DRAIN_S)."""
+    spent, cancelled_at = 0.0, None
+    while True:
+        try:
+            pause = next(steps)
+        except StopIteration as done:
+            return done.value, None, cancelled_at is not None
+        except BaseException as exc:  # noqa: BLE001 (mapped by the caller)
+            return None, exc, cancelled_at is not None
+        if cancelled_at is not None and \
+                time.perf_counter() - cancelled_at >= transport.READ_CANCEL_GRACE_S:
+            stop.set()
+        t = time.perf_counter()
+        try:
+            await asyncio.sleep(0 if spent < LOOP_SPIN_S else pause)
+        except asyncio.CancelledError:
+            cancelled_at = cancelled_at or time.perf_counter()
+        spent += time.perf_counter() - t
+
+
+def _on_loop_thread(loop: asyncio.AbstractEventLoop | None,
+                    call: Callable[[], None]) -> concurrent.futures.Future:
+    """``call()`` on ``loop``'s thread while that loop runs (from another thread), else here
+    (on that thread, or once nothing runs on the loop any more)."""
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if loop is not None and loop.is_running() and not loop.is_closed() and not here:
+        async def run() -> None:
+            call()
+        return asyncio.run_coroutine_threadsafe(run(), loop)
+    fut: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        call()
+        fut.set_result(None)
+    except Exception as exc:  # noqa: BLE001 (reported through the future)
+        fut.set_exception(exc)
+    return fut

@@ -269,8 +269,10 @@ class ReadReceiver:
         self._closed = closed
         self._spawn = spawn
         self.lanes: ReadLanes | None = None  # made by the first lane read
-        # whole read directories by source (kvkern.xfer.direct; first lane's thread only)
+        # directory buffers of direct reads (kvkern.xfer.direct) kept for the next one: the
+        # first read lane's thread's, and the event loop's (the loop lane)
         self.direct_scratch: dict[tuple, np.ndarray] = {}
+        self.loop_scratch: dict[tuple, np.ndarray] = {}
         self.stuck_buffers: list[np.ndarray] = []  # written by reads that outlived their abort
         self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
 
@@ -483,7 +485,8 @@ class ReadReceiver:
             del self._lanes_down[worker]
         if self.lanes is None:  # (lanes beyond this process's CPUs could not copy at once)
             self.lanes = ReadLanes(min(self.config.read_lanes, _usable_cpus()),
-                                   min_bytes=self.config.read_lane_min_bytes)
+                                   min_bytes=self.config.read_lane_min_bytes,
+                                   loop_bytes=self.config.loop_read_bytes)
         return self.lanes
 
     def lanes_failed(self, worker: bytes, exc: Exception) -> None:

@@ -73,6 +73,11 @@ LANE_DRAIN_POLL_S = 0.001
 # pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND
 # pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (kvkern bench xfer --pull-layout vllm_hnd).
 LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
+# A read on the loop lane (the event loop's own UCX worker) polls its worker and yields to the
+# loop between polls for this long, then polls on a timer: one-sided reads of a pull small
+# enough for that lane land within microseconds (CMA copies them during the first poll), and
+# a slow one never keeps the loop busy.
+LOOP_SPIN_S = 200e-6
 # A direct read looks its hashes up by reading their directory buckets, or the whole
 # directory when that is at most this many bytes per hash; buckets (and slots) at most this
 # many bytes apart share one read: a small one-sided read costs about as long as moving this

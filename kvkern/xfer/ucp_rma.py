@@ -53,6 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvkern.xfer import ucxcompat
+from kvkern.xfer.pauses import Steps, run_blocking
 
 if TYPE_CHECKING:
     import numpy as np
@@ -229,9 +230,11 @@ class ReadBatch:
     stops the posting and is reported by :meth:`wait`.
     :meth:`wait` blocks (call both off the event loop: a post can wait for the worker lock
     while the progress thread copies) until every posted read has completed, polling with a
-    short sleep; it returns the time the first run completed and raises :class:`RmaError`
-    for the first failed read. Requests are freed only once complete; :attr:`stuck` says
-    some were still running when ``wait`` gave up."""
+    short sleep (:meth:`waiting` is the same wait for a driver that passes the pauses
+    itself: a worker owned by the event loop's thread); it returns the time the first run
+    completed and raises :class:`RmaError` for the first failed read. Requests are freed
+    only once complete; :attr:`stuck` says some were still running when ``wait`` gave
+    up."""
 
     _POLL_MIN_S = 10e-6
     _POLL_MAX_S = 200e-6
@@ -338,6 +341,12 @@ class ReadBatch:
         """Block until every posted read completed; raise RmaError for a failed one,
         TimeoutError when ``timeout`` passes first (or ``cancelled`` is set). Returns the
         ``perf_counter`` time the first run was seen complete (None for no runs)."""
+        return run_blocking(self.waiting(timeout, cancelled))
+
+    def waiting(self, timeout: float,
+                cancelled: threading.Event | None = None) -> Steps[float | None]:
+        """:meth:`wait` as steps (:mod:`kvkern.xfer.pauses`): yields the pause before each
+        next poll instead of sleeping it, for a thread or an event loop to drive."""
         deadline = time.perf_counter() + timeout
         first = None
         delay = self._POLL_MIN_S
@@ -362,16 +371,17 @@ class ReadBatch:
                 continue
             delay = self._POLL_MIN_S if self._next > progressed else min(
                 delay * 2, self._POLL_MAX_S)
-            time.sleep(delay)
+            yield delay
         if self._failed is not None:
             i, status = self._failed
             raise RmaError(f"read {i} of {len(self._reqs)}", status)
         if self._unverified is not None:
-            self._verify(self._unverified, max(deadline - time.perf_counter(), 0.0), cancelled)
+            yield from self._verify(self._unverified, max(deadline - time.perf_counter(), 0.0),
+                                    cancelled)
         return first
 
     def _verify(self, run: Scatter, timeout: float,
-                cancelled: threading.Event | None) -> None:
+                cancelled: threading.Event | None) -> Steps[None]:
         """Read ``run``'s remote bytes again whole and compare them with what its iov read
         left in the pieces: equal, the endpoint's iov reads are trusted from now on; else
         this batch fails (RmaError), so what it read is not used, the endpoint's next
@@ -387,7 +397,7 @@ class ReadBatch:
         # short (a timeout, another lane's failure) leaves the read to the caller's drain
         self._check_batch, self._check_buffer = check, whole
         check.post(self._ep)
-        check.wait(timeout, cancelled)
+        yield from check.waiting(timeout, cancelled)
         pos = 0
         for address, n in run.local.tolist():
             got = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(address))
