@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -23,6 +23,7 @@ from kvkern.cache.directory import (
     BUCKET_SLOTS,
     SLOT_BYTES,
     SLOT_WORDS,
+    SMALL,
     TAG_CACHED,
     TAG_CHANGING,
     ReadDirectory,
@@ -258,6 +259,32 @@ def test_reader_refuses_bad_shapes():
         entries(rows, np.array([0, BUCKET_SLOTS]))
     with pytest.raises(ValueError, match="slots"):
         slot_offsets(np.array([1, 2]), np.array([0, -1]))
+    big = np.zeros(SMALL + 1, np.int64)
+    for slots in (np.array([0, -1]), np.array([0, BUCKET_SLOTS])):
+        with pytest.raises(ValueError, match="slots"):
+            slot_offsets(np.resize(big, len(slots)) + 1, slots)
+    with pytest.raises(ValueError, match="slots"):
+        slot_offsets(big - 1, big)  # a negative bucket, the vectorized path
+    with pytest.raises(ValueError, match="slots"):
+        slot_offsets(np.array([1]), np.array([0, 1]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 2 * SMALL), seed=st.integers(0, 2**32 - 1),
+       log_buckets=st.integers(0, 20))
+def test_reader_helpers_loop_and_vectorized_agree(n, seed, log_buckets):
+    """bucket_of and slot_offsets loop in Python up to SMALL entries: the same values,
+    dtype and shape as the vectorized formulas."""
+    rng = np.random.default_rng(seed)
+    hashes = rng.integers(0, 2**64, n, dtype=np.uint64)
+    buckets = 1 << log_buckets
+    got = bucket_of(hashes, buckets)
+    want = (hashes & np.uint64(buckets - 1)).astype(np.int64)
+    assert got.dtype == np.int64 and got.shape == (n,) and np.array_equal(got, want)
+    slots = rng.integers(0, BUCKET_SLOTS, n)
+    got = slot_offsets(want, slots)
+    assert got.dtype == np.int64 and got.shape == (n,)
+    assert np.array_equal(got, (want * BUCKET_SLOTS + slots) * SLOT_BYTES)
 
 
 # ------------------------------------------------------------------------------ the pool

@@ -254,6 +254,8 @@ def bucket_of(hashes: np.ndarray, buckets: int) -> np.ndarray:
     if buckets & (buckets - 1):
         raise ValueError(f"buckets must be a power of two, got {buckets}")
     hs = np.asarray(hashes, dtype=np.uint64)
+    if hs.ndim == 1 and len(hs) <= SMALL:  # (below numpy's fixed cost per call)
+        return np.array([h & (buckets - 1) for h in hs.tolist()], np.int64)
     return (hs & np.uint64(buckets - 1)).astype(np.int64)
 
 
@@ -263,6 +265,14 @@ def slot_offsets(buckets: np.ndarray, slots: np.ndarray) -> np.ndarray:
     bucket."""
     b = np.asarray(buckets, dtype=np.int64)
     s = np.asarray(slots, dtype=np.int64)
+    if b.shape != s.shape:
+        raise ValueError(f"{b.shape} buckets but {s.shape} slots")
+    if b.ndim == 1 and len(b) <= SMALL:  # (below numpy's fixed cost per call)
+        bl, sl = b.tolist(), s.tolist()
+        if not all(0 <= x < BUCKET_SLOTS for x in sl) or not all(x >= 0 for x in bl):
+            raise ValueError(f"slots must be in [0, {BUCKET_SLOTS}) and buckets >= 0")
+        return np.array([(x * BUCKET_SLOTS + y) * SLOT_BYTES
+                         for x, y in zip(bl, sl, strict=True)], np.int64)
     if np.any((s < 0) | (s >= BUCKET_SLOTS)) or np.any(b < 0):
         raise ValueError(f"slots must be in [0, {BUCKET_SLOTS}) and buckets >= 0")
     return (b * BUCKET_SLOTS + s) * SLOT_BYTES

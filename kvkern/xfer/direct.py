@@ -106,19 +106,22 @@ def read_spans(offsets: np.ndarray, item: int, gap: int) -> tuple[np.ndarray, li
     reads as ``(position, remote offset, nbytes)`` in that order (``position``: the read's
     byte offset in the concatenation)."""
     offs = np.asarray(offsets, dtype=np.int64)
-    if offs.ndim != 1 or (offs % item).any() or (len(offs) and offs.min() < 0):
-        raise ValueError(f"offsets must be non-negative multiples of {item}")
-    if len(offs) <= SMALL:
+    if offs.ndim == 1 and len(offs) <= SMALL:
+        listed = offs.tolist()
+        if any(o % item or o < 0 for o in listed):
+            raise ValueError(f"offsets must be non-negative multiples of {item}")
         reads: list[list[int]] = []
         at: dict[int, int] = {}
-        for off in sorted(set(offs.tolist())):
+        for off in sorted(set(listed)):
             if reads and off - (reads[-1][1] + reads[-1][2]) <= gap:
                 reads[-1][2] = off + item - reads[-1][1]
             else:
                 reads.append([reads[-1][0] + reads[-1][2] if reads else 0, off, item])
             at[off] = (reads[-1][0] + off - reads[-1][1]) // item
-        return (np.array([at[o] for o in offs.tolist()], np.int64),
+        return (np.array([at[o] for o in listed], np.int64),
                 [(p, o, n) for p, o, n in reads])
+    if offs.ndim != 1 or (offs % item).any() or (len(offs) and offs.min() < 0):
+        raise ValueError(f"offsets must be non-negative multiples of {item}")
     if not len(offs):
         return np.empty(0, np.int64), []
     u, inv = np.unique(offs, return_inverse=True)

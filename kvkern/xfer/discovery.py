@@ -57,6 +57,10 @@ class SourceDiscovery:
         self._state_fetches: dict[tuple, asyncio.Future] = {}
         # allowed endpoints, with the time of the verdict
         self._verdicts: dict[tuple, tuple[ResolvedEndpoint, float]] = {}
+        # UCX addresses of source ranks the allowlist allowed: (host, port) as a state names
+        # it -> (address, port) as checked (the allowlist is fixed for the config's life;
+        # refusals are not kept)
+        self._ucx_allowed: dict[tuple[str, int], tuple[str, int]] = {}
 
     def allowlist(self) -> Allowlist:
         from kvkern.xfer.endpoint import Allowlist  # noqa: PLC0415
@@ -190,25 +194,32 @@ class SourceDiscovery:
     def rank_addresses(self, state: SourceState, src_dp: int,
                        src_ranks: list[int]) -> dict[int, tuple[str, int]]:
         """The allowlist-checked UCX address of each of ``src_ranks``; else Fallback."""
-        from kvkern.xfer.endpoint import normalize_host  # noqa: PLC0415
-
         addrs: dict[int, tuple[str, int]] = {}
         for rank in src_ranks:
             addr = state.ranks.get((src_dp, rank))
             if addr is None:
                 raise Fallback(Reason.METADATA_INVALID, f"source state has no UCX address "
                                f"for DP {src_dp} rank {rank}")
-            try:
-                ip = normalize_host(addr[0])
-            except Exception as exc:  # noqa: BLE001 (endpoint's refusal type is private)
-                raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX host {addr[0]!r}: "
-                               f"{exc}") from None
-            if isinstance(ip, str):
-                raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX host {addr[0]!r} of rank "
-                               f"{rank} is a name, not an address")
-            why, what = self.allowlist().check(ip, None, addr[1])
-            if why != "allowed":
-                raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX address of source rank "
-                               f"{rank}: {why}: {what}")
-            addrs[rank] = (str(ip), addr[1])
+            allowed = self._ucx_allowed.get(addr)
+            if allowed is None:
+                allowed = self._check_ucx_address(addr, rank)
+                bounded_put(self._ucx_allowed, addr, allowed)
+            addrs[rank] = allowed
         return addrs
+
+    def _check_ucx_address(self, addr: tuple[str, int], rank: int) -> tuple[str, int]:
+        from kvkern.xfer.endpoint import normalize_host  # noqa: PLC0415
+
+        try:
+            ip = normalize_host(addr[0])
+        except Exception as exc:  # noqa: BLE001 (endpoint's refusal type is private)
+            raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX host {addr[0]!r}: "
+                           f"{exc}") from None
+        if isinstance(ip, str):
+            raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX host {addr[0]!r} of rank "
+                           f"{rank} is a name, not an address")
+        why, what = self.allowlist().check(ip, None, addr[1])
+        if why != "allowed":
+            raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"UCX address of source rank "
+                           f"{rank}: {why}: {what}")
+        return str(ip), addr[1]
