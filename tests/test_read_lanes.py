@@ -89,6 +89,51 @@ def test_split_examples():
         split_parts([], 0)
 
 
+# ------------------------------------------------------------- the loop lane's driver
+
+
+def test_steps_run_blocking_sleeps_each_pause():
+    from kvkern.xfer.pauses import run_blocking  # noqa: PLC0415
+
+    def steps():
+        total = 0.0
+        for pause in (0.001, 0.002):
+            yield pause
+            total += pause
+        return total
+
+    t0 = time.perf_counter()
+    assert run_blocking(steps()) == pytest.approx(0.003)
+    assert time.perf_counter() - t0 >= 0.003
+
+
+@aio
+async def test_loop_driver_spins_then_sleeps_and_outlives_a_cancel(monkeypatch):
+    """The loop lane's driver: pauses within LOOP_SPIN_S only yield to the loop, later ones
+    sleep; a cancellation lets the steps run on through READ_CANCEL_GRACE_S, then sets
+    ``stop``, and the steps' own end is reported with the cancellation."""
+    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.02)
+    stop = threading.Event()
+    pauses = []
+
+    def steps():
+        while not stop.is_set():
+            t = time.perf_counter()
+            yield 0.005
+            pauses.append(time.perf_counter() - t)
+        raise TimeoutError("stopped")
+
+    task = asyncio.ensure_future(read_lanes._drive_here(steps(), stop))
+    await asyncio.sleep(0.05)
+    assert not task.done() and not stop.is_set()
+    assert pauses[0] < 0.004 and max(pauses) >= 0.004  # spun first, then slept
+    t_cancel = time.perf_counter()
+    task.cancel()
+    value, error, cancelled = await task  # (the cancellation is reported, not raised)
+    assert value is None and isinstance(error, TimeoutError) and cancelled
+    assert stop.is_set() and time.perf_counter() - t_cancel >= 0.02
+
+
 # ------------------------------------------------------------------- loopback fixtures
 
 
@@ -286,6 +331,27 @@ async def test_the_loop_lane_closes_on_its_loop_from_another_thread(source, lane
     with pytest.raises(TransportError) as info:
         await rl.read(address, [(region.rkey, [])], timeout=1)
     assert info.value.reason == "closed"
+
+
+@aio
+async def test_a_close_while_the_loop_lane_reads_waits_for_its_script(source, lanes,
+                                                                    monkeypatch):
+    """close() while a read on the loop lane is between its polls: the read finishes on its
+    open endpoint (every byte lands), then the lane closes; nothing is left open."""
+    src, region, address = source
+    made = []
+    monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
+    rl = lanes(1, loop_bytes=1 << 20)
+    dst = poisoned(2 * 64 * 4096)
+    runs, want = shuffled_blocks(src, region, dst, 64, 4096, seed=5)
+    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=10))
+    await asyncio.sleep(0.002)
+    assert not task.done() and len(made) == 1 and rl.peers == 1
+    await asyncio.to_thread(rl.close, 5.0)
+    assert rl.peers == 1 and not task.done()  # the script's endpoint is still open
+    made[0].hold = False
+    await task
+    assert torch.equal(dst, want) and rl.peers == 0 and rl.stuck_reads == 0
 
 
 @aio

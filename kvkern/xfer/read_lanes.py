@@ -397,6 +397,8 @@ class ReadLanes:
                     lambda parts: self._on_loop.reading(address, parts, left(), stop)), stop)
             finally:
                 self._loop_busy = False
+                if self._closed:  # closed meanwhile: the close left the lane to this script
+                    self._on_loop.close()
         else:
             result, error, cancelled = await self._on_first_lane(
                 loop, lambda: run_blocking(script(
@@ -487,12 +489,19 @@ class ReadLanes:
         deadline = time.monotonic() + timeout
         futs = [lane.executor.submit(lane.close) for lane in self._lanes]
         if self._on_loop.opened:
-            futs.append(_on_loop_thread(self._loop, self._on_loop.close))
+            futs.append(_on_loop_thread(self._loop, self._close_loop_lane))
         for fut in futs:
             with contextlib.suppress(Exception):
                 fut.result(max(0.0, deadline - time.monotonic()))
         for lane in self._lanes:
             lane.executor.shutdown(wait=False)
+
+    def _close_loop_lane(self) -> None:
+        """On the loop's thread: close the loop lane now, or, while a script runs on it
+        (paused between its polls), when that script ends (as a lane's thread closes its
+        lane after the script it is running)."""
+        if not self._loop_busy:
+            self._on_loop.close()
 
 
 async def _drive_here(steps: Steps[T], stop: threading.Event) -> tuple[
