@@ -24,8 +24,8 @@ a read is one-sided, and its UCX worker answers the endpoints' wire-up on its ow
 thread.
 
 A lane's thread costs a pull two thread hand-offs (onto the first lane and back to the
-event loop: 0.2-0.4 ms of a 1-block pull on a 2-vCPU VM, ``one_block_phases_ms`` of
-``kvkern bench xfer``), as much as the copy of a small pull. So a pull of at most
+event loop: 0.2-0.5 ms of a 1-block pull in ``kvkern bench xfer``'s ``one_block_phases_ms``),
+more than the copy of a small pull. So a pull of at most
 ``loop_bytes`` runs on the **loop lane** instead: a worker of its own made, progressed and
 closed on the event loop's thread, whose script (:meth:`ReadLanes.run_script`) yields to the
 loop between polls (:mod:`kvkern.xfer.pauses`), one script at a time (a second small pull
@@ -212,8 +212,8 @@ class _Peer:
 
 class _Lane:
     """A UCX worker and the one thread that creates, progresses and closes it: a thread of
-    its own (``thread=True``), or the event loop's (the loop lane: it runs :meth:`reading`
-    through :func:`~kvkern.xfer.pauses.run_on_loop`, one script at a time)."""
+    its own (``thread=True``), or the event loop's (the loop lane: :meth:`ReadLanes.run_script`
+    drives its :meth:`reading` in the pulling task, one script at a time)."""
 
     def __init__(self, index: int, *, thread: bool = True) -> None:
         self.index = index
