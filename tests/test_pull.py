@@ -1047,7 +1047,7 @@ LANES = {"connection": dict(read_lanes=0), "loop-lane": {},
 @pytest.mark.parametrize("lanes", sorted(LANES))
 def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller, lanes):
     """Read on the control connection's worker, on the loop lane (the default for a pull of
-    at most 1 MiB), on one read lane (the default below 8 MiB) and split over two
+    at most 4 MiB), on one read lane (the default below 8 MiB) and split over two
     (kvkern.xfer.read_lanes)."""
     n = 12
     tokens = fresh_tokens(n * BS)
