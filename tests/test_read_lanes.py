@@ -126,7 +126,7 @@ async def test_loop_driver_spins_then_sleeps_and_outlives_a_cancel(monkeypatch):
     task = asyncio.ensure_future(read_lanes._drive_here(steps(), stop))
     await asyncio.sleep(0.05)
     assert not task.done() and not stop.is_set()
-    assert pauses[0] < 0.004 and max(pauses) >= 0.004  # spun first, then slept
+    assert min(pauses) < 0.004 and max(pauses) >= 0.0045  # spun first, then slept
     t_cancel = time.perf_counter()
     task.cancel()
     value, error, cancelled = await task  # (the cancellation is reported, not raised)
