@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvkern.cache.directory import MAX_GROUP
 from kvkern.cache.hashing import local_block_hashes
 from kvkern.xfer import direct
 from kvkern.xfer.outcome import Reason
@@ -62,6 +63,32 @@ def test_direct_read_sends_no_message(src, make_puller, n_blocks, lookup):
     src.wait_no_pins()
 
 
+@pytest.mark.parametrize("local", [0, 14], ids=["whole-prefix", "local-head"])
+def test_blocks_placed_by_chain_and_by_hash_are_both_read_directly(src, make_puller, lookup,
+                                                                    local):
+    """The source placed a prompt's first 18 blocks with their chain (two directory groups)
+    and the last 4 by hash alone (committed under a parent it did not hold): the look-up
+    finds the first at home and the rest in their plain buckets, with no message; with a
+    ``local`` head the pull's hashes start inside the first group."""
+    tokens = fresh_tokens(22 * BS)
+    src.commit(tokens[:18 * BS])
+    hashes = src.commit(tokens, placement="hash")
+    group = make_group()
+    mgr = group.manager
+    if local:
+        ids = mgr.allocate(local)
+        mgr.commit(ids, hashes[:local])
+        mgr.release(ids)
+    p = make_puller(group, direct_reads=True)
+    sent = stats(src)
+    o = pull(p, f"placed-{local}", tokens, hint_for(src, tokens))
+    assert o.used and o.blocks_transferred == 22 - local and o.messages == 0, o
+    assert served_kinds(src, sent) == {k: 0 for k in sent}
+    claim_check_release(p, group, src, f"placed-{local}", hashes[local:])
+    assert_clean(group)
+    src.wait_no_pins()
+
+
 def test_a_hash_missing_from_the_directory_asks_for_a_grant(src, make_puller):
     tokens = fresh_tokens(8 * BS)
     hashes = src.commit(tokens)
@@ -91,14 +118,14 @@ def test_blocks_changed_during_the_read_are_never_used(src, make_puller, monkeyp
     calls = []
     slots = direct.DirectRead._slots
 
-    def change_then_confirm(self, read, slot):
+    def change_then_confirm(self, read, slot, where):
         if not calls:  # the first direct read only (the granted one follows)
             calls.append(1)
             src.evict(hashes)
             src.commit(fresh_tokens(40 * BS))  # takes the freed blocks: new bytes in them
             if recommit:
                 assert src.commit(tokens) == hashes
-        return slots(self, read, slot)
+        return slots(self, read, slot, where)
 
     monkeypatch.setattr(direct.DirectRead, "_slots", change_then_confirm)
     p = make_puller(group, direct_reads=True)
@@ -131,8 +158,8 @@ def test_reads_that_outlive_their_abort_keep_every_buffer_they_target(src, make_
     slots = direct.DirectRead._slots
     stuck = []
 
-    def stuck_after_confirming(self, read, slot):
-        out = yield from slots(self, read, slot)
+    def stuck_after_confirming(self, read, slot, where):
+        out = yield from slots(self, read, slot, where)
         if not stuck:
             stuck.append([*self.buffers, *self.scratch.values()])
             raise ReadsStuck("reads still running after their endpoint was closed")
@@ -160,7 +187,11 @@ def test_read_index_is_advisory_and_bounded():
     index = parse_read_index(good)
     assert index is not None and index.keys == (bytes.fromhex("ab" * 8),)
     assert index.dir_buckets == 128 and index.blocks == 256
+    assert index.dir_group == 0  # (a source that places every hash in its plain bucket)
+    assert parse_read_index({**good, "dir_group": 16}).dir_group == 16
     bad = [None, [], {**good, "keys": []}, {**good, "keys": ["zz"]},
+           {**good, "dir_group": MAX_GROUP + 1}, {**good, "dir_group": True},
+           {**good, "dir_group": -1}, {**good, "dir_group": "16"},
            {**good, "bases": [1, 2]}, {**good, "stride": 0}, {**good, "segment_bytes": 8192},
            {**good, "blocks": 0}, {**good, "dir_buckets": 100}, {**good, "dir_buckets": True},
            {**good, "bases": [(1 << 64) - 4096]}, {**good, "dir_base": (1 << 64) - 1},

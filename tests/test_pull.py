@@ -103,8 +103,9 @@ class Source:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return json.loads(resp.read())
 
-    def commit(self, tokens: list[int]) -> list[int]:
-        return self.http("POST", "/test/commit", {"tokens": tokens})["hashes"]
+    def commit(self, tokens: list[int], placement: str = "chain") -> list[int]:
+        return self.http("POST", "/test/commit", {"tokens": tokens,
+                                                  "placement": placement})["hashes"]
 
     def evict(self, hashes: list[int]) -> dict:
         return self.http("POST", "/test/evict", {"hashes": hashes})

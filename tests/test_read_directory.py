@@ -21,6 +21,8 @@ from kvkern.cache import BlockPool, directory
 from kvkern.cache.directory import (
     BUCKET_BYTES,
     BUCKET_SLOTS,
+    DIRECTORY_GROUP,
+    MAX_GROUP,
     SLOT_BYTES,
     SLOT_WORDS,
     SMALL,
@@ -30,6 +32,7 @@ from kvkern.cache.directory import (
     bucket_of,
     entries,
     find,
+    home_buckets,
     slot_offsets,
     stable,
 )
@@ -38,24 +41,30 @@ from tests.test_cache_pool import cached_blocks
 U64 = 2**64 - 1
 
 
-def read(d: ReadDirectory, hashes) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """What a remote reader does: copy the buckets of ``hashes`` and find them there.
-    Returns (want, slot, block, the matched slots' words)."""
+def read(d: ReadDirectory, hashes, homes=None) -> tuple[np.ndarray, ...]:
+    """What a remote reader does: copy the home buckets of ``hashes`` (``homes``; default
+    their plain buckets) and find them there, then the plain buckets of those not found.
+    Returns (want, slot, block, the matched slots' words, the bucket of each)."""
     want = np.asarray(hashes, dtype=np.uint64)
-    rows = d.table[bucket_of(want, d.buckets)].copy()
-    slot, block, tag = find(rows, want)
-    pre = entries(rows, slot)
+    plain = bucket_of(want, d.buckets)
+    where = plain.copy() if homes is None else np.asarray(homes, np.int64).copy()
+    slot, block, tag = find(d.table[where].copy(), want)
+    miss = block < 0
+    where[miss] = plain[miss]
+    slot2, block2, tag2 = find(d.table[where[miss]].copy(), want[miss])
+    slot[miss], block[miss], tag[miss] = slot2, block2, tag2
+    pre = entries(d.table[where].copy(), slot)
     assert np.array_equal(pre[:, 2], tag)
-    return want, slot, block, pre
+    return want, slot, block, pre, where
 
 
-def reread(d: ReadDirectory, want: np.ndarray, slot: np.ndarray) -> np.ndarray:
+def reread(d: ReadDirectory, where: np.ndarray, slot: np.ndarray) -> np.ndarray:
     """The same slots read again (zeros where nothing was found)."""
-    return entries(d.table[bucket_of(want, d.buckets)].copy(), slot)
+    return entries(d.table[where].copy(), slot)
 
 
-def findable(d: ReadDirectory, hashes) -> dict[int, int]:
-    want, _, block, _ = read(d, list(hashes))
+def findable(d: ReadDirectory, hashes, homes=None) -> dict[int, int]:
+    want, _, block, _, _ = read(d, list(hashes), homes)
     return {int(h): int(b) for h, b in zip(want, block, strict=True) if b >= 0}
 
 
@@ -98,8 +107,8 @@ def test_publish_find_withdraw():
     flat = d.slot_of(4)
     assert flat >= 0 and d.table.reshape(-1, SLOT_WORDS)[flat, 0] == 5
     assert d.slot_address(flat) == d.address + flat * SLOT_BYTES
-    want, slot, _, _ = read(d, [5])
-    assert slot_offsets(bucket_of(want, d.buckets), slot)[0] == flat * SLOT_BYTES
+    _, slot, _, _, where = read(d, [5])
+    assert slot_offsets(where, slot)[0] == flat * SLOT_BYTES
     d.check({h: i + 3 for i, h in enumerate(hs)})
 
     d.withdraw(4)
@@ -301,10 +310,13 @@ def test_pool_directory_created_once_with_what_is_cached():
     pool = BlockPool(16, block_size=4)
     ids = cache(pool, [4, 8, 13])
     d = pool.read_directory()
-    assert pool.read_directory() is d and d.num_blocks == 16
-    assert findable(d, [4, 8, 13, 99]) == dict(zip([4, 8, 13], ids, strict=True))
+    assert pool.read_directory() is d and d.num_blocks == 16 and d.group == DIRECTORY_GROUP
+    homes = home_buckets([4, 8, 13, 99], 0, 4, d.buckets, d.group)
+    assert homes.tolist() == [4, 5, 6, 7]  # one chain: consecutive buckets
+    assert findable(d, [4, 8, 13, 99], homes) == dict(zip([4, 8, 13], ids, strict=True))
+    assert findable(d, [8, 13]) == {}  # not in their plain buckets
     pool.evict([8])
-    assert findable(d, [4, 8, 13]) == {4: ids[0], 13: ids[2]}
+    assert findable(d, [4, 8, 13], homes[:3]) == {4: ids[0], 13: ids[2]}
     pool.check_invariants()
     d.table.reshape(-1)[d.slot_of(ids[0]) * SLOT_WORDS] = 5  # corrupt the hash word
     with pytest.raises(AssertionError):
@@ -340,11 +352,15 @@ class DirectoryMachine(RuleBasedStateMachine):
     privates = Bundle("privates")
     pins = Bundle("pins")
 
-    @initialize(num_blocks=st.integers(8, 16), attach_now=st.booleans())
-    def setup(self, num_blocks, attach_now):
-        self.pool = BlockPool(num_blocks, block_size=4)
+    @initialize(num_blocks=st.integers(8, 16), attach_now=st.booleans(),
+                group=st.sampled_from([1, 2, 3, DIRECTORY_GROUP]))
+    def setup(self, num_blocks, attach_now, group):
+        self.pool = BlockPool(num_blocks, block_size=4, directory_group=group)
+        self.group = group
         self.d: ReadDirectory | None = None
         self.model: dict[int, int] = {}
+        self.where: dict[int, int] = {}  # the bucket the model's hashes sit in
+        self.chain: dict[int, tuple[int, int]] = {}  # (position, anchor) of indexed hashes
         self.unpublished = 0
         self.index = self._index()
         if attach_now:
@@ -353,20 +369,42 @@ class DirectoryMachine(RuleBasedStateMachine):
     def _index(self) -> dict[int, int]:
         return cached_blocks(self.pool, UNIVERSE)
 
-    def _sync(self, published_order: list[int] = ()) -> None:
+    def _home(self, h: int) -> int:
+        mask = self.pool.num_blocks - 1 if self.d is None else self.d.buckets - 1
+        c = self.chain.get(h)
+        return h & mask if c is None else (c[1] + c[0] % self.group) & mask
+
+    def _records(self, hashes: list[int], parent: int | None) -> list:
+        """The chain records of a commit, computed apart from the pool's."""
+        rec = (-1, 0) if parent is None else self.chain.get(parent)
+        out = []
+        for h in hashes:
+            if rec is not None:
+                rec = (rec[0] + 1, h if (rec[0] + 1) % self.group == 0 else rec[1])
+            out.append(rec)
+        return out
+
+    def _sync(self, published_order: list[int] = (), records: list = ()) -> None:
         """Fold one call's index change into the model (a call only publishes or only
         withdraws)."""
         new = self._index()
+        for h in list(self.chain):
+            if new.get(h) != self.index.get(h):
+                del self.chain[h]
+        added = [h for h in published_order if h in new and h not in self.index]
+        assert set(added) == set(new) - set(self.index)
+        for h, rec in zip(published_order, records, strict=False):
+            if h in added and rec is not None:
+                self.chain[h] = rec
         if self.d is not None:
             for h in list(self.model):
                 if new.get(h) != self.model[h]:
-                    del self.model[h]
-            added = [h for h in published_order if h in new and h not in self.index]
-            assert set(added) == set(new) - set(self.index)
+                    del self.model[h], self.where[h]
             for h in added:
-                bucket = h & (self.d.buckets - 1)
-                if sum(1 for g in self.model if g & (self.d.buckets - 1) == bucket) < BUCKET_SLOTS:
-                    self.model[h] = new[h]
+                for bucket in (self._home(h), h & (self.d.buckets - 1)):
+                    if sum(1 for g in self.where.values() if g == bucket) < BUCKET_SLOTS:
+                        self.model[h], self.where[h] = new[h], bucket
+                        break
                 else:
                     self.unpublished += 1
         self.index = new
@@ -380,13 +418,15 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.d = d
         assert d.unpublished + d.published == len(self.index)
         self.model = in_table(d)
+        self.where = {h: d.slot_of(b) // BUCKET_SLOTS for h, b in self.model.items()}
         self.unpublished = d.unpublished
-        for h, b in self.index.items():  # an indexed hash left out had a full bucket
+        for h, b in self.index.items():  # an indexed hash left out had both buckets full
             if h not in self.model:
-                bucket = h & (d.buckets - 1)
-                assert sum(1 for g in self.model if g & (d.buckets - 1) == bucket) == BUCKET_SLOTS
+                for bucket in (self._home(h), h & (d.buckets - 1)):
+                    assert sum(1 for g in self.where.values() if g == bucket) == BUCKET_SLOTS
             else:
                 assert self.model[h] == b
+                assert self.where[h] in (self._home(h), h & (d.buckets - 1))
 
     @rule(target=requests, n=st.integers(1, 4))
     def allocate(self, n):
@@ -394,27 +434,37 @@ class DirectoryMachine(RuleBasedStateMachine):
         self._sync()
         return ids or []
 
-    @rule(req=requests, doc=st.integers(0, 2), start=st.integers(0, 5))
-    def commit(self, req, doc, start):
+    @staticmethod
+    def _parent(doc: int, start: int, told: bool) -> int | None:
+        """The parent a commit of ``DOCS[doc][start:]`` names: the right one, or (not
+        ``told``) None, as a caller that does not know it would."""
+        return DOCS[doc][start - 1] if told and start else None
+
+    @rule(req=requests, doc=st.integers(0, 2), start=st.integers(0, 5), told=st.booleans())
+    def commit(self, req, doc, start, told):
         hashes = DOCS[doc][start:start + len(req)]
         if not req or len(hashes) < len(req):
             return
+        parent = self._parent(doc, start, told)
+        records = self._records(hashes, parent)
         try:
-            self.pool.commit(req, hashes)
+            self.pool.commit(req, hashes, parent=parent)
         except ValueError:  # released already, or committed under other hashes
             return
-        self._sync(hashes)
+        self._sync(hashes, records)
 
-    @rule(doc=st.integers(0, 2), start=st.integers(0, 5))
-    def cache_doc(self, doc, start):
+    @rule(doc=st.integers(0, 2), start=st.integers(0, 5), told=st.booleans())
+    def cache_doc(self, doc, start, told):
         """A request computes the rest of a document, commits it and finishes."""
         hashes = DOCS[doc][start:]
         ids = self.pool.allocate(len(hashes))
         self._sync()
         if ids is None:
             return
-        self.pool.commit(ids, hashes)
-        self._sync(hashes)
+        parent = self._parent(doc, start, told)
+        records = self._records(hashes, parent)
+        self.pool.commit(ids, hashes, parent=parent)
+        self._sync(hashes, records)
         self.pool.release(ids)
         self._sync()
 
@@ -438,13 +488,16 @@ class DirectoryMachine(RuleBasedStateMachine):
         return ids or []
 
     @rule(ids=consumes(privates), doc=st.integers(0, 2), start=st.integers(0, 5),
-          leased=st.booleans())
-    def commit_private(self, ids, doc, start, leased):
+          leased=st.booleans(), told=st.booleans())
+    def commit_private(self, ids, doc, start, leased, told):
         hashes = DOCS[doc][start:start + len(ids)]
         if not ids or len(hashes) < len(ids):
             return
-        lease = self.pool.commit_private(ids, hashes, lease_s=60.0 if leased else None)
-        self._sync(hashes)
+        parent = self._parent(doc, start, told)
+        records = self._records(hashes, parent)
+        lease = self.pool.commit_private(ids, hashes, lease_s=60.0 if leased else None,
+                                         parent=parent)
+        self._sync(hashes, records)
         if lease is not None:
             self.pool.release_lease(lease)
 
@@ -470,8 +523,10 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.pool.check_invariants()
         if self.d is None:
             return
-        assert findable(self.d, UNIVERSE) == self.model
+        assert findable(self.d, UNIVERSE, [self._home(h) for h in UNIVERSE]) == self.model
         assert in_table(self.d) == self.model
+        assert {h: self.d.slot_of(b) // BUCKET_SLOTS for h, b in self.model.items()} == \
+            self.where
         assert self.d.unpublished == self.unpublished
         for h, b in self.model.items():
             assert self.index[h] == b
@@ -494,28 +549,28 @@ def test_stable_refuses_a_block_reused_between_the_reads(again):
     pool = BlockPool(4, block_size=4)
     d = pool.read_directory()
     (bid,) = cache(pool, [8])
-    want, slot, block, pre = read(d, [8])
+    want, slot, block, pre, where = read(d, [8])
     assert block.tolist() == [bid]
-    assert stable(pre, reread(d, want, slot), want).tolist() == [True]  # nothing changed
+    assert stable(pre, reread(d, where, slot), want).tolist() == [True]  # nothing changed
 
     assert pool.evict([8])["evicted"] == [8]
     assert pool.allocate(1) == [bid]  # the evicted block is reused at once
     # ... a writer fills it; then it is cached again, in the same slot of the same bucket
     assert pool.commit([bid], [8 if again == "same hash" else 12]) == [True]
-    post = reread(d, want, slot)
+    post = reread(d, where, slot)
     assert post[0, 1] == bid and post[0, 2] & 3 == TAG_CACHED
     if again == "same hash":  # only the seq tells the reads apart
         assert np.array_equal(post[0, [0, 1, 3]], pre[0, [0, 1, 3]])
         assert post[0, 2] >> np.uint64(2) == (pre[0, 2] >> np.uint64(2)) + np.uint64(2)
     assert stable(pre, post, want).tolist() == [False]
     # A fresh read finds the block again and is stable until the next change.
-    want2, slot2, block2, pre2 = read(d, [8])
+    want2, slot2, block2, pre2, where2 = read(d, [8])
     if again == "same hash":
         assert block2.tolist() == [bid]
-        assert stable(pre2, reread(d, want2, slot2), want2).tolist() == [True]
+        assert stable(pre2, reread(d, where2, slot2), want2).tolist() == [True]
     else:
         assert slot2.tolist() == [-1]
-        assert stable(pre2, reread(d, want2, slot2), want2).tolist() == [False]
+        assert stable(pre2, reread(d, where2, slot2), want2).tolist() == [False]
     pool.release([bid])
     pool.check_invariants()
 
@@ -524,9 +579,9 @@ def test_stable_refuses_a_withdrawn_block():
     pool = BlockPool(4, block_size=4)
     (bid,) = cache(pool, [8])
     d = pool.read_directory()
-    want, slot, _, pre = read(d, [8])
+    want, slot, _, pre, where = read(d, [8])
     pool.allocate_private(4)  # evicts every cached block
-    assert stable(pre, reread(d, want, slot), want).tolist() == [False]
+    assert stable(pre, reread(d, where, slot), want).tolist() == [False]
     assert read(d, [8])[2].tolist() == [-1]
 
 
@@ -544,6 +599,80 @@ def test_a_full_pool_of_chained_hashes_is_all_published(num_blocks):
     pool.release(ids)
     d = pool.read_directory()
     assert d.unpublished == 0 and d.published == num_blocks
-    want = np.asarray(hashes, dtype=np.uint64)
-    _, block, _ = find(d.table[bucket_of(want, d.buckets)].copy(), want)
-    assert block.tolist() == ids
+    homes = home_buckets(hashes, 0, num_blocks, d.buckets, d.group)
+    assert findable(d, hashes, homes) == dict(zip(hashes, ids, strict=True))
+    # ... in about one read of adjacent buckets per group of the chain
+    from kvkern.xfer.direct import look_up_reads, read_spans  # noqa: PLC0415
+
+    reads = read_spans(homes * BUCKET_BYTES, BUCKET_BYTES, 0)[1]
+    groups = look_up_reads(0, num_blocks, d.group)
+    assert groups == -(-num_blocks // d.group) and len(reads) <= groups + 2
+
+
+# ---------------------------------------------------------------------- chain placement
+
+
+def test_a_chain_sits_in_consecutive_buckets_when_its_parent_is_known():
+    pool = BlockPool(64, block_size=4, directory_group=4)
+    d = pool.read_directory()
+    mask = d.buckets - 1
+    a = [1000 + 97 * i for i in range(8)]
+
+    def bucket(h):
+        return d.slot_of(pool.match_prefix([h])[0]) // BUCKET_SLOTS
+
+    cache(pool, a[:6])  # from the sequence's start
+    assert [bucket(h) for h in a[:6]] == [(a[0] + i) & mask for i in range(4)] + [
+        (a[4] + i) & mask for i in range(2)]
+    ids = pool.allocate(1)
+    pool.commit(ids, a[6:7], parent=a[5])  # the chain goes on from its parent
+    pool.release(ids)
+    assert bucket(a[6]) == (a[4] + 2) & mask
+    pool.evict([a[6], a[5]])
+    ids = pool.allocate(2)
+    pool.commit(ids, a[6:8], parent=a[5])  # a parent the pool no longer holds
+    pool.release(ids)
+    assert [bucket(h) for h in a[6:8]] == [a[6] & mask, a[7] & mask]  # by hash alone
+    homes = home_buckets(a, 0, 8, d.buckets, d.group)
+    found = findable(d, a, homes)
+    assert set(found) == set(a) - {a[5]}
+    pool.check_invariants()
+    with pytest.raises(ValueError, match="directory_group"):
+        BlockPool(4, block_size=4, directory_group=0)
+    with pytest.raises(ValueError, match="directory_group"):
+        BlockPool(4, block_size=4, directory_group=MAX_GROUP + 1)
+
+
+def test_siblings_that_fill_their_shared_home_buckets_go_to_their_plain_ones():
+    """Prompts that share a group's first block and diverge after it share that group's
+    home buckets: past eight of them the rest sit in their plain buckets, all findable."""
+    pool = BlockPool(256, block_size=4, directory_group=16)
+    d = pool.read_directory()
+    root = 4096 * 7 + 3
+    cache(pool, [root])
+    kids = [root * 31 + k for k in range(1, 13)]  # 12 siblings at position 1
+    for h in kids:
+        ids = pool.allocate(1)
+        pool.commit(ids, [h], parent=root)
+        pool.release(ids)
+    home = (root + 1) & (d.buckets - 1)
+    at_home = [h for h in kids if d.slot_of(pool.match_prefix([h])[0]) // BUCKET_SLOTS == home]
+    assert len(at_home) == BUCKET_SLOTS and d.unpublished == 0
+    assert findable(d, kids, [home] * len(kids)) == {
+        h: pool.match_prefix([h])[0] for h in kids}
+    pool.check_invariants()
+
+
+@settings(max_examples=60, deadline=None)
+@given(chained=st.lists(st.integers(0, U64), min_size=1, max_size=90),
+       data=st.data(), group=st.sampled_from([1, 3, 16]), log_buckets=st.integers(0, 12))
+def test_home_buckets_loop_and_vectorized_agree(chained, data, group, log_buckets):
+    start = data.draw(st.integers(0, len(chained) - 1))
+    count = data.draw(st.integers(0, len(chained) - start))
+    buckets = 1 << log_buckets
+    want = [(chained[p - p % group] + p % group) % 2**64 & (buckets - 1)
+            for p in range(start, start + count)]
+    got = home_buckets(chained, start, count, buckets, group)
+    assert got.dtype == np.int64 and got.tolist() == want
+    with pytest.raises(ValueError, match="beyond"):
+        home_buckets(chained, start, len(chained) - start + 1, buckets, group)

@@ -12,12 +12,21 @@ aligned; ``buckets`` is a power of two, so a bucket is 256 bytes and a slot 32 b
 
     slot   [ hash | block_id | tag | 0 ]          tag = seq << 2 | cached << 1 | changing
 
-A hash ``h`` lives in bucket ``h & (buckets - 1)``, in any of its slots. A slot counts only
-while its tag is ``TAG_CACHED`` without ``TAG_CHANGING``. There is a bucket per block (rounded
-up to a power of two), so a bucket holds one block on average and is full (nine or more) with
-probability about 1e-6; a block whose bucket is full is left out (counted in
-:attr:`ReadDirectory.unpublished`) and readers take another path for it. (Half as many buckets
-fill one in fifty: a 512-block pull would then miss one of its blocks four times in five.)
+A hash ``h`` lives in any slot of its *home* bucket or, when that is full, of its *plain*
+bucket ``h & (buckets - 1)``. A block whose position ``p`` in its sequence is known sits
+with its chain: its home is ``(a + p % group) & (buckets - 1)``, where ``a`` is the hash at
+position ``p - p % group`` (the first of its group of ``group`` positions), so the blocks of
+one group sit in consecutive buckets and a reader finds ``k`` consecutive hashes in about
+``k / group + 1`` reads instead of ``k``. A block of unknown position has its plain bucket
+as home. A slot counts only while its tag is ``TAG_CACHED`` without ``TAG_CHANGING``.
+
+There is a bucket per block (rounded up to a power of two), so a bucket holds one block on
+average and is full (nine or more) with probability about 1e-6; a block whose home and plain
+buckets are both full is left out (counted in :attr:`ReadDirectory.unpublished`) and readers
+take another path for it. (Half as many buckets fill one in fifty: a 512-block pull would
+then miss one of its blocks four times in five.) Prefixes that share a group's first block
+share that group's home buckets: many siblings that diverge inside one group fill them, and
+the rest go to their plain buckets.
 
 Writer (the pool, under its lock; ``s`` is the slot's current seq)
 ------------------------------------------------------------------
@@ -34,7 +43,8 @@ order (x86-64).
 
 Reader
 ------
-1. Read the buckets of the wanted hashes (:func:`bucket_of`), :func:`find` each hash's slot.
+1. Read the home buckets of the wanted hashes (:func:`home_buckets`), :func:`find` each
+   hash's slot; read the plain buckets (:func:`bucket_of`) of those not found there.
 2. Read the found blocks' bytes.
 3. Read the same slots again; keep a block iff :func:`stable`: both reads show the wanted
    hash, the same block id and the same tag, and that tag is cached and not changing.
@@ -51,13 +61,16 @@ first word for word. Sources publish a directory only on hosts that keep store o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from kvkern.cache.holders import DIRECTORY_GROUP, MAX_GROUP
 from kvkern.checks import check_non_negative_int, check_positive_int
 
-__all__ = ["BUCKET_BYTES", "BUCKET_SLOTS", "SLOT_BYTES", "SLOT_WORDS", "TAG_CACHED",
-           "TAG_CHANGING", "ReadDirectory", "bucket_of", "entries", "find", "slot_offsets",
-           "stable"]
+__all__ = ["BUCKET_BYTES", "BUCKET_SLOTS", "DIRECTORY_GROUP", "MAX_GROUP", "SLOT_BYTES",
+           "SLOT_WORDS", "TAG_CACHED", "TAG_CHANGING", "ReadDirectory", "bucket_of", "entries",
+           "find", "home_buckets", "slot_offsets", "stable"]
 
 BUCKET_SLOTS = 8
 SLOT_WORDS = 4  # hash, block_id, tag, reserved (0)
@@ -83,12 +96,16 @@ class ReadDirectory:
     :attr:`table` is the memory readers read; :meth:`publish` and :meth:`withdraw` are its
     only writers. Not thread-safe: the owning pool's lock guards every call."""
 
-    __slots__ = ("_num_blocks", "_buckets", "_buffer", "table", "_words", "_used", "_slot_of",
-                 "_hash_of", "_unpublished", "_published")
+    __slots__ = ("_num_blocks", "_group", "_buckets", "_buffer", "table", "_words", "_used",
+                 "_slot_of", "_hash_of", "_home_of", "_unpublished", "_published")
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, group: int = DIRECTORY_GROUP) -> None:
         check_positive_int("num_blocks", num_blocks)
+        check_positive_int("group", group)
+        if group > MAX_GROUP:
+            raise ValueError(f"group must be at most {MAX_GROUP}, got {group}")
         self._num_blocks = num_blocks
+        self._group = group
         self._buckets = 1 << (num_blocks - 1).bit_length()  # a bucket per block (module doc)
         nbytes = self._buckets * BUCKET_BYTES
         self._buffer = np.zeros(nbytes + ALIGN, dtype=np.uint8)
@@ -99,6 +116,7 @@ class ReadDirectory:
         self._used = [0] * self._buckets  # per bucket, a bit per slot holding a block
         self._slot_of = np.full(num_blocks, -1, dtype=np.int64)
         self._hash_of = np.zeros(num_blocks, dtype=np.uint64)
+        self._home_of = np.full(num_blocks, -1, dtype=np.int64)  # home bucket, while published
         self._unpublished = 0
         self._published = 0
 
@@ -107,6 +125,11 @@ class ReadDirectory:
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
+
+    @property
+    def group(self) -> int:
+        """Positions per group of a chain placed in consecutive buckets (module docstring)."""
+        return self._group
 
     @property
     def buckets(self) -> int:
@@ -147,21 +170,28 @@ class ReadDirectory:
 
     # ---------------------------------------------------------------------------- writer
 
-    def publish(self, block_id: int, h: int) -> bool:
-        """Name ``block_id`` under hash ``h`` in a free slot of ``h``'s bucket. False (and
-        counted in :attr:`unpublished`) when the bucket is full; ValueError if the block
-        already holds a slot."""
+    def publish(self, block_id: int, h: int, chain: tuple[int, int] | None = None) -> bool:
+        """Name ``block_id`` under hash ``h`` in a free slot of its home bucket, else of its
+        plain bucket; ``chain`` is the block's ``(position, anchor)``
+        (:func:`kvkern.cache.holders.chain_records`), None when unknown. False (and counted
+        in :attr:`unpublished`) when both are full; ValueError if the block already holds a
+        slot."""
         bid = self._check_block(block_id)
         if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h <= _U64:
             raise ValueError(f"hash must be an int in [0, 2**64), got {h!r}")
         if self._slot_of[bid] >= 0:
             raise ValueError(f"block {bid} is already published under hash "
                              f"{int(self._hash_of[bid])} (slot {int(self._slot_of[bid])})")
-        bucket = h & (self._buckets - 1)
+        mask = self._buckets - 1
+        home = h & mask if chain is None else (chain[1] + chain[0] % self._group) & mask
+        bucket = home
         used = self._used[bucket]
         if used == _FULL:
-            self._unpublished += 1
-            return False
+            bucket = h & mask
+            used = self._used[bucket]
+            if used == _FULL:
+                self._unpublished += 1
+                return False
         j = (~used & (used + 1)).bit_length() - 1  # lowest free slot
         flat = bucket * BUCKET_SLOTS + j
         w = self._words
@@ -174,6 +204,7 @@ class ReadDirectory:
         self._used[bucket] = used | 1 << j
         self._slot_of[bid] = flat
         self._hash_of[bid] = h
+        self._home_of[bid] = home
         self._published += 1
         return True
 
@@ -194,6 +225,7 @@ class ReadDirectory:
         self._used[bucket] &= ~(1 << j)
         self._slot_of[bid] = -1
         self._hash_of[bid] = 0
+        self._home_of[bid] = -1
         self._published -= 1
 
     def _check_block(self, block_id: int) -> int:
@@ -205,11 +237,14 @@ class ReadDirectory:
 
     # -------------------------------------------------------------------------- checking
 
-    def check(self, index: dict[int, int]) -> None:
+    def check(self, index: dict[int, int],
+              chains: dict[int, tuple[int, int] | None] | None = None) -> None:
         """Raise AssertionError naming the first disagreement with ``index`` (``{hash:
         block_id}``, the pool's prefix index): every slot in use names a block indexed under
-        its hash, in that hash's bucket, and is the block's recorded slot; every block with a
-        slot is indexed under its hash; free slots are zero; no tag is changing."""
+        its hash, in that hash's home or plain bucket, and is the block's recorded slot;
+        every block with a slot is indexed under its hash (and, given ``chains``, ``{block_id:
+        chain}``, has the home its chain record gives); free slots are zero; no tag is
+        changing."""
         t = self.table
         tags = t[:, :, _TAG]
         if np.any(tags & TAG_CHANGING):
@@ -230,19 +265,27 @@ class ReadDirectory:
             raise AssertionError(f"{len(flats)} slots in use, {self._published} counted")
         for flat in flats.tolist():
             h, bid = (int(x) for x in self._words[flat * SLOT_WORDS:flat * SLOT_WORDS + 2])
-            if h & (self._buckets - 1) != flat // BUCKET_SLOTS:
-                raise AssertionError(f"slot {flat}: hash {h} outside its bucket")
             if index.get(h) != bid:
                 raise AssertionError(f"slot {flat} names block {bid} under hash {h}; the "
                                      f"index has {index.get(h)}")
             if bid >= self._num_blocks or int(self._slot_of[bid]) != flat:
                 raise AssertionError(f"slot {flat} names block {bid}, whose recorded slot "
                                      f"is not it")
+            if flat // BUCKET_SLOTS not in (h & (self._buckets - 1), int(self._home_of[bid])):
+                raise AssertionError(f"slot {flat}: hash {h} outside its home and plain "
+                                     f"buckets")
+        mask = self._buckets - 1
         for bid in np.flatnonzero(self._slot_of >= 0).tolist():
             h = int(self._hash_of[bid])
             if index.get(h) != bid:
                 raise AssertionError(f"block {bid} is published under hash {h}; the index "
                                      f"has {index.get(h)}")
+            if chains is not None:
+                c = chains.get(bid)
+                home = h & mask if c is None else (c[1] + c[0] % self._group) & mask
+                if int(self._home_of[bid]) != home:
+                    raise AssertionError(f"block {bid} (chain {c}) has home bucket "
+                                         f"{int(self._home_of[bid])}, not {home}")
 
 
 # ------------------------------------------------------------------------------- reader
@@ -257,6 +300,29 @@ def bucket_of(hashes: np.ndarray, buckets: int) -> np.ndarray:
     if hs.ndim == 1 and len(hs) <= SMALL:  # (below numpy's fixed cost per call)
         return np.array([h & (buckets - 1) for h in hs.tolist()], np.int64)
     return (hs & np.uint64(buckets - 1)).astype(np.int64)
+
+
+def home_buckets(chained: Sequence[int], start: int, count: int, buckets: int,
+                 group: int) -> np.ndarray:
+    """The home bucket of each of ``chained[start:start + count]`` (int64), where
+    ``chained[p]`` is the hash at position ``p`` of a sequence, in a table of ``buckets``
+    buckets that places ``group`` positions together (module docstring)."""
+    check_positive_int("buckets", buckets)
+    check_positive_int("group", group)
+    check_non_negative_int("start", start)
+    check_non_negative_int("count", count)
+    if buckets & (buckets - 1):
+        raise ValueError(f"buckets must be a power of two, got {buckets}")
+    if start + count > len(chained):
+        raise ValueError(f"positions {start}..{start + count} beyond {len(chained)} hashes")
+    mask = buckets - 1
+    if count <= SMALL:  # (below numpy's fixed cost per call)
+        return np.array([(int(chained[p - p % group]) + p % group) & mask
+                         for p in range(start, start + count)], np.int64)
+    first = start - start % group
+    pos = np.arange(start, start + count, dtype=np.int64)
+    anchors = np.asarray(chained[first:start + count], dtype=np.uint64)[pos - pos % group - first]
+    return ((anchors + (pos % group).astype(np.uint64)) & np.uint64(mask)).astype(np.int64)
 
 
 def slot_offsets(buckets: np.ndarray, slots: np.ndarray) -> np.ndarray:

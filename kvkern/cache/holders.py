@@ -22,14 +22,22 @@ from kvkern.cache.protocol import Lease, PinHandle
 if TYPE_CHECKING:
     from kvkern.cache.directory import ReadDirectory
 
-__all__ = ["Block", "BlockTable", "FreeQueue", "LeaseTable", "PinTable", "check_invariants"]
+__all__ = ["DIRECTORY_GROUP", "MAX_GROUP", "Block", "BlockTable", "FreeQueue", "LeaseTable", "PinTable",
+           "chain_records", "check_invariants"]
+
+# A read directory places a chain's blocks this many at a time in consecutive buckets
+# (kvkern.cache.directory): a look-up of k chained hashes reads about k / 16 + 1 spans of
+# 4 KiB instead of k buckets, while a group's first block still scatters chains uniformly.
+DIRECTORY_GROUP = 16
+# The largest group a directory takes (and a reader accepts from a source's state).
+MAX_GROUP = 1 << 12
 
 
 class Block:
     """Bookkeeping of one block. ``prev``/``next`` belong to the free queue alone."""
 
     __slots__ = ("block_id", "ref_cnt", "pin_cnt", "lease_cnt", "private", "block_hash",
-                 "prev", "next")
+                 "chain", "prev", "next")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -38,6 +46,9 @@ class Block:
         self.lease_cnt = 0
         self.private = False
         self.block_hash: int | None = None
+        # (position in its sequence, hash of its directory group's first block) while it is
+        # canonical for block_hash and its position is known (see chain_records)
+        self.chain: tuple[int, int] | None = None
         self.prev: Block | None = None
         self.next: Block | None = None
 
@@ -116,14 +127,36 @@ class FreeQueue:
             raise AssertionError(f"free queue length {self._len} but {n - 1} linked blocks")
 
 
+def chain_records(index: dict[int, Block], hashes: Sequence[int], parent: int | None,
+                  group: int) -> list[tuple[int, int] | None]:
+    """Per hash of a chain, its ``(position, anchor)``: its position in its sequence and the
+    hash at the start of its group (the position rounded down to a multiple of ``group``).
+    ``parent`` is the hash before ``hashes[0]``, ``None`` when ``hashes[0]`` starts a
+    sequence; a parent that ``index`` does not hold with a known position leaves every
+    record ``None`` (such blocks are placed by hash alone)."""
+    if parent is None:
+        rec: tuple[int, int] | None = (-1, 0)
+    else:
+        known = index.get(parent)
+        rec = None if known is None else known.chain
+    out: list[tuple[int, int] | None] = []
+    for h in hashes:
+        if rec is not None:
+            pos = rec[0] + 1
+            rec = (pos, h if pos % group == 0 else rec[1])
+        out.append(rec)
+    return out
+
+
 class BlockTable:
     """Every block, the free queue of the unheld ones and the prefix index; counters of
     evictions, duplicate commits and ended leases; and the read directory that mirrors the
     index, once attached (``None`` until then)."""
 
-    __slots__ = ("blocks", "free", "index", "counters", "num_private", "directory")
+    __slots__ = ("blocks", "free", "index", "counters", "num_private", "directory", "group")
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, group: int = DIRECTORY_GROUP) -> None:
+        self.group = group  # the directory's (chain_records)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free = FreeQueue(self.blocks)
         self.index: dict[int, Block] = {}
@@ -186,19 +219,21 @@ class BlockTable:
                 if self.directory is not None:
                     self.directory.withdraw(b.block_id)
                 del self.index[b.block_hash]
-                b.block_hash = None
+                b.block_hash = b.chain = None
                 self.counters["evictions"] += 1
             out.append(b)
         return out
 
-    def publish(self, b: Block, h: int) -> Block:
-        """Index ``b`` under ``h`` unless another block has it; return the canonical block."""
+    def publish(self, b: Block, h: int, chain: tuple[int, int] | None = None) -> Block:
+        """Index ``b`` under ``h`` (at ``chain``, see :func:`chain_records`) unless another
+        block has it; return the canonical block."""
         existing = self.index.get(h)
         if existing is None:
             self.index[h] = b
             b.block_hash = h
+            b.chain = chain
             if self.directory is not None:
-                self.directory.publish(b.block_id, h)
+                self.directory.publish(b.block_id, h, chain)
             return b
         if existing is not b:
             self.counters["commit_duplicates"] += 1
@@ -218,7 +253,7 @@ class BlockTable:
                 if self.directory is not None:
                     self.directory.withdraw(b.block_id)
                 del self.index[h]
-                b.block_hash = None
+                b.block_hash = b.chain = None
                 self.free.appendleft(b)
                 self.counters["evictions"] += 1
                 out["evicted"].append(h)
@@ -385,6 +420,10 @@ def check_invariants(table: BlockTable, pins: PinTable, leases: LeaseTable) -> N
     for h, b in table.index.items():
         if b.block_hash != h:
             raise AssertionError(f"index[{h}] -> {b!r}")
+    for b in table.blocks:
+        if b.chain is not None and (b.block_hash is None or b.chain[0] < 0 or (
+                b.chain[0] % table.group == 0 and b.chain[1] != b.block_hash)):
+            raise AssertionError(f"chain record {b.chain} of {b!r}")
     if (n_pinned, n_leased, n_private) != (pins.num_pinned, leases.num_leased,
                                            table.num_private):
         raise AssertionError(
@@ -394,7 +433,8 @@ def check_invariants(table: BlockTable, pins: PinTable, leases: LeaseTable) -> N
     if in_queue != len(table.free):
         raise AssertionError(f"free queue walk {in_queue} != length {len(table.free)}")
     if table.directory is not None:
-        table.directory.check({h: b.block_id for h, b in table.index.items()})
+        table.directory.check({h: b.block_id for h, b in table.index.items()},
+                              {b.block_id: b.chain for b in table.index.values()})
 
 
 def _check_block(table: BlockTable, b: Block, pins: int, leases: int) -> None:

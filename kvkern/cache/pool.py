@@ -53,6 +53,10 @@ Read directory
 :meth:`BlockPool.read_directory` adds a table of the cached blocks that peers read with
 one-sided reads, without a message and without this lock (:mod:`kvkern.cache.directory`
 gives its layout and the reader's check). Once created it follows every change of the index.
+It places each chain's blocks ``directory_group`` at a time in consecutive buckets, which
+needs each block's position in its sequence: a commit's ``parent`` (the hash before its
+first one, ``None`` at a sequence's start) continues the position recorded for the parent's
+block.
 
 Thread safety: one lock around every public method. Misuse raises ``ValueError`` naming the
 values and changes nothing; running out of blocks returns ``None``.
@@ -66,7 +70,16 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, normalize_hashes
-from kvkern.cache.holders import Block, BlockTable, LeaseTable, PinTable, check_invariants
+from kvkern.cache.holders import (
+    DIRECTORY_GROUP,
+    MAX_GROUP,
+    Block,
+    BlockTable,
+    LeaseTable,
+    PinTable,
+    chain_records,
+    check_invariants,
+)
 from kvkern.cache.protocol import Lease, PinHandle
 from kvkern.checks import check_finite_positive, check_non_negative_int, check_positive_int
 
@@ -81,7 +94,9 @@ class BlockPool:
 
     Implements :class:`kvkern.cache.protocol.KVCacheManager` plus the engine-facing calls a
     worker needs (``allocate``, ``match_prefix``, ``acquire_prefix``, ``commit``,
-    ``release``). See the module docstring for the holders and the free-queue order.
+    ``release``). See the module docstring for the holders and the free-queue order;
+    ``directory_group`` is how many positions of a chain the read directory places
+    together.
     """
 
     def __init__(
@@ -92,15 +107,20 @@ class BlockPool:
         hash_scheme: str = DEFAULT_SCHEME,
         clock: Callable[[], float] = time.monotonic,
         lease_history: int = 4096,
+        directory_group: int = DIRECTORY_GROUP,
     ) -> None:
         check_positive_int("num_blocks", num_blocks)
         check_positive_int("block_size", block_size)
+        check_positive_int("directory_group", directory_group)
+        if directory_group > MAX_GROUP:
+            raise ValueError(f"directory_group must be at most {MAX_GROUP}, got "
+                             f"{directory_group}")
         get_scheme(hash_scheme)  # unknown names raise, listing the known ones
         self._num_blocks = num_blocks
         self._block_size = block_size
         self._hash_scheme = hash_scheme
         self._lock = threading.Lock()
-        self._table = BlockTable(num_blocks)
+        self._table = BlockTable(num_blocks, directory_group)
         self._pins = PinTable(self._table)
         self._leases = LeaseTable(self._table, clock, lease_history)
 
@@ -214,12 +234,19 @@ class BlockPool:
         ``None`` (nothing taken) if fewer than ``n`` blocks are free."""
         return self._allocate(n, private=False)
 
-    def commit(self, block_ids: Sequence[int], hashes: Sequence[int]) -> list[bool]:
+    def commit(self, block_ids: Sequence[int], hashes: Sequence[int], *,
+               parent: int | None = None) -> list[bool]:
         """Publish full blocks a request holds (``ref_cnt > 0``) under their chained hashes.
 
         Returns, per block, whether it is now the canonical block for its hash; ``False``
         means another block already caches that prefix (this one stays uncached). Committing
-        a block again under the same hash is a no-op; under another hash it raises."""
+        a block again under the same hash is a no-op; under another hash it raises.
+
+        ``parent`` is the chained hash of the block before ``hashes[0]`` in its sequence,
+        ``None`` when ``hashes[0]`` is a sequence's first block. It places the blocks in the
+        read directory (:func:`~kvkern.cache.holders.chain_records`) and changes nothing
+        else: a wrong one only makes peers' direct reads of these blocks fall back to a
+        grant."""
         with self._lock:
             self._leases.expire()
             blocks = self._table.lookup(block_ids, allow_repeats=False)
@@ -235,10 +262,9 @@ class BlockPool:
                         f"block {b.block_id} already committed under hash {b.block_hash}, "
                         f"not {h}"
                     )
-            out = []
-            for b, h in zip(blocks, hs, strict=True):
-                out.append(self._table.publish(b, h) is b)
-            return out
+            chains = chain_records(self._table.index, hs, parent, self._table.group)
+            return [self._table.publish(b, h, c) is b
+                    for b, h, c in zip(blocks, hs, chains, strict=True)]
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block (a request finished or was preempted). Blocks
@@ -304,10 +330,12 @@ class BlockPool:
                 self._table.maybe_free(b)
 
     def commit_private(
-        self, block_ids: Sequence[int], hashes: Sequence[int], *, lease_s: float | None
+        self, block_ids: Sequence[int], hashes: Sequence[int], *, lease_s: float | None,
+        parent: int | None = None,
     ) -> Lease | None:
         """Publish received private blocks under their chained hashes and, with ``lease_s``,
         lease the canonical blocks until claimed, released or ``lease_s`` has passed.
+        ``parent`` is as in :meth:`commit`.
 
         A hash that is already cached keeps its existing block (which the lease then holds);
         the received duplicate goes back to the free queue uncached. Returns the lease, or
@@ -320,10 +348,11 @@ class BlockPool:
             hs = self._hashes_for(blocks, hashes)
             self._check_private(blocks, "commit_private")
             canonical: list[Block] = []
-            for b, h in zip(blocks, hs, strict=True):
+            chains = chain_records(self._table.index, hs, parent, self._table.group)
+            for b, h, c in zip(blocks, hs, chains, strict=True):
                 b.private = False
                 self._table.num_private -= 1
-                canonical.append(self._table.publish(b, h))
+                canonical.append(self._table.publish(b, h, c))
             if lease_s is None:
                 for b in reversed(blocks):
                     self._table.maybe_free(b)
@@ -388,9 +417,9 @@ class BlockPool:
                 # numpy is loaded only by pools that serve one-sided reads
                 from kvkern.cache.directory import ReadDirectory
 
-                directory = ReadDirectory(self._num_blocks)
+                directory = ReadDirectory(self._num_blocks, self._table.group)
                 for h, b in self._table.index.items():
-                    directory.publish(b.block_id, h)
+                    directory.publish(b.block_id, h, b.chain)
                 self._table.directory = directory
             return self._table.directory
 

@@ -168,7 +168,8 @@ class Engine:
                 nfull = len(prompt) // T
                 if use_cache and nfull > len(hit):
                     flags = self.pool.commit(first.block_table[len(hit):nfull],
-                                             hashes[len(hit):nfull])
+                                             hashes[len(hit):nfull],
+                                             parent=hashes[len(hit) - 1] if hit else None)
                     committed = sum(flags)
                 if use_cache:
                     self._remember(prompt, hashes, cache_salt)

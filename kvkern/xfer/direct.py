@@ -6,14 +6,17 @@ A destination that has that state reads, on the first read lane's thread (or, fo
 most ``XferConfig.loop_read_bytes``, on the event loop through the loop lane: see
 :mod:`kvkern.xfer.read_lanes`) and without a hop between threads between the steps::
 
-    1. the directory buckets of the wanted hashes (or the whole table, when that is fewer
-       bytes than the buckets' per-read cost)      -> the block of each hash, its slot words
+    1. the home buckets of the wanted hashes, then the plain buckets of those not found
+       there (or the whole table, when that is fewer bytes than the buckets' per-read
+       cost)                                       -> the block of each hash, its slot words
     2. the blocks' bytes into the private blocks   (split over every lane, as a granted read)
     3. the same slots again                        -> kept only if every slot is unchanged
 
 Steps 1 and 3 read the wanted buckets (slots) in ascending order, neighbours that are at most
 ``DIRECTORY_READ_COST_BYTES`` apart in one read with the bytes between them
-(:func:`read_spans`): a read's fixed cost buys that many bytes.
+(:func:`read_spans`): a read's fixed cost buys that many bytes. A source that places chains
+together (the index's ``dir_group``) puts a pull's consecutive hashes in consecutive home
+buckets, so step 1 is about one read per group of them and step 3 as few.
 
 A block is withdrawn from the directory (its slot's tag bumped) before its pool can hand it
 to a writer, and published only after its bytes are final; a slot's tag never repeats. So a
@@ -49,6 +52,7 @@ from kvkern.cache.directory import (
     bucket_of,
     entries,
     find,
+    home_buckets,
     slot_offsets,
     stable,
 )
@@ -66,7 +70,8 @@ if TYPE_CHECKING:
     from kvkern.xfer.receive import ReadReceiver
     from kvkern.xfer.state import ReadIndex
 
-__all__ = ["DirectRead", "read_directly", "read_spans", "read_whole", "same_directory"]
+__all__ = ["DirectRead", "look_up_reads", "read_directly", "read_spans", "read_whole",
+           "same_directory"]
 
 # Whole-directory buffers kept per source for the next pull: at most this many, each at most
 # this large (a directory is 256 B per pool block).
@@ -91,11 +96,19 @@ def _on_event_loop() -> bool:
 
 
 def read_whole(dir_buckets: int, k: int) -> bool:
-    """Look ``k`` hashes up by reading the whole directory of ``dir_buckets`` buckets (else
-    one bucket each): when it is no more bytes than ``k`` small reads cost, and never more
-    than :data:`MAX_WHOLE_DIRECTORY_BYTES` (the size is the source's word)."""
+    """Look hashes up by reading the whole directory of ``dir_buckets`` buckets rather than
+    ``k`` reads of their buckets: when it is no more bytes than ``k`` small reads cost, and
+    never more than :data:`MAX_WHOLE_DIRECTORY_BYTES` (the size is the source's word)."""
     table = dir_buckets * BUCKET_BYTES
     return table <= min(k * DIRECTORY_READ_COST_BYTES, MAX_WHOLE_DIRECTORY_BYTES)
+
+
+def look_up_reads(start: int, count: int, group: int) -> int:
+    """About how many reads look ``count`` consecutive hashes from position ``start`` up in
+    a directory that places ``group`` positions together (0: by hash alone, one each)."""
+    if not group:
+        return count
+    return (start + count - 1) // group - start // group + 1 if count else 0
 
 
 def read_spans(offsets: np.ndarray, item: int, gap: int) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
@@ -140,8 +153,8 @@ def read_spans(offsets: np.ndarray, item: int, gap: int) -> tuple[np.ndarray, li
 def same_directory(a: ReadIndex, b: ReadIndex) -> bool:
     """Two ranks' indexes name one read directory (the ranks of one pool): one look-up and
     one confirmation serve the pairs of both."""
-    return (a.dir_key, a.dir_base, a.dir_buckets, a.blocks) == \
-        (b.dir_key, b.dir_base, b.dir_buckets, b.blocks)
+    return (a.dir_key, a.dir_base, a.dir_buckets, a.dir_group, a.blocks) == \
+        (b.dir_key, b.dir_base, b.dir_buckets, b.dir_group, b.blocks)
 
 
 class DirectRead:
@@ -166,7 +179,10 @@ class DirectRead:
         self.buffers: list[np.ndarray] = []  # what this read's reads write, besides blocks
         hashes = job.chained[job.local:job.local + job.count]
         self.want = np.asarray(hashes, dtype=np.uint64)
-        self.buckets = bucket_of(self.want, index.dir_buckets)
+        self.plain = bucket_of(self.want, index.dir_buckets)
+        group = index.dir_group
+        self.home = self.plain if not group else home_buckets(
+            job.chained, job.local, job.count, index.dir_buckets, group)
         # Per pair, a grant as the source rank would write it, for the largest block the
         # index allows: the receiver's checks of an offer then bound every address this
         # read computes.
@@ -183,7 +199,8 @@ class DirectRead:
                 read_native=job.state.reads.get((job.source_dp, pair.src_rank)) == "native")
             self.templates.append(template)
             self.segs.append(receiver.check_offer(job, pair, template, rank_kv))
-        self.whole = read_whole(index.dir_buckets, len(self.want))
+        self.whole = read_whole(index.dir_buckets,
+                                look_up_reads(job.local, job.count, group))
         self.nbytes = job.count * sum(pair.block_nbytes for pair, _ in self.pairs)
         self.reads = 0
         self.lookup_s = self.data_s = self.confirm_s = 0.0  # steps 1, 2 and 3
@@ -204,8 +221,7 @@ class DirectRead:
             self.t_out = time.perf_counter()
 
     def _steps(self, read: Reader, t0: float) -> Steps[float | None]:
-        rows = yield from self._directory(read)
-        slot, block, _ = find(rows, self.want)
+        rows, slot, block, where = yield from self._look_up(read)
         if (block < 0).any():
             self.miss = f"{int((block < 0).sum())} of {len(block)} hashes not in the directory"
             self.result = "missing"
@@ -234,7 +250,7 @@ class DirectRead:
         t1 = time.perf_counter()
         self.data_s = t1 - t
         self.reads = sum(len(runs) for _, runs in parts)
-        post = yield from self._slots(read, slot)
+        post = yield from self._slots(read, slot, where)
         kept = stable(pre, post, self.want)
         self.confirm_s = time.perf_counter() - t1
         if not kept.all():
@@ -243,15 +259,39 @@ class DirectRead:
             return None
         return first
 
-    def _directory(self, read: Reader) -> Steps[np.ndarray]:
-        """The bucket of each wanted hash, read from the source."""
+    def _look_up(self, read: Reader) -> Steps[tuple[np.ndarray, ...]]:
+        """Each wanted hash's bucket as read from the source, its slot and block there (-1
+        when absent), and which bucket that is: the home bucket, or the plain one for a hash
+        not found at home."""
+        table = (yield from self._whole_table(read)) if self.whole else None
+        if table is None:
+            rows = yield from self._buckets(read, self.home)
+        else:
+            rows = table[self.home]
+        slot, block, _ = find(rows, self.want)
+        where = self.home
+        miss = np.flatnonzero((block < 0) & (self.plain != self.home))
+        if len(miss):
+            if table is None:
+                more = yield from self._buckets(read, self.plain[miss])
+            else:
+                more = table[self.plain[miss]]
+            slot2, block2, _ = find(more, self.want[miss])
+            rows[miss], slot[miss], block[miss] = more, slot2, block2
+            where = self.home.copy()
+            where[miss] = self.plain[miss]
+        return rows, slot, block, where
+
+    def _whole_table(self, read: Reader) -> Steps[np.ndarray]:
+        """The whole directory, read from the source."""
         index = self.index
-        if self.whole:
-            table = self._table()
-            yield from read([(index.dir_key, [(table.ctypes.data, index.dir_base,
-                                               table.nbytes)])])
-            return table[self.buckets]
-        at = yield from self._spans(read, self.buckets * BUCKET_BYTES, BUCKET_BYTES)
+        table = self._table()
+        yield from read([(index.dir_key, [(table.ctypes.data, index.dir_base, table.nbytes)])])
+        return table
+
+    def _buckets(self, read: Reader, buckets: np.ndarray) -> Steps[np.ndarray]:
+        """The rows of ``buckets``, read from the source."""
+        at = yield from self._spans(read, buckets * BUCKET_BYTES, BUCKET_BYTES)
         return at.reshape(-1, BUCKET_SLOTS, SLOT_WORDS)
 
     def _table(self) -> np.ndarray:
@@ -272,11 +312,12 @@ class DirectRead:
             del self.scratch[next(iter(self.scratch))]
         return table
 
-    def _slots(self, read: Reader, slot: np.ndarray) -> Steps[np.ndarray]:
-        """The found slots' words, read again after the blocks."""
+    def _slots(self, read: Reader, slot: np.ndarray, where: np.ndarray) -> Steps[np.ndarray]:
+        """The found slots' words (slot ``slot[i]`` of bucket ``where[i]``), read again after
+        the blocks."""
         if self.whole:
-            return entries((yield from self._directory(read)), slot)
-        return (yield from self._spans(read, slot_offsets(self.buckets, slot), SLOT_BYTES))
+            return entries((yield from self._whole_table(read))[where], slot)
+        return (yield from self._spans(read, slot_offsets(where, slot), SLOT_BYTES))
 
     def _spans(self, read: Reader, offsets: np.ndarray, item: int) -> Steps[np.ndarray]:
         """The ``item``-byte directory entries at byte ``offsets`` (:func:`read_spans`), as

@@ -53,7 +53,8 @@ class RegisteredPool:
         return {"keys": [r.rkey.hex() for r in self.regions], "bases": list(segs.bases),
                 "stride": segs.stride, "segment_bytes": segs.nbytes,
                 "blocks": d.directory.num_blocks, "dir_key": d.region.rkey.hex(),
-                "dir_base": d.directory.address, "dir_buckets": d.directory.buckets}
+                "dir_base": d.directory.address, "dir_buckets": d.directory.buckets,
+                "dir_group": d.directory.group}
 
 
 def worker_address_hex() -> str:

@@ -208,10 +208,14 @@ class PullRunner:
                 "blocks_transferred": keep, "blocks_skipped": decision.skipped,
                 "blocks_requested": job.count}
         ids, job.private = job.private, None
+        # a manager with a read directory places the blocks with their chain (see
+        # kvkern.cache.protocol)
+        chain = ({"parent": job.chained[job.local - 1] if job.local else None}
+                 if hasattr(group.manager, "read_directory") else {})
         try:
             lease = group.manager.commit_private(
                 ids[:keep], job.chained[job.local:job.local + keep],
-                lease_s=None if job.hint.no_retain else self.config.lease_s)
+                lease_s=None if job.hint.no_retain else self.config.lease_s, **chain)
         except BaseException:
             job.private = ids  # not committed: the caller frees them
             raise

@@ -76,7 +76,8 @@ class ReadIndex:
     """A rank's registered pool and read directory as its state announces them: segment
     ``j`` of block ``b`` is ``segment_bytes`` at ``bases[j] + b * stride`` under the packed
     remote key ``keys[j]``; the directory's ``dir_buckets`` buckets
-    (:mod:`kvkern.cache.directory`) are at ``dir_base`` under ``dir_key``."""
+    (:mod:`kvkern.cache.directory`) are at ``dir_base`` under ``dir_key``, and it places
+    ``dir_group`` positions of a chain together (0: every hash in its plain bucket)."""
 
     keys: tuple[bytes, ...]
     bases: tuple[int, ...]
@@ -86,6 +87,7 @@ class ReadIndex:
     dir_key: bytes
     dir_base: int
     dir_buckets: int
+    dir_group: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,7 +178,7 @@ def parse_read_index(doc: object) -> ReadIndex | None:
     """A rank's ``read_index`` as a :class:`ReadIndex`; None when absent or malformed in any
     way (the rank is then read by grant: the index is advisory). Every number is bounded so
     the addresses a destination computes from it stay within 64 bits."""
-    from kvkern.cache.directory import BUCKET_BYTES  # noqa: PLC0415
+    from kvkern.cache.directory import BUCKET_BYTES, MAX_GROUP  # noqa: PLC0415
     from kvkern.xfer.messages import MAX_BLOCKS, MAX_READ_SEGMENTS, MAX_RKEY_BYTES  # noqa: PLC0415
 
     if not isinstance(doc, dict):
@@ -186,13 +188,14 @@ def parse_read_index(doc: object) -> ReadIndex | None:
         bases = tuple(_u64(b) for b in doc["bases"])
         stride, seg = _u64(doc["stride"]), _u64(doc["segment_bytes"])
         blocks, buckets = _u64(doc["blocks"]), _u64(doc["dir_buckets"])
+        group = _u64(doc.get("dir_group", 0))  # (absent: a source that places by hash alone)
         index = ReadIndex(keys, bases, stride, seg, blocks, _hex(doc["dir_key"], MAX_RKEY_BYTES),
-                          _u64(doc["dir_base"]), buckets)
+                          _u64(doc["dir_base"]), buckets, group)
     except (KeyError, TypeError, ValueError):
         return None
     top = (blocks - 1) * stride + seg
     if not (0 < len(keys) == len(bases) <= 1 + MAX_READ_SEGMENTS and 0 < seg <= stride
-            and 0 < blocks <= MAX_BLOCKS and 0 < buckets <= 1 << 32
+            and 0 < blocks <= MAX_BLOCKS and 0 < buckets <= 1 << 32 and group <= MAX_GROUP
             and buckets & (buckets - 1) == 0 and max(bases) + top < 1 << 64
             and index.dir_base + buckets * BUCKET_BYTES < 1 << 64):
         return None

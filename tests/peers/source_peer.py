@@ -75,6 +75,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -187,7 +188,11 @@ class Peer:
 
     # ---- KV helpers
 
-    def commit_tokens(self, tokens: list[int]) -> dict:
+    def commit_tokens(self, tokens: list[int], placement: str = "chain") -> dict:
+        """Cache ``tokens``' full blocks with fresh KV. ``placement``: "chain" commits the
+        whole chain from its start (the directory places it with its chain); "hash" commits
+        the new blocks under a parent the pool does not hold, as an engine that does not
+        name it would (placed by hash alone)."""
         hs = sequence_hashes(tokens, self.args.block_size, self.args.hash_scheme)
         if not hs:
             return {"hashes": [], "block_ids": []}
@@ -213,7 +218,12 @@ class Peer:
                                              generator=self.gen))
                 unpack(staging, rkv.pool, rkv.layout, new)
             ids = have + new
-            self.pool.commit(ids, hs)
+            if placement == "hash" and new:
+                unknown = next(x for x in itertools.count(1 << 63)
+                               if self.pool.longest_prefix([x]) == 0)
+                self.pool.commit(new, hs[len(have):], parent=unknown)
+            else:
+                self.pool.commit(ids, hs)
             self.pool.release(ids)
         return {"hashes": hs, "block_ids": ids}
 
@@ -279,7 +289,8 @@ class Peer:
     async def h_commit(self, request: web.Request) -> web.Response:
         body = await request.json()
         tokens = body["tokens"] if "tokens" in body else list(range(*body["range"]))
-        return web.json_response(self.commit_tokens([int(t) for t in tokens]))
+        return web.json_response(self.commit_tokens([int(t) for t in tokens],
+                                                    str(body.get("placement", "chain"))))
 
     async def h_churn(self, request: web.Request) -> web.Response:
         if request.method == "POST":
