@@ -32,10 +32,10 @@ rt, src, make_puller = tp.rt, tp.src, tp.make_puller  # the fixtures, shared
 
 @pytest.fixture(params=["whole", "spans", "apart"])
 def lookup(request, monkeypatch):
-    """How a direct read reads the directory: the whole table (what the tests' small pools
-    get), the wanted buckets and slots in spans, or each one alone."""
-    if request.param != "whole":
-        monkeypatch.setattr(direct, "read_whole", lambda dir_buckets, k: False)
+    """How a direct read reads the directory: the whole table, the wanted buckets and slots
+    in spans, or each one alone."""
+    whole = request.param == "whole"
+    monkeypatch.setattr(direct, "read_whole", lambda dir_buckets, k: whole)
     if request.param == "apart":
         monkeypatch.setattr(direct, "DIRECTORY_READ_COST_BYTES", 0)
     return request.param
@@ -65,11 +65,19 @@ def test_direct_read_sends_no_message(src, make_puller, n_blocks, lookup):
 
 @pytest.mark.parametrize("local", [0, 14], ids=["whole-prefix", "local-head"])
 def test_blocks_placed_by_chain_and_by_hash_are_both_read_directly(src, make_puller, lookup,
-                                                                    local):
+                                                                    local, monkeypatch):
     """The source placed a prompt's first 18 blocks with their chain (two directory groups)
     and the last 4 by hash alone (committed under a parent it did not hold): the look-up
     finds the first at home and the rest in their plain buckets, with no message; with a
     ``local`` head the pull's hashes start inside the first group."""
+    rounds = []
+    buckets = direct.DirectRead._buckets
+
+    def counted(self, read, which):
+        rounds.append(len(which))
+        return buckets(self, read, which)
+
+    monkeypatch.setattr(direct.DirectRead, "_buckets", counted)
     tokens = fresh_tokens(22 * BS)
     src.commit(tokens[:18 * BS])
     hashes = src.commit(tokens, placement="hash")
@@ -84,7 +92,39 @@ def test_blocks_placed_by_chain_and_by_hash_are_both_read_directly(src, make_pul
     o = pull(p, f"placed-{local}", tokens, hint_for(src, tokens))
     assert o.used and o.blocks_transferred == 22 - local and o.messages == 0, o
     assert served_kinds(src, sent) == {k: 0 for k in sent}
+    # home buckets of every wanted hash, then the plain buckets of the last four
+    assert rounds == ([] if lookup == "whole" else [22 - local, 4])
     claim_check_release(p, group, src, f"placed-{local}", hashes[local:])
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_a_source_that_announces_no_group_is_read_by_plain_bucket(src, make_puller,
+                                                                   monkeypatch):
+    """A source whose state has no ``dir_group`` places every hash in its plain bucket: the
+    destination looks there at once, in one round, with no message."""
+    from kvkern.xfer import state as state_mod  # noqa: PLC0415
+
+    parse = state_mod.parse_read_index
+    monkeypatch.setattr(state_mod, "parse_read_index", lambda doc: parse(
+        {k: v for k, v in doc.items() if k != "dir_group"} if isinstance(doc, dict) else doc))
+    rounds = []
+    buckets = direct.DirectRead._buckets
+
+    def counted(self, read, which):
+        rounds.append(len(which))
+        return buckets(self, read, which)
+
+    monkeypatch.setattr(direct.DirectRead, "_buckets", counted)
+    monkeypatch.setattr(direct, "read_whole", lambda dir_buckets, k: False)
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens, placement="hash")
+    group = make_group()
+    p = make_puller(group, direct_reads=True)
+    o = pull(p, "plain", tokens, hint_for(src, tokens))
+    assert o.used and o.blocks_transferred == 6 and o.messages == 0, o
+    assert rounds == [6]  # the plain buckets only
+    claim_check_release(p, group, src, "plain", hashes)
     assert_clean(group)
     src.wait_no_pins()
 
