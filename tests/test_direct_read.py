@@ -4,6 +4,8 @@ confirm goes the granted way. Same source peer, model and checks as tests/test_p
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -73,9 +75,9 @@ def test_blocks_placed_by_chain_and_by_hash_are_both_read_directly(src, make_pul
     rounds = []
     buckets = direct.DirectRead._buckets
 
-    def counted(self, read, which):
+    def counted(self, read, which, wanted):
         rounds.append(len(which))
-        return buckets(self, read, which)
+        return buckets(self, read, which, wanted)
 
     monkeypatch.setattr(direct.DirectRead, "_buckets", counted)
     tokens = fresh_tokens(22 * BS)
@@ -111,9 +113,9 @@ def test_a_source_that_announces_no_group_is_read_by_plain_bucket(src, make_pull
     rounds = []
     buckets = direct.DirectRead._buckets
 
-    def counted(self, read, which):
+    def counted(self, read, which, wanted):
         rounds.append(len(which))
-        return buckets(self, read, which)
+        return buckets(self, read, which, wanted)
 
     monkeypatch.setattr(direct.DirectRead, "_buckets", counted)
     monkeypatch.setattr(direct, "read_whole", lambda dir_buckets, k: False)
@@ -395,6 +397,39 @@ def test_read_spans_reads_each_entry_once_in_order(entries, item, gap, vectorize
     assert sum(n for *_, n in reads) <= len(set(offsets)) * (item + gap)
     for (p, o, n), (p2, o2, _) in zip(reads, reads[1:], strict=False):
         assert p2 == p + n and o2 - (o + n) > gap
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(1, 20)), min_size=1, max_size=12),
+       st.sampled_from([32, 256]), st.booleans())
+def test_plan_reads_reads_runs_in_order_and_else_spans(chunks, item, vectorized):
+    """Runs of entries that follow each other in the order wanted (a chain's home buckets,
+    several groups) are read one read per run, landing in that order; offsets that do not
+    form such runs get :func:`read_spans`' plan. Either way every wanted entry lands where
+    the plan says, and the loop and the vectorized detection agree."""
+    import numpy as np  # noqa: PLC0415
+
+    offsets = [(start + i) * item for start, n in chunks for i in range(n)]
+    small = direct.SMALL
+    try:
+        if vectorized:
+            direct.SMALL = -1
+        index, reads = direct.plan_reads(np.array(offsets, np.int64), item, 0)
+    finally:
+        direct.SMALL = small
+    runs = 1 + sum(1 for a, b in zip(offsets, offsets[1:], strict=False) if b != a + item)
+    if len(offsets) >= 4 and 4 * runs <= len(offsets):
+        assert index is None and len(reads) == runs
+        assert [p for p, *_ in reads] == list(itertools.accumulate(
+            [n for *_, n in reads[:-1]], initial=0))
+    else:
+        want_index, want_reads = direct.read_spans(np.array(offsets), item, 0)
+        assert index.tolist() == want_index.tolist() and reads == want_reads
+    buf = np.full(sum(n for *_, n in reads) // item, -1)
+    for p, o, n in reads:
+        buf[p // item:(p + n) // item] = np.arange(o // item, (o + n) // item)
+    got = buf if index is None else buf[index]
+    assert got.tolist() == [o // item for o in offsets]
 
 
 def test_read_spans_refuses_unaligned_offsets():

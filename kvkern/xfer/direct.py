@@ -12,11 +12,12 @@ most ``XferConfig.loop_read_bytes``, on the event loop through the loop lane: se
     2. the blocks' bytes into the private blocks   (split over every lane, as a granted read)
     3. the same slots again                        -> kept only if every slot is unchanged
 
-Steps 1 and 3 read the wanted buckets (slots) in ascending order, neighbours that are at most
+Step 1 reads the wanted buckets in ascending order, neighbours that are at most
 ``DIRECTORY_READ_COST_BYTES`` apart in one read with the bytes between them
 (:func:`read_spans`): a read's fixed cost buys that many bytes. A source that places chains
 together (the index's ``dir_group``) puts a pull's consecutive hashes in consecutive home
-buckets, so step 1 is about one read per group of them and step 3 as few.
+buckets, read as one run each in the order wanted (:func:`plan_reads`): about one read per
+group of them. Step 3 repeats step 1's reads, in one batch.
 
 A block is withdrawn from the directory (its slot's tag bumped) before its pool can hand it
 to a writer, and published only after its bytes are final; a slot's tag never repeats. So a
@@ -46,14 +47,12 @@ import numpy as np
 from kvkern.cache.directory import (
     BUCKET_BYTES,
     BUCKET_SLOTS,
-    SLOT_BYTES,
     SLOT_WORDS,
     SMALL,
     bucket_of,
     entries,
     find,
     home_buckets,
-    slot_offsets,
     stable,
 )
 from kvkern.xfer.messages import ReadGrant, Status
@@ -70,8 +69,8 @@ if TYPE_CHECKING:
     from kvkern.xfer.receive import ReadReceiver
     from kvkern.xfer.state import ReadIndex
 
-__all__ = ["DirectRead", "look_up_reads", "read_directly", "read_spans", "read_whole",
-           "same_directory"]
+__all__ = ["DirectRead", "look_up_reads", "plan_reads", "read_directly", "read_spans",
+           "read_whole", "same_directory"]
 
 # Whole-directory buffers kept per source for the next pull: at most this many, each at most
 # this large (a directory is 256 B per pool block).
@@ -80,7 +79,8 @@ SCRATCH_TABLE_BYTES = 4 << 20
 # A larger directory is read by bucket, whatever the pull's size (no read, and no buffer, of
 # more than this on a source's word).
 MAX_WHOLE_DIRECTORY_BYTES = 64 << 20
-_SPANS = ("spans",)  # the scratch key of the buffer that bucket and slot reads land in
+_SPANS = ("spans",)  # the scratch key of the buffer that bucket reads land in
+BUCKET_WORDS = BUCKET_BYTES // 8
 
 log = logging.getLogger("kvkern.xfer")
 
@@ -150,6 +150,30 @@ def read_spans(offsets: np.ndarray, item: int, gap: int) -> tuple[np.ndarray, li
             list(zip(pos.tolist(), start.tolist(), nbytes.tolist(), strict=True)))
 
 
+def plan_reads(offsets: np.ndarray, item: int, gap: int) -> tuple[np.ndarray | None,
+                                                                  list[tuple[int, int, int]]]:
+    """The reads that fetch the ``item``-byte entries at byte ``offsets`` of a remote table,
+    as :func:`read_spans` returns them; but when the entries mostly follow each other in the
+    order wanted (each at the previous one's next ``item`` bytes: a chain's home buckets),
+    one read per such run, in that order, at most a quarter as many reads as entries, and
+    ``None`` for the index (entry ``i`` is the concatenation's ``i``-th: no sort, no
+    gather)."""
+    offs = np.asarray(offsets, dtype=np.int64)
+    k = len(offs)
+    if k >= 4 and offs.ndim == 1:
+        if k <= SMALL:
+            listed = offs.tolist()
+            starts = [0, *(i for i in range(1, k) if listed[i] != listed[i - 1] + item)]
+        else:
+            starts = [0, *(np.flatnonzero(np.diff(offs) != item) + 1).tolist()]
+            listed = offs
+        if 4 * len(starts) <= k and not (offs % item).any() and offs.min() >= 0:
+            ends = [*starts[1:], k]
+            return None, [(a * item, int(listed[a]), (b - a) * item)
+                          for a, b in zip(starts, ends, strict=True)]
+    return read_spans(offs, item, gap)
+
+
 def same_directory(a: ReadIndex, b: ReadIndex) -> bool:
     """Two ranks' indexes name one read directory (the ranks of one pool): one look-up and
     one confirmation serve the pairs of both."""
@@ -203,6 +227,7 @@ class DirectRead:
                                 look_up_reads(job.local, job.count, group))
         self.nbytes = job.count * sum(pair.block_nbytes for pair, _ in self.pairs)
         self.reads = 0
+        self._rounds: list[tuple] = []  # the look-up's bucket reads: (which, k, plan)
         self.lookup_s = self.data_s = self.confirm_s = 0.0  # steps 1, 2 and 3
         self.t_in = self.t_out = 0.0  # when the steps began and ended (perf_counter)
         self.miss = ""  # why nothing was kept (a grant is asked for instead)
@@ -265,7 +290,7 @@ class DirectRead:
         not found at home."""
         table = (yield from self._whole_table(read)) if self.whole else None
         if table is None:
-            rows = yield from self._buckets(read, self.home)
+            rows = yield from self._buckets(read, self.home, None)
         else:
             rows = table[self.home]
         slot, block, _ = find(rows, self.want)
@@ -273,7 +298,7 @@ class DirectRead:
         miss = np.flatnonzero((block < 0) & (self.plain != self.home))
         if len(miss):
             if table is None:
-                more = yield from self._buckets(read, self.plain[miss])
+                more = yield from self._buckets(read, self.plain[miss], miss)
             else:
                 more = table[self.plain[miss]]
             slot2, block2, _ = find(more, self.want[miss])
@@ -289,10 +314,39 @@ class DirectRead:
         yield from read([(index.dir_key, [(table.ctypes.data, index.dir_base, table.nbytes)])])
         return table
 
-    def _buckets(self, read: Reader, buckets: np.ndarray) -> Steps[np.ndarray]:
-        """The rows of ``buckets``, read from the source."""
-        at = yield from self._spans(read, buckets * BUCKET_BYTES, BUCKET_BYTES)
-        return at.reshape(-1, BUCKET_SLOTS, SLOT_WORDS)
+    def _buckets(self, read: Reader, buckets: np.ndarray,
+                 which: np.ndarray | None) -> Steps[np.ndarray]:
+        """The rows of ``buckets`` (those of the wanted hashes ``which``, None: all), read
+        from the source; the reads are kept for the confirmation (:meth:`_slots`)."""
+        # (the reads' gaps narrowed so that their bytes stay within
+        # MAX_WHOLE_DIRECTORY_BYTES)
+        gap = max(0, min(DIRECTORY_READ_COST_BYTES,
+                         MAX_WHOLE_DIRECTORY_BYTES // max(len(buckets), 1) - BUCKET_BYTES))
+        plan = plan_reads(buckets * BUCKET_BYTES, BUCKET_BYTES, gap)
+        self._rounds.append((which, len(buckets), plan))
+        (rows,) = yield from self._fetch(read, [(len(buckets), plan)])
+        return rows
+
+    def _fetch(self, read: Reader, plans: Sequence[tuple[int, tuple]]) -> Steps[list]:
+        """Each plan's ``k`` bucket rows (:func:`plan_reads`), all read at once; copies (the
+        buffer is reused)."""
+        reads, at = [], 0
+        for _, (_, runs) in plans:
+            reads.append(at)
+            at += sum(n for *_, n in runs)
+        buf = self._scratch(at // 8)
+        base = buf.ctypes.data
+        dir_base = self.index.dir_base
+        yield from read([(self.index.dir_key, [
+            (base + start + p, dir_base + off, n)
+            for start, (_, (_, runs)) in zip(reads, plans, strict=True) for p, off, n in runs])])
+        out = []
+        for start, (k, (index, _)) in zip(reads, plans, strict=True):
+            words = buf[start // 8:]
+            rows = (words[:k * BUCKET_WORDS].copy() if index is None
+                    else words.reshape(-1, BUCKET_WORDS)[index])
+            out.append(rows.reshape(k, BUCKET_SLOTS, SLOT_WORDS))
+        return out
 
     def _table(self) -> np.ndarray:
         """A buffer for the whole directory: this source's from earlier reads when it is
@@ -314,24 +368,14 @@ class DirectRead:
 
     def _slots(self, read: Reader, slot: np.ndarray, where: np.ndarray) -> Steps[np.ndarray]:
         """The found slots' words (slot ``slot[i]`` of bucket ``where[i]``), read again after
-        the blocks."""
+        the blocks: the look-up's bucket reads once more, all at once."""
         if self.whole:
             return entries((yield from self._whole_table(read))[where], slot)
-        return (yield from self._spans(read, slot_offsets(where, slot), SLOT_BYTES))
-
-    def _spans(self, read: Reader, offsets: np.ndarray, item: int) -> Steps[np.ndarray]:
-        """The ``item``-byte directory entries at byte ``offsets`` (:func:`read_spans`), as
-        ``uint64`` rows in the order of ``offsets``. The reads' gaps are narrowed so that
-        their bytes stay within :data:`MAX_WHOLE_DIRECTORY_BYTES`."""
-        gap = max(0, min(DIRECTORY_READ_COST_BYTES,
-                         MAX_WHOLE_DIRECTORY_BYTES // max(len(offsets), 1) - item))
-        index, reads = read_spans(offsets, item, gap)
-        total = sum(n for *_, n in reads)
-        buf = self._scratch(total // 8)
-        base = buf.ctypes.data
-        yield from read([(self.index.dir_key, [(base + p, self.index.dir_base + off, n)
-                                               for p, off, n in reads])])
-        return buf.reshape(-1, item // 8)[index]  # (a copy: the buffer is reused)
+        got = yield from self._fetch(read, [(k, plan) for _, k, plan in self._rounds])
+        rows = got[0]
+        for (which, _, _), more in zip(self._rounds[1:], got[1:], strict=True):
+            rows[which] = more
+        return entries(rows, slot)
 
     def _scratch(self, words: int) -> np.ndarray:
         """A buffer of ``words`` for bucket or slot reads: one kept for the next pull while
