@@ -22,8 +22,8 @@ from kvkern.cache.protocol import Lease, PinHandle
 if TYPE_CHECKING:
     from kvkern.cache.directory import ReadDirectory
 
-__all__ = ["DIRECTORY_GROUP", "MAX_GROUP", "Block", "BlockTable", "FreeQueue", "LeaseTable", "PinTable",
-           "chain_records", "check_invariants"]
+__all__ = ["DIRECTORY_GROUP", "MAX_GROUP", "Block", "BlockTable", "FreeQueue", "LeaseTable",
+           "PinTable", "chain_records", "check_invariants"]
 
 # A read directory places a chain's blocks this many at a time in consecutive buckets
 # (kvkern.cache.directory): a look-up of k chained hashes reads about k / 16 + 1 spans of
