@@ -43,6 +43,21 @@ def lookup(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def rounds(monkeypatch) -> list[int]:
+    """How many buckets each of the direct reads' bucket-reading rounds read (home, then
+    plain), in order."""
+    counts: list[int] = []
+    buckets = direct.DirectRead._buckets
+
+    def counted(self, read, which, wanted):
+        counts.append(len(which))
+        return buckets(self, read, which, wanted)
+
+    monkeypatch.setattr(direct.DirectRead, "_buckets", counted)
+    return counts
+
+
 def stats(src) -> dict:
     return src.http("GET", "/test/stats")["replies"]
 
@@ -67,19 +82,11 @@ def test_direct_read_sends_no_message(src, make_puller, n_blocks, lookup):
 
 @pytest.mark.parametrize("local", [0, 14], ids=["whole-prefix", "local-head"])
 def test_blocks_placed_by_chain_and_by_hash_are_both_read_directly(src, make_puller, lookup,
-                                                                    local, monkeypatch):
+                                                                    local, rounds):
     """The source placed a prompt's first 18 blocks with their chain (two directory groups)
     and the last 4 by hash alone (committed under a parent it did not hold): the look-up
     finds the first at home and the rest in their plain buckets, with no message; with a
     ``local`` head the pull's hashes start inside the first group."""
-    rounds = []
-    buckets = direct.DirectRead._buckets
-
-    def counted(self, read, which, wanted):
-        rounds.append(len(which))
-        return buckets(self, read, which, wanted)
-
-    monkeypatch.setattr(direct.DirectRead, "_buckets", counted)
     tokens = fresh_tokens(22 * BS)
     src.commit(tokens[:18 * BS])
     hashes = src.commit(tokens, placement="hash")
@@ -102,7 +109,7 @@ def test_blocks_placed_by_chain_and_by_hash_are_both_read_directly(src, make_pul
 
 
 def test_a_source_that_announces_no_group_is_read_by_plain_bucket(src, make_puller,
-                                                                   monkeypatch):
+                                                                   monkeypatch, rounds):
     """A source whose state has no ``dir_group`` places every hash in its plain bucket: the
     destination looks there at once, in one round, with no message."""
     from kvkern.xfer import state as state_mod  # noqa: PLC0415
@@ -110,14 +117,6 @@ def test_a_source_that_announces_no_group_is_read_by_plain_bucket(src, make_pull
     parse = state_mod.parse_read_index
     monkeypatch.setattr(state_mod, "parse_read_index", lambda doc: parse(
         {k: v for k, v in doc.items() if k != "dir_group"} if isinstance(doc, dict) else doc))
-    rounds = []
-    buckets = direct.DirectRead._buckets
-
-    def counted(self, read, which, wanted):
-        rounds.append(len(which))
-        return buckets(self, read, which, wanted)
-
-    monkeypatch.setattr(direct.DirectRead, "_buckets", counted)
     monkeypatch.setattr(direct, "read_whole", lambda dir_buckets, k: False)
     tokens = fresh_tokens(6 * BS)
     hashes = src.commit(tokens, placement="hash")
