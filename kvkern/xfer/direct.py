@@ -330,18 +330,18 @@ class DirectRead:
     def _fetch(self, read: Reader, plans: Sequence[tuple[int, tuple]]) -> Steps[list]:
         """Each plan's ``k`` bucket rows (:func:`plan_reads`), all read at once; copies (the
         buffer is reused)."""
-        reads, at = [], 0
+        starts, at = [], 0  # each plan's first byte in the buffer
         for _, (_, runs) in plans:
-            reads.append(at)
+            starts.append(at)
             at += sum(n for *_, n in runs)
         buf = self._scratch(at // 8)
         base = buf.ctypes.data
         dir_base = self.index.dir_base
         yield from read([(self.index.dir_key, [
             (base + start + p, dir_base + off, n)
-            for start, (_, (_, runs)) in zip(reads, plans, strict=True) for p, off, n in runs])])
+            for start, (_, (_, runs)) in zip(starts, plans, strict=True) for p, off, n in runs])])
         out = []
-        for start, (k, (index, _)) in zip(reads, plans, strict=True):
+        for start, (k, (index, _)) in zip(starts, plans, strict=True):
             words = buf[start // 8:]
             rows = (words[:k * BUCKET_WORDS].copy() if index is None
                     else words.reshape(-1, BUCKET_WORDS)[index])
@@ -378,8 +378,8 @@ class DirectRead:
         return entries(rows, slot)
 
     def _scratch(self, words: int) -> np.ndarray:
-        """A buffer of ``words`` for bucket or slot reads: one kept for the next pull while
-        it is small, else a new one."""
+        """A buffer of ``words`` for bucket reads: one kept for the next pull while it is
+        small, else a new one."""
         if words * 8 > SCRATCH_TABLE_BYTES:
             buf = np.empty(words, np.uint64)
             self.buffers.append(buf)
