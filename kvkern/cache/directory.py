@@ -182,12 +182,11 @@ class ReadDirectory:
         if self._slot_of[bid] >= 0:
             raise ValueError(f"block {bid} is already published under hash "
                              f"{int(self._hash_of[bid])} (slot {int(self._slot_of[bid])})")
-        mask = self._buckets - 1
-        home = h & mask if chain is None else (chain[1] + chain[0] % self._group) & mask
+        home = self._home(h, chain)
         bucket = home
         used = self._used[bucket]
         if used == _FULL:
-            bucket = h & mask
+            bucket = h & (self._buckets - 1)
             used = self._used[bucket]
             if used == _FULL:
                 self._unpublished += 1
@@ -227,6 +226,11 @@ class ReadDirectory:
         self._hash_of[bid] = 0
         self._home_of[bid] = -1
         self._published -= 1
+
+    def _home(self, h: int, chain: tuple[int, int] | None) -> int:
+        """The home bucket of hash ``h`` at ``chain`` (``(position, anchor)``, None: unknown)."""
+        mask = self._buckets - 1
+        return h & mask if chain is None else (chain[1] + chain[0] % self._group) & mask
 
     def _check_block(self, block_id: int) -> int:
         if isinstance(block_id, bool) or not isinstance(block_id, int) or not (
@@ -274,7 +278,6 @@ class ReadDirectory:
             if flat // BUCKET_SLOTS not in (h & (self._buckets - 1), int(self._home_of[bid])):
                 raise AssertionError(f"slot {flat}: hash {h} outside its home and plain "
                                      f"buckets")
-        mask = self._buckets - 1
         for bid in np.flatnonzero(self._slot_of >= 0).tolist():
             h = int(self._hash_of[bid])
             if index.get(h) != bid:
@@ -282,7 +285,7 @@ class ReadDirectory:
                                      f"has {index.get(h)}")
             if chains is not None:
                 c = chains.get(bid)
-                home = h & mask if c is None else (c[1] + c[0] % self._group) & mask
+                home = self._home(h, c)
                 if int(self._home_of[bid]) != home:
                     raise AssertionError(f"block {bid} (chain {c}) has home bucket "
                                          f"{int(self._home_of[bid])}, not {home}")
