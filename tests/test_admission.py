@@ -144,9 +144,28 @@ def test_engine_hashes_are_used_as_given():
     bad = _engine(hint(block_hashes=(11, 99), hash_scheme="engine"), engine)
     assert isinstance(bad, Skip) and bad.reason is Reason.HASH_MISMATCH
     assert "hint hash 1 is 99" in bad.detail
-    other = _engine(hint(block_hashes=(11,), hash_scheme="trtllm-v1"), engine)
-    assert isinstance(other, Skip) and other.reason is Reason.HASH_SCHEME_MISMATCH
     long = _engine(hint(block_hashes=(11, 22, 33, 44, 55), hash_scheme="engine"), engine)
     assert isinstance(long, Skip) and long.reason is Reason.HASH_MISMATCH
     nothing = _engine(hint(), engine, max_blocks=0)
     assert isinstance(nothing, Skip) and nothing.reason is Reason.LOCAL_PREFIX_SUFFICIENT
+
+
+def test_a_hint_in_another_scheme_is_checked_on_the_tokens_and_the_engine_hashes_pulled():
+    """A router hashing in its own scheme names the prompt in that scheme: with the engine's
+    hashes given, the hint is checked against the tokens in the hint's scheme, and the pull
+    asks for the engine's hashes (never the router's)."""
+    engine = [11, 22, 33, 44]
+    router = sequence_hashes(TOKENS[:2 * BS], BS, "trtllm-v1")
+    got = _engine(hint(block_hashes=tuple(router), hash_scheme="trtllm-v1"), engine)
+    assert isinstance(got, Admitted) and (got.hinted, got.chained) == (2, [11, 22])
+    wrong = _engine(hint(block_hashes=(router[0], router[1] ^ 1), hash_scheme="trtllm-v1"),
+                    engine)
+    assert isinstance(wrong, Skip) and wrong.reason is Reason.HASH_MISMATCH
+    assert "hint hash 1" in wrong.detail
+    unknown = _engine(hint(block_hashes=(11,), hash_scheme="no-such-scheme"), engine)
+    assert isinstance(unknown, Skip) and unknown.reason is Reason.HASH_SCHEME_MISMATCH
+    salted = sequence_hashes(TOKENS[:2 * BS], BS, "trtllm-v1", cache_salt=salt_key("t"))
+    got = admit(TOKENS, hint(block_hashes=tuple(salted), hash_scheme="trtllm-v1"),
+                worker=worker(scheme="vllm-sha256-v1"), config=CONFIG,
+                cost_guard=CostGuard(CONFIG), salt=salt_key("t"), engine_hashes=engine)
+    assert isinstance(got, Admitted) and got.chained == [11, 22]

@@ -520,6 +520,37 @@ def test_source_not_allowed(src, make_puller):
     assert_clean(group)
 
 
+def test_the_engines_own_hashes_are_pulled_without_hashing_the_prompt(src, make_puller,
+                                                                     monkeypatch):
+    """``submit(block_hashes=)``: an engine that has hashed its prompt already passes the
+    hashes; the pull asks for exactly those (the prompt's tokens are not hashed again) and
+    the hint's router hashes are still checked against the tokens."""
+    from kvkern.xfer import admission  # noqa: PLC0415
+
+    tokens = fresh_tokens(6 * BS + 1)
+    hashes = src.commit(tokens)
+    group = make_group()
+    p = make_puller(group)
+    with pytest.raises(ValueError, match="64-bit"):
+        p.submit("bad", tokens, hint_for(src, tokens), block_hashes=[-1] * 6)
+
+    def no_hashing(*args, **kwargs):
+        raise AssertionError("the prompt was hashed again")
+
+    monkeypatch.setattr(admission, "sequence_hashes", no_hashing)
+    o = p.submit("own", tokens, hint_for(src, tokens), block_hashes=hashes) and \
+        p.result("own", 30)
+    assert o.used and o.blocks_transferred == 6, o
+    claim_check_release(p, group, src, "own", hashes)
+    # the hint names another prompt: its hashes are checked on the tokens, not trusted
+    other = fresh_tokens(6 * BS)
+    o = p.submit("other", tokens, hint_for(src, other), block_hashes=hashes) and \
+        p.result("other", 30)
+    assert not o.used and o.reason is Reason.HASH_MISMATCH, o
+    assert_clean(group)
+    src.wait_no_pins()
+
+
 def test_hash_scheme_mismatch(src, make_puller):
     tokens = fresh_tokens(4 * BS)
     src.commit(tokens)

@@ -54,6 +54,22 @@ def test_engine_reuses_its_prefix_and_releases_every_block():
     e.pool.check_invariants()
 
 
+def test_engine_uses_the_hashes_its_caller_computed():
+    """The worker hashes a prompt once and hands the hashes to the local-prefix check, the
+    pull and the prefill: the same cache hits and commits as hashing each time."""
+    e = Engine(ModelConfig.tiny(), num_blocks=32)
+    prompt = toks(30, 2)
+    hashes = e.pool_hashes(prompt, "t")
+    first = e.generate(prompt, 2, arrival=time.perf_counter(), cache_salt="t", hashes=hashes)
+    assert first.blocks_committed == 7
+    assert e.cached_prefix_tokens(prompt, "t", hashes=hashes) == \
+        e.cached_prefix_tokens(prompt, "t") == 7 * e.block_size
+    again = e.generate(prompt, 2, arrival=time.perf_counter(), cache_salt="t", hashes=hashes)
+    assert again.cached_tokens == 7 * e.block_size and again.tokens == first.tokens
+    assert e.cached_prefix_tokens(prompt, "other") == 0
+    e.pool.check_invariants()
+
+
 def test_engine_caps_a_full_hit_so_the_last_token_is_computed():
     e = Engine(ModelConfig.tiny(), num_blocks=16)
     prompt = toks(12, 2)  # exactly 3 blocks

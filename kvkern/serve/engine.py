@@ -116,29 +116,39 @@ class Engine:
         return sequence_hashes(token_ids, self.block_size, self.pool.hash_scheme,
                                cache_salt=salt_key(cache_salt))
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str = "") -> int:
-        """Prompt tokens this worker holds now under ``cache_salt`` (read-only, full blocks)."""
-        return (self.pool.longest_prefix(self.pool_hashes(token_ids, cache_salt))
-                * self.block_size)
+    def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str = "", *,
+                             hashes: Sequence[int] | None = None) -> int:
+        """Prompt tokens this worker holds now under ``cache_salt`` (read-only, full blocks);
+        ``hashes``: the prompt's :meth:`pool_hashes`, when the caller has them."""
+        if hashes is None:
+            hashes = self.pool_hashes(token_ids, cache_salt)
+        return self.pool.longest_prefix(list(hashes)) * self.block_size
 
     # ------------------------------------------------------------------------ generation
 
     def generate(self, token_ids: Sequence[int], max_new_tokens: int, *, arrival: float,
                  use_cache: bool = True, held: Sequence[int] = (),
-                 on_prefill: Any = None, cache_salt: str = "") -> GenerateResult:
+                 on_prefill: Any = None, cache_salt: str = "",
+                 hashes: Sequence[int] | None = None) -> GenerateResult:
         """Greedy generation of ``max_new_tokens`` tokens after ``token_ids``.
 
         ``held``: block ids the caller holds references on (claimed pulled blocks); they
         are released with the request's own. ``on_prefill(tokens, seconds)`` is called after
         a prefill that computed ``tokens`` positions (the puller's cost model learns it).
         ``cache_salt``: the tenant's salt; only blocks cached under the same salt are reused.
+        ``hashes``: the prompt's :meth:`pool_hashes` under that salt, when the caller has them.
         """
         prompt = [int(t) for t in token_ids]
         T = self.block_size
         owned: list[int] = list(held)  # one reference each, released in `finally`
         with self._lock:
             try:
-                hashes = self.pool_hashes(prompt, cache_salt) if use_cache else []
+                if not use_cache:
+                    hashes = []
+                elif hashes is None:
+                    hashes = self.pool_hashes(prompt, cache_salt)
+                else:
+                    hashes = list(hashes)
                 hit: list[int] = []
                 if use_cache:
                     hit = self.pool.acquire_prefix(hashes)

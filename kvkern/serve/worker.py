@@ -419,7 +419,10 @@ class Worker:
 
         out: dict[str, Any] = {"request_id": request_id, "hint": None, "pull": None,
                                "fallback": None, "pulled_tokens": 0, "pull_wait_s": 0.0}
-        local_tokens = self.engine.cached_prefix_tokens(tokens, salt) if use_cache else 0
+        # the prompt's pool hashes, once: the local prefix, the pull and the prefill use them
+        hashes = self.engine.pool_hashes(tokens, salt) if use_cache else []
+        local_tokens = (self.engine.cached_prefix_tokens(tokens, salt, hashes=hashes)
+                        if use_cache else 0)
         out["local_tokens"] = local_tokens
         held: list[int] = []
         hint = decode_hint(body, limits=self._limits) if use_cache else None
@@ -437,7 +440,7 @@ class Worker:
                 out["fallback"] = "closed"
             else:
                 t0 = time.perf_counter()
-                held, outcome = self._pull(request_id, tokens, hint, salt)
+                held, outcome = self._pull(request_id, tokens, hint, salt, hashes)
                 out["pull_wait_s"] = time.perf_counter() - t0
                 # What the pull learned of the source stays in this worker's log: a tenant
                 # sees the outcome, not the detail (ports, fields, redirects, counts).
@@ -454,7 +457,7 @@ class Worker:
         on_prefill = getattr(self.puller, "observe_prefill", None)
         fut = self._engine_pool.submit(self.engine.generate, tokens, max_new, arrival=arrival,
                                        use_cache=use_cache, held=held, on_prefill=on_prefill,
-                                       cache_salt=salt)
+                                       cache_salt=salt, hashes=hashes)
         try:
             res = fut.result()
         except RuntimeError as exc:  # pool exhausted (the model's allocator message)
@@ -462,13 +465,14 @@ class Worker:
         out.update(res.to_json(return_logits=return_logits))
         return 200, out
 
-    def _pull(self, request_id: str, tokens: list[int], hint,
-              salt: str = "") -> tuple[list[int], Any]:
-        """Submit the pull, wait for its outcome (bounded), claim its blocks. Returns the
-        claimed block ids (empty when the pull was not used) and the outcome."""
+    def _pull(self, request_id: str, tokens: list[int], hint, salt: str = "",
+              hashes: list[int] | None = None) -> tuple[list[int], Any]:
+        """Submit the pull (with the prompt's pool hashes, when given), wait for its outcome
+        (bounded), claim its blocks. Returns the claimed block ids (empty when the pull was
+        not used) and the outcome."""
         p = self.puller
         bound = self.opts.deadline_s + self.opts.metadata_timeout_s + 5.0
-        p.submit(request_id, tokens, hint, cache_salt=salt)
+        p.submit(request_id, tokens, hint, cache_salt=salt, block_hashes=hashes)
         try:
             outcome = p.result(request_id, timeout=bound)
         except Exception:

@@ -470,6 +470,7 @@ class _PullBench:
                          if s.all_variants and s.data_path != "stream" else None)
         self.per_block = sum(rkv.layout.bytes_per_block for rkv in self.ranks.values())
         self._rid = iter(range(1 << 30))
+        self._hashes: dict[int, list[int]] = {}  # per prompt length: the engine's own hashes
 
     @property
     def pullers(self) -> list[Any]:
@@ -481,7 +482,13 @@ class _PullBench:
         r = f"bench-{next(self._rid)}"
         hint = {"kv_hint": {"source": f"127.0.0.1:{port or self.bench.pull_http_port}",
                             "no_retain": True}}
-        via.submit(r, list(range(n * self.bs)), hint)
+        tokens = list(range(n * self.bs))
+        hashes = self._hashes.get(n)
+        if hashes is None:  # an engine hashes its prompt as it arrives, for its own cache
+            from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
+
+            hashes = self._hashes[n] = sequence_hashes(tokens, self.bs, self.group.hash_scheme)
+        via.submit(r, tokens, hint, block_hashes=hashes)
         o = await via.wait(r, 60)
         if not o.used:
             raise RuntimeError(f"bench pull of {n} blocks fell back: {o.reason.value}: "

@@ -10,8 +10,10 @@ per-block form (Dynamo's router) or the chained form; a hint in the engine's own
 (:data:`~kvkern.xfer.hints.ENGINE_SCHEME`, Dynamo's dialects) is checked in the worker's
 scheme. The request to the source always carries the chained hashes of the worker's scheme
 from the root. An engine that hashes its requests itself (vLLM) passes those hashes as
-``engine_hashes``; they are used as they are, never recomputed. A hint without hashes (llm-d)
-covers every full block of the prompt. The trailing partial block is never pulled.
+``engine_hashes``; they are used as they are, never recomputed: a hint in them is compared
+with them, a hint in another scheme (a router's) is checked against the prompt's tokens in
+that scheme. A hint without hashes (llm-d) covers every full block of the prompt. The
+trailing partial block is never pulled.
 """
 
 from __future__ import annotations
@@ -98,6 +100,8 @@ def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config
             return Skip(Reason.INTERNAL_ERROR, f"engine gave {len(engine_hashes)} block hashes "
                         f"for a prompt of {n_full} full blocks")
         checked = _check_engine_hashes(engine_hashes[:n_full], hint, worker.hash_scheme)
+        if checked is None:  # the hint's hashes are another scheme's: check them on tokens
+            checked = _check_hint_hashes(tokens, hint, bs, n_full, salt, worker.hash_scheme)
     else:
         checked = _check_hint_hashes(tokens, hint, bs, n_full, salt, worker.hash_scheme)
     if isinstance(checked, Skip):
@@ -135,20 +139,23 @@ def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config
 
 
 def _check_engine_hashes(engine: list[int], hint: KvHint, worker_scheme: str
-                         ) -> tuple[int, str, list[int] | None] | Skip:
+                         ) -> tuple[int, str, list[int] | None] | Skip | None:
     """(hinted blocks, the worker's scheme, the engine's hashes) when the hint names this
-    prompt in the engine's own hashes; a hint without hashes covers every full block."""
+    prompt in the engine's own hashes; a hint without hashes covers every full block.
+    None when the hint's hashes are in another scheme, or in the worker's scheme but not
+    the engine's chained ones (the per-block form): those are checked on the tokens."""
     if hint.block_hashes is None:
         return len(engine), worker_scheme, engine
     scheme_name = hint.hash_scheme or DEFAULT_SCHEME
     if scheme_name not in (ENGINE_SCHEME, worker_scheme):
-        return Skip(Reason.HASH_SCHEME_MISMATCH, f"hint hashes are {scheme_name}, the engine "
-                    f"hashes its blocks in {worker_scheme}")
+        return None
     want = list(hint.block_hashes)
     if len(want) > len(engine):
         return Skip(Reason.HASH_MISMATCH, f"hint names {len(want)} blocks, the prompt has "
                     f"{len(engine)} full blocks")
     if engine[:len(want)] != want:
+        if scheme_name != ENGINE_SCHEME:
+            return None
         i = next(i for i, (a, b) in enumerate(zip(engine, want, strict=False)) if a != b)
         return Skip(Reason.HASH_MISMATCH, f"hint hash {i} is {want[i]}, the engine's block "
                     f"{i} hashes to {engine[i]} in {worker_scheme}")

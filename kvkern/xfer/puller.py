@@ -194,16 +194,24 @@ class Puller:
 
     def submit(self, request_id: str, token_ids: Sequence[int],
                hint: KvHint | HintRejected | dict | None, *,
-               cache_salt: str = "") -> RequestState:
+               cache_salt: str = "", block_hashes: Sequence[int] | None = None) -> RequestState:
         """Admit a request with its hint; returns its state at once. A missing or rejected
         hint, or one that needs no pull, records an outcome now and leaves the request in
         ``CONTEXT_INIT``; otherwise the pull is scheduled on the loop thread and the request
         is ``CONTEXT_PREFETCH_INIT`` (not schedulable) until it ends. ``cache_salt`` (the
         request's tenant salt, :func:`kvkern.cache.hashing.salt_key`) enters every hash the
-        pull checks and asks for, so only blocks cached under the same salt are pulled."""
+        pull checks and asks for, so only blocks cached under the same salt are pulled.
+        ``block_hashes``: the engine's own chained hashes of the prompt's full blocks, as
+        its block manager indexes them (its scheme, under ``cache_salt``), when it has
+        them already: the pull asks for those and the prompt is not hashed again (a hint in
+        another scheme is still checked against the tokens)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         t_submit = time.perf_counter()
+        if block_hashes is not None:
+            block_hashes = [int(h) for h in block_hashes]
+            if not all(0 <= h < 1 << 64 for h in block_hashes):
+                raise ValueError("block_hashes must be unsigned 64-bit integers")
         rec = self._register(request_id)
         decoded = read_hint(hint, self._limits)
         if self.metrics is not None and not (isinstance(decoded, Skip)
@@ -216,7 +224,8 @@ class Puller:
             return rec.state
         hint = decoded
         verdict = admit(token_ids, hint, worker=self._worker, config=self.config,
-                        cost_guard=self.cost_guard, salt=salt_key(cache_salt))
+                        cost_guard=self.cost_guard, salt=salt_key(cache_salt),
+                        engine_hashes=block_hashes)
         if isinstance(verdict, Skip):
             self._finish(rec, PullOutcome(request_id=request_id, used=False,
                                           reason=verdict.reason, policy=hint.policy,
