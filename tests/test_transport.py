@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from kvkern.xfer import transport
+from kvkern.xfer import transport, ucxcompat
 from kvkern.xfer.messages import DEFAULT_CODEC, Cancel, PlanPiece, PullReply, PullRequest, Status
 from kvkern.xfer.transport import (
     CONTROL_TAG,
@@ -388,6 +388,7 @@ async def test_bind_ucxx_loop_is_idempotent_on_one_loop(monkeypatch):
     assert ctx.notifier_thread is thread and transport._NOTIFIER_LOOP is loop
     if ctx.enable_python_future:
         assert thread is not None and thread.is_alive() and thread._args[0] is loop
+        assert thread._target is ucxcompat._notifier
 
     async def echo(conn):
         msg = await conn.recv_msg(timeout=5)
@@ -399,6 +400,61 @@ async def test_bind_ucxx_loop_is_idempotent_on_one_loop(monkeypatch):
         assert await conn.recv_msg(tag_for(5, Lane.REPLY), timeout=5) == Cancel(
             transfer_id=5, reason="ping")
     assert ctx.notifier_thread is thread
+
+
+def test_the_notifier_hands_each_batch_to_the_loop_and_ends_on_shutdown():
+    """kvkern's notifier thread body: one loop callback per batch of completed requests,
+    the future pool refilled before every wait, nothing scheduled on a timeout, the pool
+    cleared when it ends (on ucxx's shutdown state, the shutdown message, or a closed
+    loop)."""
+    from ucxx._lib.libucxx import PythonRequestNotifierWaitState as State
+
+    class Worker:
+        def __init__(self, states):
+            self.states, self.calls = list(states), []
+
+        def populate_python_futures_pool(self):
+            self.calls.append("populate")
+
+        def wait_request_notifier(self, period_ns):
+            assert period_ns == ucxcompat.NOTIFIER_POLL_NS
+            return self.states.pop(0)
+
+        def run_request_notifier(self):
+            self.calls.append("run")
+
+        def clear_python_futures_pool(self):
+            self.calls.append("clear")
+
+    class Loop(asyncio.AbstractEventLoop):
+        def __init__(self, closed=False):
+            self.scheduled, self.closed = [], closed
+
+        def call_soon_threadsafe(self, fn):
+            if self.closed:
+                raise RuntimeError("Event loop is closed")
+            self.scheduled.append(fn)
+
+    import queue as queues
+
+    def run(loop, worker, q):  # on a thread of its own, as ucxx starts it
+        t = threading.Thread(target=ucxcompat._notifier, args=(loop, worker, q))
+        t.start()
+        t.join(10)
+        assert not t.is_alive()
+
+    worker, loop = Worker([State.Ready, State.Timeout, State.Ready, State.Shutdown]), Loop()
+    run(loop, worker, queues.Queue())
+    assert loop.scheduled == [worker.run_request_notifier] * 2
+    assert worker.calls == ["populate"] * 4 + ["clear"]
+    q = queues.Queue()
+    q.put("shutdown")
+    worker = Worker([State.Timeout])
+    run(Loop(), worker, q)
+    assert worker.calls == ["populate", "clear"]
+    worker = Worker([State.Ready])
+    run(Loop(closed=True), worker, queues.Queue())
+    assert worker.calls == ["populate", "clear"]
 
 
 class _FakeEndpoint:

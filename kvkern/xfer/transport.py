@@ -59,16 +59,19 @@ is set). Measured with ``kvkern bench xfer`` on 2 CPU cores over loopback (table
 single 256 MiB buffer (11 vs 5.4 GB/s), but loses chunked streams (2.2 vs 4.3 GB/s at 4 MiB x
 4) and spins the event loop at 100% of a core in every process, starving the rest of a
 serving worker (HTTP, scheduling) and, on a shared core, the peer. Thread progress keeps
-the event loop free and lets a packer run while chunks fly. Blocking mode (progress on the
-event loop when the worker's fd wakes it, no notifier hop) has the shortest control round
-trip (0.17-0.25 ms against 1.06 ms, hint to first byte 0.67 against 2.39 ms) but one-sided
-reads of 64-256 MiB reach 0.58-0.62 of a raw send against 1.11-1.24 (same build, one run
-each, ``bench/results/xfer/*-progress-*.json``). A dedicated transfer process may still set
+the event loop free and lets a packer run while chunks fly. ucxx's ``blocking`` mode has the
+shortest control round trip (0.17-0.25 ms against 1.06 ms, hint to first byte 0.67 against
+2.39 ms, ``bench/results/xfer/*-progress-*.json``), and streams of 16-64 MiB land 20-40%
+sooner, because its event-loop tasks progress the worker without pause: an idle process
+spends a whole core in it (2.97 CPU seconds in 3 idle seconds, against 0.17 in thread mode),
+which on two cores halves the read lanes' copies (one-sided reads of 64 MiB in 26-28 ms
+against 12.6-14.3 ms). A dedicated transfer process may still set
 ``UCXPY_PROGRESS_MODE=polling``. ``thread-polling`` collapsed on 2 cores (1.3 GB/s, 83 ms
 round trip). Request completion uses ucxx's notifier thread (``UCXPY_ENABLE_PYTHON_FUTURE=1``,
 see :mod:`kvkern.xfer.ucx_env` and :func:`bind_ucxx_loop`): in thread mode without it every
 await spins the event loop, which put the control round trip at 3.6 ms against 0.58 ms with
-it (same run, ``--cases messages``).
+it (same run, ``--cases messages``). Its body is kvkern's
+(:func:`kvkern.xfer.ucxcompat.install_notifier`): one loop callback per batch of completions.
 
 This module uses ucxx's public API only; what it needs of ucxx's internals (the notifier
 thread, the worker handle) is in :mod:`kvkern.xfer.ucxcompat`.
