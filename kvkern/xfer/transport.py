@@ -61,8 +61,8 @@ single 256 MiB buffer (11 vs 5.4 GB/s), but loses chunked streams (2.2 vs 4.3 GB
 serving worker (HTTP, scheduling) and, on a shared core, the peer. Thread progress keeps
 the event loop free and lets a packer run while chunks fly. ucxx's ``blocking`` mode has the
 shortest control round trip (0.17-0.25 ms against 1.06 ms, hint to first byte 0.67 against
-2.39 ms, ``bench/results/xfer/*-progress-*.json``), and streams of 16-64 MiB land 20-40%
-sooner, because its event-loop tasks progress the worker without pause: an idle process
+2.39 ms, ``bench/results/xfer/*-progress-*.json``), and streams of 16-64 MiB took 17-58%
+less time, because its event-loop tasks progress the worker without pause: an idle process
 spends a whole core in it (2.97 CPU seconds in 3 idle seconds, against 0.17 in thread mode),
 which on two cores halves the read lanes' copies (one-sided reads of 64 MiB in 26-28 ms
 against 12.6-14.3 ms). A dedicated transfer process may still set
