@@ -523,8 +523,8 @@ def test_source_not_allowed(src, make_puller):
 def test_the_engines_own_hashes_are_pulled_without_hashing_the_prompt(src, make_puller,
                                                                      monkeypatch):
     """``submit(block_hashes=)``: an engine that has hashed its prompt already passes the
-    hashes; the pull asks for exactly those (the prompt's tokens are not hashed again) and
-    the hint's router hashes are still checked against the tokens."""
+    hashes; the pull asks for exactly those (a hint without hashes: the tokens are not
+    hashed at all) and a hint's router hashes are still checked against the tokens."""
     from kvkern.xfer import admission  # noqa: PLC0415
 
     tokens = fresh_tokens(6 * BS + 1)
@@ -538,14 +538,21 @@ def test_the_engines_own_hashes_are_pulled_without_hashing_the_prompt(src, make_
         raise AssertionError("the prompt was hashed again")
 
     monkeypatch.setattr(admission, "sequence_hashes", no_hashing)
-    o = p.submit("own", tokens, hint_for(src, tokens), block_hashes=hashes) and \
-        p.result("own", 30)
+    monkeypatch.setattr(admission, "get_scheme", no_hashing)
+    p.submit("own", tokens, {"kv_hint": {"source": src.endpoint}}, block_hashes=hashes)
+    o = p.result("own", 30)
     assert o.used and o.blocks_transferred == 6, o
     claim_check_release(p, group, src, "own", hashes)
+    monkeypatch.undo()
+    # a router's per-block hashes of this prompt pass the check on the tokens; the engine's
+    # hashes then find every block cached here
+    p.submit("again", tokens, hint_for(src, tokens), block_hashes=hashes)
+    o = p.result("again", 30)
+    assert not o.used and o.reason is Reason.LOCAL_PREFIX_SUFFICIENT, o
     # the hint names another prompt: its hashes are checked on the tokens, not trusted
     other = fresh_tokens(6 * BS)
-    o = p.submit("other", tokens, hint_for(src, other), block_hashes=hashes) and \
-        p.result("other", 30)
+    p.submit("other", tokens, hint_for(src, other), block_hashes=hashes)
+    o = p.result("other", 30)
     assert not o.used and o.reason is Reason.HASH_MISMATCH, o
     assert_clean(group)
     src.wait_no_pins()
