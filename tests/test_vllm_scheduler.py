@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvkern.cache.hashing import vllm_block_digests
+from kvkern.cache.hashing import DEFAULT_SCHEME, salt_key, sequence_hashes, vllm_block_digests
 from kvkern.integrations.vllm.blocks import VllmBlocks
 from kvkern.integrations.vllm.config import ConnectorConfig
 from kvkern.integrations.vllm.runtime import EngineFacts, EngineRuntime
@@ -28,14 +28,15 @@ def side(**config) -> SchedulerSide:
     return SchedulerSide(rt)
 
 
-def request(rid: str = "r", *, sign: bool = True, params: dict | None = None):
+def request(rid: str = "r", *, sign: bool = True, params: dict | None = None,
+            salt: str | None = None):
     params = dict(params if params is not None else {"kv_hint": {"source": "127.0.0.1:9"}})
     if sign:
         body = {**params, "kv_transfer_params": params}  # as the connector reads it
-        params.update(sign_hint(CREDENTIAL, decode_hint(body), TOKENS))
+        params.update(sign_hint(CREDENTIAL, decode_hint(body), TOKENS, cache_salt=salt or ""))
     return SimpleNamespace(request_id=rid, prompt_token_ids=TOKENS, kv_transfer_params=params,
-                           kv_hints=None, cache_salt=None, num_computed_tokens=0,
-                           block_hashes=vllm_block_digests(TOKENS, BS))
+                           kv_hints=None, cache_salt=salt, num_computed_tokens=0,
+                           block_hashes=vllm_block_digests(TOKENS, BS, cache_salt=salt))
 
 
 def blocks(ids: list[int]):
@@ -98,3 +99,15 @@ def test_unsigned_wrong_and_missing_hints_load_nothing():
     assert counter(s, "kvkern_hints_received_total") == 2  # no hint is not a hint
     assert side(trust_unsigned_hints=True).get_num_new_matched_tokens(
         request("t", sign=False), 0) == (5 * BS, True)
+
+
+def test_a_salted_router_hint_in_another_scheme_is_checked_under_the_requests_salt():
+    """A router that hashes in its own scheme salts a tenant's hashes; the scheduler checks
+    them under the request's cache salt and pulls vLLM's own (salted) block hashes."""
+    salted = sequence_hashes(TOKENS[:5 * BS], BS, DEFAULT_SCHEME, cache_salt=salt_key("t"))
+    hint = {"kv_hint": {"source": "127.0.0.1:9", "block_hashes": salted[:4],
+                        "hash_scheme": DEFAULT_SCHEME}}
+    s = side()
+    assert s.get_num_new_matched_tokens(request("a", params=hint, salt="t"), 0) == (4 * BS, True)
+    plain = side()  # the same hashes for a request without that salt name another prompt
+    assert plain.get_num_new_matched_tokens(request("b", params=hint), 0) == (0, False)
