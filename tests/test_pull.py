@@ -531,8 +531,8 @@ def test_the_engines_own_hashes_are_pulled_without_hashing_the_prompt(src, make_
     hashes = src.commit(tokens)
     group = make_group()
     p = make_puller(group)
-    with pytest.raises(ValueError, match="64-bit"):
-        p.submit("bad", tokens, hint_for(src, tokens), block_hashes=[-1] * 6)
+    with pytest.raises(ValueError, match="outside u64"):
+        p.submit("bad", tokens, hint_for(src, tokens), block_hashes=[1 << 64] * 6)
 
     def no_hashing(*args, **kwargs):
         raise AssertionError("the prompt was hashed again")

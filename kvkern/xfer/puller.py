@@ -75,7 +75,7 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvkern.cache.hashing import salt_key
+from kvkern.cache.hashing import normalize_hashes, salt_key
 from kvkern.xfer.admission import Admitted, Skip, WorkerFacts, admit, read_hint
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.discovery import SourceDiscovery, bounded_put
@@ -209,9 +209,7 @@ class Puller:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         t_submit = time.perf_counter()
         if block_hashes is not None:
-            block_hashes = [int(h) for h in block_hashes]
-            if not all(0 <= h < 1 << 64 for h in block_hashes):
-                raise ValueError("block_hashes must be unsigned 64-bit integers")
+            block_hashes = normalize_hashes(block_hashes)  # u64 (i64 bit-casts wrap)
         rec = self._register(request_id)
         decoded = read_hint(hint, self._limits)
         if self.metrics is not None and not (isinstance(decoded, Skip)
