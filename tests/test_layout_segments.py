@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvkern.layout.chunks import count_chunks, direct_order, plan_chunks
+from kvkern.layout.chunks import chunk_runs, count_chunks, plan_chunks, stream_plan
 from kvkern.layout.plan import plan_transfer
 from kvkern.layout.segments import (
     piece_nbytes,
@@ -74,9 +76,65 @@ def test_chunks_tile_each_piece(lengths, n, limit):
         assert sum(c.nbytes for c in chunks if c.piece == p) == n * length
 
 
-def test_direct_order_puts_the_short_runs_first():
-    ids = list(range(120)) + list(range(512, 520))
-    order = direct_order(ids, 32)
-    assert sorted(order) == ids
-    assert order[:32] == list(range(96, 120)) + list(range(512, 520))
-    assert order[32:64] == list(range(32))
+def _runs(ids):
+    """Maximal runs of consecutive ids, as lists."""
+    out = []
+    for b in ids:
+        if out and b == out[-1][-1] + 1:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
+
+
+def test_stream_plan_lands_long_runs_in_place_and_sends_the_short_ones_first():
+    ids = list(range(40)) + [100, 101] + [200, 201] + list(range(300, 304))
+    order, sizes = stream_plan(ids, 32, 4)
+    assert order == [100, 101, 200, 201] + list(range(40)) + list(range(300, 304))
+    assert sizes == [4, 32, 8, 4]
+    assert chunk_runs(ids, 32, 4) == [32, 8, 4, 4]  # the order kept: short runs in between
+    assert stream_plan([], 32, 4) == ([], [])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=30), st.integers(1, 9),
+       st.integers(1, 6), st.randoms(use_true_random=False))
+def test_chunk_plans_tile_the_ids_and_never_split_a_long_run_badly(run_lens, per, min_run,
+                                                                   rnd):
+    """Any ascending ids: the plan covers them exactly; each chunk is at most ``per``
+    blocks; a chunk made from a long run holds consecutive ids (it lands in place) and
+    every long run is cut only every ``per`` blocks."""
+    ids, at = [], 0
+    for n in run_lens:
+        at += rnd.randint(1, 5)  # a gap: runs stay maximal
+        ids += list(range(at, at + n))
+        at += n
+    order, sizes = stream_plan(ids, per, min_run)
+    assert sorted(order) == ids and sum(sizes) == len(ids)
+    assert all(1 <= k <= per for k in sizes)
+    pos, long_runs = 0, [r for r in _runs(ids) if len(r) >= min_run]
+    chunks = []
+    for k in sizes:
+        chunks.append(order[pos:pos + k])
+        pos += k
+    landed = [c for c in chunks if len(_runs(c)) == 1]
+    for r in long_runs:  # each long run is whole chunks of consecutive ids
+        mine = [c for c in chunks if set(c) <= set(r)]
+        assert sum(map(len, mine)) == len(r)
+        assert all(len(c) == per for c in mine[:-1])
+    assert sum(map(len, landed)) >= sum(map(len, long_runs))
+
+
+@pytest.mark.parametrize("blocks,n,limit,want", [
+    ([3, 1, 4], 8, 4 * 10, [3, 1, 4]),        # the plan as asked
+    ([3, 1, 4], 8, 2 * 10, [2, 1, 1, 2, 2]),  # each of its chunks cut to the source's limit
+    ([3, 1, 4], 5, 4 * 10, [3, 1, 1]),        # a partial serve ends the plan
+])
+def test_plan_chunks_follows_the_destinations_plan(blocks, n, limit, want):
+    chunks = plan_chunks([10], n, limit, blocks)
+    assert [c.b1 - c.b0 for c in chunks] == want
+    assert count_chunks([10], n, limit, blocks) == len(chunks)
+    assert all(c.lo == 0 and c.hi == (c.b1 - c.b0) * 10 for c in chunks)
+    assert [c.b0 for c in chunks[1:]] == [c.b1 for c in chunks[:-1]] and chunks[-1].b1 == n
+    with pytest.raises(ValueError, match="one piece"):
+        plan_chunks([10, 10], n, limit, blocks)

@@ -140,7 +140,8 @@ KINDS = ["hello", "challenge", "proof", "pull_request", "stream_reply", "read_gr
                                         "count", "pieces", "block_hashes", "chunk_sizes",
                                         "served_blocks", "total_bytes", "n_chunks", "read",
                                         "read_rkey", "read_base", "read_stride", "read_blocks",
-                                        "held", "nonce", "peer_id", "proof", "model"]),
+                                        "held", "nonce", "peer_id", "proof", "model",
+                                        "chunk_blocks"]),
                        st.one_of(st.integers(-2**63, 2**64 - 1), st.text(max_size=8),
                                  st.sampled_from(KINDS), st.booleans(), st.binary(max_size=8),
                                  st.lists(st.integers(-5, 5), max_size=3)), max_size=12))
@@ -198,7 +199,11 @@ def test_rejections(data, reason):
     (dict(pieces=[piece(0, 100), piece(50, 10)]), "overlaps"),
     (dict(pieces=[PIECE | {"layer_start": 3, "layer_stop": 3}]), "layer range"),
     (dict(pieces=[PIECE | {"head_start": 5, "head_stop": 4}]), "head range"),
-], ids=["range-past-hashes", "overlapping-pieces", "empty-layers", "reversed-heads"])
+    (dict(chunk_blocks=[1, 1]), "one piece"),
+    (dict(pieces=[piece(0, 100)], chunk_blocks=[1, 2]), "3 blocks for 2"),
+    (dict(pieces=[piece(0, 100)], chunk_blocks=[2, 0]), "invalid"),
+], ids=["range-past-hashes", "overlapping-pieces", "empty-layers", "reversed-heads",
+        "chunk-plan-of-two-pieces", "chunk-plan-sum", "empty-chunk-in-plan"])
 def test_invalid_request_rejected_on_decode(kw, match):
     bad = msgspec.structs.asdict(pull_request())
     bad["pieces"] = [msgspec.structs.asdict(p) for p in bad["pieces"]]

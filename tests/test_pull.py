@@ -1250,6 +1250,37 @@ def test_read_in_the_pools_own_order_between_pools_of_one_layout(make_puller, la
         s.kill()
 
 
+@pytest.mark.parametrize("min_run_bytes,unpacked", [(2 * 2048, False), (1 << 30, True)],
+                         ids=["runs-land-in-place", "runs-too-short"])
+def test_stream_chunks_follow_the_runs_of_receive_blocks(src, make_puller, monkeypatch,
+                                                         min_run_bytes, unpacked):
+    """A stream into receive blocks in runs of 3 (the source's chunks hold up to 4 blocks)
+    asks for chunks cut at the runs (PullRequest.chunk_blocks): each lands in place, no
+    unpack; runs shorter than STREAM_MIN_RUN_BYTES share chunks unpacked from staging.
+    The bytes are the source's either way."""
+    from kvkern.xfer import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "STREAM_MIN_RUN_BYTES", min_run_bytes)
+    n = 12
+    tokens = fresh_tokens(n * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    mgr = group.manager
+    taken = mgr.allocate(group.num_blocks)
+    free = [b for start in (10, 20, 30, 40) for b in range(start, start + 3)]
+    mgr.release(free)
+    held = [b for b in taken if b not in set(free)]
+    before = snapshot(group)
+    p = make_puller(group, remote_read=False, chunk_bytes=8 << 10)
+    o = pull(p, f"runs-{unpacked}", tokens, hint_for(src, tokens))
+    assert o.used and o.blocks_transferred == n, o
+    assert ("unpack" in o.phases) is unpacked, o.phases
+    assert o.messages == 2 + (3 if unpacked else 4), o  # request, reply, the chunks
+    ids = p.claim(f"runs-{unpacked}")
+    assert sorted(ids) == free
+    check_and_release(p, group, src, hashes, ids, before, held)
+
+
 def test_read_and_stream_commit_the_same_bytes(src, make_puller):
     n = 12
     tokens = fresh_tokens(n * BS)

@@ -221,12 +221,14 @@ def full_piece(src_rank: int = 0, heads: int = HEADS) -> list[PlanPiece]:
 def request(hashes: list[int], *, start: int = 0, count: int | None = None,
             pieces: list[PlanPiece] | None = None, chunk_bytes: int = 1 << 20,
             deadline_ms: int = 10_000, scheme: str = SCHEME,
-            require_all: bool = False, read: bool = False) -> PullRequest:
+            require_all: bool = False, read: bool = False,
+            chunk_blocks: list[int] | None = None) -> PullRequest:
     return PullRequest(transfer_id=next(_tids), request_id="test", hash_scheme=scheme,
                        block_hashes=hashes, start=start,
                        count=len(hashes) - start if count is None else count,
                        pieces=pieces or full_piece(), chunk_bytes=chunk_bytes,
-                       deadline_ms=deadline_ms, require_all=require_all, read=read)
+                       deadline_ms=deadline_ms, require_all=require_all, read=read,
+                       chunk_blocks=chunk_blocks or [])
 
 
 async def ask(conn, req: PullRequest) -> PullReply:
@@ -329,12 +331,20 @@ async def test_full_pull_delivers_the_sources_bytes(tp1, pool, http):
     assert [sha(b) for b in piece_blocks(data, req.pieces, 8)[0]] == \
         await digests(http, tp1, hs[4:12])
 
+    # the destination's chunk plan (its runs of receive blocks), cut to the cap of 2 blocks
+    req = request(hs, chunk_bytes=1 << 30, chunk_blocks=[3, 1, 12])
+    reply, data = await pull(conn, req)
+    assert reply.status == Status.OK and reply.served_blocks == 16
+    assert reply.chunk_sizes == [b * 2048 for b in [2, 1, 1] + [2] * 6]
+    assert [sha(b) for b in piece_blocks(data, req.pieces, 16)[0]] == \
+        await digests(http, tp1, hs)
+
     # the source counts a send once it completed, before it releases the pins; the last
     # chunk can land here before that
     await wait_released(http, tp1)
     async with http.get(f"http://{HOST}:{tp1['http_port']}/metrics") as r:
         text = await r.text()
-    assert "kvkern_source_blocks_served_total 24.0" in text
+    assert "kvkern_source_blocks_served_total 40.0" in text
 
 
 @aio

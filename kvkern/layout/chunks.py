@@ -8,7 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ChunkSpec", "count_chunks", "direct_order", "plan_chunks"]
+__all__ = ["ChunkSpec", "chunk_runs", "count_chunks", "plan_chunks", "stream_plan"]
 
 
 @dataclass(frozen=True)
@@ -27,30 +27,54 @@ class ChunkSpec:
         return self.hi - self.lo
 
 
-def count_chunks(lengths: Sequence[int], n_blocks: int, limit: int) -> int:
+def _spans(n_blocks: int, per: int, blocks: Sequence[int]) -> list[tuple[int, int]]:
+    """Block ranges of the chunks of one piece: the destination's plan ``blocks`` (chunk
+    sizes in blocks, each cut to ``per``) up to ``n_blocks``, the rest ``per`` at a time."""
+    out: list[tuple[int, int]] = []
+    b0 = 0
+    for k in blocks:
+        if b0 >= n_blocks:
+            break
+        end = min(b0 + k, n_blocks)
+        out += [(b, min(b + per, end)) for b in range(b0, end, per)]
+        b0 = end
+    out += [(b, min(b + per, n_blocks)) for b in range(b0, n_blocks, per)]
+    return out
+
+
+def count_chunks(lengths: Sequence[int], n_blocks: int, limit: int,
+                 blocks: Sequence[int] = ()) -> int:
     """Number of chunks :func:`plan_chunks` makes, without building them."""
     total = 0
     for length in lengths:
         if length <= limit:
-            total += math.ceil(n_blocks / (limit // length))
+            per = limit // length
+            total += (len(_spans(n_blocks, per, blocks)) if blocks
+                      else math.ceil(n_blocks / per))
         else:
             total += n_blocks * math.ceil(length / limit)
     return total
 
 
-def plan_chunks(lengths: Sequence[int], n_blocks: int, limit: int) -> list[ChunkSpec]:
+def plan_chunks(lengths: Sequence[int], n_blocks: int, limit: int,
+                blocks: Sequence[int] = ()) -> list[ChunkSpec]:
     """Chunks of the stream of ``n_blocks`` blocks whose pieces (in stream order) have
     ``lengths`` bytes per block: for each piece, runs of ``max(1, limit // length)`` blocks,
     one chunk each (a chunk never spans two pieces); a block larger than ``limit`` is cut into
-    ``ceil(length / limit)`` byte slices."""
+    ``ceil(length / limit)`` byte slices.
+
+    ``blocks`` is the destination's plan for a stream of one piece (``PullRequest.
+    chunk_blocks``, see :func:`stream_plan`): the chunk boundaries it asked for, each of its
+    chunks cut further to the limit; a stream of fewer blocks than the plan covers (a partial
+    serve) ends with it."""
     if limit < 1:
         raise ValueError(f"chunk limit {limit} must be >= 1")
+    if blocks and len(lengths) != 1:
+        raise ValueError(f"a chunk plan in blocks is for one piece, not {len(lengths)}")
     out: list[ChunkSpec] = []
     for p, length in enumerate(lengths):
         if length <= limit:
-            per = limit // length
-            for b0 in range(0, n_blocks, per):
-                b1 = min(b0 + per, n_blocks)
+            for b0, b1 in _spans(n_blocks, limit // length, blocks):
                 out.append(ChunkSpec(p, b0, b1, 0, (b1 - b0) * length))
         else:
             for b in range(n_blocks):
@@ -59,24 +83,59 @@ def plan_chunks(lengths: Sequence[int], n_blocks: int, limit: int) -> list[Chunk
     return out
 
 
-def direct_order(ids: list[int], per: int) -> list[int]:
-    """Order sorted receive block ``ids`` for a stream of ``per``-block chunks so that every
-    chunk that can land zero-copy does, and the chunks that cannot (ids from the ends of
-    short runs) come first, where their unpack overlaps the later chunks' transfer instead of
-    trailing the last one (measured: 1.4-1.7 ms of unpack after the last byte of a 64 MiB
-    pull from a fragmented pool). The trailing ``len(ids) % per`` blocks stay last::
-
-        runs [0..119] [512..519], per 32  ->  [96..119, 512..519] [0..31] [32..63] [64..95]
-    """
-    direct: list[int] = []
-    rest: list[int] = []
+def _run_lengths(ids: Sequence[int]) -> list[int]:
+    """Lengths of the runs of consecutive ids in ``ids``, in order."""
+    out: list[int] = []
     start = 0
     for i in range(1, len(ids) + 1):
         if i == len(ids) or ids[i] != ids[i - 1] + 1:
-            run = ids[start:i]
-            k = len(run) // per * per
-            direct += run[:k]
-            rest += run[k:]
+            out.append(i - start)
             start = i
-    lead = len(rest) // per * per  # whole mixed chunks; the remainder is the short last one
-    return rest[:lead] + direct + rest[lead:]
+    return out
+
+
+def chunk_runs(ids: Sequence[int], per: int, min_run: int) -> list[int]:
+    """The chunk sizes in blocks (``PullRequest.chunk_blocks``) of a stream into receive
+    blocks ``ids`` in this order: every run of at least ``min_run`` consecutive ids as
+    chunks of at most ``per`` blocks of its own (they land in place); the shorter runs
+    between them together, in chunks of at most ``per`` blocks (unpacked from staging)::
+
+        ids [0..39] [100, 101] [200, 201] [300..303], per 32, min_run 4  ->  [32, 8, 4, 4]
+    """
+    if per < 1 or min_run < 1:
+        raise ValueError(f"per {per} and min_run {min_run} must be >= 1")
+    sizes: list[int] = []
+    pending = 0  # blocks of short runs not yet in a chunk
+    for n in _run_lengths(ids):
+        if n >= min_run:
+            if pending:
+                sizes.append(pending)
+                pending = 0
+            sizes += [min(per, n - j) for j in range(0, n, per)]
+        else:
+            pending += n
+            while pending >= per:
+                sizes.append(per)
+                pending -= per
+    if pending:
+        sizes.append(pending)
+    return sizes
+
+
+def stream_plan(ids: Sequence[int], per: int, min_run: int) -> tuple[list[int], list[int]]:
+    """Receive block ``ids`` (ascending, in any order the destination may choose) ordered
+    for a stream, and its :func:`chunk_runs`: the ids of runs shorter than ``min_run``
+    first, so that their chunks' unpack overlaps the later chunks' transfer (unpacked last,
+    they trailed the last byte of a 64 MiB pull from a fragmented pool by 1.4-1.7 ms)::
+
+        runs [0..39] [100, 101] [200, 201], per 32, min_run 4
+            ->  ids [100, 101, 200, 201, 0..39]   chunk_blocks [4, 32, 8]
+    """
+    short: list[int] = []
+    long: list[int] = []
+    start = 0
+    for n in _run_lengths(ids):
+        (long if n >= min_run else short).extend(ids[start:start + n])
+        start += n
+    order = short + long
+    return order, chunk_runs(order, per, min_run)

@@ -259,7 +259,8 @@ class MemorySource:
         rank_kv, lay = ctx.rkv, ctx.rkv.layout
         limit = min(req.chunk_bytes, self.chunk_bytes)
         out = []
-        for c in plan_chunks([p.length for p in pieces], len(block_ids), limit):
+        for c in plan_chunks([p.length for p in pieces], len(block_ids), limit,
+                             req.chunk_blocks):
             p = pieces[c.piece]
             staged = pack(rank_kv.pool, lay, block_ids[c.b0:c.b1], layers=p.layers, heads=p.heads)
             flat = staged.reshape(-1).view(torch.uint8)[c.lo:c.hi].clone()

@@ -42,9 +42,10 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
+PROTOCOL_VERSION = 6  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
 # segmented read replies (per-layer pools); 4: peer authentication (Hello/Challenge/Proof),
-# PullRequest.model; 5: the reply as a tagged union (StreamReply | ReadGrant | Refusal)
+# PullRequest.model; 5: the reply as a tagged union (StreamReply | ReadGrant | Refusal);
+# 6: PullRequest.chunk_blocks
 MAGIC = b"KVKX"
 _PREAMBLE = struct.Struct("<4sHHQI")
 PREAMBLE_BYTES = _PREAMBLE.size  # 20
@@ -137,6 +138,11 @@ class PullRequest(_Base, tag="pull_request"):
     (which aborts the connection and every other transfer on it). ``read``: the destination
     can read the served blocks one-sided from the source's pool (a :class:`ReadGrant`)
     instead of receiving a stream; the source decides, and streams when it cannot.
+    ``chunk_blocks`` (a stream of one piece only; empty: the source's own plan) is the
+    destination's chunk plan in blocks, summing to ``count``: the source cuts the stream at
+    these boundaries, and each chunk further to its chunk limit, so that the destination's
+    runs of consecutive receive blocks each take whole chunks and land in place
+    (:func:`kvkern.layout.chunks.stream_plan`).
     """
 
     transfer_id: TransferId
@@ -151,11 +157,20 @@ class PullRequest(_Base, tag="pull_request"):
     require_all: bool = False
     read: bool = False
     model: Text = ""  # the destination's model fingerprint; the source refuses another
+    chunk_blocks: Annotated[list[Annotated[int, msgspec.Meta(ge=1, le=MAX_BLOCKS)]],
+                            msgspec.Meta(max_length=MAX_BLOCKS)] = []
 
     def __post_init__(self) -> None:
         if self.start + self.count > len(self.block_hashes):
             raise ValueError(f"start {self.start} + count {self.count} exceeds "
                              f"{len(self.block_hashes)} block hashes")
+        if self.chunk_blocks:
+            if len(self.pieces) != 1:
+                raise ValueError(f"a chunk plan in blocks is for a stream of one piece, not "
+                                 f"{len(self.pieces)}")
+            if sum(self.chunk_blocks) != self.count:
+                raise ValueError(f"chunk plan of {sum(self.chunk_blocks)} blocks for "
+                                 f"{self.count} requested")
         end = 0
         for p in sorted(self.pieces, key=lambda p: p.offset):
             if p.offset < end:

@@ -63,6 +63,7 @@ class PullJob:
     into: tuple[int, ...] | None = None
     # filled while running
     private: list[int] | None = None  # receive blocks, freed exactly once unless committed
+    chunk_blocks: list[int] = field(default_factory=list)  # a stream's chunk plan (stream_plan)
     # (connection, transfer id) of each transfer awaiting completion
     open_transfers: list[tuple[TransferConnection, int]] = field(default_factory=list)
     phases: dict = field(default_factory=dict)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvkern.layout.chunks import direct_order
+from kvkern.layout.chunks import chunk_runs, stream_plan
 from kvkern.xfer.codes import CONNECT_FAILURES, reject_reason, transport_reason
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.direct import read_directly
@@ -35,7 +35,7 @@ from kvkern.xfer.policy import CostGuard, apply_policy
 from kvkern.xfer.pulljob import Fallback, PullJob, PullRecord
 from kvkern.xfer.receive import ReadReceiver, StreamReceiver
 from kvkern.xfer.seam import Connector, TransferConnection
-from kvkern.xfer.tuning import CANCEL_SEND_TIMEOUT_S
+from kvkern.xfer.tuning import CANCEL_SEND_TIMEOUT_S, STREAM_MIN_RUN_BYTES
 
 if TYPE_CHECKING:
     from kvkern.cache.protocol import Lease
@@ -260,16 +260,23 @@ class PullRunner:
     def _allocate(self, job: PullJob, pairs: list[PeerTransfer]) -> None:
         if job.into is not None:  # the engine's blocks, in hash order
             job.private = list(job.into)
-            job.allocated = True
-            return
-        ids = self.group.manager.allocate_private(job.count)
-        if ids is None:
-            raise Fallback(Reason.NO_BLOCKS, f"{job.count} private blocks not available")
-        job.private = sorted(ids)  # ascending: runs of consecutive ids receive zero-copy
-        unit = pairs[0].block_nbytes
-        if len(pairs) == 1 and self.config.chunk_bytes >= unit:
-            job.private = direct_order(job.private, self.config.chunk_bytes // unit)
+        else:
+            ids = self.group.manager.allocate_private(job.count)
+            if ids is None:
+                raise Fallback(Reason.NO_BLOCKS, f"{job.count} private blocks not available")
+            job.private = sorted(ids)  # ascending: runs of consecutive ids land in place
         job.allocated = True
+        pair = pairs[0]
+        unit = pair.block_nbytes
+        if len(pairs) == 1 and len(pair.pieces) == 1 and self.config.chunk_bytes >= unit \
+                and self.group.ranks[pair.dst_rank].stream_rows(
+                    pair.pieces[0].dst_layers, pair.pieces[0].dst_heads, unit) is not None:
+            # A stream's chunks then land in place run by run (a read ignores the plan).
+            per, min_run = self.config.chunk_bytes // unit, -(-STREAM_MIN_RUN_BYTES // unit)
+            if job.into is None:
+                job.private, job.chunk_blocks = stream_plan(job.private, per, min_run)
+            else:
+                job.chunk_blocks = chunk_runs(job.private, per, min_run)
 
     async def _pull_pairs(self, job: PullJob, pairs: list[PeerTransfer],
                           addrs: dict[int, tuple[str, int]],
@@ -387,6 +394,7 @@ class PullRunner:
                            deadline_ms=max(1, int(remaining * 1000)),
                            require_all=job.policy == "strict",
                            read=job.into is None and self.reads.can_read(job, pair, rank_kv),
+                           chunk_blocks=job.chunk_blocks,
                            model=getattr(self.group, "model_id", ""))
 
     async def _exchange(self, job: PullJob, conn: TransferConnection, req: PullRequest,

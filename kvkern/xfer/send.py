@@ -152,7 +152,7 @@ def validate_request(ctx: RankCtx, req: PullRequest, *, model_id: str,
         _check_piece(ctx, layout, p, end)
         end += p.length
     limit = min(req.chunk_bytes, chunk_bytes)
-    n = count_chunks([p.length for p in pieces], req.count, limit)
+    n = count_chunks([p.length for p in pieces], req.count, limit, req.chunk_blocks)
     if n > MAX_CHUNKS:
         raise Rejected(RejectCode.TOO_MANY_CHUNKS, f"{req.count} blocks in chunks of <= "
                        f"{limit} B make {n} chunks, the protocol allows {MAX_CHUNKS}")
@@ -380,7 +380,7 @@ class Sender:
             await self.serve_read(s, registered, pieces, block_ids, handle.hashes)
             return
         limit = min(req.chunk_bytes, svc.config.chunk_bytes)
-        chunks = plan_chunks([p.length for p in pieces], n, limit)
+        chunks = plan_chunks([p.length for p in pieces], n, limit, req.chunk_blocks)
         sizes = [c.nbytes for c in chunks]
         reply = StreamReply(transfer_id=req.transfer_id,
                             status=Status.OK if n == req.count else Status.PARTIAL,

@@ -114,13 +114,15 @@ sorted by offset must tile ``[0, sum(length))`` exactly. The stream for ``n`` se
 Chunking: ``limit = min(request.chunk_bytes, service chunk_bytes)``. Chunk boundaries fall on
 whole (piece, block range) units: for each piece in offset order, runs of
 ``max(1, limit // length)`` blocks, one chunk each (the last run of a piece may be shorter;
-a chunk never spans two pieces). If one block of a piece is larger than ``limit``, that block
-is cut into ``ceil(length / limit)`` byte slices. So chunks are at most ``limit`` bytes but
-**not all equal**: the destination sizes its buffers from ``StreamReply.chunk_sizes``. Chunk
-``k + 1`` is packed (on a small packing thread pool, so the event loop stays free) into a ring
-of ``chunks_in_flight`` staging buffers while earlier chunks are on the wire
-(:meth:`Connection.send_stream` guarantees the slot is free before reuse). Ring slots come from
-a :class:`StagingPool` shared by all sends and go back to it when the send has ended.
+a chunk never spans two pieces). A request's ``chunk_blocks`` (one piece only) replaces the
+runs by the destination's plan, each planned chunk cut again to ``limit``. If one block of a
+piece is larger than ``limit``, that block is cut into ``ceil(length / limit)`` byte slices.
+So chunks are at most ``limit`` bytes but **not all equal**: the destination sizes its buffers
+from ``StreamReply.chunk_sizes``. Chunk ``k + 1`` is packed (on a small packing thread pool,
+so the event loop stays free) into a ring of ``chunks_in_flight`` staging buffers while
+earlier chunks are on the wire (:meth:`Connection.send_stream` guarantees the slot is free
+before reuse). Ring slots come from a :class:`StagingPool` shared by all sends and go back to
+it when the send has ended.
 
 Unpin exactly once
 ------------------
