@@ -138,3 +138,17 @@ def test_plan_chunks_follows_the_destinations_plan(blocks, n, limit, want):
     assert [c.b0 for c in chunks[1:]] == [c.b1 for c in chunks[:-1]] and chunks[-1].b1 == n
     with pytest.raises(ValueError, match="one piece"):
         plan_chunks([10, 10], n, limit, blocks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 9), min_size=1, max_size=8), st.integers(1, 7), st.data())
+def test_a_planned_stream_is_counted_and_tiled_exactly(blocks, per, data):
+    """Any plan, served whole or in part: the chunks tile the served blocks in order, none
+    above the limit, none across a planned boundary, and count_chunks counts them."""
+    n = data.draw(st.integers(0, sum(blocks)))
+    chunks = plan_chunks([10], n, per * 10, blocks)
+    assert count_chunks([10], n, per * 10, blocks) == len(chunks)
+    assert [c.b0 for c in chunks] == [0, *(c.b1 for c in chunks[:-1])][:len(chunks)]
+    assert sum(c.b1 - c.b0 for c in chunks) == n and all(0 < c.b1 - c.b0 <= per for c in chunks)
+    cuts = {sum(blocks[:i]) for i in range(1, len(blocks))}
+    assert not any(c.b0 < cut < c.b1 for c in chunks for cut in cuts)

@@ -42,6 +42,19 @@ def _spans(n_blocks: int, per: int, blocks: Sequence[int]) -> list[tuple[int, in
     return out
 
 
+def _count_spans(n_blocks: int, per: int, blocks: Sequence[int]) -> int:
+    """``len(_spans(n_blocks, per, blocks))`` without building them (a request's plan may
+    be long)."""
+    total = b0 = 0
+    for k in blocks:
+        if b0 >= n_blocks:
+            break
+        end = min(b0 + k, n_blocks)
+        total += -(-(end - b0) // per)
+        b0 = end
+    return total + -(-max(n_blocks - b0, 0) // per)
+
+
 def count_chunks(lengths: Sequence[int], n_blocks: int, limit: int,
                  blocks: Sequence[int] = ()) -> int:
     """Number of chunks :func:`plan_chunks` makes, without building them."""
@@ -49,8 +62,7 @@ def count_chunks(lengths: Sequence[int], n_blocks: int, limit: int,
     for length in lengths:
         if length <= limit:
             per = limit // length
-            total += (len(_spans(n_blocks, per, blocks)) if blocks
-                      else math.ceil(n_blocks / per))
+            total += _count_spans(n_blocks, per, blocks)
         else:
             total += n_blocks * math.ceil(length / limit)
     return total
