@@ -122,3 +122,35 @@ def test_identical_pulls_into_are_not_deduplicated_and_bad_ids_are_refused(fleet
         p.pull_into("c", hint, adm, [a[0], a[0], a[1]])
     p.group.manager.release(a)
     p.group.manager.release(b)
+
+
+def test_a_stream_into_the_engines_blocks_is_cut_at_their_runs(fleet, monkeypatch):
+    """The engine's blocks keep their order (hash order); the stream still asks for chunks
+    cut where their runs of consecutive ids break, so each run lands in place."""
+    from kvkern.xfer import runner as runner_mod
+    from kvkern.xfer.memtransport import MemorySource
+
+    src, make = fleet
+    seen = []
+    real = MemorySource.serve
+    monkeypatch.setattr(MemorySource, "serve", lambda self, req: (seen.append(req),
+                                                                  real(self, req))[1])
+    monkeypatch.setattr(runner_mod, "STREAM_MIN_RUN_BYTES", 1)  # every run its own chunks
+    toks = tokens(6, 12)
+    hs = commit(src.group, toks)
+    p = make(chunk_bytes=1 << 20)
+    hint, adm = admitted(p, toks, local=2)
+    mgr = p.group.manager
+    taken = mgr.allocate(p.group.num_blocks)
+    engine_ids = [12, 13, 14, 7]  # hash order: a run of three, then one block
+    mgr.release([b for b in taken if b not in engine_ids])
+    p.pull_into("runs", hint, adm, engine_ids)
+    o = finished(p, "runs")
+    assert o.used and o.blocks_transferred == 4, o
+    assert [r.chunk_blocks for r in seen] == [[3, 1]]
+    a, b = src.group.ranks[0], p.group.ranks[0]
+    want = pack(a.pool, a.layout, src.group.manager.match_prefix(hs)[2:])
+    assert torch.equal(want.view(torch.int16), pack(b.pool, b.layout, engine_ids).view(torch.int16))
+    mgr.release(engine_ids)
+    mgr.check_invariants()
+    assert src.pins_outstanding == 0
