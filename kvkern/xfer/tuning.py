@@ -95,8 +95,8 @@ LANE_RETRY_S = 60.0
 
 # A stream asks for its own chunks per run of consecutive receive blocks of at least this
 # many bytes, landing in place; shorter runs share chunks unpacked from staging. 64 MiB host
-# streams into runs of 8 / 4 / 2 MiB: 11.9 / 15.6 / 17.5 ms, against 17.5 / 18.1 / 16.7 ms
-# all unpacked (medians of 30 interleaved pulls each).
+# streams into runs of 8 / 4 / 2 MiB, each run its own chunks: 11.9 / 15.6 / 17.5 ms, against
+# 17.5 / 18.1 / 16.7 ms unpacked from staging (medians of 30 interleaved pulls each).
 STREAM_MIN_RUN_BYTES = 4 << 20
 
 # Hints name arbitrary sources, so the per-source caches (state, verdicts) stay bounded.
