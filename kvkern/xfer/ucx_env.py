@@ -5,15 +5,15 @@ and ucxx creates that context on first use; so every setting here must be in ``o
 before ``import ucxx``. :func:`import_ucxx` is the only way kvkern imports ucxx: it applies
 :func:`configure_ucx_env` first. Values the user already set are never overridden.
 
-Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1, 2 shared CPU cores):
+Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1):
 
 * ``UCX_POSIX_ERROR_HANDLING=y``, ``UCX_SYSV_ERROR_HANDLING=y``, ``UCX_CMA_MEMORY_INVALIDATE=y``:
   endpoints from a listener always ask for peer error handling, which in UCX 1.21 rules
   out the shared-memory and CMA zero-copy transports unless these are set, and UCX falls back
-  to TCP on loopback. Measured here with ``kvkern bench xfer`` (thread progress, median):
+  to TCP on loopback. Measured with ``kvkern bench xfer`` (thread progress, median):
   without them (``--ucx-env off``) 0.79-0.85 GB/s for 64-256 MiB, i.e. TCP; with them
   4.5-5.4 GB/s for one 64-256 MiB buffer (p80 8.6) and 9.0 GB/s as 16 MiB chunks 8 in
-  flight: shared memory / CMA. (2 cores shared with other jobs; see kvkern.tools.benchcli.)
+  flight: shared memory / CMA.
 * ``UCX_CMA_SEG_SIZE=16M``: UCX cuts a CMA transfer (a one-sided read, a rendezvous
   receive) into segments of this size and moves one per progress call; at UCX's 512 KiB a
   64 MiB pull made 128 of them. With 16 MiB (a stream chunk, about 1.5 ms of copy per call):
@@ -58,7 +58,7 @@ depend on the UCX version; no effect on host memory):
 * ``UCXPY_ENABLE_PYTHON_FUTURE=1``: without it every pending ucxx request (a source's idle
   control receive included) is awaited by re-scheduling itself with ``asyncio.sleep(0)``,
   so each process burns a core while it waits; with it a notifier thread completes asyncio
-  futures when UCX does. Measured with ``kvkern bench xfer`` on 2 CPU cores over loopback:
+  futures when UCX does. Measured with ``kvkern bench xfer`` over loopback:
   control round trip 3.6 ms -> 0.58 ms, one 64 MiB buffer 4.8-7 -> 12 GB/s. The notifier serves one
   event loop; :func:`kvkern.xfer.transport.bind_ucxx_loop` moves it to the loop in use.
 
