@@ -397,11 +397,15 @@ async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monk
 
 
 @aio
-async def test_timeout_with_copies_still_queued_drains(source, lanes):
+async def test_timeout_with_copies_still_queued_drains(source, lanes, monkeypatch):
     """No held polling this time: a 32 MiB read over two lanes with a bound far shorter
     than its copy times out with real copies still queued in UCX; closing the endpoints
-    cancels or finishes them (nothing stuck, no abort) and the next read is whole."""
+    cancels or finishes them (nothing stuck, no abort) and the next read is whole. The
+    lanes copy in UCX's own 512 KiB segments here: with kvkern's 16 MiB ones a lane's share
+    is copied whole within its post, before the bound is first checked."""
     src, region, address = source
+    monkeypatch.setattr(read_lanes, "LANE_UCX_CONFIG",
+                        {**read_lanes.LANE_UCX_CONFIG, "CMA_SEG_SIZE": "512K"})
     rl = lanes(2, min_bytes=1)
     dst = poisoned(SRC_BYTES)
     parts = [(region.rkey, [(dst.data_ptr(), region.address, SRC_BYTES)])]

@@ -18,7 +18,8 @@ Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1):
   receive) into segments of this size and moves one per progress call; at UCX's 512 KiB a
   64 MiB pull made 128 of them. With 16 MiB (a stream chunk, about 1.5 ms of copy per call):
   64 MiB pulls 6.4-7.7 ms against 7.6-8.8 ms, 256 MiB 22.0-23.1 against 23.5-27.5 ms
-  (``kvkern bench xfer``, four interleaved runs each).
+  (``kvkern bench xfer``, four interleaved runs each). A read's time bound is checked
+  between segments, so a read can end up to one segment's copy after it.
 * ``UCX_WARN_UNUSED_ENV_VARS=n``: UCX prints a warning on stdout for every ``UCX_*`` variable
   a transport did not consume; these settings are exactly such variables on some builds.
 * ``UCX_TLS``: left alone. If the user restricts it, it must keep ``tcp`` for listener
