@@ -114,11 +114,16 @@ def chunk_runs(ids: Sequence[int], per: int, min_run: int) -> list[int]:
 
         ids [0..39] [100, 101] [200, 201] [300..303], per 32, min_run 4  ->  [32, 8, 4, 4]
     """
+    return _sizes(_run_lengths(ids), per, min_run)
+
+
+def _sizes(runs: Sequence[int], per: int, min_run: int) -> list[int]:
+    """:func:`chunk_runs` of ids whose runs have lengths ``runs``, in order."""
     if per < 1 or min_run < 1:
         raise ValueError(f"per {per} and min_run {min_run} must be >= 1")
     sizes: list[int] = []
     pending = 0  # blocks of short runs not yet in a chunk
-    for n in _run_lengths(ids):
+    for n in runs:
         if n >= min_run:
             if pending:
                 sizes.append(pending)
@@ -145,9 +150,16 @@ def stream_plan(ids: Sequence[int], per: int, min_run: int) -> tuple[list[int], 
     """
     short: list[int] = []
     long: list[int] = []
+    short_runs: list[int] = []
+    long_runs: list[int] = []
     start = 0
     for n in _run_lengths(ids):
-        (long if n >= min_run else short).extend(ids[start:start + n])
+        if n >= min_run:
+            long.extend(ids[start:start + n])
+            long_runs.append(n)
+        else:
+            short.extend(ids[start:start + n])
+            short_runs.append(n)
         start += n
-    order = short + long
-    return order, chunk_runs(order, per, min_run)
+    # maximal runs stay maximal side by side, so the order's runs are these
+    return short + long, _sizes(short_runs + long_runs, per, min_run)
