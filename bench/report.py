@@ -229,8 +229,9 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
     out = ["## kvkern against NIXL (`kvkern bench xfer --compare nixl`)", "",
            "NIXL's block-list READ (descriptors prepared once, no per-transfer control "
            "message, as vLLM's connector uses it) between two processes on pools of the same "
-           "512 KiB blocks and sizes, right after kvkern's pull in the same run; every "
-           "transfer of both verified. Cells: GB/s median [min-max] of the run's repeats.", ""]
+           "512 KiB blocks and sizes, interleaved with kvkern's pulls where the run records it "
+           "and in a run of its own right after; every transfer of both verified. Cells: "
+           "GB/s median [min-max] of the run's repeats.", ""]
     runs = [(name, r) for name, r in records
             if isinstance(r.get("compare", {}).get("nixl", {}).get("cases"), dict)]
     if not runs:
@@ -239,6 +240,7 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
         nixl, pull = rec["compare"]["nixl"], rec.get("cases", {}).get("pull", {})
         per_request = any("consecutive_per_request" in r for r in nixl["cases"].values())
         out += [f"Record `{name}` (commit {_commit(rec)}):", ""]
+        out += _interleaved_lines(pull)
         if len(nixl.get("agents", [])) > 1:
             won = sorted({c["agent"] for r in nixl["cases"].values() for c in r.values()
                           if isinstance(c, dict) and "agent" in c})
@@ -293,6 +295,40 @@ TIME_COLUMNS = (("data", ("data",)), ("queue", ("queue",)),
                 ("rest", ("rest",)))
 
 
+def _interleaved_lines(pull: dict) -> list[str]:
+    """NIXL's READs (lean agent) interleaved with the pulls, round by round, where the run
+    has them: the figures the targets judge."""
+    sizes = sorted((k for k in pull if k.isdigit() and "nixl" in pull[k]), key=int)
+    if not sizes:
+        return []
+
+    def gb(c: dict) -> str:
+        lo, hi = c["gbps_range"]
+        return f"{_fmt(c['gbps'])} [{_fmt(lo)}-{_fmt(hi)}]"
+
+    out = ["NIXL's READ of the same blocks as one more variant of the pull case, in the same "
+           "shuffled rounds as kvkern's pulls (lean agent; per request: descriptor ids and "
+           "notification included, as vLLM's connector issues them). kvkern / NIXL is the "
+           "pull against each, the lower of the two judged:", "",
+           "| size | NIXL READ | per request | scattered | scattered per request | kvkern pull "
+           "| kvkern scattered | kvkern / NIXL | scattered |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for size in sizes:
+        row, ways = pull[size], pull[size]["nixl"]
+
+        def worst(suffix: str, row: dict = row) -> str:
+            got = [row.get(f"kvkern_vs_nixl{suffix}"),
+                   row.get(f"kvkern_vs_nixl_per_request{suffix}")]
+            return _two(min((g for g in got if g is not None), default=None))
+
+        out.append(f"| {_size(size)} | {gb(ways['consecutive'])} "
+                   f"| {gb(ways['consecutive_per_request'])} | {gb(ways['scattered'])} "
+                   f"| {gb(ways['scattered_per_request'])} | {_two(row.get('pull_gbps'))} "
+                   f"| {_two(row.get('scattered_pull_gbps'))} | {worst('')} "
+                   f"| {worst('_scattered')} |")
+    return [*out, "", "NIXL's own run after kvkern's, both agent configurations:", ""]
+
+
 def _time_section(records: list[tuple[str, dict]]) -> list[str]:
     """Where a pull's time goes, step by step, beside NIXL's READ of the same bytes (the
     runs with a NIXL comparison)."""
@@ -318,7 +354,8 @@ def _time_section(records: list[tuple[str, dict]]) -> list[str]:
             ph = pull[size].get("phases_ms", {})
             if "rest" not in ph:
                 continue
-            ways = [nixl.get(size, {}).get(k, {}).get("ms")
+            # NIXL interleaved with the pulls where the run has it, else its own run
+            ways = [pull[size].get("nixl", nixl.get(size, {})).get(k, {}).get("ms")
                     for k in ("consecutive", "consecutive_per_request")]
             ways = [w for w in ways if w is not None]
             cells = [_fmt(sum(ph.get(k, 0.0) for k in keys)) for _, keys in TIME_COLUMNS]

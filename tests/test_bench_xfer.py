@@ -98,3 +98,35 @@ def test_bench_xfer_reshards_and_targets_in_the_same_run():
     assert targets[("reshard_vs_raw", "TP 2:1, 1 MiB")]["value"] == round(row["ratio"], 3)
     assert targets[("hint_to_first_byte_ms", "1 block")]["value"] == \
         round(res["cases"]["pull"]["hint_to_first_byte_ms"], 3)
+
+
+def test_bench_xfer_interleaves_nixl_with_the_pulls():
+    """``--compare nixl``: NIXL's READ of the same blocks, each of its ways, is one more
+    variant of the pull case, in the same shuffled rounds; kvkern / NIXL comes from those
+    (and the targets judge them), NIXL's own run is kept beside."""
+    pytest.importorskip("nixl")
+    if rma_unavailable() is not None:
+        pytest.skip(f"one-sided reads unavailable: {rma_unavailable()}")
+    cmd = [sys.executable, "-m", "kvkern", "bench", "xfer", "--cases", "raw,pull",
+           "--sizes", "1MiB", "--repeats", "2", "--compare", "nixl", "--reshards", "none",
+           "--timeout", "60", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    pull = res["cases"]["pull"]
+    assert pull["nixl"]["agent"] == "lean" and "error" not in pull["nixl"], pull["nixl"]
+    # per-request READs of both mappings: a warm-up and two rounds each
+    assert pull["nixl"]["notifications"] == 2 * 3
+    row = pull[str(1 << 20)]
+    ways = row["nixl"]
+    assert set(ways) == {"consecutive", "consecutive_per_request", "scattered",
+                         "scattered_per_request"}
+    assert all(w["gbps"] > 0 for w in ways.values())
+    assert row["kvkern_vs_nixl"] == round(row["pull_gbps"] / ways["consecutive"]["gbps"], 3)
+    assert row["kvkern_vs_nixl_per_request_scattered"] == round(
+        row["scattered_pull_gbps"] / ways["scattered_per_request"]["gbps"], 3)
+    targets = {(t["target"], t["where"]): t["value"] for t in res["targets"]}
+    assert targets[("kvkern_vs_nixl", "1 MiB")] == min(row["kvkern_vs_nixl"],
+                                                       row["kvkern_vs_nixl_per_request"])
+    assert "consecutive" in res["compare"]["nixl"].get("cases", {}).get(str(1 << 20), {}), \
+        res["compare"]

@@ -4,6 +4,7 @@ each per-request notification received by the target, and the faster configurati
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -29,6 +30,30 @@ def test_nixl_reads_alone_and_per_request_with_notifications():
         assert row[key]["agent"] in nixlbench.AGENTS
     # per-request READs, warm-up included, for each of the two configurations
     assert res["notifications"] == 2 * 3 * len(nixlbench.AGENTS)
+
+
+def test_the_server_reads_on_request_and_counts_its_notifications():
+    """``Server``: NIXL's READs one at a time, on request, between the caller's own
+    transfers; a bad request is an error reply and the server goes on; at the end every
+    per-request notification was received by the target."""
+    pytest.importorskip("nixl")
+
+    async def drive() -> tuple[list[float], int | None]:
+        server = await nixlbench.Server.start(4)
+        try:
+            times = [await server.read(2, "consecutive"),
+                     await server.read(4, "scattered", per_request=True)]
+            with pytest.raises(RuntimeError, match="NIXL server: ValueError"):
+                await server.read(5, "consecutive")  # more blocks than the pools hold
+            with pytest.raises(RuntimeError, match="mapping must be"):
+                await server.read(1, "sideways")
+            times.append(await server.read(1, "consecutive", per_request=True))
+        finally:
+            sent = await server.close()
+        return times, sent
+
+    times, sent = asyncio.run(asyncio.wait_for(drive(), 180))
+    assert all(t > 0 for t in times) and sent == 2
 
 
 def _run(agent: str, gbps: dict[str, float]) -> dict:

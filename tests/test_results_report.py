@@ -72,3 +72,36 @@ def test_a_pulls_steps_show_beside_nixl(tmp_path):
             "| 0.05 |") in text
     # a scattered stream's pack at the source, beside the raw send and the whole pull
     assert "| 16 MiB | 4.00 | 3.50 (4.79) | 8.00 |" in text
+
+
+def test_nixl_interleaved_with_the_pulls_is_shown_and_used(tmp_path):
+    """A record whose pull case interleaved NIXL's READs shows them in a table of their own,
+    with kvkern / NIXL against the slower of NIXL's two ways, and its step table sets the
+    pull beside those READs rather than NIXL's own later run."""
+    report = _report()
+    (tmp_path / "xfer").mkdir()
+    size = str(64 << 20)
+    phases = {"queue": 0.2, "metadata": 0.01, "plan": 0.06, "allocate": 0.03, "handoff": 0.4,
+              "lookup": 0.5, "data": 4.5, "confirm": 0.3, "validate": 0.01, "commit": 0.14,
+              "rest": 0.1, "total": 6.25, "direct": 5.7}
+
+    def way(ms: float) -> dict:
+        return {"ms": ms, "gbps": round(67.108864 / ms, 3), "gbps_range": [9.0, 11.0]}
+
+    rec = {"bench": "xfer", "by_size": {}, "env": {"commit": "abc1234"},
+           "cases": {"pull": {size: {
+               "phases_ms": phases, "bytes": 64 << 20, "pull_gbps": 10.7,
+               "scattered_pull_gbps": 9.5,
+               "nixl": {"consecutive": way(6.0), "consecutive_per_request": way(6.5),
+                        "scattered": way(7.0), "scattered_per_request": way(7.2)},
+               "kvkern_vs_nixl": 0.96, "kvkern_vs_nixl_per_request": 1.04,
+               "kvkern_vs_nixl_scattered": 0.99,
+               "kvkern_vs_nixl_per_request_scattered": 1.02}}},
+           "compare": {"nixl": {"agents": ["lean"], "cases": {size: {
+               k: way(9.0) for k in ("consecutive", "consecutive_per_request", "scattered",
+                                     "scattered_per_request")}}}}}
+    (tmp_path / "xfer" / "run.json").write_text(json.dumps(rec))
+    text = report.render(report.load(tmp_path))
+    assert ("| 64 MiB | 11.19 [9.00-11.00] | 10.32 [9.00-11.00] | 9.59 [9.00-11.00] "
+            "| 9.32 [9.00-11.00] | 10.70 | 9.50 | 0.96 | 0.99 |") in text
+    assert "| 64 MiB | 6.00 | 6.25 | 4.50 |" in text  # the interleaved READ, not 9.00

@@ -115,6 +115,9 @@ class Settings:
     # pull case: blocks in each host source pool (0: the pulled ones only), the pulled ones
     # committed: a serving engine's pool size, so its read directory is as large
     source_blocks: int = SOURCE_POOL_BLOCKS
+    # pull case: NIXL's READ of the same blocks as one more variant, interleaved with the
+    # pulls (kvkern.tools.nixlbench.Server; host pools of the bench's block size only)
+    nixl: bool = False
 
     def apply_env(self, env: dict[str, str] | Any) -> None:
         if self.ucx_env == "off":
@@ -469,6 +472,7 @@ class _PullBench:
                                 loop=bench.loop)
                          if s.all_variants and s.data_path != "stream" else None)
         self.per_block = sum(rkv.layout.bytes_per_block for rkv in self.ranks.values())
+        self.nixl: Any = None  # a kvkern.tools.nixlbench.Server, when NIXL is interleaved
         self._rid = iter(range(1 << 30))
         self._hashes: dict[int, list[int]] = {}  # per prompt length: the engine's own hashes
 
@@ -502,12 +506,13 @@ class _PullBench:
 
 async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     pb = _PullBench(bench, s)
+    out: dict[str, Any] = {"block_bytes": pb.per_block, "data_path": s.data_path,
+                           "layout": s.pull_layout, "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}",
+                           "pp": f"{s.pull_pp[0]}:{s.pull_pp[1]}",
+                           "read_lanes": s.read_lanes, "source_blocks": s.source_blocks}
     try:
-        out: dict[str, Any] = {"block_bytes": pb.per_block, "data_path": s.data_path,
-                               "layout": s.pull_layout,
-                               "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}",
-                               "pp": f"{s.pull_pp[0]}:{s.pull_pp[1]}",
-                               "read_lanes": s.read_lanes, "source_blocks": s.source_blocks}
+        if s.nixl:
+            await _start_nixl(pb, s, out)
         await _check_pulls(pb)
         for size in s.sizes:
             out[str(size)] = await _pull_size(pb, s, size)
@@ -517,9 +522,34 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
             out["granted"] = await _one_block(pb, s, pb.fewer["granted"])
         if pb.threaded is not None:
             out["lane_thread"] = await _one_block(pb, s, pb.threaded)
+        if pb.nixl is not None:
+            sent = await pb.nixl.close()
+            pb.nixl = None
+            if sent is None:  # its per-request figures claim notifications that never arrived
+                raise RuntimeError("the NIXL server did not end cleanly (its target did not "
+                                   "receive every notification)")
+            out["nixl"]["notifications"] = sent
         return out
     finally:
+        if pb.nixl is not None:
+            await pb.nixl.close()
         await pb.close()
+
+
+async def _start_nixl(pb: _PullBench, s: Settings, out: dict[str, Any]) -> None:
+    """NIXL's READ server for the pulls' sizes (``pb.nixl``), or why not in ``out``."""
+    from kvkern.tools import nixlbench  # noqa: PLC0415
+
+    if s.device != "cpu" or pb.per_block != nixlbench.BLOCK_BYTES:
+        out["nixl"] = {"error": f"interleaved only with host pools of "
+                                f"{nixlbench.BLOCK_BYTES} B blocks"}
+        return
+    try:
+        pb.nixl = await nixlbench.Server.start(pb.n_max)
+    except Exception as exc:  # noqa: BLE001 (recorded; the pulls are measured anyway)
+        out["nixl"] = {"error": f"{type(exc).__name__}: {exc}"}
+        return
+    out["nixl"] = {"bench": "nixl_read", "agent": "lean", "env": pb.nixl.env}
 
 
 async def _one_block(pb: _PullBench, s: Settings, via: Any) -> dict[str, float]:
@@ -622,6 +652,11 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         if scat:
             variants.append(("stream_scattered", scat, pb.streamer))
     variants += [(k, None, via) for k, via in pb.fewer.items()]
+    if pb.nixl is not None:  # NIXL's READ of as many blocks, each of its ways
+        for mapping, per_request in NIXL_WAYS:
+            times[_nixl_key(mapping, per_request)] = []
+            variants.append((_nixl_key(mapping, per_request), None, (mapping, per_request)))
+            await pb.nixl.read(n, mapping, per_request)  # warm-up: registration caches
     # the scattered source packs for its streams only (the headline's reads do not pack)
     packed = await _pack_totals(scat) if scat and pb.streamer is not None else None
     order = random.Random(size)
@@ -630,6 +665,9 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         for kind, port, via in variants:
             if kind == "raw":
                 raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
+                continue
+            if kind.startswith("nixl"):
+                times[kind].append(await pb.nixl.read(n, *via))
                 continue
             o = await pb.pull(n, port, via)
             times[kind].append(o.total_s)
@@ -663,6 +701,8 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
             t = _summary(nbytes, times[key])
             row.update({f"{key}_pull_gbps": t["gbps"],
                         f"{key}_ratio": round(t["gbps"] / rs["gbps"], 3)})
+    if pb.nixl is not None:
+        row.update(_nixl_row(nbytes, times, row))
     if packed is not None and times["stream_scattered"]:
         # what a scattered stream spends packing at the source: a second pass over the
         # bytes, beside the raw send's one
@@ -672,6 +712,32 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
                                                     * 1e3, 3)
             row["stream_scattered_pack_gbps"] = round(nb / secs / 1e9, 3)
     return row
+
+
+# NIXL's ways of reading a pull's blocks: (mapping, issued per request as vLLM's connector does)
+NIXL_WAYS = (("consecutive", False), ("consecutive", True), ("scattered", False),
+             ("scattered", True))
+
+
+def _nixl_key(mapping: str, per_request: bool) -> str:
+    return f"nixl_{mapping}" + ("_per_request" if per_request else "")
+
+
+def _nixl_row(nbytes: int, times: dict[str, list[float]], row: dict[str, Any]) -> dict[str, Any]:
+    """NIXL's READs of one size, interleaved with the pulls (``nixl``: each way's GB/s), and
+    kvkern / NIXL for each: the pull against the consecutive ways, the scattered pull
+    against the scattered ones."""
+    from kvkern.tools.nixlbench import summary  # noqa: PLC0415
+
+    ways = {_nixl_key(m, r)[5:]: summary(nbytes, times[_nixl_key(m, r)]) for m, r in NIXL_WAYS}
+    out: dict[str, Any] = {"nixl": ways}
+    for ours, mapping, suffix in (("pull_gbps", "consecutive", ""),
+                                  ("scattered_pull_gbps", "scattered", "_scattered")):
+        if ours in row:
+            out[f"kvkern_vs_nixl{suffix}"] = round(row[ours] / ways[mapping]["gbps"], 3)
+            out[f"kvkern_vs_nixl_per_request{suffix}"] = round(
+                row[ours] / ways[f"{mapping}_per_request"]["gbps"], 3)
+    return out
 
 
 CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages,
@@ -768,7 +834,8 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                                                      "scattered_pull_gbps", "scattered_ratio",
                                                      "stream_ratio", "stream_scattered_ratio",
                                                      "lanes1_ratio", "lanes0_ratio",
-                                                     "granted_ratio")
+                                                     "granted_ratio", "kvkern_vs_nixl",
+                                                     "kvkern_vs_nixl_scattered")
                                    if k in r}
                             for size, r in result["pull"].items() if size.isdigit()}}
     elif "raw" in result:
@@ -938,7 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
                  data_path=ns.data_path, pull_layout=ns.pull_layout,
                  pull_tp=_parse_split("--pull-tp", ns.pull_tp, parser),
                  pull_pp=_parse_split("--pull-pp", ns.pull_pp, parser), read_lanes=ns.read_lanes,
-                 device=ns.device, source_blocks=ns.source_blocks)
+                 device=ns.device, source_blocks=ns.source_blocks,
+                 nixl=ns.compare == "nixl" and "pull" in cases)
     try:
         reshards = benchtargets.parse_reshards(ns.reshards, compare=ns.compare is not None)
     except ValueError as exc:

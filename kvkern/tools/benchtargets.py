@@ -1,7 +1,8 @@
 """The pull's performance targets, judged on one ``kvkern bench xfer`` run.
 
 ``kvkern bench xfer --compare nixl`` measures, in one invocation: the pull against a raw send
-and against NIXL's READ at each size, the stream path, one-block pulls on a warm
+and against NIXL's READ at each size (NIXL's READs interleaved with the pulls, round by round;
+NIXL's own later run where a size lacks them), the stream path, one-block pulls on a warm
 connection, and (``--reshards``, on by default with ``--compare``) TP and PP reshards, each
 against a raw send of the same bytes between the same two processes. :func:`evaluate` turns
 that result into one verdict per target and place (size, reshard)::
@@ -74,7 +75,7 @@ def run_reshards(settings: Any, names: tuple[str, ...],
     for name in names:
         tp, pp = RESHARDS[name]
         sub = dataclasses.replace(settings, cases=("raw", "pull"), pull_tp=tp, pull_pp=pp,
-                                  all_variants=False)
+                                  all_variants=False, nixl=False)
         try:
             res = run(sub)
         except Exception as exc:  # noqa: BLE001 (recorded; the other reshards still run)
@@ -111,10 +112,11 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
     pull = res.get("cases", {}).get("pull", {})
     sizes = sorted((k for k in pull if k.isdigit()), key=int)
     nixl = res.get("compare", {}).get("nixl", {}).get("cases", {})
-    for size in sorted(nixl, key=int):
+    for size in sorted(set(nixl) | {k for k in sizes if "nixl" in pull[k]}, key=int):
+        # NIXL's READs interleaved with the pulls where the run has them, else its own run's
+        row = pull[size] if "nixl" in pull.get(size, {}) else nixl[size]
         for key, suffix in (("kvkern_vs_nixl", ""), ("kvkern_vs_nixl_scattered", "_scattered")):
-            ratios = [r for r in (nixl[size].get(key),
-                                  nixl[size].get(f"kvkern_vs_nixl_per_request{suffix}"))
+            ratios = [r for r in (row.get(key), row.get(f"kvkern_vs_nixl_per_request{suffix}"))
                       if isinstance(r, (int, float))]
             out.append(_verdict(key, _where(size), min(ratios, default=None)))
     for key in ("hint_to_first_byte_ms", "one_block_overhead_ms"):

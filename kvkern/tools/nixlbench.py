@@ -22,7 +22,12 @@ Two agent configurations (``--agent``, :data:`AGENTS`): ``vllm``, what vLLM's NI
 creates by default (``num_threads=4``, NIXL's progress thread on), and ``lean`` (no progress
 thread, one worker: the initiator polls its READs itself). ``--agent both`` measures each in
 turn and keeps, per size and way, the faster (its ``agent`` says which);
-``kvkern bench xfer --compare nixl`` runs both, so kvkern is judged against NIXL at its best.
+``kvkern bench xfer --compare nixl`` runs both after its pulls.
+
+:class:`Server` runs one session (lean agent) in a process of its own, one READ per request
+over its stdin and stdout: ``kvkern bench xfer --compare nixl`` interleaves those READs with
+its pulls, round by round, and judges kvkern / NIXL on them (the lean agent was the faster
+configuration in every consecutive case recorded).
 
 Both processes run with kvkern's UCX settings (:mod:`kvkern.xfer.ucx_env`), so NIXL's UCX
 and kvkern's pull choose among the same transports. NIXL is an optional bench dependency:
@@ -44,10 +49,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AGENTS", "BLOCK_BYTES", "compare", "faster", "main", "run"]
+__all__ = ["AGENTS", "BLOCK_BYTES", "MAPPINGS", "Server", "compare", "faster", "main", "run",
+           "serve", "summary"]
 
+MAPPINGS = ("consecutive", "scattered")
 BLOCK_BYTES = 512 << 10  # kvkern bench xfer's block: 8 layers x 2 x 8 heads x 16 x 128 x bf16
 STRIDE = 1_000_003
+NOTIFY_WAIT_S = 5.0  # how long a stopping target waits for notifications still on their way
 MiB = 1 << 20
 # nixl_agent_config arguments of each agent configuration
 AGENTS = {"lean": {"enable_prog_thread": False, "backends": ["UCX"]},
@@ -102,7 +110,15 @@ def _target(workdir: Path, n_blocks: int, parent: int, config: str) -> int:
             break
         notifs += sum(len(msgs) for msgs in agent.get_new_notifs().values())
         time.sleep(0.001)
-    notifs += sum(len(msgs) for msgs in agent.get_new_notifs().values())
+    # the stop names how many were sent: the last ones may still be on their way
+    stop = workdir / "stop"
+    sent = int(stop.read_text() or 0) if stop.exists() else 0
+    deadline = time.monotonic() + NOTIFY_WAIT_S
+    while True:
+        notifs += sum(len(msgs) for msgs in agent.get_new_notifs().values())
+        if notifs >= sent or time.monotonic() >= deadline:
+            break
+        time.sleep(0.001)
     (workdir / "notifs.json").write_text(json.dumps({"received": notifs}))
     return 0
 
@@ -117,106 +133,260 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.01)
 
 
+def _remote_ids(n: int, mapping: str) -> list[int]:
+    """The remote blocks a READ of ``n`` blocks reads, in order: ``consecutive`` or
+    ``scattered`` (``torch.randperm(n)``, seed 0)."""
+    import torch  # noqa: PLC0415
+
+    if mapping == "consecutive":
+        return list(range(n))
+    if mapping == "scattered":
+        return torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+    raise ValueError(f"mapping must be consecutive or scattered, got {mapping!r}")
+
+
+class _Session:
+    """A target process and this process's initiator, each with a pool of ``n_max`` blocks
+    registered with a NIXL agent of configuration ``agent``, one descriptor per block
+    prepared on both sides; :meth:`read` runs one timed, verified READ. Leaving the
+    ``with`` stops the target and, unless an error is leaving too, checks that it received
+    every notification sent."""
+
+    def __init__(self, n_max: int, agent: str, timeout_s: float) -> None:
+        if agent not in AGENTS:
+            raise ValueError(f"agent must be one of {sorted(AGENTS)}, got {agent!r}")
+        self.n_max, self.agent, self.timeout_s = n_max, agent, timeout_s
+        self.sent = 0
+
+    def __enter__(self) -> _Session:
+        import torch  # noqa: PLC0415
+
+        from kvkern.xfer.ucx_env import configure_ucx_env  # noqa: PLC0415
+
+        configure_ucx_env()  # before NIXL loads UCX, in this process and (inherited) the target
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvkern-nixl-")
+        self.work = work = Path(self._tmp.name)
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvkern.tools.nixlbench",
+                                      "_target", str(work), str(self.n_max), str(os.getpid()),
+                                      self.agent],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     env=dict(os.environ))
+        try:
+            _wait_for(work / "info.json", self.proc, 60)
+            info = json.loads((work / "info.json").read_text())
+            self.nx = nx = _agent("initiator", self.agent)
+            self.local, self.words = _pool(self.n_max, fill=False)
+            nx.register_memory([(self.local.data_ptr(), self.local.numel(), 0, "")], "DRAM")
+            remote = nx.add_remote_agent((work / "meta.bin").read_bytes())
+            base = info["base"]
+            self.local_h = nx.prep_xfer_dlist("NIXL_INIT_AGENT", [
+                (self.local.data_ptr() + i * BLOCK_BYTES, BLOCK_BYTES, 0)
+                for i in range(self.n_max)], "DRAM")
+            self.remote_h = nx.prep_xfer_dlist(remote, [
+                (base + i * BLOCK_BYTES, BLOCK_BYTES, 0) for i in range(self.n_max)], "DRAM")
+        except BaseException:
+            self._stop()
+            raise
+        self.expect = torch.arange(BLOCK_BYTES // 8, dtype=torch.int64)
+        return self
+
+    def read(self, n: int, remote_ids: list[int], per_request: bool = False) -> float:
+        """One READ of blocks ``remote_ids`` into local blocks ``0..n-1``, timed from
+        ``transfer``; ``per_request``: from the descriptor ids on, with the notification
+        that tells the target the blocks were read, as vLLM's connector issues every
+        request (``make_prepped_xfer(..., notif_msg=)``). The local blocks are poisoned
+        before and compared with the target's after."""
+        import torch  # noqa: PLC0415
+
+        if not 1 <= n <= self.n_max or len(remote_ids) != n:
+            raise ValueError(f"a READ of {n} blocks ({len(remote_ids)} ids) from a pool of "
+                             f"{self.n_max}")
+        nx = self.nx
+        deadline = time.monotonic() + self.timeout_s
+        self.local.fill_(0xA5)
+        t0 = time.perf_counter()
+        h = nx.make_prepped_xfer(
+            "READ", self.local_h, list(range(n)), self.remote_h, list(remote_ids),
+            **({"notif_msg": f"req-{self.sent}:1".encode()} if per_request else {}))
+        self.sent += per_request
+        if not per_request:
+            t0 = time.perf_counter()
+        state = nx.transfer(h)
+        while state not in ("DONE", "ERR"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("NIXL READ did not finish in time")
+            state = nx.check_xfer_state(h)
+        dt = time.perf_counter() - t0
+        nx.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError("NIXL READ failed")
+        for j, r in enumerate(remote_ids):
+            if not torch.equal(self.words[j], self.expect + r * STRIDE):
+                raise RuntimeError(f"NIXL READ: local block {j} is not remote {r}")
+        return dt
+
+    def _stop(self) -> int | None:
+        """Stop the target; the notifications it received (None if it did not say)."""
+        try:
+            (self.work / "stop.tmp").write_text(str(self.sent))
+            (self.work / "stop.tmp").rename(self.work / "stop")
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+            got = self.work / "notifs.json"
+            return json.loads(got.read_text())["received"] if got.exists() else None
+        finally:
+            self._tmp.cleanup()
+
+    def __exit__(self, kind: Any, *_: Any) -> None:
+        received = self._stop()
+        if kind is None and received != self.sent:  # what per-request figures claim arrived
+            raise RuntimeError(f"NIXL target received {received} notifications of "
+                               f"{self.sent} sent")
+
+
 def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0,
         agent: str = "lean") -> dict[str, Any]:
     """Measure NIXL READ of each size, consecutive and scattered, with the agent
     configuration ``agent`` (:data:`AGENTS`); returns the result document (GB/s medians and
     ranges, every transfer verified)."""
-    if agent not in AGENTS:
-        raise ValueError(f"agent must be one of {sorted(AGENTS)}, got {agent!r}")
-    import torch  # noqa: PLC0415
-
-    from kvkern.xfer.ucx_env import configure_ucx_env  # noqa: PLC0415
-
-    configure_ucx_env()  # before NIXL loads UCX, in this process and (inherited) the target
     n_max = max(1, max(sizes) // BLOCK_BYTES)
     out: dict[str, Any] = {"bench": "nixl_read", "block_bytes": BLOCK_BYTES, "agents": [agent],
                            "cases": {}}
-    with tempfile.TemporaryDirectory(prefix="kvkern-nixl-") as tmp:
-        work = Path(tmp)
-        proc = subprocess.Popen([sys.executable, "-m", "kvkern.tools.nixlbench", "_target",
-                                 str(work), str(n_max), str(os.getpid()), agent],
-                                stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, env=dict(os.environ))
-        try:
-            _wait_for(work / "info.json", proc, 60)
-            info = json.loads((work / "info.json").read_text())
-            nx = _agent("initiator", agent)
-            local, words = _pool(n_max, fill=False)
-            nx.register_memory([(local.data_ptr(), local.numel(), 0, "")], "DRAM")
-            remote = nx.add_remote_agent((work / "meta.bin").read_bytes())
-            base = info["base"]
-            local_h = nx.prep_xfer_dlist("NIXL_INIT_AGENT", [
-                (local.data_ptr() + i * BLOCK_BYTES, BLOCK_BYTES, 0) for i in range(n_max)],
-                "DRAM")
-            remote_h = nx.prep_xfer_dlist(remote, [
-                (base + i * BLOCK_BYTES, BLOCK_BYTES, 0) for i in range(n_max)], "DRAM")
-            expect = torch.arange(BLOCK_BYTES // 8, dtype=torch.int64)
-            deadline = time.monotonic() + timeout_s
+    with _Session(n_max, agent, timeout_s) as session:
+        for size in sizes:
+            n = max(1, size // BLOCK_BYTES)
+            row: dict[str, Any] = {"bytes": n * BLOCK_BYTES, "blocks": n}
+            for mapping in MAPPINGS:
+                ids = _remote_ids(n, mapping)
+                for per_request in (False, True):
+                    session.read(n, ids, per_request)  # warm-up: connection, caches
+                    times = [session.read(n, ids, per_request) for _ in range(repeats)]
+                    key = f"{mapping}_per_request" if per_request else mapping
+                    row[key] = {**summary(n * BLOCK_BYTES, times), "verified": repeats + 1,
+                                "agent": agent}
+            out["cases"][str(n * BLOCK_BYTES)] = row
+        out["notifications"] = session.sent
+    out["env"] = _environment()
+    return out
 
-            sent = [0]
 
-            def read(n: int, remote_ids: list[int], per_request: bool = False) -> float:
-                """One READ of blocks ``remote_ids`` into local blocks ``0..n-1``, timed
-                from ``transfer``; ``per_request``: from the descriptor ids on, with the
-                notification that tells the target the blocks were read, as vLLM's
-                connector issues every request (``make_prepped_xfer(..., notif_msg=)``)."""
-                local.fill_(0xA5)
-                t0 = time.perf_counter()
-                h = nx.make_prepped_xfer(
-                    "READ", local_h, list(range(n)), remote_h, list(remote_ids),
-                    **({"notif_msg": f"req-{sent[0]}:1".encode()} if per_request else {}))
-                sent[0] += per_request
-                if not per_request:
-                    t0 = time.perf_counter()
-                state = nx.transfer(h)
-                while state not in ("DONE", "ERR"):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("NIXL READ did not finish in time")
-                    state = nx.check_xfer_state(h)
-                dt = time.perf_counter() - t0
-                nx.release_xfer_handle(h)
-                if state != "DONE":
-                    raise RuntimeError("NIXL READ failed")
-                for j, r in enumerate(remote_ids):
-                    if not torch.equal(words[j], expect + r * STRIDE):
-                        raise RuntimeError(f"NIXL READ: local block {j} is not remote {r}")
-                return dt
+def summary(nbytes: int, times: list[float]) -> dict[str, Any]:
+    """GB/s median and range, and the median ms, of READs of ``nbytes`` taking ``times``."""
+    gbps = sorted(nbytes / t / 1e9 for t in times)
+    return {"gbps": round(statistics.median(gbps), 3),
+            "gbps_range": [round(gbps[0], 3), round(gbps[-1], 3)],
+            "ms": round(statistics.median(times) * 1e3, 3)}
 
-            for size in sizes:
-                n = max(1, size // BLOCK_BYTES)
-                order = torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
-                row: dict[str, Any] = {"bytes": n * BLOCK_BYTES, "blocks": n}
-                for mapping, ids in (("consecutive", list(range(n))), ("scattered", order)):
-                    for per_request in (False, True):
-                        read(n, ids, per_request)  # warm-up: connection, registration caches
-                        times = sorted(read(n, ids, per_request) for _ in range(repeats))
-                        gbps = [n * BLOCK_BYTES / t / 1e9 for t in times]
-                        key = f"{mapping}_per_request" if per_request else mapping
-                        row[key] = {"gbps": round(statistics.median(gbps), 3),
-                                    "gbps_range": [round(min(gbps), 3), round(max(gbps), 3)],
-                                    "ms": round(statistics.median(times) * 1e3, 3),
-                                    "verified": repeats + 1, "agent": agent}
-                out["cases"][str(n * BLOCK_BYTES)] = row
-        finally:
-            (work / "stop").write_text("")
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        got = work / "notifs.json"
-        received = json.loads(got.read_text())["received"] if got.exists() else None
-        if received != sent[0]:  # what the per-request figures claim was sent, arrived
-            raise RuntimeError(f"NIXL target received {received} notifications of "
-                               f"{sent[0]} sent")
-        out["notifications"] = sent[0]
+
+def _environment() -> dict[str, Any]:
     import nixl  # noqa: PLC0415
 
-    out["env"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
-                  "nixl": getattr(nixl, "__version__", _dist_version("nixl")),
-                  "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}}
-    return out
+    return {"python": platform.python_version(), "cpus": os.cpu_count(),
+            "nixl": getattr(nixl, "__version__", _dist_version("nixl")),
+            "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}}
+
+
+def serve(n_max: int, agent: str, timeout_s: float = 300.0) -> int:
+    """A session driven over stdin/stdout, one JSON object per line, for a benchmark that
+    interleaves NIXL's READs with its own transfers: ``{"ready": true, "env": ...}`` once
+    set up; per request ``{"blocks": n, "mapping": "consecutive" | "scattered",
+    "per_request": bool}`` one reply, ``{"s": seconds}`` or ``{"error": ...}``; at the end
+    of input (or ``{"stop": true}``) ``{"notifications": sent}`` once the target confirmed
+    receiving them all."""
+    # the replies on stdout alone: whatever else prints there (NIXL's own log lines) goes
+    # to stderr
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+
+    def say(doc: dict[str, Any]) -> None:
+        print(json.dumps(doc), file=replies, flush=True)
+
+    with _Session(n_max, agent, timeout_s) as session:
+        say({"ready": True, "env": _environment()})
+        for line in sys.stdin:
+            try:
+                cmd = json.loads(line)
+                if cmd.get("stop"):
+                    break
+                n = int(cmd["blocks"])
+                say({"s": session.read(n, _remote_ids(n, cmd["mapping"]),
+                                       bool(cmd.get("per_request")))})
+            except Exception as exc:  # noqa: BLE001 (reported to the driver, which stops)
+                say({"error": f"{type(exc).__name__}: {exc}"})
+        sent = session.sent
+    say({"notifications": sent})
+    return 0
+
+
+class Server:
+    """:func:`serve` in a process of its own, driven from an event loop: NIXL's READs
+    interleaved with the caller's own transfers, under the same conditions."""
+
+    def __init__(self, proc: Any, env: dict[str, Any], timeout_s: float) -> None:
+        self._proc, self.env, self._timeout_s = proc, env, timeout_s
+
+    @classmethod
+    async def start(cls, n_max: int, agent: str = "lean",
+                    timeout_s: float = 120.0) -> Server:
+        """A server with pools of ``n_max`` blocks; RuntimeError if it is not ready within
+        ``timeout_s`` (nixl missing, a UCX failure)."""
+        import asyncio  # noqa: PLC0415
+
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvkern.tools.nixlbench", "_serve", str(n_max), agent,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+            env=dict(os.environ))
+        server = cls(proc, {}, timeout_s)
+        try:
+            server.env = (await server._reply())["env"]
+        except BaseException:
+            await server.close()
+            raise
+        return server
+
+    async def _reply(self) -> dict[str, Any]:
+        import asyncio  # noqa: PLC0415
+
+        try:
+            line = await asyncio.wait_for(self._proc.stdout.readline(), self._timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"NIXL server did not answer within {self._timeout_s} s") \
+                from None
+        if not line:
+            raise RuntimeError(f"NIXL server exited ({await self._proc.wait()})")
+        doc = json.loads(line)
+        if "error" in doc:
+            raise RuntimeError(f"NIXL server: {doc['error']}")
+        return doc
+
+    async def read(self, n: int, mapping: str, per_request: bool = False) -> float:
+        """Seconds of one verified READ of ``n`` blocks (see :meth:`_Session.read`)."""
+        self._proc.stdin.write(json.dumps({"blocks": n, "mapping": mapping,
+                                           "per_request": per_request}).encode() + b"\n")
+        await self._proc.stdin.drain()
+        return float((await self._reply())["s"])
+
+    async def close(self) -> int | None:
+        """Stop the server; the notifications it sent, all received by its target (None
+        when it did not end cleanly)."""
+        import asyncio  # noqa: PLC0415
+
+        sent = None
+        try:
+            self._proc.stdin.close()
+            sent = (await self._reply()).get("notifications")
+            await asyncio.wait_for(self._proc.wait(), 30)
+        except (RuntimeError, TimeoutError, OSError, ValueError):
+            sent = None
+        finally:
+            if self._proc.returncode is None:
+                self._proc.kill()
+                await self._proc.wait()
+        return sent
 
 
 def faster(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -280,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_target"]:
         return _target(Path(argv[1]), int(argv[2]), int(argv[3]), argv[4])
+    if argv[:1] == ["_serve"]:
+        return serve(int(argv[1]), argv[2])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="16MiB,64MiB,256MiB", help="comma list (default %(default)s)")
     ap.add_argument("--repeats", type=int, default=5, help="timed transfers per case (default %(default)s)")
