@@ -77,3 +77,31 @@ def test_the_faster_configuration_is_kept_per_size_and_way():
 def test_an_unknown_agent_configuration_is_refused():
     with pytest.raises(ValueError, match="agent must be one of"):
         nixlbench.run([1 << 20], agent="fast")
+
+
+def test_a_nixl_server_that_fails_is_dropped_and_its_figures_with_it():
+    """A NIXL READ that fails mid-run stops the server and records why; the pulls go on,
+    and no size keeps NIXL's interleaved figures (its notifications were never confirmed)."""
+    import asyncio
+
+    from kvkern.tools import benchcli
+
+    class Failing:
+        closed = 0
+
+        async def read(self, n, mapping, per_request):
+            raise RuntimeError("NIXL server: READ failed")
+
+        async def close(self):
+            Failing.closed += 1
+
+    pb = type("PB", (), {})()
+    pb.nixl, pb.nixl_error = Failing(), None
+    assert asyncio.run(benchcli._nixl_read(pb, 4, "consecutive", False)) is None
+    assert pb.nixl is None and Failing.closed == 1
+    assert pb.nixl_error == "RuntimeError: NIXL server: READ failed"
+    assert asyncio.run(benchcli._nixl_read(pb, 4, "consecutive", False)) is None  # no retry
+    out = {"layout": "trtllm", str(16 << 20): {"pull_gbps": 3.0, "nixl": {}, "kvkern_vs_nixl": 0.5,
+                                       "kvkern_vs_nixl_per_request_scattered": 0.4}}
+    benchcli._drop_nixl_figures(out)
+    assert out == {"layout": "trtllm", str(16 << 20): {"pull_gbps": 3.0}}

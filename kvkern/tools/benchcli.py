@@ -473,6 +473,7 @@ class _PullBench:
                          if s.all_variants and s.data_path != "stream" else None)
         self.per_block = sum(rkv.layout.bytes_per_block for rkv in self.ranks.values())
         self.nixl: Any = None  # a kvkern.tools.nixlbench.Server, when NIXL is interleaved
+        self.nixl_error: str | None = None  # why it stopped, if it failed
         self._rid = iter(range(1 << 30))
         self._hashes: dict[int, list[int]] = {}  # per prompt length: the engine's own hashes
 
@@ -523,12 +524,15 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
         if pb.threaded is not None:
             out["lane_thread"] = await _one_block(pb, s, pb.threaded)
         if pb.nixl is not None:
-            sent = await pb.nixl.close()
-            pb.nixl = None
+            server, pb.nixl = pb.nixl, None
+            sent = await server.close()
             if sent is None:  # its per-request figures claim notifications that never arrived
                 raise RuntimeError("the NIXL server did not end cleanly (its target did not "
                                    "receive every notification)")
             out["nixl"]["notifications"] = sent
+        elif pb.nixl_error is not None:
+            out["nixl"]["error"] = pb.nixl_error
+            _drop_nixl_figures(out)
         return out
     finally:
         if pb.nixl is not None:
@@ -656,7 +660,7 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         for mapping, per_request in NIXL_WAYS:
             times[_nixl_key(mapping, per_request)] = []
             variants.append((_nixl_key(mapping, per_request), None, (mapping, per_request)))
-            await pb.nixl.read(n, mapping, per_request)  # warm-up: registration caches
+            await _nixl_read(pb, n, mapping, per_request)  # warm-up: registration caches
     # the scattered source packs for its streams only (the headline's reads do not pack)
     packed = await _pack_totals(scat) if scat and pb.streamer is not None else None
     order = random.Random(size)
@@ -667,7 +671,8 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
                 raw_t.append(await bench.fetch(nbytes, nbytes, in_flight=1))
                 continue
             if kind.startswith("nixl"):
-                times[kind].append(await pb.nixl.read(n, *via))
+                if (took := await _nixl_read(pb, n, *via)) is not None:
+                    times[kind].append(took)
                 continue
             o = await pb.pull(n, port, via)
             times[kind].append(o.total_s)
@@ -701,7 +706,7 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
             t = _summary(nbytes, times[key])
             row.update({f"{key}_pull_gbps": t["gbps"],
                         f"{key}_ratio": round(t["gbps"] / rs["gbps"], 3)})
-    if pb.nixl is not None:
+    if pb.nixl is not None:  # (every READ of every way done: the server is still up)
         row.update(_nixl_row(nbytes, times, row))
     if packed is not None and times["stream_scattered"]:
         # what a scattered stream spends packing at the source: a second pass over the
@@ -717,6 +722,30 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
 # NIXL's ways of reading a pull's blocks: (mapping, issued per request as vLLM's connector does)
 NIXL_WAYS = (("consecutive", False), ("consecutive", True), ("scattered", False),
              ("scattered", True))
+
+
+async def _nixl_read(pb: _PullBench, n: int, mapping: str, per_request: bool) -> float | None:
+    """One of NIXL's READs (seconds); None once NIXL failed: the server is stopped, the
+    error recorded (``pb.nixl_error``) and the pulls go on without it."""
+    if pb.nixl is None:
+        return None
+    try:
+        return await pb.nixl.read(n, mapping, per_request)
+    except (RuntimeError, OSError, KeyError, ValueError) as exc:
+        server, pb.nixl = pb.nixl, None
+        pb.nixl_error = f"{type(exc).__name__}: {exc}"
+        await server.close()
+        return None
+
+
+def _drop_nixl_figures(out: dict[str, Any]) -> None:
+    """NIXL's interleaved figures out of every size of a pull case whose NIXL server failed:
+    a server that did not end cleanly never confirmed its notifications, so none of its
+    figures stand (the targets then take NIXL's own run's)."""
+    for size, row in out.items():
+        if size.isdigit():
+            for key in [k for k in row if k == "nixl" or k.startswith("kvkern_vs_nixl")]:
+                del row[key]
 
 
 def _nixl_key(mapping: str, per_request: bool) -> str:
