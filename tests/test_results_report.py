@@ -47,15 +47,19 @@ def test_a_bench_xfer_json_record_is_read_as_printed(tmp_path):
     assert "No GPU run is recorded." in text and "cpus 8" in text
 
 
+# a direct read's steps at 16 MiB, ms
+PHASES_16MIB = {"queue": 0.2, "metadata": 0.01, "plan": 0.06, "allocate": 0.03, "handoff": 0.25,
+                "lookup": 0.3, "data": 1.5, "confirm": 0.15, "validate": 0.01, "commit": 0.04,
+                "rest": 0.05, "total": 2.6, "direct": 2.2}
+
+
 def test_a_pulls_steps_show_beside_nixl(tmp_path):
     """A record whose pull has its direct-read steps (``rest`` among them) gets a row of
     where the time went, beside NIXL's faster way from the same run."""
     report = _report()
     (tmp_path / "xfer").mkdir()
     size = str(16 << 20)
-    phases = {"queue": 0.2, "metadata": 0.01, "plan": 0.06, "allocate": 0.03, "handoff": 0.25,
-              "lookup": 0.3, "data": 1.5, "confirm": 0.15, "validate": 0.01, "commit": 0.04,
-              "rest": 0.05, "total": 2.6, "direct": 2.2}
+    phases = PHASES_16MIB
     rec = {"bench": "xfer", "by_size": {}, "env": {"commit": "abc1234"},
            "cases": {"pull": {size: {"phases_ms": phases, "bytes": 16 << 20, "raw_ms": 4.0,
                                      "stream_scattered_pack_ms": 3.5,
@@ -81,9 +85,8 @@ def test_nixl_interleaved_with_the_pulls_is_shown_and_used(tmp_path):
     report = _report()
     (tmp_path / "xfer").mkdir()
     size = str(64 << 20)
-    phases = {"queue": 0.2, "metadata": 0.01, "plan": 0.06, "allocate": 0.03, "handoff": 0.4,
-              "lookup": 0.5, "data": 4.5, "confirm": 0.3, "validate": 0.01, "commit": 0.14,
-              "rest": 0.1, "total": 6.25, "direct": 5.7}
+    phases = {**PHASES_16MIB, "handoff": 0.4, "lookup": 0.5, "data": 4.5, "confirm": 0.3,
+              "commit": 0.14, "rest": 0.1, "total": 6.25, "direct": 5.7}
 
     def way(ms: float) -> dict:
         return {"ms": ms, "gbps": round(67.108864 / ms, 3), "gbps_range": [9.0, 11.0]}
