@@ -363,7 +363,7 @@ async def test_a_chunk_shorter_than_announced_is_an_error():
     async with Listener(handler) as listener, ConnectionPool() as pool:
         conn = await pool.get(HOST, listener.port)
         bufs = [np.zeros(64 << 10, np.uint8), np.zeros(64 << 10, np.uint8)]
-        with pytest.raises(TransportError):
+        with pytest.raises(TransportError, match="length"):
             await conn.recv_chunks(9, bufs, timeout=5)
 
 
