@@ -419,6 +419,16 @@ async def test_timeout_with_copies_still_queued_drains(source, lanes, monkeypatc
     assert torch.equal(dst, src)
 
 
+def test_a_lane_context_takes_its_settings():
+    """A lane's own UCP context gets LANE_UCX_CONFIG (16 MiB CMA segments, 64 copies per
+    progress call), not the settings of ucxx's worker: a setting this UCX rejected would
+    silently fall back to UCX's defaults, so the context's own configuration is checked."""
+    config = read_lanes._lane_context().config
+    assert (config.get("SEG_SIZE"), config.get("TX_QUOTA")) == ("16M", "64"), {
+        k: v for k, v in config.items() if "SEG" in k or "QUOTA" in k}
+    assert os.environ.get("UCX_CMA_SEG_SIZE") == "4M"  # ucxx's worker: kvkern.xfer.ucx_env
+
+
 @aio
 async def test_a_lane_setting_this_ucx_lacks_falls_back_to_defaults(source, lanes,
                                                                      monkeypatch):

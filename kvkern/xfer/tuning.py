@@ -72,7 +72,12 @@ LANE_DRAIN_POLL_S = 0.001
 # most CMA_TX_QUOTA queued copies per progress call (default 1): a pull from a per-layer
 # pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND
 # pulls 0.66-0.80 of raw; 64 per call gave 0.94-0.99 (kvkern bench xfer --pull-layout vllm_hnd).
-LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64"}
+# CMA moves one CMA_SEG_SIZE segment of a copy per progress call, holding the worker: 16 MiB
+# segments (UCX: 512 KiB) made 64 MiB pulls 6.4-7.7 ms against 7.6-8.8 ms and 256 MiB
+# 22.0-23.1 against 23.5-27.5 ms. A lane's worker is its own, so nothing else waits on it
+# (ucxx's worker copies 4 MiB per call: kvkern.xfer.ucx_env). A read's time bound is checked
+# between segments, so a read can end up to one segment's copy after it.
+LANE_UCX_CONFIG = {"CMA_TX_QUOTA": "64", "CMA_SEG_SIZE": "16M"}
 # A read on the loop lane (the event loop's own UCX worker) polls its worker and yields to the
 # loop between polls for this long, then polls on a timer: one-sided reads of a pull small
 # enough for that lane land within microseconds (CMA copies them during the first poll), and

@@ -14,12 +14,13 @@ Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1):
   without them (``--ucx-env off``) 0.79-0.85 GB/s for 64-256 MiB, i.e. TCP; with them
   4.5-5.4 GB/s for one 64-256 MiB buffer (p80 8.6) and 9.0 GB/s as 16 MiB chunks 8 in
   flight: shared memory / CMA.
-* ``UCX_CMA_SEG_SIZE=16M``: UCX cuts a CMA transfer (a one-sided read, a rendezvous
-  receive) into segments of this size and moves one per progress call; at UCX's 512 KiB a
-  64 MiB pull made 128 of them. With 16 MiB (a stream chunk, about 1.5 ms of copy per call):
-  64 MiB pulls 6.4-7.7 ms against 7.6-8.8 ms, 256 MiB 22.0-23.1 against 23.5-27.5 ms
-  (``kvkern bench xfer``, four interleaved runs each). A read's time bound is checked
-  between segments, so a read can end up to one segment's copy after it.
+* ``UCX_CMA_SEG_SIZE=4M``: UCX moves one segment of a CMA copy (a rendezvous receive, a
+  one-sided read) per progress call, holding the worker meanwhile, so every other call on
+  that worker waits for it. On ucxx's worker (control messages, streams), during 64 MiB
+  streams other calls waited 0.06-0.14 ms at p90 with UCX's 512 KiB, 0.8 ms with 4 MiB and
+  3.6 ms with 16 MiB; a raw 64 MiB send took 9.2-9.9 ms at 512 KiB against 7.0-7.1 ms at
+  4 MiB and 6.9-9.4 ms at 16 MiB. The read lanes' own workers copy 16 MiB per call
+  (:data:`kvkern.xfer.tuning.LANE_UCX_CONFIG`).
 * ``UCX_WARN_UNUSED_ENV_VARS=n``: UCX prints a warning on stdout for every ``UCX_*`` variable
   a transport did not consume; these settings are exactly such variables on some builds.
 * ``UCX_TLS``: left alone. If the user restricts it, it must keep ``tcp`` for listener
@@ -77,7 +78,7 @@ UCX_DEFAULTS: dict[str, str] = {
     "UCX_POSIX_ERROR_HANDLING": "y",
     "UCX_SYSV_ERROR_HANDLING": "y",
     "UCX_CMA_MEMORY_INVALIDATE": "y",
-    "UCX_CMA_SEG_SIZE": "16M",
+    "UCX_CMA_SEG_SIZE": "4M",
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCXPY_PROGRESS_MODE": "thread",
     "UCXPY_ENABLE_PYTHON_FUTURE": "1",
