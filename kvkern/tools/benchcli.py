@@ -756,17 +756,10 @@ def _nixl_row(nbytes: int, times: dict[str, list[float]], row: dict[str, Any]) -
     """NIXL's READs of one size, interleaved with the pulls (``nixl``: each way's GB/s), and
     kvkern / NIXL for each: the pull against the consecutive ways, the scattered pull
     against the scattered ones."""
-    from kvkern.tools.nixlbench import summary  # noqa: PLC0415
+    from kvkern.tools.nixlbench import kvkern_ratios, summary  # noqa: PLC0415
 
     ways = {_nixl_key(m, r)[5:]: summary(nbytes, times[_nixl_key(m, r)]) for m, r in NIXL_WAYS}
-    out: dict[str, Any] = {"nixl": ways}
-    for ours, mapping, suffix in (("pull_gbps", "consecutive", ""),
-                                  ("scattered_pull_gbps", "scattered", "_scattered")):
-        if ours in row:
-            out[f"kvkern_vs_nixl{suffix}"] = round(row[ours] / ways[mapping]["gbps"], 3)
-            out[f"kvkern_vs_nixl_per_request{suffix}"] = round(
-                row[ours] / ways[f"{mapping}_per_request"]["gbps"], 3)
-    return out
+    return {"nixl": ways, **kvkern_ratios(row, ways)}
 
 
 CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages,

@@ -49,8 +49,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["AGENTS", "BLOCK_BYTES", "MAPPINGS", "Server", "compare", "faster", "main", "run",
-           "serve", "summary"]
+__all__ = ["AGENTS", "BLOCK_BYTES", "MAPPINGS", "Server", "compare", "faster",
+           "kvkern_ratios", "main", "run", "serve", "summary"]
 
 MAPPINGS = ("consecutive", "scattered")
 BLOCK_BYTES = 512 << 10  # kvkern bench xfer's block: 8 layers x 2 x 8 heads x 16 x 128 x bf16
@@ -423,18 +423,22 @@ def compare(kvkern_result: dict[str, Any], timeout_s: float = 600.0) -> dict[str
         return {"error": f"NIXL benchmark failed: {tail[0]}"}
     nixl = json.loads(done.stdout.strip().splitlines()[-1])
     for size, row in nixl["cases"].items():
-        ours = pull.get(size, {})
-        if "pull_gbps" in ours:
-            row["kvkern_vs_nixl"] = round(ours["pull_gbps"] / row["consecutive"]["gbps"], 3)
-        if "scattered_pull_gbps" in ours:
-            row["kvkern_vs_nixl_scattered"] = round(
-                ours["scattered_pull_gbps"] / row["scattered"]["gbps"], 3)
-        for mapping, key in (("consecutive", "pull_gbps"), ("scattered", "scattered_pull_gbps")):
-            per = row.get(f"{mapping}_per_request")
-            if per is not None and key in ours:
-                suffix = "" if mapping == "consecutive" else "_scattered"
-                row[f"kvkern_vs_nixl_per_request{suffix}"] = round(ours[key] / per["gbps"], 3)
+        row.update(kvkern_ratios(pull.get(size, {}), row))
     return nixl
+
+
+def kvkern_ratios(ours: dict[str, Any], ways: dict[str, Any]) -> dict[str, float]:
+    """kvkern / NIXL for one size: the pull (``ours``: a pull case's row) against NIXL's
+    consecutive READs, the scattered pull against its scattered ones, each against the READ
+    alone and per request (``ways``: NIXL's GB/s per way, those it has)."""
+    out = {}
+    for key, mapping, suffix in (("pull_gbps", "consecutive", ""),
+                                 ("scattered_pull_gbps", "scattered", "_scattered")):
+        for way, name in ((mapping, "kvkern_vs_nixl"),
+                          (f"{mapping}_per_request", "kvkern_vs_nixl_per_request")):
+            if key in ours and way in ways:
+                out[f"{name}{suffix}"] = round(ours[key] / ways[way]["gbps"], 3)
+    return out
 
 
 def _dist_version(name: str) -> str:
