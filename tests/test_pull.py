@@ -650,6 +650,31 @@ def test_metadata_fetch_failures(make_puller, stub_server):
     assert_clean(group)
 
 
+def test_a_stream_chunk_shorter_than_announced_is_not_used(src, make_puller):
+    """The source sends the first chunk a block short of its reply's chunk size: UCX
+    completes the receive as if whole, the stream's trailer shows the difference, and the
+    pull falls back with nothing committed and no block leaked; the next pull is whole."""
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    free = group.manager.num_free
+    p = make_puller(group, remote_read=False)
+    src.faults(short_chunk_bytes=2048)
+    try:
+        o = pull(p, "short", tokens, hint_for(src, tokens))
+    finally:
+        src.faults(short_chunk_bytes=0)
+    assert not o.used and o.reason is Reason.TRANSFER_FAILED, o
+    assert "chunk lengths differ" in o.detail, o
+    assert group.manager.longest_prefix(hashes) == 0 and p.claim("short") is None
+    assert group.manager.num_free == free
+    assert_clean(group)
+    src.wait_no_pins()
+    o = pull(p, "whole", tokens, hint_for(src, tokens))
+    assert o.used and o.reason is Reason.OK, o
+    claim_check_release(p, group, src, "whole", hashes)
+
+
 @pytest.mark.parametrize("remote_read", [True, False], ids=["read", "stream"])
 def test_transfer_timeout_when_source_stops_responding(src, make_puller, remote_read):
     # read: the source replies, then never acks (the destination has read the blocks and

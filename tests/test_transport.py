@@ -348,13 +348,9 @@ async def test_send_timeout_aborts_endpoint():
 
 
 @aio
-@pytest.mark.xfail(strict=True, reason="a data chunk shorter than its receive buffer "
-                   "completes as if whole: ucxx's tag receive checks only for truncation "
-                   "and reports no received length, so the rest of the buffer keeps its "
-                   "old bytes (a stream from a faulty source would commit them)")
 async def test_a_chunk_shorter_than_announced_is_an_error():
     """A sender whose chunks are shorter than the receiver's buffers (eager and rendezvous
-    sizes): the receive must fail, not leave the buffers' tails as they were."""
+    sizes): UCX completes each receive as if whole, and the stream's trailer fails it."""
     async def handler(conn):
         await conn.send_chunks(9, [np.full(1000, 7, np.uint8), np.full(40 << 10, 7, np.uint8)],
                                timeout=5)
@@ -363,8 +359,73 @@ async def test_a_chunk_shorter_than_announced_is_an_error():
     async with Listener(handler) as listener, ConnectionPool() as pool:
         conn = await pool.get(HOST, listener.port)
         bufs = [np.zeros(64 << 10, np.uint8), np.zeros(64 << 10, np.uint8)]
-        with pytest.raises(TransportError, match="length"):
+        with pytest.raises(TransportError, match="length") as info:
             await conn.recv_chunks(9, bufs, timeout=5)
+        assert info.value.reason == "protocol_error" and not conn.alive
+
+
+@aio
+async def test_a_stream_with_more_chunks_than_received_is_an_error():
+    """One chunk more than the receiver takes: every receive it posts completes, and the
+    trailer's count fails the stream."""
+    async def handler(conn):
+        await conn.send_chunks(10, [np.full(4096, i, np.uint8) for i in range(3)], timeout=5)
+        await asyncio.sleep(1)
+
+    async with Listener(handler) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        with pytest.raises(TransportError, match="sent 3 chunks") as info:
+            await conn.recv_chunks(10, [np.zeros(4096, np.uint8)] * 2, timeout=5)
+        assert info.value.reason == "protocol_error"
+
+
+@aio
+async def test_a_missing_trailer_times_out():
+    """A bare stream (no trailer) into a receiver that expects one: it never passes."""
+    async def handler(conn):
+        await conn.send_stream(11, lambda i: np.full(4096, 1, np.uint8), 2, timeout=5,
+                               trailer=False)
+        await asyncio.sleep(2)
+
+    async with Listener(handler) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        bufs = [np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)]
+        with pytest.raises(TransportError) as info:
+            await conn.recv_chunks(11, bufs, timeout=0.5)
+        assert info.value.reason == "transfer_timeout"
+        assert all((b == 1).all() for b in bufs)  # the chunks came; the trailer did not
+
+
+@aio
+async def test_a_stream_whose_first_chunk_never_comes_times_out():
+    """Chunk 1 lands, chunk 0 never does: the wait for chunk 0 is bounded, not a spin on
+    chunk 1's finished receive."""
+    async def handler(conn):
+        await conn.send_bytes(np.ones(4096, np.uint8), tag_for(13, Lane.DATA, 1), timeout=5)
+        await asyncio.sleep(3)
+
+    async with Listener(handler) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        t0 = time.perf_counter()
+        with pytest.raises(TransportError) as info:
+            await asyncio.wait_for(
+                conn.recv_chunks(13, [np.zeros(4096, np.uint8)] * 2, timeout=0.5), 5)
+        assert info.value.reason == "transfer_timeout"
+        assert time.perf_counter() - t0 < 2
+
+
+@aio
+async def test_a_bare_stream_on_both_sides():
+    async def handler(conn):
+        await conn.send_stream(12, lambda i: np.full(3000 + i, i + 1, np.uint8), 3, timeout=5,
+                               trailer=False)
+
+    async with Listener(handler) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        bufs = [np.zeros(3000 + i, np.uint8) for i in range(3)]
+        assert await conn.recv_stream(12, bufs.__getitem__, 3, timeout=5,
+                                      trailer=False) == 9003
+        assert [int(b[-1]) for b in bufs] == [1, 2, 3]
 
 
 @aio

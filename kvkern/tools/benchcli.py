@@ -263,7 +263,8 @@ async def _peer_main(port_file: str, max_seconds: float, parent_pid: int,
             offs = np.cumsum([0, *sizes])
             await conn.send_stream(req.transfer_id,
                                    lambda i, d=data, o=offs: d[o[i]:o[i + 1]],
-                                   len(sizes), timeout=10, max_in_flight=in_flight)
+                                   len(sizes), timeout=10, max_in_flight=in_flight,
+                                   trailer=False)
 
     listener = await Listener(serve, host="127.0.0.1").start()
     source = None
@@ -323,7 +324,7 @@ class Bench:
 
     async def fetch(self, total: int, chunk: int, *, in_flight: int,
                     verify: bool = False) -> float:
-        """Seconds for request -> reply -> every chunk landed."""
+        """Seconds for request -> reply -> every chunk landed (a bare stream: no trailer)."""
         from kvkern.xfer.messages import PlanPiece, PullRequest  # noqa: PLC0415
         from kvkern.xfer.transport import Lane, tag_for  # noqa: PLC0415
 
@@ -341,7 +342,8 @@ class Bench:
         if total:
             offs = np.cumsum([0, *reply.chunk_sizes])
             await self.conn.recv_stream(tid, lambda i: dst[offs[i]:offs[i + 1]],
-                                        reply.n_chunks, timeout=10, max_in_flight=in_flight)
+                                        reply.n_chunks, timeout=10, max_in_flight=in_flight,
+                                        trailer=False)
         dt = time.perf_counter() - t0
         if verify and total:
             idx = np.unique(np.r_[np.arange(0, total, 4099), offs[1:-1] - 1, offs[1:-1],

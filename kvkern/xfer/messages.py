@@ -42,10 +42,10 @@ from typing import Annotated, Union
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
+PROTOCOL_VERSION = 7  # 2: one-message frames, reads (ReadDone/ReadAck); 3: ReadDone.ack,
 # segmented read replies (per-layer pools); 4: peer authentication (Hello/Challenge/Proof),
 # PullRequest.model; 5: the reply as a tagged union (StreamReply | ReadGrant | Refusal);
-# 6: PullRequest.chunk_blocks
+# 6: PullRequest.chunk_blocks; 7: a trailer after each stream (kvkern.xfer.transport)
 MAGIC = b"KVKX"
 _PREAMBLE = struct.Struct("<4sHHQI")
 PREAMBLE_BYTES = _PREAMBLE.size  # 20

@@ -16,7 +16,18 @@ tags hash per process and never match, ``force_tag`` is worker-wide)::
                     cancels from (any transfer of that connection)
     lane 1 REPLY    the source's PullReply for transfer id
     lane 2 DATA     chunk ``index`` of transfer id
-    lane 3          reserved
+    lane 3 TRAILER  the trailer of the stream of transfer id whose first chunk is ``index``
+
+Stream trailers
+---------------
+A tag receive takes a message shorter than its buffer as if whole, and ucxx reports no
+received length (only a longer one fails, as truncated). So after a stream's last chunk the
+sender sends a trailer of :data:`TRAILER_BYTES`: the number of chunks it sent, their bytes, and
+a digest of their lengths in order, each taken from the buffers it handed to UCX. The receiver
+compares it with the buffers it received into and fails the stream (``protocol_error``) on
+any difference, before returning: a chunk shorter than announced never passes as whole with
+its buffer's old tail. The trailer's receive is posted behind the last chunk's, so it
+waits for nothing that was not already on its way.
 
 A control frame of up to ``CONTROL_FRAME_BYTES`` (64 KiB: every reply, cancel and ack, and
 requests of up to ~7,000 block hashes) is ONE message on its tag, received into a buffer of
@@ -99,9 +110,11 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import hashlib
 import inspect
 import logging
 import secrets
+import struct
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -159,6 +172,7 @@ class Lane(IntEnum):
     CONTROL = 0
     REPLY = 1
     DATA = 2
+    TRAILER = 3
 
 
 def tag_for(transfer_id: int, lane: Lane | int, index: int = 0) -> int:
@@ -173,6 +187,42 @@ def tag_for(transfer_id: int, lane: Lane | int, index: int = 0) -> int:
 
 
 CONTROL_TAG = tag_for(0, Lane.CONTROL, 0)
+
+# A stream's trailer: magic, chunks sent, their bytes, and an 8-byte digest of their lengths.
+_TRAILER = struct.Struct("<4sIQ8s")
+TRAILER_BYTES = _TRAILER.size
+_TRAILER_MAGIC = b"KVKt"
+
+
+class ChunkLengths:
+    """The chunk lengths of one stream, in order, as its trailer carries them."""
+
+    __slots__ = ("count", "nbytes", "_digest")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.nbytes = 0
+        self._digest = hashlib.blake2b(digest_size=8)
+
+    def add(self, nbytes: int) -> None:
+        self.count += 1
+        self.nbytes += nbytes
+        self._digest.update(nbytes.to_bytes(8, "little"))
+
+    def pack(self) -> bytes:
+        return _TRAILER.pack(_TRAILER_MAGIC, self.count, self.nbytes, self._digest.digest())
+
+    def check(self, trailer: Buffer) -> None:
+        """Raise :class:`TransportError` ``protocol_error`` unless ``trailer`` (as the
+        sender packed it) names exactly these chunk lengths."""
+        magic, count, nbytes, digest = _TRAILER.unpack(bytes(memoryview(trailer).cast("B")))
+        if magic != _TRAILER_MAGIC:
+            raise TransportError("protocol_error", "the stream's trailer is short or malformed")
+        if (count, nbytes, digest) != (self.count, self.nbytes, self._digest.digest()):
+            raise TransportError(
+                "protocol_error",
+                f"chunk lengths differ from the sender's: it sent {count} chunks of "
+                f"{nbytes} B in all, received into {self.count} buffers of {self.nbytes} B")
 
 
 class TransportError(Exception):
@@ -485,19 +535,22 @@ class Connection:
         timeout: float = DEFAULT_TIMEOUT_S,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
         first_index: int = 0,
+        trailer: bool = True,
     ) -> int:
-        """Send chunks ``0..n_chunks-1`` of ``transfer_id``, producing each on demand.
+        """Send chunks ``0..n_chunks-1`` of ``transfer_id``, producing each on demand, then
+        the stream's trailer (see the module docstring).
 
         ``produce_chunk(i)`` returns the buffer of chunk ``i`` (or an awaitable of it); it is
         called while earlier chunks are still in flight, so packing chunk k+1 overlaps sending
         chunk k. When ``produce_chunk(i)`` runs, every chunk ``<= i - max_in_flight`` has been
         sent completely, so a ring of ``max_in_flight`` staging buffers is safe to reuse.
         ``timeout`` bounds the time without progress (no chunk completing). Returns the
-        bytes sent. On any failure the connection is aborted before raising.
+        bytes sent. On any failure the connection is aborted before raising. ``trailer=False``
+        sends none (a bare stream, whose receiver must not expect one).
         """
         _check_stream_args(transfer_id, n_chunks, max_in_flight, first_index)
         inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
-        total = 0
+        lengths = ChunkLengths()
         with self._aborting_streams(inflight, f"send of transfer {transfer_id}"):
             for i in range(n_chunks):
                 while len(inflight) >= max_in_flight:
@@ -506,12 +559,16 @@ class Connection:
                 if inspect.isawaitable(buf):
                     buf = await buf
                 ubuf = as_send_buffer(buf)
-                total += _nbytes(ubuf)
+                lengths.add(_nbytes(ubuf))
                 tag = tag_for(transfer_id, Lane.DATA, first_index + i)
                 inflight.append((i, asyncio.ensure_future(self._post_send(ubuf, tag))))
+            if n_chunks and trailer:
+                tag = tag_for(transfer_id, Lane.TRAILER, first_index)
+                inflight.append((n_chunks, asyncio.ensure_future(
+                    self._post_send(as_send_buffer(lengths.pack()), tag))))
             while inflight:
                 await self._retire_oldest(inflight, timeout, "send")
-            return total
+            return lengths.nbytes
 
     async def send_chunks(self, transfer_id: int, buffers: Sequence[Buffer], *,
                           timeout: float = DEFAULT_TIMEOUT_S,
@@ -532,20 +589,26 @@ class Connection:
         timeout: float = DEFAULT_TIMEOUT_S,
         max_in_flight: int = 2 * DEFAULT_MAX_IN_FLIGHT,
         first_index: int = 0,
+        trailer: bool = True,
     ) -> int:
-        """Receive chunks ``0..n_chunks-1`` of ``transfer_id``.
+        """Receive chunks ``0..n_chunks-1`` of ``transfer_id`` and check them against the
+        stream's trailer (see the module docstring).
 
         ``buffer_for(i)`` gives the buffer chunk ``i`` lands in, sized exactly as the sender's
         chunk. ``on_chunk(i, buf)`` (sync or async) runs in index order as chunks complete, so
         unpacking chunk k overlaps receiving chunk k+1; ``buffer_for(i)`` is called only after
         ``on_chunk`` returned for every chunk ``<= i - max_in_flight`` (ring reuse is safe).
         ``timeout`` bounds the time without progress. Returns the bytes received. On any
-        failure the connection is aborted (cancelling every posted receive) before raising.
+        failure the connection is aborted (cancelling every posted receive) before raising;
+        chunks whose lengths differ from the sender's raise ``protocol_error`` after every
+        ``on_chunk`` ran, so a caller keeps nothing of the stream until this returns.
+        ``trailer=False`` expects none (a bare stream).
         """
         _check_stream_args(transfer_id, n_chunks, max_in_flight, first_index)
         inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
         bufs: dict[int, BufferT] = {}
-        total = 0
+        lengths = ChunkLengths()
+        sent = bytearray(TRAILER_BYTES)
         with self._aborting_streams(inflight, f"receive of transfer {transfer_id}"):
             for i in range(n_chunks):
                 while len(inflight) >= max_in_flight:
@@ -554,13 +617,20 @@ class Connection:
                 buf = buffer_for(i)
                 ubuf = as_recv_buffer(buf)
                 bufs[i] = buf
-                total += _nbytes(ubuf)
+                lengths.add(_nbytes(ubuf))
                 tag = tag_for(transfer_id, Lane.DATA, first_index + i)
                 inflight.append((i, asyncio.ensure_future(self._post_recv(ubuf, tag))))
+            if n_chunks and trailer:
+                tag = tag_for(transfer_id, Lane.TRAILER, first_index)
+                inflight.append((n_chunks, asyncio.ensure_future(
+                    self._post_recv(as_recv_buffer(sent), tag))))
             while inflight:
                 j = await self._retire_oldest(inflight, timeout, "receive")
-                await _call_maybe_async(on_chunk, j, bufs.pop(j))
-            return total
+                if j < n_chunks:
+                    await _call_maybe_async(on_chunk, j, bufs.pop(j))
+            if n_chunks and trailer:
+                lengths.check(sent)
+            return lengths.nbytes
 
     async def recv_chunks(self, transfer_id: int, buffers: Sequence[Buffer], *,
                           timeout: float = DEFAULT_TIMEOUT_S,
@@ -577,8 +647,9 @@ class Connection:
         TimeoutError when no op completes for ``timeout`` seconds. Returns its index."""
         oldest_i, oldest = inflight[0]
         while not oldest.done():
-            done, _ = await asyncio.wait([t for _, t in inflight], timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            # only ops still running: a later one already done would end every wait at once
+            done, _ = await asyncio.wait([t for _, t in inflight if not t.done()],
+                                         timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
             if not done:
                 raise asyncio.TimeoutError(f"no chunk {what} completed in {timeout} s")
             for t in done:

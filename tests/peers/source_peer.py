@@ -65,9 +65,11 @@ Test-only HTTP routes (``extra_routes``)
                           ``[1, L', 2, H', T, D]`` (rank-local layer/head ranges; all by
                           default), or null when not cached
 ``POST /test/faults``     body ``{"slow_send_ms": 0, "freeze_after_reply": false,
-                          "read_hold_s": 5, "read_reply_delay_ms": 0}``: change the fault
-                          knobs at run time (the last holds a read's reply back, its blocks
-                          pinned)
+                          "read_hold_s": 5, "read_reply_delay_ms": 0,
+                          "short_chunk_bytes": 0}``: change the fault knobs at run time
+                          (``read_reply_delay_ms`` holds a read's reply back, its blocks
+                          pinned; ``short_chunk_bytes`` sends each stream's first chunk that
+                          many bytes short of what its reply announced)
 """
 
 from __future__ import annotations
@@ -110,6 +112,7 @@ class FaultySource(SourceService):
         self.slow_send_ms = slow_send_ms
         self.freeze_after_reply = freeze_after_reply
         self.read_reply_delay_ms = 0.0
+        self.short_chunk_bytes = 0  # a stream's first chunk is sent this many bytes short
         self.replies = {"read": 0, "stream": 0}
         self.acks_delayed = 0
         self._read_tids: set[int] = set()  # read replies whose ReadAck is not sent yet
@@ -121,6 +124,18 @@ class FaultySource(SourceService):
             self.replies[kind] += 1
             if isinstance(reply, ReadGrant):
                 self._read_tids.add(reply.transfer_id)
+
+    def _producer(self, s, pieces, block_ids, chunks):
+        produce = super()._producer(s, pieces, block_ids, chunks)
+        cut = self.short_chunk_bytes
+        if cut <= 0:
+            return produce
+
+        async def short(i: int):
+            buf = await produce(i)
+            return buf[:max(buf.numel() - cut, 0)] if i == 0 else buf
+
+        return short
 
     async def _before_read_reply(self, transfer_id: int) -> None:
         if self.read_reply_delay_ms > 0:  # the blocks are pinned, the reply is held back
@@ -321,10 +336,13 @@ class Peer:
             self.service.read_hold_s = float(body["read_hold_s"])
         if "read_reply_delay_ms" in body:
             self.service.read_reply_delay_ms = float(body["read_reply_delay_ms"])
+        if "short_chunk_bytes" in body:
+            self.service.short_chunk_bytes = int(body["short_chunk_bytes"])
         return web.json_response({"slow_send_ms": self.service.slow_send_ms,
                                   "freeze_after_reply": self.service.freeze_after_reply,
                                   "read_hold_s": self.service.read_hold_s,
-                                  "read_reply_delay_ms": self.service.read_reply_delay_ms})
+                                  "read_reply_delay_ms": self.service.read_reply_delay_ms,
+                                  "short_chunk_bytes": self.service.short_chunk_bytes})
 
 
 def main() -> int:
