@@ -36,6 +36,7 @@ Routes::
                            served_over (a read reply's read_blocks grow with it) |
                            wrong_hashes | chunk_oversize | total_mismatch | wrong_tid |
                            status_error | chunk_overrun (chunk 0 longer than announced) |
+                           chunk_underrun (chunk 0 shorter than announced) |
                            read_stride_short (a read reply's stride below the block size) |
                            read_bytes_over (a read reply announces 4 KiB more than its blocks)
                            | read_order_flipped (a read reply calls its canonical segments
@@ -70,7 +71,8 @@ from kvkern.xfer.transport import Lane, tag_for
 _BaseSource = source_mod.SourceService
 WORKER: dict[str, Any] = {}
 REPLY_FAULTS = ("served_over", "wrong_hashes", "chunk_oversize", "total_mismatch", "wrong_tid",
-                "status_error", "chunk_overrun", "read_stride_short", "read_bytes_over",
+                "status_error", "chunk_overrun", "chunk_underrun", "read_stride_short",
+                "read_bytes_over",
                 "read_order_flipped", "ack_not_held")
 
 
@@ -90,7 +92,7 @@ class FaultSource(_BaseSource):
         self.freeze_after_reply = False
         self.reply_fault: str | None = None
         self.evict_armed: list[int] = []
-        self._overrun: set[int] = set()  # transfer ids whose chunk 0 is sent too long
+        self._resized: dict[int, int] = {}  # transfer id -> bytes chunk 0 is sent off by
         # the remote_read knob (SourceService.remote_read is the configured mode, untouched):
         # False serves as a remote_read="off" source would
         self.reads_offered = True
@@ -195,8 +197,8 @@ class FaultSource(_BaseSource):
         if fault == "status_error":
             return Refusal(transfer_id=r.transfer_id, status=Status.ERROR,
                            reason="internal: injected")
-        if fault == "chunk_overrun":
-            self._overrun.add(req.transfer_id)
+        if fault in ("chunk_overrun", "chunk_underrun"):
+            self._resized[req.transfer_id] = 4096 if fault == "chunk_overrun" else -4096
             return r
         if fault in ("read_stride_short", "read_bytes_over", "read_order_flipped",
                      "ack_not_held") \
@@ -216,18 +218,19 @@ class FaultSource(_BaseSource):
 
     def _producer(self, s: Any, pieces: Any, block_ids: Any, chunks: Any):
         produce = super()._producer(s, pieces, block_ids, chunks)
-        tid = s.req.transfer_id
-        if tid not in self._overrun:
+        off = self._resized.pop(s.req.transfer_id, 0)
+        if not off:
             return produce
-        self._overrun.discard(tid)
 
-        async def overrun(i: int) -> torch.Tensor:
+        async def resized(i: int) -> torch.Tensor:
             buf = await produce(i)
-            if i == 0:  # 4 KiB more than the reply announced
-                buf = torch.cat([buf.reshape(-1), torch.zeros(4096, dtype=torch.uint8)])
+            if i == 0 and off > 0:  # more than the reply announced
+                buf = torch.cat([buf.reshape(-1), torch.zeros(off, dtype=torch.uint8)])
+            elif i == 0:  # less than the reply announced
+                buf = buf.reshape(-1)[:off]
             return buf
 
-        return overrun
+        return resized
 
     async def _http_state(self, request: web.Request) -> web.StreamResponse:
         fault = request.query.get("fault", "")
