@@ -21,12 +21,16 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvkern.xfer import transport, ucxcompat
 from kvkern.xfer.messages import DEFAULT_CODEC, Cancel, PlanPiece, PullReply, PullRequest, Status
 from kvkern.xfer.transport import (
     CONTROL_TAG,
     MAX_TRANSFER_ID,
+    TRAILER_BYTES,
+    ChunkLengths,
     Connection,
     ConnectionPool,
     Lane,
@@ -126,6 +130,39 @@ def test_tag_layout():
     for bad in [(-1, 0, 0), (MAX_TRANSFER_ID + 1, 0, 0), (1, 4, 0), (1, 0, 1 << 28)]:
         with pytest.raises(ValueError):
             tag_for(*bad)
+
+
+def _lengths(sizes) -> ChunkLengths:
+    out = ChunkLengths()
+    for n in sizes:
+        out.add(n)
+    return out
+
+
+SIZES = st.lists(st.integers(0, 1 << 40), max_size=12)
+
+
+@given(sent=SIZES, received=SIZES)
+def test_a_trailer_passes_exactly_the_lengths_sent(sent, received):
+    """The trailer of chunks of ``sent`` lengths passes a receiver of ``received`` lengths
+    only when the two are the same list (same count, bytes and order)."""
+    trailer = _lengths(sent).pack()
+    assert len(trailer) == TRAILER_BYTES
+    if sent == received:
+        _lengths(received).check(trailer)
+    else:
+        with pytest.raises(TransportError, match="chunk lengths differ") as info:
+            _lengths(received).check(trailer)
+        assert info.value.reason == "protocol_error"
+
+
+@given(cut=st.integers(0, TRAILER_BYTES - 1))
+def test_a_short_or_foreign_trailer_fails(cut):
+    trailer = bytearray(TRAILER_BYTES)
+    trailer[:cut] = _lengths([4096, 4096]).pack()[:cut]  # the rest as received: zeros
+    with pytest.raises(TransportError) as info:
+        _lengths([4096, 4096]).check(trailer)
+    assert info.value.reason == "protocol_error"
 
 
 @pytest.mark.parametrize("make", [
