@@ -35,7 +35,7 @@ from kvkern.xfer.metrics import XferMetrics
 from kvkern.xfer.receive import StreamReceiver
 from kvkern.xfer.send import Sender
 from kvkern.xfer.staging import StagingPool
-from kvkern.xfer.transport import Connection
+from kvkern.xfer.transport import INDEX_BITS, ChunkLengths, Connection, Lane
 
 MODEL = ModelKVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 TOPO = Topology(model=MODEL, parallel=Parallelism())
@@ -214,10 +214,14 @@ def test_staging_pool_keeps_a_buffer_until_its_event_fired():
 # ---------------------------------------------------------------- source and destination
 
 
+def _is_trailer(tag: int) -> bool:
+    return (tag >> INDEX_BITS) & 3 == Lane.TRAILER
+
+
 class FakeEp:
     """A UCX endpoint: sends snapshot the buffer when posted and check it is unchanged when
     they complete (a staging slot overwritten while UCX reads it fails); receives copy the
-    next chunk of ``stream`` in."""
+    next chunk of ``stream`` in, and the stream's trailer as its sender would pack it."""
 
     closed = False
 
@@ -225,6 +229,7 @@ class FakeEp:
                  starts: list[int] | None = None) -> None:
         self.log, self.stream, self.starts = log, stream, starts
         self.sent: dict[int, bytes] = {}
+        self.trailer: bytes | None = None
 
     def set_close_callback(self, cb) -> None:
         pass
@@ -233,6 +238,9 @@ class FakeEp:
         self.closed = True
 
     async def send(self, buf, tag: int) -> None:
+        if _is_trailer(tag):
+            self.trailer = bytes(memoryview(buf))
+            return
         i = tag & 0xFFFF
         t = torch.as_tensor(buf) if not isinstance(buf, torch.Tensor) else buf
         posted = t.cpu().numpy().tobytes()
@@ -244,6 +252,12 @@ class FakeEp:
         self.log.append(("sent", i))
 
     async def recv(self, buf, tag: int) -> None:
+        if _is_trailer(tag):
+            lengths = ChunkLengths()
+            for a, b in itertools.pairwise(self.starts):
+                lengths.add(b - a)
+            memoryview(buf)[:] = lengths.pack()
+            return
         i = tag & 0xFFFF
         self.log.append(("recv", i))
         await asyncio.sleep(0)
@@ -293,6 +307,10 @@ async def send_all(device: str, log: list) -> FakeEp:
     want = pack(rkv.pool, rkv.layout, BLOCK_IDS).reshape(-1).view(torch.uint8).cpu()
     got = b"".join(ep.sent[i] for i in range(len(chunks)))
     assert got == want.numpy().tobytes()  # bit-exact
+    sent = ChunkLengths()
+    for i in range(len(chunks)):
+        sent.add(len(ep.sent[i]))
+    sent.check(ep.trailer)  # the trailer names the chunks as they went
     assert len({b.data_ptr() for b in s.staging}) == RING  # the ring was reused
     # every chunk was packed (none is a run of a host pool's rows), and counted
     assert svc.metrics.value("kvkern_source_packed_bytes_total") == want.numel()
