@@ -26,8 +26,7 @@ sender sends a trailer of :data:`TRAILER_BYTES`: the number of chunks it sent, t
 a digest of their lengths in order, each taken from the buffers it handed to UCX. The receiver
 compares it with the buffers it received into and fails the stream (``protocol_error``) on
 any difference, before returning: a chunk shorter than announced never passes as whole with
-its buffer's old tail. The trailer's receive is posted behind the last chunk's, so it
-waits for nothing that was not already on its way.
+its buffer's old tail. The trailer's receive is posted right after the last chunk's.
 
 A control frame of up to ``CONTROL_FRAME_BYTES`` (64 KiB: every reply, cancel and ack, and
 requests of up to ~7,000 block hashes) is ONE message on its tag, received into a buffer of
@@ -608,7 +607,8 @@ class Connection:
         inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
         bufs: dict[int, BufferT] = {}
         lengths = ChunkLengths()
-        sent = bytearray(TRAILER_BYTES)
+        sent = bytearray(TRAILER_BYTES)  # the sender's trailer lands here
+        checked = trailer and n_chunks > 0
         with self._aborting_streams(inflight, f"receive of transfer {transfer_id}"):
             for i in range(n_chunks):
                 while len(inflight) >= max_in_flight:
@@ -620,7 +620,7 @@ class Connection:
                 lengths.add(_nbytes(ubuf))
                 tag = tag_for(transfer_id, Lane.DATA, first_index + i)
                 inflight.append((i, asyncio.ensure_future(self._post_recv(ubuf, tag))))
-            if n_chunks and trailer:
+            if checked:
                 tag = tag_for(transfer_id, Lane.TRAILER, first_index)
                 inflight.append((n_chunks, asyncio.ensure_future(
                     self._post_recv(as_recv_buffer(sent), tag))))
@@ -628,7 +628,7 @@ class Connection:
                 j = await self._retire_oldest(inflight, timeout, "receive")
                 if j < n_chunks:
                     await _call_maybe_async(on_chunk, j, bufs.pop(j))
-            if n_chunks and trailer:
+            if checked:
                 lengths.check(sent)
             return lengths.nbytes
 
