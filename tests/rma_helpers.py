@@ -3,6 +3,9 @@ read lanes): a random source buffer, and stand-ins for :class:`kvkern.xfer.ucp_r
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import torch
 
 from kvkern.layout.hostmem import host_buffer
@@ -16,6 +19,15 @@ def random_host_buffer(nbytes: int, seed: int = 20261130) -> torch.Tensor:
     buf.view(torch.int64).copy_(torch.randint(-2**63, 2**63 - 1, (nbytes // 8,),
                                               dtype=torch.int64, generator=g))
     return buf
+
+
+async def until(condition, timeout: float = 10.0) -> None:
+    """Wait on the loop until ``condition()`` holds; an AssertionError after ``timeout``
+    seconds. (A fixed sleep before an assertion fails on a slow host.)"""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not so within {timeout} s"
+        await asyncio.sleep(0.001)
 
 
 def held_batch_class(made: list) -> type:

@@ -28,7 +28,7 @@ from kvkern.xfer import read_lanes, transport, ucp_rma, ucxcompat
 from kvkern.xfer.read_lanes import ReadLanes, address_usable, split_parts
 from kvkern.xfer.transport import Listener, ReadsStuck, TransportError
 
-from .rma_helpers import NeverDone, held_batch_class, random_host_buffer
+from .rma_helpers import NeverDone, held_batch_class, random_host_buffer, until
 
 pytestmark = pytest.mark.timeout(30)
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -303,7 +303,7 @@ async def test_small_reads_run_on_the_loop_lane(source, lanes, monkeypatch):
     a, b = poisoned(4096), poisoned(4096)
     slow = asyncio.ensure_future(rl.read(
         address, [(region.rkey, [(a.data_ptr(), region.address, 4096)])], timeout=5))
-    await asyncio.sleep(0.002)
+    await until(lambda: len(made) == 1)
     assert not slow.done() and where == [(-1, here)]
     asyncio.get_running_loop().call_later(0.01, setattr, made[0], "hold", False)
     await rl.read(address, [(region.rkey, [(b.data_ptr(), region.address + 4096, 4096)])],
@@ -345,7 +345,7 @@ async def test_a_close_while_the_loop_lane_reads_waits_for_its_script(source, la
     dst = poisoned(2 * 64 * 4096)
     runs, want = shuffled_blocks(src, region, dst, 64, 4096, seed=5)
     task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=10))
-    await asyncio.sleep(0.002)
+    await until(lambda: len(made) == 1)
     assert not task.done() and len(made) == 1 and rl.peers == 1
     await asyncio.to_thread(rl.close, 5.0)
     assert rl.peers == 1 and not task.done()  # the script's endpoint is still open
@@ -456,7 +456,10 @@ async def test_cancel(source, lanes, monkeypatch, grace):
     dst = poisoned(2 * 256 * 4096)
     runs, want = shuffled_blocks(src, region, dst, 256, 4096, seed=11)
     task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20))
-    await asyncio.sleep(0.005 if not grace else 0)
+    if grace:
+        await asyncio.sleep(0)
+    else:  # (cancelled once both lanes' reads are posted and held)
+        await until(lambda: len(made) == 2)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -493,7 +496,7 @@ async def test_cancel_on_the_loop_lane(source, lanes, monkeypatch, grace):
 
     tick = asyncio.ensure_future(ticker())
     task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20))
-    await asyncio.sleep(0.005)
+    await until(lambda: len(made) == 1)
     assert not task.done() and len(made) == 1 and ticks
     task.cancel()
     if grace:
