@@ -5,6 +5,7 @@ confirm goes the granted way. Same source peer, model and checks as tests/test_p
 from __future__ import annotations
 
 import itertools
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from kvkern.cache.directory import MAX_GROUP
 from kvkern.cache.hashing import local_block_hashes
-from kvkern.xfer import direct
+from kvkern.xfer import direct, ucxcompat
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.state import parse_read_index
 from tests import test_pull as tp
@@ -78,6 +79,50 @@ def test_direct_read_sends_no_message(src, make_puller, n_blocks, lookup):
     assert_only_changed(group, before, set(ids))
     assert_clean(group)
     src.wait_no_pins()
+
+
+@pytest.mark.parametrize("n_blocks", [1, 16], ids=["loop-lane", "lanes"])
+def test_a_puller_opens_its_read_lanes_before_the_first_pull(src, make_puller, monkeypatch,
+                                                              n_blocks):
+    """The read lanes' UCX workers (the loop lane's and every thread lane's) are made when
+    the puller is, each on its own thread, so the first pull makes none: a 1-block pull
+    reads on the loop lane, 16 blocks (above loop_read_bytes) on the threads' lanes."""
+    made = []
+    real = ucxcompat.new_worker
+    monkeypatch.setattr(ucxcompat, "new_worker", lambda context: (
+        made.append(threading.current_thread().name), real(context))[1])
+    group = make_group()
+    p = make_puller(group, direct_reads=True, loop_read_bytes=4096)
+    lanes = p._lanes
+    for fut in lanes.open(p._loop.loop):  # (already open: these do nothing)
+        fut.result(10)
+    n = lanes.n
+    assert len(made) == n + 1 and len(set(made)) == n + 1, made  # one per lane, each its own
+    assert all(lane.opened for lane in lanes._all)
+    tokens = fresh_tokens(n_blocks * BS + 1)
+    hashes = src.commit(tokens)
+    o = pull(p, "first", tokens, hint_for(src, tokens))
+    assert o.used and o.messages == 0 and "direct" in o.phases, o
+    assert len(made) == n + 1, made  # the pull made no worker
+    claim_check_release(p, group, src, "first", hashes)
+    p.close()
+    assert not any(lane.opened for lane in lanes._all)
+
+
+@pytest.mark.parametrize("cfg", [{"remote_read": False}, {"read_lanes": 0}],
+                         ids=["streams-only", "no-lanes"])
+def test_a_puller_that_cannot_read_opens_no_lanes(make_puller, cfg):
+    assert make_puller(make_group(), **cfg)._lanes is None
+
+
+def test_a_puller_closed_at_once_leaves_no_lane_open(make_puller):
+    """A close that follows the construction before the lanes' openings ran: each lane's
+    close runs after its opening, on its thread, so nothing is left open."""
+    for _ in range(5):
+        p = make_puller(make_group(), direct_reads=True)
+        lanes = p._lanes
+        p.close()
+        assert not any(lane.opened for lane in lanes._all)
 
 
 @pytest.mark.parametrize("local", [0, 14], ids=["whole-prefix", "local-head"])

@@ -160,10 +160,18 @@ class Puller:
             streams=StreamReceiver(config, self._staging), reads=self._reads,
             cost_guard=self.cost_guard, metrics=metrics, lock=self._lock,
             finish=self._finish, spawn=self._spawn)
-        # Heavy modules now, not on the first request's path (triton via the kernels: ~0.2 s).
+        # Heavy modules now, not on the first request's path (triton via the kernels, and
+        # aiohttp for the first state fetch: ~0.2 s each).
+        import aiohttp  # noqa: F401, PLC0415
+        import yarl  # noqa: F401, PLC0415
+
         import kvkern.kernels.pack  # noqa: F401, PLC0415
         import kvkern.layout.plan  # noqa: F401, PLC0415
         import kvkern.xfer.endpoint  # noqa: F401, PLC0415
+
+        # and the read lanes' UCX workers, each made on its own thread meanwhile (one took
+        # 7-10 ms of the first direct pull's look-up)
+        self._reads.open_lanes(self._loop.loop, group.ranks.values())
 
     @staticmethod
     def _make_staging(group: KVGroup, config: XferConfig) -> StagingPool:

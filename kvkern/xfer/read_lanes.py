@@ -52,6 +52,7 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,8 @@ Reader = Callable[[Sequence[Part]], "Steps[float | None]"]  # what a script read
 T = TypeVar("T")
 
 MAX_PEERS = MAX_LANE_PEERS
+
+log = logging.getLogger("kvkern.xfer")
 MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
 
 
@@ -227,16 +230,20 @@ class _Lane:
 
     # ---- on the lane's thread only
 
-    def _peer(self, address: bytes) -> _Peer:
-        peer = self._peers.get(address)
-        if peer is not None:
-            self._peers.move_to_end(address)
-            return peer
+    def open(self) -> None:
+        """Create the lane's UCP context and worker, if not yet made."""
         if self._worker is None:
             # A UCP context of its own: ucxx creates its context without
             # mt_workers_shared, so workers of that context must not run on several threads
             self._context = _lane_context()
             self._worker, self._worker_handle = ucxcompat.new_worker(self._context)
+
+    def _peer(self, address: bytes) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is not None:
+            self._peers.move_to_end(address)
+            return peer
+        self.open()
         while len(self._peers) >= MAX_PEERS:
             _, old = self._peers.popitem(last=False)
             self._close_peer(old, [])
@@ -348,6 +355,27 @@ class ReadLanes:
     @property
     def _all(self) -> list[_Lane]:
         return [*self._lanes, self._on_loop]
+
+    def open(self, loop: asyncio.AbstractEventLoop) -> list[concurrent.futures.Future]:
+        """Create every lane's UCP context and worker now, each on its own thread (the loop
+        lane's on ``loop``, the running loop that will run its scripts), rather than in a
+        first read: one costs milliseconds, and more where UCX opens network devices. Callable
+        from any thread; returns the futures of the lanes' openings. A lane whose opening
+        fails stays closed and opens on its first read instead."""
+        if self._closed:
+            return []
+        futs = [lane.executor.submit(lane.open) for lane in self._lanes]
+        if self.loop_bytes and self._loop in (None, loop):
+            self._loop = loop  # (close() now closes the loop lane on this loop, after this)
+
+            def open_here() -> None:
+                if not self._closed:
+                    self._on_loop.open()
+
+            futs.append(_on_loop_thread(loop, open_here))
+        for fut in futs:
+            fut.add_done_callback(_log_failed_open)
+        return futs
 
     @property
     def peers(self) -> int:
@@ -488,7 +516,7 @@ class ReadLanes:
         self._closed = True
         deadline = time.monotonic() + timeout
         futs = [lane.executor.submit(lane.close) for lane in self._lanes]
-        if self._on_loop.opened:
+        if self._on_loop.opened or self._loop is not None:  # (opened, or an open() queued)
             futs.append(_on_loop_thread(self._loop, self._close_loop_lane))
         for fut in futs:
             with contextlib.suppress(Exception):
@@ -532,6 +560,12 @@ async def _drive_here(steps: Steps[T], stop: threading.Event) -> tuple[
         except asyncio.CancelledError:
             cancelled_at = cancelled_at or time.perf_counter()
         spent += time.perf_counter() - t
+
+
+def _log_failed_open(fut: concurrent.futures.Future) -> None:
+    if not fut.cancelled() and fut.exception() is not None:
+        log.warning("a read lane did not open (it opens on its first read): %s",
+                    fut.exception())
 
 
 def _on_loop_thread(loop: asyncio.AbstractEventLoop | None,

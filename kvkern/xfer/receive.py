@@ -17,7 +17,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +42,9 @@ from kvkern.xfer.tuning import (
 )
 
 if TYPE_CHECKING:
+    import asyncio
+    import concurrent.futures
+
     import torch
 
     from kvkern.layout.kv_layout import KVLayout
@@ -261,14 +264,15 @@ class StreamReceiver:
 
 class ReadReceiver:
     """Reads a pair's runs one-sided out of the source's pinned blocks; owns the read lanes
-    (made on first use) and which source workers' lanes failed lately."""
+    (made and opened with the puller where it may read, :meth:`open_lanes`; else on first
+    use) and which source workers' lanes failed lately."""
 
     def __init__(self, config: XferConfig, *, closed: Callable[[], bool],
                  spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
         self.config = config
         self._closed = closed
         self._spawn = spawn
-        self.lanes: ReadLanes | None = None  # made by the first lane read
+        self.lanes: ReadLanes | None = None  # made by open_lanes or the first lane read
         # directory buffers of direct reads (kvkern.xfer.direct) kept for the next one: the
         # first read lane's thread's, and the event loop's (the loop lane)
         self.direct_scratch: dict[tuple, np.ndarray] = {}
@@ -470,10 +474,10 @@ class ReadReceiver:
                            f"{getattr(ack, 'reason', type(ack).__name__)}")
 
     def lanes_for(self, worker: bytes | None) -> ReadLanes | None:
-        """The read lanes, made on first use; None where reads stay on the connection (no
+        """The read lanes (made here if open_lanes did not); None where reads stay on the connection (no
         lanes configured, or the source rank publishes no worker address this UCX can
         use)."""
-        from kvkern.xfer.read_lanes import ReadLanes, address_usable  # noqa: PLC0415
+        from kvkern.xfer.read_lanes import address_usable  # noqa: PLC0415
 
         if worker is None or not self.config.read_lanes or self._closed() \
                 or not address_usable(worker):
@@ -483,11 +487,26 @@ class ReadReceiver:
             if time.monotonic() - failed < LANE_RETRY_S:
                 return None
             del self._lanes_down[worker]
+        return self._made_lanes()
+
+    def _made_lanes(self) -> ReadLanes:
+        from kvkern.xfer.read_lanes import ReadLanes  # noqa: PLC0415
+
         if self.lanes is None:  # (lanes beyond this process's CPUs could not copy at once)
             self.lanes = ReadLanes(min(self.config.read_lanes, _usable_cpus()),
                                    min_bytes=self.config.read_lane_min_bytes,
                                    loop_bytes=self.config.loop_read_bytes)
         return self.lanes
+
+    def open_lanes(self, loop: asyncio.AbstractEventLoop,
+                   ranks: Iterable[RankKV]) -> list[concurrent.futures.Future]:
+        """Where this destination may read (reads and lanes configured, a host rank among
+        ``ranks``), make the read lanes and open their UCX workers now, in the background
+        (:meth:`ReadLanes.open`), not in the first pull; the futures of the openings."""
+        if not (self.config.remote_read and self.config.read_lanes) or self._closed() \
+                or not any(r.device.type == "cpu" for r in ranks):
+            return []
+        return self._made_lanes().open(loop)
 
     def lanes_failed(self, worker: bytes, exc: Exception) -> None:
         from kvkern.xfer.discovery import bounded_put  # noqa: PLC0415
