@@ -516,7 +516,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     try:
         if s.nixl:
             await _start_nixl(pb, s, out)
-        await _check_pulls(pb)
+        out["first_pull"] = await _check_pulls(pb)
         for size in s.sizes:
             out[str(size)] = await _pull_size(pb, s, size)
         if s.all_variants:
@@ -587,22 +587,29 @@ async def _one_block(pb: _PullBench, s: Settings, via: Any) -> dict[str, float]:
     return out
 
 
-async def _check_pulls(pb: _PullBench) -> None:
-    """Warm-up (connection, state cache) and a correctness check of every puller."""
+async def _check_pulls(pb: _PullBench) -> dict[str, Any]:
+    """Warm-up (connection, state cache) and a correctness check of every puller; returns
+    the headline puller's first pull (the process's first: state fetch, connections, the
+    lanes' endpoints to the source) as ``total_ms`` and ``phases_ms``."""
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
 
     n_max, bench = pb.n_max, pb.bench
     all_hashes = sequence_hashes(list(range(n_max * pb.bs)), pb.bs)
     ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
+    first: dict[str, Any] = {}
     for via in pb.pullers:
         for port in ports:
-            await pb.pull(n_max, port, via)
+            o = await pb.pull(n_max, port, via)
+            if not first:
+                first = {"blocks": n_max, "total_ms": round(o.total_s * 1e3, 3),
+                         "phases_ms": {k: round(v * 1e3, 3) for k, v in o.phases.items()}}
             ids = pb.group.manager.match_prefix(all_hashes)
             for i in sorted({0, n_max // 2, n_max - 1}):
                 if not all(_block_holds(r.layout, r.pool, ids[i], _block_value(i))
                            for r in pb.ranks.values()):
                     raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
             pb.group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
+    return first
 
 
 # A direct read's phases, one after another from the hint to the commit (``direct``,
