@@ -170,6 +170,8 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
         out += ["", "Notes:", ""] + [f"- `{name}`: {note}" for name, note in notes]
     out += _one_block_lines([(n, r) for n, r in records
                              if _pull_kind(r)[1:] == ("1:1", "1:1")])
+    out += _first_pull_lines([(n, r) for n, r in records
+                              if _pull_kind(r)[1:] == ("1:1", "1:1")])
     out += ["", f"![pull / raw per run]({PLOT})", ""]
     return out
 
@@ -218,6 +220,29 @@ def _one_block_lines(records: list[tuple[str, dict]]) -> list[str]:
         out += ["", f"Hint to first byte in records before direct reads (1 block, warm "
                     f"connection, granted reads): {_fmt(min(older))}-{_fmt(max(older))} ms."]
     return out
+
+
+def _first_pull_lines(records: list[tuple[str, dict]]) -> list[str]:
+    """The headline puller's first pull of each record that has it (the process's first:
+    the source's state fetched, its connections and read lanes' endpoints made)."""
+    rows = []
+    for name, r in records:
+        first = r.get("cases", {}).get("pull", {}).get("first_pull")
+        if not isinstance(first, dict) or "total_ms" not in first:
+            continue
+        ph = first.get("phases_ms", {})
+        copy = ph.get("data", ph.get("read"))
+        rest = None if copy is None else first["total_ms"] - copy
+        rows.append(f"| `{name}` | {first.get('blocks', '-')} | {_fmt(first['total_ms'])} | "
+                    f"{_two(ph.get('metadata'))} | {_two(ph.get('lookup'))} | {_two(copy)} | "
+                    f"{_two(rest)} |")
+    if not rows:
+        return []
+    return ["", "A process's first pull (the bench's largest size, its headline puller's first, "
+            "ms): the whole pull, the source's state fetched, the look-up (with the read "
+            "lanes' first endpoints to the source), the copy, and all but the copy.", "",
+            "| record | blocks | whole | state fetch | look-up | copy | all but the copy |",
+            "|---|---|---|---|---|---|---|", *rows]
 
 
 def _two(x: float | None) -> str:

@@ -108,3 +108,16 @@ def test_nixl_interleaved_with_the_pulls_is_shown_and_used(tmp_path):
     assert ("| 64 MiB | 11.19 [9.00-11.00] | 10.32 [9.00-11.00] | 9.59 [9.00-11.00] "
             "| 9.32 [9.00-11.00] | 10.70 | 9.50 | 0.96 | 0.99 |") in text
     assert "| 64 MiB | 6.00 | 6.25 | 4.50 |" in text  # the interleaved READ, not 9.00
+
+
+def test_a_first_pull_is_shown(tmp_path):
+    """A record's first pull (``cases.pull.first_pull``) gets a row: the whole pull, its state
+    fetch, look-up and copy, and all but the copy."""
+    report = _report()
+    (tmp_path / "xfer").mkdir()
+    rec = {"bench": "xfer", "by_size": {}, "env": {"commit": "abc1234"},
+           "cases": {"pull": {"first_pull": {"blocks": 512, "total_ms": 31.5, "phases_ms": {
+               "metadata": 6.0, "lookup": 3.75, "data": 18.0, "total": 31.5}}}}}
+    (tmp_path / "xfer" / "run.json").write_text(json.dumps(rec))
+    text = report.render(report.load(tmp_path))
+    assert "| `run.json` | 512 | 31.50 | 6.00 | 3.75 | 18.00 | 13.50 |" in text
