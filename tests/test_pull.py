@@ -21,6 +21,7 @@ replies it sent by kind (``/test/stats`` "replies"), so a test can tell which pa
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import http.server
 import json
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 from pathlib import Path
 
@@ -986,6 +988,100 @@ def test_lease_release_and_close(src, make_puller):
     with pytest.raises(KeyError):
         p.result("never-submitted", 0.1)
 
+
+
+def test_a_source_pulled_from_steadily_never_waits_for_its_state(src, make_puller,
+                                                                  monkeypatch):
+    """A cached source state and endpoint verdict older than REFRESH_AHEAD of their time to
+    live are used at once and fetched again meanwhile (the pull ends while that fetch is
+    held); ones older than their time to live are not used (the pull waits for the fetch);
+    a refresh that fails drops the state; closing the puller ends a refresh still held."""
+    from kvkern.xfer import discovery, endpoint
+    from kvkern.xfer.tuning import REFRESH_AHEAD
+
+    ttl = 10.0
+    offset = [0.0]  # added to discovery's clock
+    monkeypatch.setattr(discovery, "time", types.SimpleNamespace(
+        monotonic=lambda: time.monotonic() + offset[0]))
+    gate, fetches, resolves, fail = threading.Event(), [], [], [False]
+    gate.set()
+    real_fetch, real_resolve = endpoint.fetch_state, endpoint.resolve_endpoint_async
+
+    async def held() -> None:
+        while not gate.is_set():
+            await asyncio.sleep(0.01)
+
+    async def fetch(*a, **kw):
+        fetches.append(offset[0])
+        await held()
+        if fail[0]:
+            raise endpoint.FetchError("metadata_fetch_failed", "refused by the test")
+        return await real_fetch(*a, **kw)
+
+    async def resolve(*a, **kw):
+        resolves.append(offset[0])
+        await held()
+        return await real_resolve(*a, **kw)
+
+    monkeypatch.setattr(endpoint, "fetch_state", fetch)
+    monkeypatch.setattr(endpoint, "resolve_endpoint_async", resolve)
+    p = make_puller(make_group(), state_cache_ttl_s=ttl)
+
+    def prompt() -> list[int]:  # (each pull its own blocks: none is cached here yet)
+        toks = fresh_tokens(2 * BS)
+        src.commit(toks)
+        return toks
+
+    def pulled(rid: str) -> None:
+        toks = prompt()
+        o = pull(p, rid, toks, hint_for(src, toks))
+        assert o.used, o
+        p.release(rid)
+
+    def until(cond) -> None:
+        deadline = time.monotonic() + 10
+        while not cond():
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+
+    pulled("a")
+    assert (len(fetches), len(resolves)) == (1, 1)
+    pulled("b")  # fresh: nothing asked again
+    assert (len(fetches), len(resolves)) == (1, 1)
+    offset[0] = REFRESH_AHEAD * ttl + 0.5
+    gate.clear()
+    pulled("c")  # ends while its refreshes are held
+    assert (len(fetches), len(resolves)) == (2, 2)
+    pulled("d")  # one refresh at a time
+    assert (len(fetches), len(resolves)) == (2, 2)
+    gate.set()
+    until(lambda: not p._runner.discovery._state_fetches
+          and not p._runner.discovery._refreshes)
+    offset[0] += ttl + 1  # past the refreshed entries' time to live: the pull waits
+    gate.clear()
+    toks = prompt()
+    p.submit("e", toks, hint_for(src, toks))
+    time.sleep(0.3)
+    assert p.outcome("e") is None and len(resolves) == 3
+    gate.set()
+    assert p.result("e", 10).used and len(fetches) == 3
+    p.release("e")
+    offset[0] += REFRESH_AHEAD * ttl + 0.5
+    fail[0] = True
+    pulled("f")  # its refresh fails: the state is dropped, the next pull meets the failure
+    until(lambda: not p._runner.discovery._state_fetches)
+    toks = prompt()
+    o = pull(p, "g", toks, hint_for(src, toks))
+    assert not o.used and o.reason is Reason.METADATA_FETCH_FAILED, o
+    fail[0] = False
+    pulled("h")
+    offset[0] += REFRESH_AHEAD * ttl + 0.5
+    gate.clear()
+    pulled("i")
+    t0 = time.monotonic()
+    p.close()  # its refreshes still held: cancelled, not waited for
+    assert time.monotonic() - t0 < 5
+    gate.set()
 
 
 def test_source_restart_is_detected(make_puller):

@@ -3,6 +3,12 @@ against the allowlist, fetch the source's state (cached per source and incarnati
 at a time per source), check that the source can serve this worker at all, and resolve the
 UCX address of every source rank a plan needs (each allowlist-checked too).
 
+Verdicts and states are cached for ``XferConfig.state_cache_ttl_s``. One used when older than
+:data:`~kvkern.xfer.tuning.REFRESH_AHEAD` of that is resolved or fetched again in the
+background, so a source pulled from steadily is never waited for; none older than the time to
+live is used, and a refresh that fails drops the entry (the next pull asks again and meets
+the failure itself).
+
 Everything here happens before a block is allocated; every refusal is a
 :class:`~kvkern.xfer.pulljob.Fallback` with a named reason.
 """
@@ -21,7 +27,7 @@ from kvkern.xfer.hints import KvHint
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
 from kvkern.xfer.state import PROTOCOL, SourceState, parse_state
-from kvkern.xfer.tuning import MAX_CACHED_SOURCES
+from kvkern.xfer.tuning import MAX_CACHED_SOURCES, REFRESH_AHEAD
 
 if TYPE_CHECKING:
     from kvkern.xfer.endpoint import Allowlist, ResolvedEndpoint, Resolver
@@ -55,6 +61,7 @@ class SourceDiscovery:
         self._endpoint_config = None
         self._state_cache: dict[tuple, tuple[SourceState, float]] = {}
         self._state_fetches: dict[tuple, asyncio.Future] = {}
+        self._refreshes: dict[tuple, asyncio.Task] = {}  # verdicts resolved again meanwhile
         # allowed endpoints, with the time of the verdict
         self._verdicts: dict[tuple, tuple[ResolvedEndpoint, float]] = {}
         # UCX addresses of source ranks the allowlist allowed: (host, port) as a state names
@@ -77,15 +84,26 @@ class SourceDiscovery:
     async def resolve(self, hint: KvHint, md_t: float) -> ResolvedEndpoint:
         """Parse, resolve once and allowlist-check the hint's endpoint. Allowed verdicts are
         cached for ``state_cache_ttl_s`` (refusals never are), so a warm pull skips the
-        resolver thread; the connection still goes to the address that was checked."""
-        from kvkern.xfer.endpoint import resolve_endpoint_async  # noqa: PLC0415
-
+        resolver thread (and one older than REFRESH_AHEAD of that is resolved again
+        meanwhile); the connection still goes to the address that was checked."""
         if self._endpoint_config is None:
             self._endpoint_config = self.config.endpoint_config()
         key = (hint.source, hint.source_dp_rank)
         hit = self._verdicts.get(key)
-        if hit is not None and time.monotonic() - hit[1] < self.config.state_cache_ttl_s:
-            return hit[0]
+        ttl = self.config.state_cache_ttl_s
+        if hit is not None:
+            age = time.monotonic() - hit[1]
+            if age < ttl:
+                if age >= REFRESH_AHEAD * ttl and key not in self._refreshes:
+                    task = asyncio.ensure_future(self._resolve(hint, md_t))
+                    self._refreshes[key] = task
+                    task.add_done_callback(lambda t, k=key: self._resolved_again(k, t))
+                return hit[0]
+        return await self._resolve(hint, md_t)
+
+    async def _resolve(self, hint: KvHint, md_t: float) -> ResolvedEndpoint:
+        from kvkern.xfer.endpoint import resolve_endpoint_async  # noqa: PLC0415
+
         try:
             verdict = await asyncio.wait_for(resolve_endpoint_async(
                 hint.source, self.allowlist(), dp_rank=hint.source_dp_rank,
@@ -96,8 +114,19 @@ class SourceDiscovery:
         if not verdict.allowed:
             raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"{hint.source!r}: {verdict.reason}: "
                            f"{verdict.detail}")
-        bounded_put(self._verdicts, key, (verdict.endpoint, time.monotonic()))
+        bounded_put(self._verdicts, (hint.source, hint.source_dp_rank),
+                    (verdict.endpoint, time.monotonic()))
         return verdict.endpoint
+
+    def _resolved_again(self, key: tuple, task: asyncio.Task) -> None:
+        """A background re-resolution ended: on success :meth:`_resolve` stored the fresh
+        verdict; on any failure (a refusal, a timeout) the old one is dropped."""
+        if self._refreshes.get(key) is task:
+            del self._refreshes[key]
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.debug("source %s: re-resolving failed: %s", key[0], task.exception())
+            self._verdicts.pop(key, None)
 
     @staticmethod
     def _state_key(resolved: ResolvedEndpoint) -> tuple:
@@ -107,18 +136,36 @@ class SourceDiscovery:
                     md_t: float) -> SourceState:
         key = self._state_key(resolved)
         hit = self._state_cache.get(key)
-        now = time.monotonic()
-        if hit is not None and now - hit[1] < self.config.state_cache_ttl_s:
-            job.state, job.state_cached = hit[0], True
-            return hit[0]
+        ttl = self.config.state_cache_ttl_s
+        if hit is not None:
+            age = time.monotonic() - hit[1]
+            if age < ttl:
+                if age >= REFRESH_AHEAD * ttl:
+                    self._fetching(key, resolved, md_t)  # for the pulls after this one
+                job.state, job.state_cached = hit[0], True
+                return hit[0]
+        state = await asyncio.shield(self._fetching(key, resolved, md_t))
+        job.state = state
+        return state
+
+    def _fetching(self, key: tuple, resolved: ResolvedEndpoint, md_t: float) -> asyncio.Future:
+        """The running fetch of the source's state, started if there is none: one per source
+        at a time, shared by concurrent pulls."""
         fut = self._state_fetches.get(key)
-        if fut is None:  # one fetch per source at a time; concurrent pulls share it
+        if fut is None:
             fut = asyncio.ensure_future(self._fetch(resolved, md_t))
             self._state_fetches[key] = fut
             fut.add_done_callback(lambda f, k=key: self._fetched(k, f))
-        state = await asyncio.shield(fut)
-        job.state = state
-        return state
+        return fut
+
+    async def aclose(self) -> None:
+        """Cancel the fetches and re-resolutions still running (a refresh no pull waits
+        for would otherwise outlive the puller) and wait for them to end."""
+        tasks = [*self._state_fetches.values(), *self._refreshes.values()]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
 
     def _fetched(self, key: tuple, fut: asyncio.Future) -> None:
         if self._state_fetches.get(key) is fut:

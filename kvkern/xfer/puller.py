@@ -390,6 +390,7 @@ class Puller:
     async def _aclose(self) -> None:
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=2.0)
+        await self._runner.discovery.aclose()
         if self._own_pool is not None:
             await self._own_pool.close()
 

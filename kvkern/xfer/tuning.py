@@ -22,7 +22,7 @@ __all__ = [
     "DEFAULT_READ_HOLD_S",
     "DEFAULT_TIMEOUT_S", "HOLD_MARGIN_S", "HOLD_RATE_SLACK", "HTTP_SKEW_S", "LANE_DRAIN_POLL_S",
     "DIRECTORY_READ_COST_BYTES", "LANE_RETRY_S", "LANE_UCX_CONFIG", "MAX_CACHED_RKEYS",
-    "MAX_CACHED_SOURCES",
+    "MAX_CACHED_SOURCES", "REFRESH_AHEAD",
     "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "MAX_UNTRUSTED_CONNECTIONS",
     "PACK_WAIT_S", "QUOTA_POLL_S",
     "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "READ_WAITER_THREADS",
@@ -106,6 +106,10 @@ STREAM_MIN_RUN_BYTES = 4 << 20
 
 # Hints name arbitrary sources, so the per-source caches (state, verdicts) stay bounded.
 MAX_CACHED_SOURCES = 4096
+# A cached source state or endpoint verdict older than this share of its time to live is
+# still used, and fetched again meanwhile: a source pulled from steadily never makes a pull
+# wait for its state (a state fetch took 3-10 ms on loopback).
+REFRESH_AHEAD = 0.5
 # A read counts without ReadAck only if it ended before the source's hold did: the two
 # hosts' clocks may run at rates this far apart...
 HOLD_RATE_SLACK = 1e-3
