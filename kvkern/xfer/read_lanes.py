@@ -86,9 +86,9 @@ Reader = Callable[[Sequence[Part]], "Steps[float | None]"]  # what a script read
 T = TypeVar("T")
 
 MAX_PEERS = MAX_LANE_PEERS
+MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
 
 log = logging.getLogger("kvkern.xfer")
-MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
 
 
 def split_parts(parts: Sequence[Part], n: int, *, min_bytes: int = 0,

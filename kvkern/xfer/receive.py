@@ -474,9 +474,9 @@ class ReadReceiver:
                            f"{getattr(ack, 'reason', type(ack).__name__)}")
 
     def lanes_for(self, worker: bytes | None) -> ReadLanes | None:
-        """The read lanes (made here if open_lanes did not); None where reads stay on the connection (no
-        lanes configured, or the source rank publishes no worker address this UCX can
-        use)."""
+        """The read lanes (made here if :meth:`open_lanes` did not); None where reads stay
+        on the connection (no lanes configured, or the source rank publishes no worker
+        address this UCX can use)."""
         from kvkern.xfer.read_lanes import address_usable  # noqa: PLC0415
 
         if worker is None or not self.config.read_lanes or self._closed() \
