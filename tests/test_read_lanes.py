@@ -160,6 +160,27 @@ async def source():
 
 
 @pytest.fixture
+def second_worker(source):
+    """The address of a second source worker in this process (a lane context's worker,
+    progressed by a thread of its own): the same memory, read through another endpoint."""
+    worker, _ = ucxcompat.new_worker(read_lanes._lane_context())
+    stop = threading.Event()
+
+    def progress() -> None:
+        while not stop.is_set():
+            worker.progress()
+            time.sleep(0.0005)
+
+    thread = threading.Thread(target=progress, daemon=True)
+    thread.start()
+    try:
+        yield bytes(memoryview(worker.address))
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+@pytest.fixture
 def lanes():
     made = []
 
@@ -311,6 +332,23 @@ async def test_small_reads_run_on_the_loop_lane(source, lanes, monkeypatch):
     await slow
     assert where[1][0] == 0 and where[1][1] != here
     assert torch.equal(a, src[:4096]) and torch.equal(b, src[4096:8192])
+
+
+@aio
+async def test_a_lane_keeps_at_most_max_peers_endpoints(source, second_worker, lanes, on,
+                                                        monkeypatch):
+    """Past MAX_PEERS source workers a lane closes its least recently used endpoint (and its
+    keys) and opens it again when that worker is read next; every read is whole."""
+    src, region, address = source
+    monkeypatch.setattr(read_lanes, "MAX_PEERS", 1)
+    rl = lanes(1, **on)
+    lane = -1 if on else 0
+    for i, addr in enumerate([address, second_worker, address, address, second_worker]):
+        dst = poisoned(2 * 8 * 4096)
+        runs, want = shuffled_blocks(src, region, dst, 8, 4096, seed=20 + i)
+        await rl.read(addr, [(region.rkey, runs)], timeout=5)
+        assert torch.equal(dst, want)
+        assert list(lane_peers(rl, lane)) == [addr] and rl.peers == 1
 
 
 @aio
