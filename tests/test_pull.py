@@ -1085,6 +1085,36 @@ def test_a_source_pulled_from_steadily_never_waits_for_its_state(src, make_pulle
     gate.set()
 
 
+@pytest.mark.parametrize("read", [False, True], ids=["stream", "granted-read"])
+def test_a_pull_whose_connection_dies_before_its_reply_asks_once_more(src, make_puller, read):
+    """The pooled connection dies under a pull's request, before any reply (its source
+    aborted it: another transfer on it failed, or it restarted its listener's side): the
+    pull asks again once, on a fresh connection, and is used. A second death in one pull
+    falls back."""
+    group = make_group()
+    p = make_puller(group, remote_read=read)
+    toks = fresh_tokens(4 * BS)
+    hashes = src.commit(toks)
+    assert pull(p, "warm", toks, hint_for(src, toks)).used
+    p.release("warm")
+    group.manager.evict(hashes)
+    assert p._pool.connects == 1
+    aborted = src.faults()["requests_aborted"]  # (the source serves the whole module)
+    src.faults(abort_before_replies=1)
+    o = pull(p, "again", toks, hint_for(src, toks))
+    assert o.used and o.reason is Reason.OK, o
+    assert src.faults()["requests_aborted"] == aborted + 1 and p._pool.connects == 2
+    claim_check_release(p, group, src, "again", hashes)
+    group.manager.evict(hashes)
+    src.faults(abort_before_replies=2)
+    o = pull(p, "twice", toks, hint_for(src, toks))
+    assert not o.used and o.reason is Reason.TRANSFER_FAILED and "peer_closed" in o.detail, o
+    assert src.faults()["requests_aborted"] == aborted + 3
+    assert_clean(group)
+    src.wait_no_pins()
+    assert pull(p, "after", toks, hint_for(src, toks)).used
+
+
 def test_source_restart_is_detected(make_puller):
     import socket
 

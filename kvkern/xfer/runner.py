@@ -5,8 +5,9 @@ exactly once, sends ``Cancel`` for every open transfer and ends with a reason.
 
 Connections: one UCXX connection per source rank, shared by concurrent pulls; a timeout or
 cancel in the middle of a stream, or while a message is awaited, aborts that connection
-(UCX owns posted buffers until an abort), so other pulls on it fail with
-``transfer_failed`` and the next one reconnects. A cancel during one-sided reads lets them
+(UCX owns posted buffers until an abort), so other pulls on it that had their reply fail
+with ``transfer_failed``, one still waiting for its reply asks once more on a new
+connection, and the next one reconnects. A cancel during one-sided reads lets them
 finish and keeps the connection; a read lane that fails or is stopped closes only its own
 endpoint to that source.
 """
@@ -332,18 +333,33 @@ class PullRunner:
 
     async def _pull_pair(self, job: PullJob, pair: PeerTransfer, addr: tuple[str, int],
                          xfer_t: float) -> int:
-        """One (source rank, destination rank) pair; returns the validated served count."""
+        """One (source rank, destination rank) pair; returns the validated served count.
+        A connection that dies before the reply (``peer_closed``: its source aborted it,
+        for another transfer on it perhaps) is asked once more on a fresh one: nothing of
+        the transfer had moved, and the source let go of what the first request pinned
+        with the connection."""
+        from kvkern.xfer.transport import TransportError  # noqa: PLC0415
+
         rank_kv = self.group.ranks[pair.dst_rank]
-        conn = await self._connect(job, addr, xfer_t)
         unit = pair.block_nbytes
         # Whole blocks per chunk (zero-copy landing, no carry); a block larger than
         # chunk_bytes travels in chunk_bytes slices that the unpacker reassembles.
         chunk = (self.config.chunk_bytes // unit) * unit or self.config.chunk_bytes
-        req = self._request(job, pair, rank_kv, chunk)
-        entry = (conn, req.transfer_id)
-        t_req = time.perf_counter()
-        job.open_transfers.append(entry)
-        reply = await self._exchange(job, conn, req, xfer_t)
+        for again in (False, True):
+            conn = await self._connect(job, addr, xfer_t)
+            req = self._request(job, pair, rank_kv, chunk)
+            entry = (conn, req.transfer_id)
+            t_req = time.perf_counter()
+            job.open_transfers.append(entry)
+            try:
+                reply = await self._exchange(job, conn, req, xfer_t)
+                break
+            except TransportError as exc:
+                if again or exc.reason != "peer_closed":
+                    raise
+                job.open_transfers.remove(entry)  # (its connection is gone with it)
+                log.info("pull %r: the connection to %s:%d closed before the reply (%s); "
+                         "asking once more on a new one", job.rec.request_id, *addr, exc)
         job.phases.setdefault("rtt", time.perf_counter() - t_req)
         served = self._check_reply(job, pair, req, reply, entry)
         if isinstance(reply, ReadGrant):

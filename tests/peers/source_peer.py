@@ -66,10 +66,12 @@ Test-only HTTP routes (``extra_routes``)
                           default), or null when not cached
 ``POST /test/faults``     body ``{"slow_send_ms": 0, "freeze_after_reply": false,
                           "read_hold_s": 5, "read_reply_delay_ms": 0,
-                          "short_chunk_bytes": 0}``: change the fault knobs at run time
-                          (``read_reply_delay_ms`` holds a read's reply back, its blocks
-                          pinned; ``short_chunk_bytes`` sends each stream's first chunk that
-                          many bytes short of what its reply announced)
+                          "short_chunk_bytes": 0, "abort_before_replies": 0}``: change the
+                          fault knobs at run time (``read_reply_delay_ms`` holds a read's
+                          reply back, its blocks pinned; ``short_chunk_bytes`` sends each
+                          stream's first chunk that many bytes short of what its reply
+                          announced; ``abort_before_replies`` answers that many requests by
+                          aborting their connection instead)
 """
 
 from __future__ import annotations
@@ -113,11 +115,18 @@ class FaultySource(SourceService):
         self.freeze_after_reply = freeze_after_reply
         self.read_reply_delay_ms = 0.0
         self.short_chunk_bytes = 0  # a stream's first chunk is sent this many bytes short
+        self.abort_before_replies = 0  # requests answered by aborting their connection
+        self.requests_aborted = 0
         self.replies = {"read": 0, "stream": 0}
         self.acks_delayed = 0
         self._read_tids: set[int] = set()  # read replies whose ReadAck is not sent yet
 
     async def _reply(self, s, reply) -> None:
+        if self.abort_before_replies > 0:  # the connection dies under the request
+            self.abort_before_replies -= 1
+            self.requests_aborted += 1
+            s.conn.abort("test: abort_before_replies")
+            raise ConnectionAbortedError("aborted by the test before its reply")
         await super()._reply(s, reply)
         if reply.status in (Status.OK, Status.PARTIAL):
             kind = "read" if isinstance(reply, ReadGrant) else "stream"
@@ -338,11 +347,15 @@ class Peer:
             self.service.read_reply_delay_ms = float(body["read_reply_delay_ms"])
         if "short_chunk_bytes" in body:
             self.service.short_chunk_bytes = int(body["short_chunk_bytes"])
+        if "abort_before_replies" in body:
+            self.service.abort_before_replies = int(body["abort_before_replies"])
         return web.json_response({"slow_send_ms": self.service.slow_send_ms,
                                   "freeze_after_reply": self.service.freeze_after_reply,
                                   "read_hold_s": self.service.read_hold_s,
                                   "read_reply_delay_ms": self.service.read_reply_delay_ms,
-                                  "short_chunk_bytes": self.service.short_chunk_bytes})
+                                  "short_chunk_bytes": self.service.short_chunk_bytes,
+                                  "abort_before_replies": self.service.abort_before_replies,
+                                  "requests_aborted": self.service.requests_aborted})
 
 
 def main() -> int:
