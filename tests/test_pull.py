@@ -716,11 +716,15 @@ def test_deadline_and_cancel(src, make_puller, remote_read):
     tokens = fresh_tokens(6 * BS)
     src.commit(tokens)
     group = make_group()
-    p = make_puller(group, deadline_s=0.6, transfer_timeout_s=5.0, remote_read=remote_read)
+    p = make_puller(group, transfer_timeout_s=5.0, remote_read=remote_read)
+    warm = fresh_tokens(BS)  # the state, the connection and the lanes made: the deadline
+    src.commit(warm)         # below is the late pull's own, not the first contact's
+    assert pull(p, "warm", warm, hint_for(src, warm)).used
+    p.release("warm")
     sent = src.http("GET", "/test/stats")["replies"]
     src.faults(freeze_after_reply=True, read_hold_s=0)  # no hold: reads count on the ack only
     try:
-        o = pull(p, "late", tokens, hint_for(src, tokens))
+        o = pull(p, "late", tokens, hint_for(src, tokens, deadline_s=0.6))
         assert o.reason is Reason.DEADLINE_EXCEEDED, o
         assert (o.reads >= 1) == remote_read, o
         p2 = make_puller(group, remote_read=remote_read)
