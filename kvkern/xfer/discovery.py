@@ -90,16 +90,22 @@ class SourceDiscovery:
             self._endpoint_config = self.config.endpoint_config()
         key = (hint.source, hint.source_dp_rank)
         hit = self._verdicts.get(key)
-        ttl = self.config.state_cache_ttl_s
-        if hit is not None:
-            age = time.monotonic() - hit[1]
-            if age < ttl:
-                if age >= REFRESH_AHEAD * ttl and key not in self._refreshes:
-                    task = asyncio.ensure_future(self._resolve(hint, md_t))
-                    self._refreshes[key] = task
-                    task.add_done_callback(lambda t, k=key: self._resolved_again(k, t))
-                return hit[0]
+        usable, refresh = self._cached(hit)
+        if usable:
+            if refresh and key not in self._refreshes:
+                task = asyncio.ensure_future(self._resolve(hint, md_t))
+                self._refreshes[key] = task
+                task.add_done_callback(lambda t, k=key: self._resolved_again(k, t))
+            return hit[0]
         return await self._resolve(hint, md_t)
+
+    def _cached(self, hit: tuple[object, float] | None) -> tuple[bool, bool]:
+        """Whether a cached ``(value, time cached)`` may be used, and whether to fetch it
+        again meanwhile (past REFRESH_AHEAD of its time to live)."""
+        if hit is None:
+            return False, False
+        age, ttl = time.monotonic() - hit[1], self.config.state_cache_ttl_s
+        return age < ttl, REFRESH_AHEAD * ttl <= age < ttl
 
     async def _resolve(self, hint: KvHint, md_t: float) -> ResolvedEndpoint:
         from kvkern.xfer.endpoint import resolve_endpoint_async  # noqa: PLC0415
@@ -136,14 +142,12 @@ class SourceDiscovery:
                     md_t: float) -> SourceState:
         key = self._state_key(resolved)
         hit = self._state_cache.get(key)
-        ttl = self.config.state_cache_ttl_s
-        if hit is not None:
-            age = time.monotonic() - hit[1]
-            if age < ttl:
-                if age >= REFRESH_AHEAD * ttl:
-                    self._fetching(key, resolved, md_t)  # for the pulls after this one
-                job.state, job.state_cached = hit[0], True
-                return hit[0]
+        usable, refresh = self._cached(hit)
+        if usable:
+            if refresh:
+                self._fetching(key, resolved, md_t)  # for the pulls after this one
+            job.state, job.state_cached = hit[0], True
+            return hit[0]
         state = await asyncio.shield(self._fetching(key, resolved, md_t))
         job.state = state
         return state
