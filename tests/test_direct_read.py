@@ -319,17 +319,19 @@ def test_a_killed_source_ends_a_direct_read_promptly(make_puller):
         s.kill()
 
 
-@pytest.mark.parametrize("src_tp", [1, 2])
+@pytest.mark.parametrize(("src_tp", "reads"), [(1, "local"), (2, "local"), (2, "ucx")])
 @pytest.mark.parametrize("lookup", ["whole", "spans"], indirect=True)
 def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeypatch, src_tp,
-                                                           lookup):
+                                                           lookup, reads):
     """The source keeps evicting a prefix, writing another prefix's KV into the freed blocks,
     evicting that and committing the prefix again (its KV a function of its hashes, so the
     same bytes each time), while the destination pulls the prefix over and over. Every pull
     the destination uses holds exactly the prefix's bytes: a block overwritten during a
     direct read is caught by the directory (or the read asks for a grant), never used. From
     a TP2 source each destination row gathers both ranks' heads: reads scattered over an
-    iov, the first on each endpoint checked while the blocks change."""
+    iov, the first on each endpoint checked while the blocks change. The source runs on this
+    host, so its reads are kernel calls of kvkern's own (kvkern.xfer.local_reads), and from
+    the TP2 source also through UCX, as a source on another host is read."""
     import collections  # noqa: PLC0415
     import time  # noqa: PLC0415
 
@@ -349,7 +351,7 @@ def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeyp
         group = make_group()
         # (a TP2 source's head slices are small runs: read them anyway)
         p = make_puller(group, direct_reads=True, default_policy="strict",
-                        read_min_run_bytes=0)
+                        read_min_run_bytes=0, local_reads=reads == "local")
         misses: list[str] = []
         call = direct.DirectRead.__call__
 
@@ -569,7 +571,8 @@ def test_a_failed_scattered_read_check_costs_one_grant_not_the_lanes(make_puller
     try:
         hashes = tp.sequence_hashes(tokens, BS)
         group = make_group()
-        p = make_puller(group, direct_reads=True, read_min_run_bytes=0)
+        # (the check is UCX's: a source on this host is read through UCX here)
+        p = make_puller(group, direct_reads=True, read_min_run_bytes=0, local_reads=False)
         monkeypatch.setattr(ucp_rma, "_iov_reads", True)
         monkeypatch.setattr(ucp_rma, "_iov_verified", type(ucp_rma._iov_verified)())
         monkeypatch.setattr(ucp_rma, "_iov_mismatches", 0)

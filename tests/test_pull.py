@@ -850,9 +850,12 @@ def test_source_killed_mid_transfer(make_puller):
 # A reshard reads only when each read is big enough (read_min_run_bytes, default 64 KiB:
 # smaller ones read slower than the stream); this tiny model's are 256 B - 1 KiB, so the
 # "read" variants lower the threshold to exercise the read path, and "auto" checks the
-# default. "read_pieces": a UCX that refuses to scatter a read over an iov.
+# default. "read" reads the source on this host with kvkern's own system calls
+# (kvkern.xfer.local_reads), "read_ucx" through UCX as a source on another host is read, and
+# "read_pieces" through a UCX that refuses to scatter a read over an iov.
 RESHARD = {"read": dict(read_min_run_bytes=0), "stream": dict(remote_read=False),
-           "auto": {}, "read_pieces": dict(read_min_run_bytes=0)}
+           "auto": {}, "read_ucx": dict(read_min_run_bytes=0, local_reads=False),
+           "read_pieces": dict(read_min_run_bytes=0, local_reads=False)}
 
 
 @pytest.mark.parametrize("how", sorted(RESHARD))
@@ -1239,18 +1242,33 @@ LANES = {"connection": dict(read_lanes=0), "loop-lane": {},
          "two-lanes": dict(read_lane_min_bytes=1, loop_read_bytes=0)}
 
 
+@pytest.mark.parametrize("reads", ["ucx", "local"])
 @pytest.mark.parametrize("lanes", sorted(LANES))
-def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller, lanes):
+def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller, lanes,
+                                                                    reads, monkeypatch):
     """Read on the control connection's worker, on the loop lane (the default for a pull of
     at most 4 MiB), on one read lane (the default below 8 MiB) and split over two
-    (kvkern.xfer.read_lanes)."""
+    (kvkern.xfer.read_lanes); through UCX, or with kvkern's own system calls from this
+    host's source (kvkern.xfer.local_reads), on the same lanes' threads."""
+    from kvkern.xfer import local_reads
+
+    if lanes == "connection" and reads == "local":
+        pytest.skip("no read lanes: reads on the connection go through UCX")
+    threads: list[str] = []
+    real_reading = local_reads.reading
+
+    def reading(*a):
+        threads.append(threading.current_thread().name)
+        return (yield from real_reading(*a))
+
+    monkeypatch.setattr(local_reads, "reading", reading)
     n = 12
     tokens = fresh_tokens(n * BS)
     hashes, remote = commit_scattered(src, tokens)
     group = make_group()
     held = fragment(group)
     before = snapshot(group)
-    p = make_puller(group, **LANES[lanes])
+    p = make_puller(group, local_reads=reads == "local", **LANES[lanes])
     sent = src.http("GET", "/test/stats")["replies"]
     o = pull(p, "scattered", tokens, hint_for(src, tokens))
     assert o.used and o.reason is Reason.OK and o.blocks_transferred == n, o
@@ -1265,9 +1283,19 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert source_block_ids(src, hashes) == remote  # what was read is still there
     lane_set = p._lanes
     two = min(2, len(os.sched_getaffinity(0)))  # lanes are capped at the usable CPUs
-    assert (lane_set.peers if lane_set else 0) == {"connection": 0, "loop-lane": 1,
-                                                   "one-lane": 1, "two-lanes": two}[lanes]
-    assert (lane_set._on_loop.peers if lane_set else 0) == (lanes == "loop-lane")
+    if reads == "ucx":
+        assert not threads
+        assert (lane_set.peers if lane_set else 0) == {"connection": 0, "loop-lane": 1,
+                                                       "one-lane": 1, "two-lanes": two}[lanes]
+        assert (lane_set._on_loop.peers if lane_set else 0) == (lanes == "loop-lane")
+    else:  # no UCX endpoint at all; the reads ran where UCX's would have
+        assert lane_set.peers == 0
+        lane_threads = {t for t in threads if t.startswith("kvkern-lane")}
+        # (an executor's thread is named kvkern-lane<i>_0)
+        assert {t.split("_")[0] for t in lane_threads} == {
+            "loop-lane": set(), "one-lane": {"kvkern-lane0"},
+            "two-lanes": {f"kvkern-lane{i}" for i in range(two)}}[lanes]
+        assert len(threads) == {"loop-lane": 1, "one-lane": 1, "two-lanes": two}[lanes]
     assert_only_changed(group, before, set(ids))  # the held blocks kept their bytes
     group.manager.release(ids)
     group.manager.release(held)
@@ -1288,7 +1316,7 @@ def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeyp
 
     calls = []
 
-    async def failing(self, address, parts, *, timeout):
+    async def failing(self, address, parts, *, timeout, local=None):
         calls.append(address)
         raise TransportError("transfer_failed", "injected lane failure")
 

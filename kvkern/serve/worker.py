@@ -174,6 +174,10 @@ def _add_pull_flags(pull: argparse._ArgumentGroup) -> None:
                       help="read a source that publishes its read directory (remote read on "
                            "its side) without a message to it, confirmed by the directory; "
                            "'off' asks the source for a grant before every read")
+    pull.add_argument("--local-reads", choices=("on", "off"), default="on",
+                      help="read a source on this host with process_vm_readv calls of up to "
+                           "1024 pieces rather than through UCX's CMA transport (16 per "
+                           "call); 'off' reads every source through UCX")
 
 
 
@@ -285,6 +289,7 @@ class Worker:
             max_inflight_pulls=o.max_inflight_pulls, chunk_bytes=o.chunk_mib << 20,
             allowlist=allow, remote_read=True,  # read where a source offers it
             direct_reads=o.direct_reads == "on",
+            local_reads=o.local_reads == "on",
         )
 
     def _group(self):

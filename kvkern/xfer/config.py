@@ -111,6 +111,11 @@ class XferConfig:
     # (kvkern.xfer.direct): no round trip, no pins; a block not confirmed by the directory
     # makes the pull ask for a grant as before
     direct_reads: bool = True
+    # read a source process on the same host with process_vm_readv calls of up to 1024 pieces
+    # (kvkern.xfer.local_reads) rather than through UCX's CMA transport, which passes 16
+    # pieces per call and a request per run; elsewhere, or where the host refuses the call,
+    # reads go through UCX
+    local_reads: bool = True
 
     # ---- policy
     default_policy: Policy = "strict"
@@ -172,7 +177,7 @@ class XferConfig:
         for name in ("read_min_run_bytes", "read_lanes", "read_lane_min_bytes",
                      "loop_read_bytes"):
             check_non_negative_int(f"XferConfig.{name}", getattr(self, name))
-        for flag in ("dedup", "cost_guard", "remote_read", "direct_reads"):
+        for flag in ("dedup", "cost_guard", "remote_read", "direct_reads", "local_reads"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         # Parse allowlist specs now so a bad entry fails at configuration, not per request.

@@ -412,7 +412,8 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
         log.debug("pull %r: no direct read: %s", job.rec.request_id, exc)
         return None
     try:
-        first = await lanes.run_script(worker, direct, timeout=xfer_t, nbytes=direct.nbytes)
+        first = await lanes.run_script(worker, direct, timeout=xfer_t, nbytes=direct.nbytes,
+                                       local=receiver.local_source(job.state, keys[0]))
     except ReadsStuck:
         job.quarantined = True
         # UCX may still write the directory buffers: never reuse (or free) them

@@ -59,7 +59,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from kvkern.checks import check_non_negative_int, check_positive_int
-from kvkern.xfer import transport, ucxcompat
+from kvkern.xfer import local_reads, transport, ucxcompat
 from kvkern.xfer.pauses import Steps, run_blocking
 from kvkern.xfer.transport import ReadsStuck, TransportError
 from kvkern.xfer.tuning import (
@@ -75,6 +75,7 @@ from kvkern.xfer.ucp_rma import Scatter
 if TYPE_CHECKING:
     from ucxx._lib.libucxx import UCXAddress, UCXContext, UCXEndpoint, UCXWorker
 
+    from kvkern.xfer.local_reads import LocalSource
     from kvkern.xfer.ucp_rma import ReadBatch, RemoteKey
 
 __all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
@@ -279,20 +280,29 @@ class _Lane:
         peer.ep = peer.address = None  # released here, on the lane's thread
 
     def run(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
-            timeout: float, stop: threading.Event) -> float | None:
+            timeout: float, stop: threading.Event,
+            local: LocalSource | None = None) -> float | None:
         """:meth:`reading` on this thread."""
-        return run_blocking(self.reading(address, parts, timeout, stop))
+        return run_blocking(self.reading(address, parts, timeout, stop, local))
 
     def reading(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
-                timeout: float, stop: threading.Event) -> Steps[float | None]:
-        """Read ``parts`` from the source worker at ``address``; the time the first run
-        completed. Raises RmaError (a failed read), TimeoutError (``timeout`` passed or
-        ``stop`` set) or _Stuck, having closed the endpoint in each case."""
+                timeout: float, stop: threading.Event,
+                local: LocalSource | None = None) -> Steps[float | None]:
+        """Read ``parts`` from the source worker at ``address`` (from the process ``local``
+        on this host with :mod:`kvkern.xfer.local_reads` instead, when given); the time the
+        first run completed. Raises RmaError (a failed read), TimeoutError (``timeout``
+        passed or ``stop`` set) or _Stuck, having closed the endpoint in each case."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         if stop.is_set():
             raise TimeoutError("read stopped before it started")
         deadline = time.perf_counter() + timeout
+        if local is not None:
+            try:
+                return (yield from local_reads.reading(local, parts, deadline, stop))
+            except local_reads.LocalReadError:
+                local_reads.forget(local)
+                raise
         batches: list[ReadBatch] = []
         peer = None
         try:
@@ -386,20 +396,21 @@ class ReadLanes:
     def stuck_reads(self) -> int:
         return sum(len(lane.stuck_batches) for lane in self._all)
 
-    async def read(self, address: bytes, parts: Sequence[Part], *,
-                   timeout: float) -> float | None:
+    async def read(self, address: bytes, parts: Sequence[Part], *, timeout: float,
+                   local: LocalSource | None = None) -> float | None:
         """Read every part's runs from the source worker at ``address``, split over the
         lanes (shares of at least ``min_bytes``; on the loop lane when they are at most
         ``loop_bytes``); returns the ``perf_counter`` time the first run was seen complete.
         Raises :class:`TransportError` (``transfer_failed``, ``transfer_timeout``,
         ``closed``) or :class:`ReadsStuck`; after a raise no lane writes to any run's local
-        memory, except for ReadsStuck."""
+        memory, except for ReadsStuck. ``local``: as :meth:`run_script`."""
         nbytes = sum(run[2] for _, runs in parts for run in runs)
         return await self.run_script(address, lambda read: read(parts), timeout=timeout,
-                                     nbytes=nbytes)
+                                     nbytes=nbytes, local=local)
 
     async def run_script(self, address: bytes, script: Callable[[Reader], Steps[T]], *,
-                         timeout: float, nbytes: int | None = None) -> T:
+                         timeout: float, nbytes: int | None = None,
+                         local: LocalSource | None = None) -> T:
         """Run ``script(read)``, where ``read(parts)`` reads ``parts`` from the source worker
         at ``address`` (steps that return when all of them landed, as :meth:`read`): a
         sequence of dependent reads (look up, read, validate) with no hop through the event
@@ -408,7 +419,9 @@ class ReadLanes:
         event loop, its reads on the loop lane's worker (no thread hand-off either way);
         else on the first lane's thread, each read split over every lane. ``script`` must
         not block and may only pause through ``read``. Errors and cancellation as
-        :meth:`read`."""
+        :meth:`read`. ``local``: the source process on this host (its state's
+        ``read_local``), read with large ``process_vm_readv`` calls instead of UCX's where
+        :func:`kvkern.xfer.local_reads.usable` says it may be."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         if self._closed:
@@ -417,12 +430,15 @@ class ReadLanes:
         stop = threading.Event()
         deadline = time.perf_counter() + timeout
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
+        if local is not None and not local_reads.usable(local):
+            local = None
         if nbytes is not None and nbytes <= self.loop_bytes and not self._loop_busy \
                 and self._loop in (None, loop):
             self._loop, self._loop_busy = loop, True
             try:
                 result, error, cancelled = await _drive_here(script(
-                    lambda parts: self._on_loop.reading(address, parts, left(), stop)), stop)
+                    lambda parts: self._on_loop.reading(address, parts, left(), stop, local)),
+                    stop)
             finally:
                 self._loop_busy = False
                 if self._closed:  # closed meanwhile: the close left the lane to this script
@@ -430,7 +446,8 @@ class ReadLanes:
         else:
             result, error, cancelled = await self._on_first_lane(
                 loop, lambda: run_blocking(script(
-                    lambda parts: self._reading_all(address, parts, deadline, stop))), stop)
+                    lambda parts: self._reading_all(address, parts, deadline, stop, local))),
+                stop)
         if isinstance(error, _Stuck):
             raise ReadsStuck(str(error))
         if cancelled:
@@ -470,7 +487,8 @@ class ReadLanes:
             return None, exc, False
 
     def _reading_all(self, address: bytes, parts: Sequence[Part], deadline: float,
-                     stop: threading.Event) -> Steps[float | None]:
+                     stop: threading.Event,
+                     local: LocalSource | None = None) -> Steps[float | None]:
         """On the first lane's thread: its share here, the others' on their threads (which
         never wait on another lane, so no wait cycle); one failing stops the rest. Raises
         the first error that is not a timeout caused by the stop (_Stuck first). Steps for
@@ -480,7 +498,7 @@ class ReadLanes:
         if not shares:
             return None
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
-        futs = [lane.executor.submit(lane.run, address, share, left(), stop)
+        futs = [lane.executor.submit(lane.run, address, share, left(), stop, local)
                 for lane, share in zip(self._lanes[1:], shares[1:], strict=False)]
         for fut in futs:  # one lane failing stops the others at once
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
@@ -489,7 +507,7 @@ class ReadLanes:
         errors: list[BaseException] = []
         try:
             firsts.append((yield from self._lanes[0].reading(address, shares[0], left(),
-                                                             stop)))
+                                                             stop, local)))
         except GeneratorExit:
             stop.set()
             raise

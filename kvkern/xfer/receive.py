@@ -52,8 +52,10 @@ if TYPE_CHECKING:
     from kvkern.layout.segments import BlockSegments
     from kvkern.layout.topology import Topology
     from kvkern.xfer.devstream import Ready
+    from kvkern.xfer.local_reads import LocalSource
     from kvkern.xfer.read_lanes import ReadLanes
     from kvkern.xfer.staging import StagingPool
+    from kvkern.xfer.state import SourceState
 
 __all__ = ["LANE_RETRY_S", "ReadReceiver", "StreamReceiver", "StreamUnpacker", "source_layout"]
 
@@ -334,7 +336,8 @@ class ReadReceiver:
         key = (job.source_dp, pair.src_rank)
         keys = [reply.read_rkey, *reply.read_more_rkeys]
         keyed = [(keys[j], runs) for j, runs in parts.items()]
-        first = await self._copy(job, conn, job.state.read_workers.get(key), keyed, xfer_t)
+        first = await self._copy(job, conn, job.state.read_workers.get(key), keyed, xfer_t,
+                                 self.local_source(job.state, key))
         if job.t_first_byte is None:
             job.t_first_byte = first or time.perf_counter()
         job.reads += sum(len(runs) for runs in parts.values())
@@ -424,7 +427,8 @@ class ReadReceiver:
         return parts
 
     async def _copy(self, job: PullJob, conn: TransferConnection, worker: bytes | None,
-                    keyed: list[tuple[bytes, list]], xfer_t: float) -> float | None:
+                    keyed: list[tuple[bytes, list]], xfer_t: float,
+                    local: LocalSource | None = None) -> float | None:
         """Run the reads, on the lanes when there are, else on the connection; returns when
         the first byte landed (if known)."""
         from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
@@ -434,7 +438,7 @@ class ReadReceiver:
         try:
             if lanes is not None:
                 try:
-                    return await lanes.read(worker, keyed, timeout=xfer_t)
+                    return await lanes.read(worker, keyed, timeout=xfer_t, local=local)
                 except TransportError as exc:
                     if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck):
                         raise
@@ -472,6 +476,11 @@ class ReadReceiver:
             raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} did not "
                            f"confirm it held the blocks during the read: "
                            f"{getattr(ack, 'reason', type(ack).__name__)}")
+
+    def local_source(self, state: SourceState, key: tuple[int, int]) -> LocalSource | None:
+        """The source process of rank ``key`` where it runs on this host and this puller
+        reads such sources directly (``XferConfig.local_reads``), else None."""
+        return state.read_locals.get(key) if self.config.local_reads else None
 
     def lanes_for(self, worker: bytes | None) -> ReadLanes | None:
         """The read lanes (made here if :meth:`open_lanes` did not); None where reads stay

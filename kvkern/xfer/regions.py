@@ -77,6 +77,8 @@ class RegionRegistry:
         self._pools: dict[int, RegisteredPool] = {}
         self._directories: list[Region] = []
         self.read_worker = ""  # hex of this process's UCX worker address (read lanes)
+        self.read_local: dict | None = None  # local_reads.Beacon.doc(): same-host reads
+        self._beacon = None  # (kept for the process's life: its bytes are read by address)
 
     def __bool__(self) -> bool:
         return bool(self._pools)
@@ -115,6 +117,10 @@ class RegionRegistry:
                 self._pools[rank_kv.rank] = RegisteredPool(segs, regions, native)
         if self._pools:
             self.read_worker = worker_address_hex()
+            from kvkern.xfer.local_reads import Beacon  # noqa: PLC0415
+
+            self._beacon = Beacon()
+            self.read_local = self._beacon.doc()
             self.register_directories(groups)
 
     def register_directories(self, groups: Iterable[KVGroup]) -> None:

@@ -353,6 +353,7 @@ class SourceService:
                     doc.read = "native" if registered.native else "canonical"
                     if self.regions.read_worker:
                         doc.read_worker = self.regions.read_worker
+                        doc.read_local = self.regions.read_local
                         if registered.directory is not None:
                             doc.read_index = registered.read_index()
                 ranks[str(r)] = doc

@@ -8,7 +8,8 @@ their own :data:`kvkern.xfer.messages.PROTOCOL_VERSION`):
   each hosted rank; later additions are optional fields an older reader ignores: each rank's
   ``layout``, ``read``, ``read_worker`` and ``read_index`` (one-sided reads, capability
   ``read/1``; ``read_index``: the rank's registered segments and its block manager's read
-  directory, for reads without a grant) and the document's ``model``.
+  directory, for reads without a grant; ``read_local``: the process, for a destination on the
+  same host) and the document's ``model``.
 
 Decoding is strict where a pull depends on a value (a missing or mistyped field is a
 ``ValueError`` naming it: the puller's ``metadata_invalid``) and forward compatible where the
@@ -28,6 +29,7 @@ from kvkern.layout.segments import layout_signature
 
 if TYPE_CHECKING:
     from kvkern.layout.topology import Topology
+    from kvkern.xfer.local_reads import LocalSource
 
 __all__ = ["BLOCKS_PATH", "CAPABILITIES", "PEER_PREFIX", "PROTOCOL", "READ_KINDS", "STATE_PATH",
            "DpGroupDoc", "RankDoc", "ReadIndex", "SourceState", "StateDoc", "decode_state",
@@ -50,6 +52,7 @@ class RankDoc(msgspec.Struct, omit_defaults=True):
     read: object = None  # one of READ_KINDS when the rank's pool is registered; advisory
     read_worker: object = None  # hex of the UCX worker address read lanes dial; advisory
     read_index: object = None  # RegisteredPool.read_index(): reads without a grant; advisory
+    read_local: object = None  # kvkern.xfer.local_reads.Beacon.doc(): same-host reads; advisory
 
 
 class DpGroupDoc(msgspec.Struct):
@@ -111,6 +114,8 @@ class SourceState:
     read_workers: dict[tuple[int, int], bytes] = field(default_factory=dict)
     # (dp, rank) -> where its blocks and read directory are (reads without a grant)
     read_indexes: dict[tuple[int, int], ReadIndex] = field(default_factory=dict)
+    # (dp, rank) -> its process, where it runs on this host (kvkern.xfer.local_reads)
+    read_locals: dict[tuple[int, int], LocalSource] = field(default_factory=dict)
     model: str = ""  # the source's model fingerprint (KVGroup.model_id)
 
 
@@ -170,6 +175,12 @@ def _add_rank(state: SourceState, key: tuple[int, int], info: RankDoc) -> None:
             index = parse_read_index(info.read_index)
             if index is not None:
                 state.read_indexes[key] = index
+            if info.read_local is not None:
+                from kvkern.xfer import local_reads  # noqa: PLC0415
+
+                local = local_reads.parse(info.read_local)
+                if local is not None:
+                    state.read_locals[key] = local
     if isinstance(info.layout, dict):
         state.layouts[key] = layout_signature(info.layout)
 

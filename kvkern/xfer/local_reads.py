@@ -1,0 +1,251 @@
+"""Reads from a source process on the same host with ``process_vm_readv``, in large batches.
+
+On one host UCX moves a one-sided read with its CMA transport, which is the same system call,
+but UCX passes at most 16 local pieces to each call (``UCT_SM_MAX_IOV``, a compile-time
+constant) and posts, progresses and completes every run as a request. A read scattered over
+many small pieces (a TP reshard's head slices: 16 KiB pieces) is then bound by the number of
+calls: two threads reading 16 KiB pieces at a 32 KiB stride moved 11.6-12.4 GB/s with 256
+pieces per call and 6.6-8.3 GB/s with 16 (``docs/performance.md``). Here one call takes up to
+``IOV_MAX`` (1024) pieces on each side, straight from the runs the pull planned::
+
+    source (RegionRegistry)                      destination (ReadLanes, a lane's thread)
+    Beacon: 16 random bytes at an address   ->   state's read_local {host, pid, at, token}
+                                                 parse: same host id (boot id, pid namespace)
+                                                 usable: read `at` in `pid`, compare the token
+                                                 reading: process_vm_readv per <= 1024 pieces
+
+Trust: a source announces nothing it does not already expose. Any process that may call
+``process_vm_readv`` on the source (same user, the host's ptrace policy) may read all of its
+memory with or without the announcement, and UCX's CMA transport takes the same process id
+from the source's worker address. The token proves the process id names the process that
+wrote the state (not another process on the host that now holds that number); every remote
+address is checked against the source's announced pools by the caller, as for a UCX read.
+Where the call is not permitted, the host differs or the token does not match, the reads go
+through UCX as before; a failed call fails the read (``transfer_failed``), never a partial
+one.
+
+Linux only (the system call); elsewhere :func:`parse` finds no host id and nothing changes.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+
+from kvkern.xfer.ucp_rma import UCS_ERR_IO_ERROR, RmaError, Scatter
+
+if TYPE_CHECKING:
+    from kvkern.xfer.pauses import Steps
+
+__all__ = ["Beacon", "LocalReadError", "LocalSource", "host_id", "parse", "reading",
+           "usable", "forget", "IOV_MAX", "TOKEN_BYTES"]
+
+log = logging.getLogger("kvkern.xfer")
+
+IOV_MAX = 1024  # the kernel's UIO_MAXIOV: pieces per side of one call
+TOKEN_BYTES = 16
+_MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
+_MAX_HOST_CHARS = 128
+_VERDICTS_MAX = 1024
+
+Run = tuple[int, int, int]  # (local address, remote address, nbytes)
+
+
+class LocalReadError(RmaError):
+    """A ``process_vm_readv`` call that failed or moved fewer bytes than asked (the read is
+    not used; mapped to ``transfer_failed`` as a failed UCX read is)."""
+
+    def __init__(self, what: str) -> None:
+        Exception.__init__(self, what)
+        self.status = UCS_ERR_IO_ERROR
+
+
+class LocalSource(NamedTuple):
+    """A same-host source process as its state announces it: its ``pid`` (in this process's
+    pid namespace), and ``token`` found at address ``at`` of its memory."""
+
+    pid: int
+    at: int
+    token: bytes
+
+
+_host: str | None | bool = False  # False: not read yet
+
+
+def host_id() -> str | None:
+    """This host and pid namespace as a string (the kernel's boot id and the pid namespace's
+    inode): two processes with the same one may name each other by process id. None where
+    either is unavailable (not Linux, or no /proc)."""
+    global _host
+    if _host is False:
+        try:
+            with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+                boot = f.read().strip()
+            ns = os.stat("/proc/self/ns/pid")
+            _host = f"{boot}/{ns.st_dev}:{ns.st_ino}"
+        except OSError:
+            _host = None
+    return _host
+
+
+class Beacon:
+    """The source side: :data:`TOKEN_BYTES` random bytes kept at a fixed address for the
+    process's life, announced with the process id (:meth:`doc`)."""
+
+    def __init__(self) -> None:
+        self._token = np.frombuffer(os.urandom(TOKEN_BYTES), np.uint8).copy()
+
+    def doc(self) -> dict | None:
+        """The state's ``read_local``; None where this process has no host id."""
+        host = host_id()
+        if host is None:
+            return None
+        return {"host": host, "pid": os.getpid(), "at": int(self._token.ctypes.data),
+                "token": self._token.tobytes().hex()}
+
+
+def parse(doc: object) -> LocalSource | None:
+    """A state's ``read_local`` as a :class:`LocalSource` when it names a process on this
+    host and pid namespace; None when absent, malformed in any way, or elsewhere (the rank is
+    then read through UCX: the field is advisory)."""
+    if not isinstance(doc, dict):
+        return None
+    host, pid, at, token = (doc.get(k) for k in ("host", "pid", "at", "token"))
+    if not (isinstance(host, str) and len(host) <= _MAX_HOST_CHARS and host == host_id()):
+        return None
+    if not all(type(v) is int for v in (pid, at)) or not (0 < pid < _MAX_PID
+                                                         and 0 < at < 1 << 64):
+        return None
+    if pid == os.getpid() or not isinstance(token, str) or len(token) != 2 * TOKEN_BYTES:
+        return None  # (this process itself: its own reads need no system call)
+    try:
+        raw = bytes.fromhex(token)
+    except ValueError:
+        return None
+    return LocalSource(pid, at, raw)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_call = None
+
+
+def _readv():
+    """libc's ``process_vm_readv`` (ctypes releases the interpreter lock around it)."""
+    global _call
+    if _call is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.process_vm_readv
+        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
+                       ctypes.c_ulong, ctypes.c_ulong]
+        fn.restype = ctypes.c_ssize_t
+        _call = fn
+    return _call
+
+
+def _call_once(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
+    """One call: ``local`` and ``remote`` are ``uint64 [n, 2]`` rows of (address, length)
+    (the layout of ``struct iovec``); raises :class:`LocalReadError` unless every byte
+    moved."""
+    got = _readv()(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+    if got != nbytes:
+        err = ctypes.get_errno() if got < 0 else 0
+        why = f"{errno.errorcode.get(err, err)}: {os.strerror(err)}" if err else \
+            f"{got} of {nbytes} bytes"
+        raise LocalReadError(f"process_vm_readv from process {pid}: {why}")
+
+
+_verdicts: collections.OrderedDict[LocalSource, bool] = collections.OrderedDict()
+_lock = threading.Lock()
+
+
+def usable(src: LocalSource) -> bool:
+    """Whether this process may read ``src`` directly: the token read at its address equals
+    the announced one. Checked once per source (one 16-byte call) and remembered; the reason
+    for a refusal is logged once."""
+    with _lock:
+        verdict = _verdicts.get(src)
+    if verdict is not None:
+        return verdict
+    buf = np.zeros(TOKEN_BYTES, np.uint8)
+    why = None
+    try:
+        _call_once(src.pid, np.array([[buf.ctypes.data, TOKEN_BYTES]], np.uint64),
+                   np.array([[src.at, TOKEN_BYTES]], np.uint64), TOKEN_BYTES)
+        if buf.tobytes() != src.token:
+            why = "another process holds that process id now (its token differs)"
+    except (LocalReadError, OSError, AttributeError) as exc:  # AttributeError: no such call
+        why = str(exc)
+    if why is not None:
+        log.info("process %d on this host is read through UCX: %s", src.pid, why)
+    with _lock:
+        _verdicts[src] = why is None
+        while len(_verdicts) > _VERDICTS_MAX:
+            _verdicts.popitem(last=False)
+    return why is None
+
+
+def forget(src: LocalSource) -> None:
+    """A read from ``src`` failed: check it again before the next one."""
+    with _lock:
+        _verdicts.pop(src, None)
+
+
+def calls(runs: Sequence[Run | Scatter]) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """``runs`` as system calls of at most :data:`IOV_MAX` pieces on each side:
+    ``(local rows, remote rows, bytes)``. Plain runs in a row share calls, one piece on each
+    side per run; a :class:`Scatter` is one remote piece over its local pieces, and
+    neighbouring ones share a call."""
+    i, n = 0, len(runs)
+    while i < n:
+        if type(runs[i]) is Scatter:
+            group = []
+            pieces = 0
+            while i < n and type(runs[i]) is Scatter and (
+                    not group or pieces + len(runs[i].local) <= IOV_MAX):
+                group.append(runs[i])
+                pieces += len(runs[i].local)
+                i += 1
+            local = group[0].local if len(group) == 1 else np.concatenate(
+                [s.local for s in group])
+            remote = np.array([(s.remote, s.nbytes) for s in group], np.uint64)
+            yield (np.ascontiguousarray(local, np.uint64), remote,
+                   sum(s.nbytes for s in group))
+            continue
+        j = i
+        while j < n and j - i < IOV_MAX and type(runs[j]) is not Scatter:
+            j += 1
+        rows = np.array(runs[i:j], np.uint64).reshape(-1, 3)
+        yield (np.ascontiguousarray(rows[:, 0::2]), np.ascontiguousarray(rows[:, 1:]),
+               int(rows[:, 2].sum()))
+        i = j
+
+
+def reading(src: LocalSource, parts: Sequence[tuple[bytes, Sequence[Run | Scatter]]],
+            deadline: float, stop: threading.Event) -> Steps[float | None]:
+    """Read every part's runs (their keys unused: the addresses are the source's own) from
+    ``src`` on this thread; the ``perf_counter`` time the first call completed. Raises
+    :class:`LocalReadError`, or TimeoutError when ``deadline`` passed or ``stop`` was set
+    before a call (a call itself is one copy, bounded by the memory's speed). Steps with no
+    pauses, as :meth:`kvkern.xfer.ucp_rma.ReadBatch.waiting` for a driver."""
+    first = None
+    for _, runs in parts:
+        for local, remote, nbytes in calls(runs):
+            if stop.is_set() or time.perf_counter() >= deadline:
+                raise TimeoutError("read stopped" if stop.is_set() else "read deadline passed")
+            _call_once(src.pid, local, remote, nbytes)
+            if first is None:
+                first = time.perf_counter()
+    return first
+    yield  # (a generator: steps for the lanes' drivers)

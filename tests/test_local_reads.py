@@ -1,0 +1,229 @@
+"""Same-host reads (kvkern.xfer.local_reads): the announcement's parsing against hostile
+documents, the batching of runs into system calls by property, and real reads from another
+OS process into poisoned buffers, checked byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvkern.xfer import local_reads
+from kvkern.xfer.local_reads import IOV_MAX, LocalReadError, LocalSource, calls, parse
+from kvkern.xfer.pauses import run_blocking
+from kvkern.xfer.ucp_rma import Scatter, expand
+
+pytestmark = pytest.mark.timeout(60)
+
+SOURCE_BYTES = 1 << 20
+SEED = 20261203
+
+# A source process: a seeded buffer and the Beacon a source announces, then it waits for a
+# line on stdin (or its parent's end) before it exits.
+_CHILD = f"""
+import json, sys
+import numpy as np
+from kvkern.xfer.local_reads import Beacon
+buf = np.random.default_rng({SEED}).integers(0, 256, {SOURCE_BYTES}, dtype=np.uint8)
+beacon = Beacon()
+print(json.dumps({{"doc": beacon.doc(), "buf": int(buf.ctypes.data)}}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def source_bytes() -> np.ndarray:
+    return np.random.default_rng(SEED).integers(0, 256, SOURCE_BYTES, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def source():
+    """(LocalSource, address of the child's buffer, the child)."""
+    if local_reads.host_id() is None:
+        pytest.skip("no host id (not Linux)")
+    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        info = json.loads(line)
+        src = parse(info["doc"])
+        assert src is not None and src.pid == child.pid
+        if not local_reads.usable(src):
+            pytest.skip("process_vm_readv is not permitted between these processes")
+        yield src, info["buf"], child
+    finally:
+        child.kill()
+        child.wait(10)
+
+
+def poisoned(nbytes: int) -> np.ndarray:
+    return np.full(nbytes, 0xA5, np.uint8)
+
+
+def read(src: LocalSource, runs, stop: threading.Event | None = None,
+         deadline: float | None = None) -> float | None:
+    return run_blocking(local_reads.reading(
+        src, [(b"", runs)], deadline or time.perf_counter() + 10, stop or threading.Event()))
+
+
+def reference(dst: np.ndarray, runs, local_base: int, remote: np.ndarray,
+              remote_base: int) -> np.ndarray:
+    """What ``runs`` should leave in a copy of ``dst`` (the poison everywhere else)."""
+    want = dst.copy()
+    for lo, re, n in expand(runs):
+        want[lo - local_base:lo - local_base + n] = remote[re - remote_base:re - remote_base + n]
+    return want
+
+
+# ---- the announcement
+
+def doc(**over) -> dict:
+    base = {"host": local_reads.host_id(), "pid": os.getpid() + 1, "at": 4096,
+            "token": "ab" * local_reads.TOKEN_BYTES}
+    return {**base, **over}
+
+
+def test_parse_takes_a_well_formed_same_host_announcement():
+    src = parse(doc())
+    assert src == LocalSource(os.getpid() + 1, 4096, b"\xab" * local_reads.TOKEN_BYTES)
+
+
+@pytest.mark.parametrize("over", [
+    {"host": "another-host/1:2"}, {"host": 7}, {"host": "x" * 200},
+    {"pid": os.getpid()}, {"pid": 0}, {"pid": -3}, {"pid": 1 << 22}, {"pid": True},
+    {"pid": 12.0}, {"pid": "12"}, {"at": 0}, {"at": 1 << 64}, {"at": -1}, {"at": None},
+    {"token": "ab"}, {"token": "zz" * local_reads.TOKEN_BYTES}, {"token": 5},
+    {"token": "ab" * (local_reads.TOKEN_BYTES + 1)},
+])
+def test_parse_rejects_what_it_cannot_use(over):
+    assert parse(doc(**over)) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.none(), st.integers(), st.text(max_size=20),
+                 st.lists(st.integers(), max_size=3),
+                 st.dictionaries(st.sampled_from(["host", "pid", "at", "token", "x"]),
+                                 st.one_of(st.none(), st.booleans(), st.integers(),
+                                           st.text(max_size=40), st.floats()),
+                                 max_size=5)))
+def test_parse_never_raises(value):
+    got = parse(value)
+    assert got is None or isinstance(got, LocalSource)
+
+
+# ---- runs into calls
+
+@st.composite
+def run_lists(draw):
+    """Plain runs and Scatters in any order, at made-up addresses (never dereferenced)."""
+    runs, addr = [], 1 << 20
+    for _ in range(draw(st.integers(0, 12))):
+        if draw(st.booleans()):
+            for _ in range(draw(st.integers(1, 700))):
+                n = draw(st.integers(1, 64))
+                runs.append((addr, addr + (1 << 40), n))
+                addr += n + draw(st.integers(0, 3))
+        else:
+            pieces = draw(st.integers(1, 300))
+            rows = np.array([(addr + 16 * i, 8) for i in range(pieces)], np.uint64)
+            runs.append(Scatter(rows, addr + (1 << 41), 8 * pieces))
+            addr += 16 * pieces
+    return runs
+
+
+@settings(max_examples=60, deadline=None)
+@given(run_lists())
+def test_calls_move_every_byte_once_in_order_within_the_iov_limit(runs):
+    want = [(lo, re, n) for lo, re, n in expand(runs)]
+    local_bytes, remote_bytes = [], []
+    for local, remote, nbytes in calls(runs):
+        assert 0 < len(local) <= IOV_MAX and 0 < len(remote) <= IOV_MAX
+        assert local.dtype == remote.dtype == np.uint64
+        assert local.flags.c_contiguous and remote.flags.c_contiguous
+        assert int(local[:, 1].sum()) == int(remote[:, 1].sum()) == nbytes
+        local_bytes += [(int(a), int(n)) for a, n in local]
+        remote_bytes += [(int(a), int(n)) for a, n in remote]
+    # the byte-by-byte pairing of both sides equals the runs' own
+    def flat(rows):
+        return [a + k for a, n in rows for k in range(n)]
+    assert flat(local_bytes) == flat([(lo, n) for lo, _, n in want])
+    assert flat(remote_bytes) == flat([(re, n) for _, re, n in want])
+
+
+# ---- real reads from another process
+
+def test_plain_runs_and_scatters_land_bit_exact(source):
+    src, base, _ = source
+    theirs = source_bytes()
+    dst = poisoned(SOURCE_BYTES)
+    here = int(dst.ctypes.data)
+    rng = np.random.default_rng(1)
+    runs = []
+    # 2500 plain runs of 64 B at shuffled source offsets (three calls), then Scatters of
+    # 300 pieces each, then plain runs again
+    offs = rng.permutation(SOURCE_BYTES // 256)[:2500] * 256
+    runs += [(here + i * 64, base + int(o), 64) for i, o in enumerate(offs)]
+    at = 2500 * 64
+    for k in range(4):
+        rows = np.array([(here + at + 2 * 32 * i, 32) for i in range(300)], np.uint64)
+        runs.append(Scatter(rows, base + 500_000 + k * 9600, 300 * 32))
+        at += 2 * 32 * 300
+    runs += [(here + at + i * 128, base + 900_000 + i * 256, 128) for i in range(100)]
+    want = reference(dst, runs, here, theirs, base)
+    assert read(src, runs) is not None
+    assert np.array_equal(dst, want)
+
+
+def test_a_call_fails_whole_on_an_unmapped_source_address(source):
+    src, base, _ = source
+    dst = poisoned(8192)
+    here = int(dst.ctypes.data)
+    with pytest.raises(LocalReadError, match="process_vm_readv"):
+        read(src, [(here, base, 4096), (here + 4096, 4096, 4096)])  # page 1 of the child
+
+
+def test_a_stop_or_passed_deadline_reads_nothing(source):
+    src, base, _ = source
+    dst = poisoned(4096)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(TimeoutError, match="stopped"):
+        read(src, [(int(dst.ctypes.data), base, 4096)], stop=stop)
+    with pytest.raises(TimeoutError, match="deadline"):
+        read(src, [(int(dst.ctypes.data), base, 4096)], deadline=time.perf_counter() - 1)
+    assert (dst == 0xA5).all()
+
+
+def test_usable_checks_the_token_and_remembers(source, monkeypatch):
+    src, _, _ = source
+    wrong = src._replace(token=bytes(b ^ 1 for b in src.token))
+    assert local_reads.usable(src)
+    assert not local_reads.usable(wrong)
+    # remembered: no second call for either
+    monkeypatch.setattr(local_reads, "_call_once", lambda *a: pytest.fail("called again"))
+    assert local_reads.usable(src) and not local_reads.usable(wrong)
+    monkeypatch.undo()
+    local_reads.forget(wrong)
+    assert not local_reads.usable(wrong)
+
+
+def test_a_process_gone_is_not_usable_and_its_reads_fail():
+    if local_reads.host_id() is None:
+        pytest.skip("no host id (not Linux)")
+    child = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    info = json.loads(child.stdout.readline())
+    src = parse(info["doc"])
+    child.stdin.close()
+    child.wait(10)
+    assert not local_reads.usable(src)
+    dst = poisoned(64)
+    with pytest.raises(LocalReadError, match="ESRCH"):
+        read(src, [(int(dst.ctypes.data), info["buf"], 64)])
