@@ -9,7 +9,7 @@ Records, one JSON object per file:
 ``bench/results/xfer/*.json``
     ``kvkern bench xfer --json | tail -1 > bench/results/xfer/NAME.json`` as it is: its
     ``by_size`` maps a byte count to the run's figures (``ratio``, ``scattered_ratio``,
-    ``lanes1_ratio``, ``lanes0_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
+    ``lanes1_ratio``, ``lanes0_ratio``, ``ucx_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
     ``raw_gbps``, ...) and ``env`` holds its environment (``commit``, ``cpus``, versions).
     Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``); a TP or
     PP reshard (``--pull-tp``, ``--pull-pp``) is read from ``cases.pull``. A record
@@ -49,6 +49,7 @@ PLOT = "results/xfer_ratio.png"  # relative to bench/
 XFER_METRICS = (("ratio", "`ratio` (2 lanes)"), ("copy_ratio", "copy alone"),
                 ("scattered_ratio", "scattered"),
                 ("granted_ratio", "granted"), ("lanes1_ratio", "one lane"), ("lanes0_ratio", "connection"),
+                ("ucx_ratio", "through UCX"),
                 ("stream_ratio", "stream"), ("stream_scattered_ratio", "stream scattered"))
 
 
@@ -124,7 +125,9 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
            "hand-off), against the same raw send. `one lane`, `connection` (reads on the "
            "control connection's worker), `granted` (every read asks the source first: a round "
            "trip and pins, where the headline reads directly, confirmed by the source's read "
-           "directory) and `stream` (pack, send, unpack) are the same pull "
+           "directory), `through UCX` (the source's process on this host read through UCX's "
+           "CMA transport rather than with kvkern's own system calls, as a source on another "
+           "host is read) and `stream` (pack, send, unpack) are the same pull "
            "by other paths in the same runs (`-`: not measured by that record); "
            "`scattered` reads from a source whose blocks are "
            "shuffled in its pool. Cells are median [min-max] (runs) over the records. "

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -135,16 +136,24 @@ def run_lists(draw):
             rows = np.array([(addr + 16 * i, 8) for i in range(pieces)], np.uint64)
             runs.append(Scatter(rows, addr + (1 << 41), 8 * pieces))
             addr += 16 * pieces
+        if draw(st.booleans()):  # a long run (cut into calls of CALL_BYTES)
+            n = draw(st.integers(1, 3000))
+            runs.append((addr, addr + (1 << 40), n))
+            addr += n
     return runs
 
 
 @settings(max_examples=60, deadline=None)
-@given(run_lists())
-def test_calls_move_every_byte_once_in_order_within_the_iov_limit(runs):
+@given(run_lists(), st.sampled_from([64, 1000, 1 << 30]))
+def test_calls_move_every_byte_once_in_order_within_the_limits(runs, call_bytes):
     want = [(lo, re, n) for lo, re, n in expand(runs)]
     local_bytes, remote_bytes = [], []
-    for local, remote, nbytes in calls(runs):
+    with mock.patch.object(local_reads, "CALL_BYTES", call_bytes):
+        made = list(calls(runs))
+    for local, remote, nbytes in made:
         assert 0 < len(local) <= IOV_MAX and 0 < len(remote) <= IOV_MAX
+        # (a Scatter is never cut: one alone may pass the bytes bound)
+        assert nbytes <= call_bytes or len(remote) == 1
         assert local.dtype == remote.dtype == np.uint64
         assert local.flags.c_contiguous and remote.flags.c_contiguous
         assert int(local[:, 1].sum()) == int(remote[:, 1].sum()) == nbytes
@@ -179,6 +188,21 @@ def test_plain_runs_and_scatters_land_bit_exact(source):
     want = reference(dst, runs, here, theirs, base)
     assert read(src, runs) is not None
     assert np.array_equal(dst, want)
+
+
+def test_a_long_run_is_read_in_calls_of_call_bytes(source, monkeypatch):
+    src, base, _ = source
+    monkeypatch.setattr(local_reads, "CALL_BYTES", 64 << 10)
+    made = []
+    real = local_reads._call_once
+    monkeypatch.setattr(local_reads, "_call_once", lambda *a: made.append(a[3]) or real(*a))
+    dst = poisoned(SOURCE_BYTES)
+    here = int(dst.ctypes.data)
+    runs = [(here + 4096, base + 8192, 300_000), (here + 400_000, base, 1000)]
+    want = reference(dst, runs, here, source_bytes(), base)
+    read(src, runs)
+    assert np.array_equal(dst, want)
+    assert made == [64 << 10] * 4 + [300_000 - (256 << 10) + 1000]
 
 
 def test_a_call_fails_whole_on_an_unmapped_source_address(source):

@@ -47,11 +47,14 @@ if TYPE_CHECKING:
     from kvkern.xfer.pauses import Steps
 
 __all__ = ["Beacon", "LocalReadError", "LocalSource", "host_id", "parse", "reading",
-           "usable", "forget", "IOV_MAX", "TOKEN_BYTES"]
+           "usable", "forget", "calls", "CALL_BYTES", "IOV_MAX", "TOKEN_BYTES"]
 
 log = logging.getLogger("kvkern.xfer")
 
 IOV_MAX = 1024  # the kernel's UIO_MAXIOV: pieces per side of one call
+# bytes of one call at most (a longer run is cut): a call copies 1-3 ms at most, so a stop
+# or a passed deadline is seen between calls and the first bytes land early
+CALL_BYTES = 16 << 20
 TOKEN_BYTES = 16
 _MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 _MAX_HOST_CHARS = 128
@@ -203,33 +206,49 @@ def forget(src: LocalSource) -> None:
 
 
 def calls(runs: Sequence[Run | Scatter]) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """``runs`` as system calls of at most :data:`IOV_MAX` pieces on each side:
-    ``(local rows, remote rows, bytes)``. Plain runs in a row share calls, one piece on each
-    side per run; a :class:`Scatter` is one remote piece over its local pieces, and
-    neighbouring ones share a call."""
+    """``runs`` as system calls of at most :data:`IOV_MAX` pieces on each side and
+    :data:`CALL_BYTES` bytes: ``(local rows, remote rows, bytes)``. Plain runs in a row share
+    calls, one piece on each side per run (a longer one cut); a :class:`Scatter` is one
+    remote piece over its local pieces, and neighbouring ones share a call."""
     i, n = 0, len(runs)
     while i < n:
         if type(runs[i]) is Scatter:
-            group = []
-            pieces = 0
-            while i < n and type(runs[i]) is Scatter and (
-                    not group or pieces + len(runs[i].local) <= IOV_MAX):
+            group, pieces, nbytes = [], 0, 0
+            while i < n and type(runs[i]) is Scatter and (not group or (
+                    pieces + len(runs[i].local) <= IOV_MAX
+                    and nbytes + runs[i].nbytes <= CALL_BYTES)):
                 group.append(runs[i])
                 pieces += len(runs[i].local)
+                nbytes += runs[i].nbytes
                 i += 1
             local = group[0].local if len(group) == 1 else np.concatenate(
                 [s.local for s in group])
             remote = np.array([(s.remote, s.nbytes) for s in group], np.uint64)
-            yield (np.ascontiguousarray(local, np.uint64), remote,
-                   sum(s.nbytes for s in group))
+            yield np.ascontiguousarray(local, np.uint64), remote, nbytes
             continue
         j = i
-        while j < n and j - i < IOV_MAX and type(runs[j]) is not Scatter:
+        while j < n and type(runs[j]) is not Scatter:
             j += 1
-        rows = np.array(runs[i:j], np.uint64).reshape(-1, 3)
-        yield (np.ascontiguousarray(rows[:, 0::2]), np.ascontiguousarray(rows[:, 1:]),
-               int(rows[:, 2].sum()))
+        yield from _plain_calls(np.array(runs[i:j], np.uint64).reshape(-1, 3))
         i = j
+
+
+def _plain_calls(rows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """Plain runs (``uint64 [n, 3]`` rows of local, remote, bytes) as calls."""
+    if (rows[:, 2] > CALL_BYTES).any():  # cut the long runs into CALL_BYTES pieces
+        cut = []
+        for lo, re, nb in rows.tolist():
+            cut += [(lo + k, re + k, min(CALL_BYTES, nb - k)) for k in range(0, nb, CALL_BYTES)]
+        rows = np.array(cut, np.uint64)
+    ends = np.cumsum(rows[:, 2])
+    start, done = 0, 0
+    while start < len(rows):
+        end = int(np.searchsorted(ends, done + CALL_BYTES, side="right"))
+        end = min(max(end, start + 1), start + IOV_MAX)
+        part = rows[start:end]
+        yield (np.ascontiguousarray(part[:, 0::2]), np.ascontiguousarray(part[:, 1:]),
+               int(ends[end - 1]) - done)
+        start, done = end, int(ends[end - 1])
 
 
 def reading(src: LocalSource, parts: Sequence[tuple[bytes, Sequence[Run | Scatter]]],
