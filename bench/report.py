@@ -102,6 +102,16 @@ def _with_reshards(records: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
     return out
 
 
+def _figure(rec: dict, size: int, key: str) -> Any:
+    """A record's figure ``key`` at ``size``: from its ``by_size``, else from the pull case's
+    own row of the same run (a figure ``by_size`` does not copy)."""
+    row = rec["by_size"].get(str(size), {})
+    if key in row:
+        return row[key]
+    pull = rec.get("cases", {}).get("pull", {})
+    return pull.get(str(size), {}).get(key) if isinstance(pull, dict) else None
+
+
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
 
@@ -153,8 +163,7 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
         for size in sizes:
             cells = []
             for key, _ in XFER_METRICS:
-                vals = [v for _, r in recs for v in _values(r["by_size"].get(str(size), {})
-                                                            .get(key))]
+                vals = [v for _, r in recs for v in _values(_figure(r, size, key))]
                 cells.append(summarize(vals))
             raw = [v for _, r in recs for k in ("raw_gbps", "raw_gbps_range")
                    for v in _values(r["by_size"].get(str(size), {}).get(k))]
@@ -545,7 +554,7 @@ def plot(data: dict[str, Any], path: Path) -> bool:
     for j, (key, label) in enumerate(XFER_METRICS):
         xs, ys = [], []
         for i, size in enumerate(sizes):
-            vals = [v for r in recs for v in _values(r["by_size"].get(str(size), {}).get(key))]
+            vals = [v for r in recs for v in _values(_figure(r, size, key))]
             xs += [i + (j - 2.5) * 0.12] * len(vals)
             ys += vals
         ax.scatter(xs, ys, s=14, label=label.replace("`", ""))

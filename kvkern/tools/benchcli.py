@@ -58,6 +58,9 @@ from kvkern.tools import benchtargets
 from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env
 
 MiB = 1 << 20
+# a pull size's ratios to the raw send, one per path measured beside the headline pull
+PATH_RATIOS = ("copy_ratio", "scattered_ratio", "granted_ratio", "stream_ratio",
+               "stream_scattered_ratio", "lanes1_ratio", "lanes0_ratio", "ucx_ratio")
 _PATTERN_PERIOD = 251  # prime, so chunk boundaries never line up with the pattern
 
 
@@ -866,11 +869,8 @@ def run_xfer(s: Settings) -> dict[str, Any]:
                 "data_path": result["pull"]["data_path"],
                 "by_size": {size: {k: r[k] for k in ("bytes", "blocks", "pull_gbps",
                                                      "raw_gbps", "ratio", "messages", "reads",
-                                                     "copy_gbps", "copy_ratio",
-                                                     "scattered_pull_gbps", "scattered_ratio",
-                                                     "stream_ratio", "stream_scattered_ratio",
-                                                     "lanes1_ratio", "lanes0_ratio",
-                                                     "granted_ratio", "kvkern_vs_nixl",
+                                                     "copy_gbps", "scattered_pull_gbps",
+                                                     *PATH_RATIOS, "kvkern_vs_nixl",
                                                      "kvkern_vs_nixl_scattered")
                                    if k in r}
                             for size, r in result["pull"].items() if size.isdigit()}}
@@ -899,10 +899,8 @@ def _print_human(res: dict[str, Any]) -> None:
                   f"[p20 {r['pull_gbps_p20']:.2f}, p80 {r['pull_gbps_p80']:.2f}]  "
                   f"raw {r['raw_gbps']:.2f} GB/s  ratio {r['ratio']:.2f}  {r['blocks']} blocks "
                   f"{r['messages']} messages {r['reads']} reads")
-            extra = [f"{k} {r[k]:.2f}" for k in ("copy_ratio", "scattered_ratio", "granted_ratio",
-                                                 "stream_ratio", "stream_scattered_ratio",
-                                                 "lanes1_ratio", "lanes0_ratio",
-                                                 "stream_scattered_pack_ms") if k in r]
+            extra = [f"{k} {r[k]:.2f}" for k in (*PATH_RATIOS, "stream_scattered_pack_ms")
+                     if k in r]
             if extra:
                 print(f"  pull     {int(size) // MiB:5d} MiB  " + "  ".join(extra))
     for name, one in (("pull", cases.get("pull")),
