@@ -236,6 +236,13 @@ def test_usable_checks_the_token_and_remembers(source, monkeypatch):
     monkeypatch.undo()
     local_reads.forget(wrong)
     assert not local_reads.usable(wrong)
+    # a refusal is checked again once it is REFUSAL_TTL_S old
+    checks = []
+    real = local_reads._call_once
+    monkeypatch.setattr(local_reads, "_call_once", lambda *a: checks.append(1) or real(*a))
+    assert not local_reads.usable(wrong) and not checks
+    monkeypatch.setattr(local_reads, "REFUSAL_TTL_S", 0.0)
+    assert not local_reads.usable(wrong) and checks == [1]
 
 
 def test_a_process_gone_is_not_usable_and_its_reads_fail():

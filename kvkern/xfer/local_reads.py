@@ -59,6 +59,7 @@ TOKEN_BYTES = 16
 _MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 _MAX_HOST_CHARS = 128
 _VERDICTS_MAX = 1024
+REFUSAL_TTL_S = 60.0  # a refused source is checked again after this long
 
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
 
@@ -169,18 +170,20 @@ def _call_once(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> 
         raise LocalReadError(f"process_vm_readv from process {pid}: {why}")
 
 
-_verdicts: collections.OrderedDict[LocalSource, bool] = collections.OrderedDict()
+# source -> (usable, when checked): a refusal is kept for REFUSAL_TTL_S, a pass until a read
+# fails (forget)
+_verdicts: collections.OrderedDict[LocalSource, tuple[bool, float]] = collections.OrderedDict()
 _lock = threading.Lock()
 
 
 def usable(src: LocalSource) -> bool:
     """Whether this process may read ``src`` directly: the token read at its address equals
-    the announced one. Checked once per source (one 16-byte call) and remembered; the reason
-    for a refusal is logged once."""
+    the announced one. Checked once per source (one 16-byte call) and remembered, a refusal
+    for :data:`REFUSAL_TTL_S`; the reason for a refusal is logged."""
     with _lock:
         verdict = _verdicts.get(src)
-    if verdict is not None:
-        return verdict
+    if verdict is not None and (verdict[0] or time.monotonic() - verdict[1] < REFUSAL_TTL_S):
+        return verdict[0]
     buf = np.zeros(TOKEN_BYTES, np.uint8)
     why = None
     try:
@@ -193,7 +196,7 @@ def usable(src: LocalSource) -> bool:
     if why is not None:
         log.info("process %d on this host is read through UCX: %s", src.pid, why)
     with _lock:
-        _verdicts[src] = why is None
+        _verdicts[src] = (why is None, time.monotonic())
         while len(_verdicts) > _VERDICTS_MAX:
             _verdicts.popitem(last=False)
     return why is None
