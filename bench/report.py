@@ -189,10 +189,13 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
 
 
 def _pull_kind(rec: dict) -> tuple[str, str, str]:
-    """A record's pool layout and its TP and PP ``source:destination`` sizes."""
+    """A record's pool layout and its TP and PP ``source:destination`` sizes (the TP one naming
+    the destination's rank when the run hosted one rank of several)."""
     pull = rec.get("cases", {}).get("pull", {})
-    return (rec.get("pull_layout", pull.get("layout", "trtllm")), pull.get("tp", "1:1"),
-            pull.get("pp", "1:1"))
+    tp = pull.get("tp", "1:1")
+    if pull.get("one_rank"):  # --pull-one-rank
+        tp += f", destination rank {pull['ranks'][0]} alone"
+    return (rec.get("pull_layout", pull.get("layout", "trtllm")), tp, pull.get("pp", "1:1"))
 
 
 def _one_block_lines(records: list[tuple[str, dict]]) -> list[str]:

@@ -852,10 +852,14 @@ def test_source_killed_mid_transfer(make_puller):
 # "read" variants lower the threshold to exercise the read path, and "auto" checks the
 # default. "read" reads the source on this host with kvkern's own system calls
 # (kvkern.xfer.local_reads), "read_ucx" through UCX as a source on another host is read, and
-# "read_pieces" through a UCX that refuses to scatter a read over an iov.
+# "read_pieces" through a UCX that refuses to scatter a read over an iov; the "_bound"
+# variants lower only the bound for same-host reads (local_read_min_run_bytes), which
+# reads where the source is read locally and streams where it is read through UCX.
 RESHARD = {"read": dict(read_min_run_bytes=0), "stream": dict(remote_read=False),
            "auto": {}, "read_ucx": dict(read_min_run_bytes=0, local_reads=False),
-           "read_pieces": dict(read_min_run_bytes=0, local_reads=False)}
+           "read_pieces": dict(read_min_run_bytes=0, local_reads=False),
+           "read_local_bound": dict(local_read_min_run_bytes=0),  # (read: the source is local)
+           "stream_ucx_bound": dict(local_read_min_run_bytes=0, local_reads=False)}
 
 
 @pytest.mark.parametrize("how", sorted(RESHARD))

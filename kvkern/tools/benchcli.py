@@ -111,6 +111,9 @@ class Settings:
     pull_layout: str = "trtllm"  # pull case: the engine layout of both pools
     pull_tp: tuple[int, int] = (1, 1)  # pull case: TP size of the source and the destination
     pull_pp: tuple[int, int] = (1, 1)  # pull case: PP size of the source and the destination
+    # pull case: this process hosts the destination's first rank only (one process per rank,
+    # as engines run TP and PP), not every rank of its DP group
+    pull_one_rank: bool = False
     read_lanes: int = 2  # pull case: XferConfig.read_lanes of the headline puller
     device: str = "cpu"  # where both peers' buffers and pools live ("cuda": device memory)
     all_variants: bool = True  # pull case: also fewer lanes and granted reads (else headline,
@@ -422,7 +425,9 @@ async def _connect_costs(peer: tuple[str, int], n: int = 20) -> tuple[list[float
 
 
 def _pull_blocks_for(s: Settings) -> int:
-    per_block = _pull_topology().local_layout(0, 1).bytes_per_block
+    """Blocks of the largest pull (of the bytes the destination process hosts)."""
+    topo = _pull_topology(s.pull_tp[1], s.pull_pp[1]) if s.pull_one_rank else _pull_topology()
+    per_block = topo.local_layout(0, 1).bytes_per_block
     return max(1, max(s.sizes) // per_block)
 
 
@@ -449,6 +454,9 @@ class _PullBench:
         self.n_max = _pull_blocks_for(s)
         self.ranks = _rank_pools(topo, self.n_max + 8, s.pull_layout,  # faulted in untimed
                                  s.device)
+        if s.pull_one_rank:
+            first = min(self.ranks)
+            self.ranks = {first: self.ranks[first]}
         self.group = KVGroup(topo, 0, _ColdPool(self.n_max + 8, block_size=self.bs),
                              self.ranks)
         cfg = XferConfig(allowlist="127.0.0.1/32", cost_guard=False,
@@ -520,6 +528,7 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
     out: dict[str, Any] = {"block_bytes": pb.per_block, "data_path": s.data_path,
                            "layout": s.pull_layout, "tp": f"{s.pull_tp[0]}:{s.pull_tp[1]}",
                            "pp": f"{s.pull_pp[0]}:{s.pull_pp[1]}",
+                           "ranks": sorted(pb.ranks), "one_rank": s.pull_one_rank,
                            "read_lanes": s.read_lanes, "source_blocks": s.source_blocks}
     try:
         if s.nixl:
@@ -978,6 +987,10 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--pull-pp", default="1:1", metavar="S:D",
                    help="pull case: PP size of the source and of the destination (e.g. 2:1: "
                         "each destination block gathers every source stage's layers)")
+    x.add_argument("--pull-one-rank", action="store_true",
+                   help="pull case: this process hosts only the destination's first rank "
+                        "(one process per rank, as engines run TP and PP); sizes are that "
+                        "rank's bytes")
     x.add_argument("--read-lanes", type=int, default=Settings.read_lanes,
                    help="pull case: read lanes of the headline pull (XferConfig.read_lanes); "
                         "fewer lanes are measured in the same run (lanes1_*, lanes0_*)")
@@ -1039,6 +1052,7 @@ def main(argv: list[str] | None = None) -> int:
                  data_path=ns.data_path, pull_layout=ns.pull_layout,
                  pull_tp=_parse_split("--pull-tp", ns.pull_tp, parser),
                  pull_pp=_parse_split("--pull-pp", ns.pull_pp, parser), read_lanes=ns.read_lanes,
+                 pull_one_rank=ns.pull_one_rank,
                  device=ns.device, source_blocks=ns.source_blocks,
                  nixl=ns.compare == "nixl" and "pull" in cases)
     try:

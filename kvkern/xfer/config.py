@@ -95,6 +95,11 @@ class XferConfig:
     # Measured (kvkern bench xfer --pull-tp 2:1): 16 KiB reads at 0.33 of raw, the stream at
     # 0.45.
     read_min_run_bytes: int = 64 << 10
+    # the same bound for a source on the same host read with kvkern's own calls (local_reads:
+    # many pieces per call). One destination rank of a TP 1:4 / 1:8 reshard (8 / 4 KiB
+    # pieces): 0.51-0.70 of a raw send against the stream's 0.29-0.42 / 0.27-0.28 against
+    # 0.29-0.37
+    local_read_min_run_bytes: int = 8 << 10
     # reads run on this many read lanes (kvkern.xfer.read_lanes: a UCX worker and a thread
     # each; at most one per CPU the process may use), split by bytes with at least
     # read_lane_min_bytes per lane; 0 reads on the control connection's worker. One CMA
@@ -174,8 +179,8 @@ class XferConfig:
         if not isinstance(self.state_path, str) or not self.state_path.startswith("/"):
             raise ValueError(f"XferConfig.state_path must start with '/', got "
                              f"{self.state_path!r}")
-        for name in ("read_min_run_bytes", "read_lanes", "read_lane_min_bytes",
-                     "loop_read_bytes"):
+        for name in ("read_min_run_bytes", "local_read_min_run_bytes", "read_lanes",
+                     "read_lane_min_bytes", "loop_read_bytes"):
             check_non_negative_int(f"XferConfig.{name}", getattr(self, name))
         for flag in ("dedup", "cost_guard", "remote_read", "direct_reads", "local_reads"):
             if not isinstance(getattr(self, flag), bool):

@@ -27,6 +27,7 @@ from kvkern.layout.segments import (
     source_segment_bytes,
     whole_block_pair,
 )
+from kvkern.xfer import local_reads
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.kvgroup import RankKV
 from kvkern.xfer.messages import READ_CAPABILITY, ReadGrant, StreamReply
@@ -310,7 +311,8 @@ class ReadReceiver:
     def reads_big_enough(self, job: PullJob,
                          members: Sequence[tuple[PeerTransfer, RankKV]]) -> bool:
         """The pairs of one source rank (read together, :meth:`source_runs`) move whole
-        blocks, or every read moves at least ``read_min_run_bytes``."""
+        blocks, or every read moves at least ``read_min_run_bytes`` (``local_read_min_run_bytes``
+        from a source read with same-host calls, :mod:`kvkern.xfer.local_reads`)."""
         src_rank = members[0][0].src_rank
         if job.state.reads.get((job.source_dp, src_rank)) != "canonical":
             return True  # whole blocks in the source's order (read_allowed)
@@ -320,7 +322,13 @@ class ReadReceiver:
         gathers = segment_gathers_to(tuple(
             (pair.pieces, rank_kv.layout, rank_kv.read_segments.nbytes)
             for pair, rank_kv in members), src, source_segment_bytes(src))
-        return min(g[2] for g in gathers) >= self.config.read_min_run_bytes
+        least = min(g[2] for g in gathers)
+        if least >= self.config.read_min_run_bytes:
+            return True
+        if least < self.config.local_read_min_run_bytes:
+            return False
+        local = self.local_source(job.state, (job.source_dp, src_rank))
+        return local is not None and local_reads.usable(local)
 
     async def receive(self, job: PullJob, pair: PeerTransfer, conn: TransferConnection,
                       reply: ReadGrant, rank_kv: RankKV, xfer_t: float, t_req: float) -> None:
