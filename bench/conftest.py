@@ -9,11 +9,12 @@ import contextlib
 import json
 import os
 import platform
-import subprocess
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
+
+from kvkern.tools.provenance import git_state
 
 RESULTS: dict[str, dict[str, dict]] = defaultdict(dict)
 
@@ -65,8 +66,5 @@ def _environment() -> dict:
            "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     with contextlib.suppress(OSError):
         env["load_average"] = round(os.getloadavg()[0], 2)
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
-                                       capture_output=True, text=True, timeout=5,
-                                       cwd=Path(__file__).parent).stdout.strip()
+    env.update(git_state(Path(__file__).parent))
     return env

@@ -20,7 +20,6 @@ import csv
 import datetime as dt
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ import triton.language as tl  # noqa: E402
 from kvkern.kernels.pack import pack, unpack  # noqa: E402
 from kvkern.kernels.reference import as_bits  # noqa: E402
 from kvkern.layout.kv_layout import KVLayout  # noqa: E402
+from kvkern.tools.provenance import git_state  # noqa: E402
 
 
 @triton.jit
@@ -53,15 +53,13 @@ def plain_triton_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
 
 def env_info() -> dict:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
+    git = git_state()
+    commit = "" if git["commit"] == "unknown" else git["commit"]
     return {
         "device": torch.cuda.get_device_name() if dev == "cuda" else f"cpu ({platform.processor()})",
         "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
         "commit": commit or os.environ.get("KVKERN_COMMIT", "unknown"),
+        "dirty": git["dirty"],
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 

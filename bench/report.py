@@ -117,7 +117,8 @@ def _count(n: int, what: str) -> str:
 
 
 def _commit(rec: dict) -> str:
-    return str(rec.get("commit") or rec.get("env", {}).get("commit") or "unknown")
+    commit = str(rec.get("commit") or rec.get("env", {}).get("commit") or "unknown")
+    return commit + (" with uncommitted changes" if rec.get("env", {}).get("dirty") else "")
 
 
 def _env_line(env: dict) -> str:

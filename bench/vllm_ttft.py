@@ -19,7 +19,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -119,15 +118,9 @@ def environment() -> dict:
     import torch
     import vllm
 
-    def git(*cmd: str) -> str:
-        try:
-            return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except OSError:
-            return ""
+    from kvkern.tools.provenance import git_state
 
-    return {"commit": git("rev-parse", "--short", "HEAD") or "unknown",
-            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    return {**git_state(ROOT),
             "date": time.strftime("%Y-%m-%d"), "machine": platform.machine(),
             "cpus": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__, "vllm": vllm.__version__,

@@ -803,10 +803,9 @@ def _environment(s: Settings) -> dict[str, Any]:
 
         env["ucxx"] = ucxx.__version__
         env["libucx"] = ucxx.__ucx_version__
-    with contextlib.suppress(Exception):
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], check=True,
-                                       capture_output=True, text=True, timeout=5,
-                                       cwd=os.path.dirname(__file__)).stdout.strip()
+    from kvkern.tools.provenance import git_state  # noqa: PLC0415
+
+    env.update(git_state())
     return env
 
 

@@ -17,11 +17,12 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from kvkern.tools.provenance import git_state
 
 __all__ = ["load_results", "main", "render"]
 
@@ -44,14 +45,6 @@ def load_results(results: Path) -> tuple[dict, list[dict]]:
     return run, records
 
 
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def environment() -> dict[str, str]:
     env = {"python": platform.python_version(), "platform": platform.platform(),
            "cpus": str(os.cpu_count())}
@@ -60,10 +53,9 @@ def environment() -> dict[str, str]:
             env[mod] = __import__(mod).__version__
         except Exception:  # noqa: BLE001 (report what is there)
             env[mod] = "not installed"
-    commit = _git("rev-parse", "--short=12", "HEAD")
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    env["commit"] = (commit or "unknown") + (" (working tree has uncommitted changes)"
-                                              if dirty else "")
+    git = git_state(length=12)
+    env["commit"] = str(git["commit"]) + (" (working tree has uncommitted changes)"
+                                          if git["dirty"] else "")
     return env
 
 
