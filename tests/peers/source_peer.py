@@ -127,12 +127,14 @@ class FaultySource(SourceService):
             self.requests_aborted += 1
             s.conn.abort("test: abort_before_replies")
             raise ConnectionAbortedError("aborted by the test before its reply")
-        await super()._reply(s, reply)
+        # counted when handed to the transport: a destination that reads the grant at once
+        # may end its pull, and ask for these counts, before this send's completion is seen
         if reply.status in (Status.OK, Status.PARTIAL):
             kind = "read" if isinstance(reply, ReadGrant) else "stream"
             self.replies[kind] += 1
             if isinstance(reply, ReadGrant):
                 self._read_tids.add(reply.transfer_id)
+        await super()._reply(s, reply)
 
     def _producer(self, s, pieces, block_ids, chunks):
         produce = super()._producer(s, pieces, block_ids, chunks)
