@@ -97,8 +97,8 @@ class XferConfig:
     read_min_run_bytes: int = 64 << 10
     # the same bound for a source on the same host read with kvkern's own calls (local_reads:
     # many pieces per call). One destination rank of a TP 1:4 / 1:8 reshard (8 / 4 KiB
-    # pieces): 0.51-0.70 of a raw send against the stream's 0.29-0.42 / 0.27-0.28 against
-    # 0.29-0.37
+    # pieces, bench --pull-one-rank): reads at 0.41-0.70 of a raw send against the stream's
+    # 0.24-0.42 / at 0.27-0.28 against 0.29-0.37
     local_read_min_run_bytes: int = 8 << 10
     # reads run on this many read lanes (kvkern.xfer.read_lanes: a UCX worker and a thread
     # each; at most one per CPU the process may use), split by bytes with at least
