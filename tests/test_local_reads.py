@@ -4,6 +4,7 @@ OS process into poisoned buffers, checked byte for byte."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import subprocess
@@ -149,13 +150,11 @@ def test_calls_move_every_byte_once_in_order_within_the_limits(runs, call_bytes)
     want = [(lo, re, n) for lo, re, n in expand(runs)]
     local_bytes, remote_bytes = [], []
     with mock.patch.object(local_reads, "CALL_BYTES", call_bytes):
-        made = list(calls(runs))
+        made = [(rows(local), rows(remote), nbytes) for local, remote, nbytes in calls(runs)]
     for local, remote, nbytes in made:
         assert 0 < len(local) <= IOV_MAX and 0 < len(remote) <= IOV_MAX
         # (a Scatter is never cut: one alone may pass the bytes bound)
         assert nbytes <= call_bytes or len(remote) == 1
-        assert local.dtype == remote.dtype == np.uint64
-        assert local.flags.c_contiguous and remote.flags.c_contiguous
         assert int(local[:, 1].sum()) == int(remote[:, 1].sum()) == nbytes
         local_bytes += [(int(a), int(n)) for a, n in local]
         remote_bytes += [(int(a), int(n)) for a, n in remote]
@@ -164,6 +163,14 @@ def test_calls_move_every_byte_once_in_order_within_the_limits(runs, call_bytes)
         return [a + k for a, n in rows for k in range(n)]
     assert flat(local_bytes) == flat([(lo, n) for lo, _, n in want])
     assert flat(remote_bytes) == flat([(re, n) for _, re, n in want])
+
+
+def rows(iov) -> np.ndarray:
+    """A call's iovec rows (a numpy array, or ctypes' for a few runs) as ``uint64 [n, 2]``,
+    checked to be what the system call is handed."""
+    address, count = local_reads._iov(iov)
+    out = np.ctypeslib.as_array((ctypes.c_uint64 * (2 * count)).from_address(address))
+    return out.reshape(count, 2).copy()
 
 
 # ---- real reads from another process
@@ -176,14 +183,17 @@ def test_plain_runs_and_scatters_land_bit_exact(source):
     rng = np.random.default_rng(1)
     runs = []
     # 2500 plain runs of 64 B at shuffled source offsets (three calls), then Scatters of
-    # 300 pieces each, then plain runs again
+    # 300 pieces each with three plain runs among them, then plain runs again
     offs = rng.permutation(SOURCE_BYTES // 256)[:2500] * 256
     runs += [(here + i * 64, base + int(o), 64) for i, o in enumerate(offs)]
     at = 2500 * 64
     for k in range(4):
-        rows = np.array([(here + at + 2 * 32 * i, 32) for i in range(300)], np.uint64)
-        runs.append(Scatter(rows, base + 500_000 + k * 9600, 300 * 32))
+        pieces = np.array([(here + at + 2 * 32 * i, 32) for i in range(300)], np.uint64)
+        runs.append(Scatter(pieces, base + 500_000 + k * 9600, 300 * 32))
         at += 2 * 32 * 300
+        if k == 1:  # a few plain runs between Scatters (laid out without numpy)
+            runs += [(here + at + 48 * i, base + 700_000 + 100 * i, 40) for i in range(3)]
+            at += 3 * 48
     runs += [(here + at + i * 128, base + 900_000 + i * 256, 128) for i in range(100)]
     want = reference(dst, runs, here, theirs, base)
     assert read(src, runs) is not None

@@ -158,11 +158,19 @@ def _readv():
     return _call
 
 
-def _call_once(pid: int, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
-    """One call: ``local`` and ``remote`` are ``uint64 [n, 2]`` rows of (address, length)
-    (the layout of ``struct iovec``); raises :class:`LocalReadError` unless every byte
-    moved."""
-    got = _readv()(pid, local.ctypes.data, len(local), remote.ctypes.data, len(remote), 0)
+def _iov(rows: np.ndarray | ctypes.Array) -> tuple[int, int]:
+    """The address and the count of ``struct iovec`` rows: a ``uint64 [n, 2]`` array or a
+    ctypes array of ``2n`` ``c_uint64`` (address, length)."""
+    if isinstance(rows, np.ndarray):
+        return rows.ctypes.data, len(rows)
+    return ctypes.addressof(rows), len(rows) // 2
+
+
+def _call_once(pid: int, local: np.ndarray | ctypes.Array, remote: np.ndarray | ctypes.Array,
+               nbytes: int) -> None:
+    """One call over ``local`` and ``remote`` iovec rows (:func:`_iov`); raises
+    :class:`LocalReadError` unless every byte moved."""
+    got = _readv()(pid, *_iov(local), *_iov(remote), 0)
     if got != nbytes:
         err = ctypes.get_errno() if got < 0 else 0
         why = f"{errno.errorcode.get(err, err)}: {os.strerror(err)}" if err else \
@@ -208,9 +216,11 @@ def forget(src: LocalSource) -> None:
         _verdicts.pop(src, None)
 
 
-def calls(runs: Sequence[Run | Scatter]) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+def calls(runs: Sequence[Run | Scatter]) -> Iterator[tuple[np.ndarray | ctypes.Array,
+                                                           np.ndarray | ctypes.Array, int]]:
     """``runs`` as system calls of at most :data:`IOV_MAX` pieces on each side and
-    :data:`CALL_BYTES` bytes: ``(local rows, remote rows, bytes)``. Plain runs in a row share
+    :data:`CALL_BYTES` bytes: ``(local rows, remote rows, bytes)``, the rows as :func:`_iov`
+    takes them. Plain runs in a row share
     calls, one piece on each side per run (a longer one cut); a :class:`Scatter` is one
     remote piece over its local pieces, and neighbouring ones share a call."""
     i, n = 0, len(runs)
@@ -232,8 +242,31 @@ def calls(runs: Sequence[Run | Scatter]) -> Iterator[tuple[np.ndarray, np.ndarra
         j = i
         while j < n and type(runs[j]) is not Scatter:
             j += 1
-        yield from _plain_calls(np.array(runs[i:j], np.uint64).reshape(-1, 3))
+        small = _small_call(runs[i:j])
+        if small is not None:
+            yield small
+        else:
+            yield from _plain_calls(np.array(runs[i:j], np.uint64).reshape(-1, 3))
         i = j
+
+
+_SMALL_RUNS = 32  # plain runs that fit one call are laid out without numpy up to this many
+
+
+def _small_call(runs: Sequence[Run]) -> tuple[ctypes.Array, ctypes.Array, int] | None:
+    """A few plain runs that fit one call, as ctypes iovec rows (a directory read, a small
+    pull's blocks: 1.4 us against 16 us through numpy per read); None otherwise."""
+    if len(runs) > _SMALL_RUNS:
+        return None
+    total = sum(run[2] for run in runs)
+    if total > CALL_BYTES:
+        return None
+    local = (ctypes.c_uint64 * (2 * len(runs)))()
+    remote = (ctypes.c_uint64 * (2 * len(runs)))()
+    for k, (lo, re, nb) in enumerate(runs):
+        local[2 * k], local[2 * k + 1] = lo, nb
+        remote[2 * k], remote[2 * k + 1] = re, nb
+    return local, remote, total
 
 
 def _plain_calls(rows: np.ndarray) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
