@@ -59,11 +59,32 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
         assert ph["queue"] > 0 and ph["handoff"] > 0 and ph["rest"] >= -0.005, ph
         assert 0 < one["overhead_ms"] < ph["total"]
         assert one["granted_pull_gbps"] > 0 and pull["granted"]["hint_to_first_byte_ms"] > 0
+        assert one["ucx_pull_gbps"] > 0 and "ucx_ratio" in res["by_size"][str(1 << 20)]
         # the 1-block pulls' steps, and the same pulls on a lane's thread in the same run
         assert pull["one_block_phases_ms"]["lookup"] > 0, pull["one_block_phases_ms"]
         thread = pull["lane_thread"]
         assert 0 < thread["one_block_overhead_ms"] < thread["one_block_total_ms"]
         assert thread["one_block_phases_ms"]["handoff"] > 0
+
+
+def test_bench_xfer_one_destination_rank_reads_its_head_slices():
+    """--pull-one-rank: this process hosts rank 0 of a TP2 destination alone, so it pulls
+    that rank's half of each source block, 16 KiB head slices: read from the same-host
+    source (above local_read_min_run_bytes), where the same pull through UCX streams."""
+    if rma_unavailable() is not None:
+        pytest.skip(f"one-sided reads unavailable: {rma_unavailable()}")
+    cmd = [sys.executable, "-m", "kvkern", "bench", "xfer", "--cases", "raw,pull",
+           "--sizes", "1MiB", "--repeats", "2", "--pull-tp", "1:2", "--pull-one-rank",
+           "--data-path", "read", "--timeout", "60", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    pull = res["cases"]["pull"]
+    assert pull["ranks"] == [0] and pull["one_rank"] is True and pull["tp"] == "1:2"
+    one = pull[str(1 << 20)]
+    assert one["bytes"] == 1 << 20 and one["blocks"] == 4  # 256 KiB of each block here
+    assert one["reads"] > 0 and one["messages"] == 0, one  # read directly, not streamed
+    assert one["ucx_pull_gbps"] > 0
 
 
 def test_bench_xfer_device_cuda_needs_a_device():

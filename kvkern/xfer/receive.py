@@ -327,8 +327,10 @@ class ReadReceiver:
             return True
         if least < self.config.local_read_min_run_bytes:
             return False
-        local = self.local_source(job.state, (job.source_dp, src_rank))
-        return local is not None and local_reads.usable(local)
+        key = (job.source_dp, src_rank)  # (same-host reads run on the read lanes only)
+        local = self.local_source(job.state, key)
+        return (local is not None and self.lanes_for(job.state.read_workers.get(key)) is not None
+                and local_reads.usable(local))
 
     async def receive(self, job: PullJob, pair: PeerTransfer, conn: TransferConnection,
                       reply: ReadGrant, rank_kv: RankKV, xfer_t: float, t_req: float) -> None:
