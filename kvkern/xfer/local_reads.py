@@ -138,10 +138,6 @@ def parse(doc: object) -> LocalSource | None:
     return LocalSource(pid, at, raw)
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
 _call = None
 
 
