@@ -216,9 +216,9 @@ def calls(runs: Sequence[Run | Scatter]) -> Iterator[tuple[np.ndarray | ctypes.A
                                                            np.ndarray | ctypes.Array, int]]:
     """``runs`` as system calls of at most :data:`IOV_MAX` pieces on each side and
     :data:`CALL_BYTES` bytes: ``(local rows, remote rows, bytes)``, the rows as :func:`_iov`
-    takes them. Plain runs in a row share
-    calls, one piece on each side per run (a longer one cut); a :class:`Scatter` is one
-    remote piece over its local pieces, and neighbouring ones share a call."""
+    takes them. Plain runs in a row share calls, one piece on each side per run (a longer
+    one cut); a :class:`Scatter` is one remote piece over its local pieces, and neighbouring
+    ones share a call."""
     i, n = 0, len(runs)
     while i < n:
         if type(runs[i]) is Scatter:
