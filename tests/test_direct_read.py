@@ -202,18 +202,18 @@ def test_blocks_changed_during_the_read_are_never_used(src, make_puller, monkeyp
     hashes = src.commit(tokens)
     group = make_group()
     calls = []
-    slots = direct.DirectRead._slots
+    confirm = direct.DirectRead._confirm
 
-    def change_then_confirm(self, read, slot, where):
+    def change_then_confirm(self, read, rows, slot, where):
         if not calls:  # the first direct read only (the granted one follows)
             calls.append(1)
             src.evict(hashes)
             src.commit(fresh_tokens(40 * BS))  # takes the freed blocks: new bytes in them
             if recommit:
                 assert src.commit(tokens) == hashes
-        return slots(self, read, slot, where)
+        return confirm(self, read, rows, slot, where)
 
-    monkeypatch.setattr(direct.DirectRead, "_slots", change_then_confirm)
+    monkeypatch.setattr(direct.DirectRead, "_confirm", change_then_confirm)
     p = make_puller(group, direct_reads=True)
     sent = stats(src)
     o = pull(p, f"changed-{recommit}", tokens, hint_for(src, tokens))
@@ -225,6 +225,56 @@ def test_blocks_changed_during_the_read_are_never_used(src, make_puller, monkeyp
     else:
         assert not o.used and o.reason is Reason.SOURCE_MISS, o
         assert group.manager.longest_prefix(local_block_hashes(tokens, BS)) == 0
+    assert_clean(group)
+
+
+@pytest.mark.parametrize("lookup", ["spans", "apart"], indirect=True)
+def test_a_bucket_changed_elsewhere_during_the_read_keeps_the_blocks(src, make_puller,
+                                                                      monkeypatch, lookup):
+    """Between the block reads and the confirmation the source caches an unrelated block in
+    one of the buckets the look-up read: those bytes differ, so the confirmation compares
+    the found slots one by one, finds them unchanged, and keeps every block (no grant)."""
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    confirm = direct.DirectRead._confirm
+    compared = []
+    real_stable = direct.stable
+    monkeypatch.setattr(direct, "stable", lambda *a: compared.append(1) or real_stable(*a))
+
+    def neighbour_then_confirm(self, read, rows, slot, where):
+        if not compared and not getattr(self, "_moved", False):
+            self._moved = True
+            mask = self.index.dir_buckets - 1
+            read_buckets = {int(b) for b in self.home}
+            for _ in range(100_000):  # a one-block prompt whose bucket the look-up read
+                other = fresh_tokens(BS)
+                h = local_block_hashes(other, BS)[0]
+                if h & mask in read_buckets:
+                    break
+            assert src.commit(other) == [h]
+        return confirm(self, read, rows, slot, where)
+
+    monkeypatch.setattr(direct.DirectRead, "_confirm", neighbour_then_confirm)
+    p = make_puller(group, direct_reads=True)
+    o = pull(p, "neighbour", tokens, hint_for(src, tokens))
+    assert o.used and o.blocks_transferred == 6 and o.messages == 0, o
+    assert compared == [1]  # the bytes differed: the slots were compared
+    claim_check_release(p, group, src, "neighbour", hashes)
+    assert_clean(group)
+
+
+def test_an_unchanged_directory_is_confirmed_without_comparing_slots(src, make_puller,
+                                                                     monkeypatch):
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    monkeypatch.setattr(direct, "read_whole", lambda dir_buckets, k: False)
+    monkeypatch.setattr(direct, "stable", lambda *a: pytest.fail("slots compared"))
+    p = make_puller(group, direct_reads=True)
+    o = pull(p, "unchanged", tokens, hint_for(src, tokens))
+    assert o.used and o.blocks_transferred == 6 and o.messages == 0, o
+    claim_check_release(p, group, src, "unchanged", hashes)
     assert_clean(group)
 
 
@@ -241,17 +291,17 @@ def test_reads_that_outlive_their_abort_keep_every_buffer_they_target(src, make_
     hashes = src.commit(tokens)
     group = make_group()
     p = make_puller(group, direct_reads=True)
-    slots = direct.DirectRead._slots
+    confirm = direct.DirectRead._confirm
     stuck = []
 
-    def stuck_after_confirming(self, read, slot, where):
-        out = yield from slots(self, read, slot, where)
+    def stuck_after_confirming(self, read, rows, slot, where):
+        out = yield from confirm(self, read, rows, slot, where)
         if not stuck:
             stuck.append([*self.buffers, *self.scratch.values()])
             raise ReadsStuck("reads still running after their endpoint was closed")
         return out
 
-    monkeypatch.setattr(direct.DirectRead, "_slots", stuck_after_confirming)
+    monkeypatch.setattr(direct.DirectRead, "_confirm", stuck_after_confirming)
     o = pull(p, "stuck", tokens, hint_for(src, tokens))
     assert not o.used and p.quarantined_blocks == 4, o
     kept = {id(b) for b in p._reads.stuck_buffers}

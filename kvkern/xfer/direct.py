@@ -17,7 +17,9 @@ Step 1 reads the wanted buckets in ascending order, neighbours that are at most
 (:func:`read_spans`): a read's fixed cost buys that many bytes. A source that places chains
 together (the index's ``dir_group``) puts a pull's consecutive hashes in consecutive home
 buckets, read as one run each in the order wanted (:func:`plan_reads`): about one read per
-group of them. Step 3 repeats step 1's reads, in one batch.
+group of them. Step 3 repeats step 1's reads, in one batch; when every byte they bring is as
+step 1 read it, every found slot is unchanged at once (one comparison), else the found slots
+are compared one by one.
 
 A block is withdrawn from the directory (its slot's tag bumped) before its pool can hand it
 to a writer, and published only after its bytes are final; a slot's tag never repeats. So a
@@ -228,6 +230,7 @@ class DirectRead:
         self.nbytes = job.count * sum(pair.block_nbytes for pair, _ in self.pairs)
         self.reads = 0
         self._rounds: list[tuple] = []  # the look-up's bucket reads: (which, k, plan)
+        self._raw: list[bytes] = []  # the bytes each of those reads brought
         self.lookup_s = self.data_s = self.confirm_s = 0.0  # steps 1, 2 and 3
         self.t_in = self.t_out = 0.0  # when the steps began and ended (perf_counter)
         self.miss = ""  # why nothing was kept (a grant is asked for instead)
@@ -255,7 +258,6 @@ class DirectRead:
             self.miss = "the directory names a block beyond the pool"
             self.result = "failed"
             return None
-        pre = entries(rows, slot)
         from kvkern.xfer.receive import ReadReceiver  # noqa: PLC0415
 
         blocks = block.tolist()
@@ -275,8 +277,7 @@ class DirectRead:
         t1 = time.perf_counter()
         self.data_s = t1 - t
         self.reads = sum(len(runs) for _, runs in parts)
-        post = yield from self._slots(read, slot, where)
-        kept = stable(pre, post, self.want)
+        kept = yield from self._confirm(read, rows, slot, where)
         self.confirm_s = time.perf_counter() - t1
         if not kept.all():
             self.miss = f"{int((~kept).sum())} blocks changed while they were read"
@@ -317,35 +318,42 @@ class DirectRead:
     def _buckets(self, read: Reader, buckets: np.ndarray,
                  which: np.ndarray | None) -> Steps[np.ndarray]:
         """The rows of ``buckets`` (those of the wanted hashes ``which``, None: all), read
-        from the source; the reads are kept for the confirmation (:meth:`_slots`)."""
+        from the source; the reads are kept for the confirmation (:meth:`_confirm`)."""
         # (the reads' gaps narrowed so that their bytes stay within
         # MAX_WHOLE_DIRECTORY_BYTES)
         gap = max(0, min(DIRECTORY_READ_COST_BYTES,
                          MAX_WHOLE_DIRECTORY_BYTES // max(len(buckets), 1) - BUCKET_BYTES))
         plan = plan_reads(buckets * BUCKET_BYTES, BUCKET_BYTES, gap)
         self._rounds.append((which, len(buckets), plan))
-        (rows,) = yield from self._fetch(read, [(len(buckets), plan)])
-        return rows
+        raw = yield from self._fetch_raw(read, [plan])
+        self._raw.append(raw.tobytes())
+        return self._rows(raw, [(len(buckets), plan)])[0]
 
-    def _fetch(self, read: Reader, plans: Sequence[tuple[int, tuple]]) -> Steps[list]:
-        """Each plan's ``k`` bucket rows (:func:`plan_reads`), all read at once; copies (the
-        buffer is reused)."""
-        starts, at = [], 0  # each plan's first byte in the buffer
-        for _, (_, runs) in plans:
-            starts.append(at)
-            at += sum(n for *_, n in runs)
-        buf = self._scratch(at // 8)
-        base = buf.ctypes.data
+    def _fetch_raw(self, read: Reader, plans: Sequence[tuple]) -> Steps[np.ndarray]:
+        """The bytes of every plan's reads (:func:`plan_reads`), all read at once, one plan
+        after the other: a view of a buffer that the next fetch reuses."""
+        buf = self._scratch(sum(n for _, runs in plans for *_, n in runs) // 8)
+        base, at = buf.ctypes.data, 0
         dir_base = self.index.dir_base
-        yield from read([(self.index.dir_key, [
-            (base + start + p, dir_base + off, n)
-            for start, (_, (_, runs)) in zip(starts, plans, strict=True) for p, off, n in runs])])
-        out = []
-        for start, (k, (index, _)) in zip(starts, plans, strict=True):
-            words = buf[start // 8:]
+        reads = []
+        for _, runs in plans:
+            for p, off, n in runs:
+                reads.append((base + at + p, dir_base + off, n))
+            at += sum(n for *_, n in runs)
+        yield from read([(self.index.dir_key, reads)])
+        return buf
+
+    @staticmethod
+    def _rows(raw: np.ndarray, plans: Sequence[tuple[int, tuple]]) -> list[np.ndarray]:
+        """Each plan's ``k`` bucket rows in the bytes :meth:`_fetch_raw` read for them;
+        copies."""
+        out, at = [], 0
+        for k, (index, runs) in plans:
+            words = raw[at // 8:]
             rows = (words[:k * BUCKET_WORDS].copy() if index is None
                     else words.reshape(-1, BUCKET_WORDS)[index])
             out.append(rows.reshape(k, BUCKET_SLOTS, SLOT_WORDS))
+            at += sum(n for *_, n in runs)
         return out
 
     def _table(self) -> np.ndarray:
@@ -366,16 +374,25 @@ class DirectRead:
             del self.scratch[next(iter(self.scratch))]
         return table
 
-    def _slots(self, read: Reader, slot: np.ndarray, where: np.ndarray) -> Steps[np.ndarray]:
-        """The found slots' words (slot ``slot[i]`` of bucket ``where[i]``), read again after
-        the blocks: the look-up's bucket reads once more, all at once."""
+    def _confirm(self, read: Reader, rows: np.ndarray, slot: np.ndarray,
+                 where: np.ndarray) -> Steps[np.ndarray]:
+        """Which blocks count: the look-up's reads once more, all at once, after the blocks.
+        Bucket reads whose bytes are all as the look-up read them keep every block found
+        (one comparison, no per-slot work); else each found slot's words are compared
+        (:func:`~kvkern.cache.directory.stable`)."""
         if self.whole:
-            return entries((yield from self._whole_table(read))[where], slot)
-        got = yield from self._fetch(read, [(k, plan) for _, k, plan in self._rounds])
-        rows = got[0]
-        for (which, _, _), more in zip(self._rounds[1:], got[1:], strict=True):
-            rows[which] = more
-        return entries(rows, slot)
+            post = entries((yield from self._whole_table(read))[where], slot)
+        else:
+            plans = [(k, plan) for _, k, plan in self._rounds]
+            raw = yield from self._fetch_raw(read, [plan for _, plan in plans])
+            if raw.tobytes() == b"".join(self._raw):
+                return np.ones(len(self.want), dtype=bool)
+            got = self._rows(raw, plans)
+            fresh = got[0]
+            for (which, _, _), more in zip(self._rounds[1:], got[1:], strict=True):
+                fresh[which] = more
+            post = entries(fresh, slot)
+        return stable(entries(rows, slot), post, self.want)
 
     def _scratch(self, words: int) -> np.ndarray:
         """A buffer of ``words`` for bucket reads: one kept for the next pull while it is
