@@ -267,12 +267,16 @@ class PullRunner:
                 raise Fallback(Reason.NO_BLOCKS, f"{job.count} private blocks not available")
             job.private = sorted(ids)  # ascending: runs of consecutive ids land in place
         job.allocated = True
+
+    def _plan_chunks(self, job: PullJob, pairs: list[PeerTransfer]) -> None:
+        """A lone pair's stream plan (``job.chunk_blocks``, the private blocks reordered
+        for it): its chunks then land in place run by run. Made before the pair asks the
+        source, when no block has landed yet (a read ignores the plan)."""
         pair = pairs[0]
         unit = pair.block_nbytes
         if len(pairs) == 1 and len(pair.pieces) == 1 and self.config.chunk_bytes >= unit \
                 and self.group.ranks[pair.dst_rank].stream_rows(
                     pair.pieces[0].dst_layers, pair.pieces[0].dst_heads, unit) is not None:
-            # A stream's chunks then land in place run by run (a read ignores the plan).
             per, min_run = self.config.chunk_bytes // unit, -(-STREAM_MIN_RUN_BYTES // unit)
             if job.into is None:
                 job.private, job.chunk_blocks = stream_plan(job.private, per, min_run)
@@ -294,6 +298,8 @@ class PullRunner:
             if got is not None:
                 served.update(dict.fromkeys(group, got))
         rest = [i for i in range(len(pairs)) if i not in served]
+        if rest and not served:
+            self._plan_chunks(job, pairs)
         asked = await _all([self._pull_pair(job, pairs[i], addrs[pairs[i].src_rank], xfer_t)
                             for i in rest])
         served.update(zip(rest, asked, strict=True))
