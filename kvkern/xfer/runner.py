@@ -270,8 +270,9 @@ class PullRunner:
 
     def _plan_chunks(self, job: PullJob, pairs: list[PeerTransfer]) -> None:
         """A lone pair's stream plan (``job.chunk_blocks``, the private blocks reordered
-        for it): its chunks then land in place run by run. Made before the pair asks the
-        source, when no block has landed yet (a read ignores the plan)."""
+        for it): its chunks then land in place run by run. Made only when the pair asks its
+        source, before any block counts (a read ignores the plan; a direct read that did not
+        count leaves nothing in the private blocks that the stream keeps)."""
         pair = pairs[0]
         unit = pair.block_nbytes
         if len(pairs) == 1 and len(pair.pieces) == 1 and self.config.chunk_bytes >= unit \
