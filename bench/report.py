@@ -121,6 +121,19 @@ def _commit(rec: dict) -> str:
     return commit + (" with uncommitted changes" if rec.get("env", {}).get("dirty") else "")
 
 
+def _load(rec: dict) -> float:
+    """The engine load the run ran under (``kvkern bench xfer --engine-load``), 0 when none."""
+    return float((rec.get("env", {}).get("engine_load") or {}).get("fraction", 0.0))
+
+
+def _record(name: str, rec: dict) -> str:
+    """A record's name and commit, and the engine load it ran under, if any."""
+    load = rec.get("env", {}).get("engine_load")
+    return f"Record `{name}` (commit {_commit(rec)}" + (
+        f"; under an engine load of {load['fraction']} in every process, the pulling "
+        f"process's load thread computing {load['busy']} of the time" if load else "") + ")"
+
+
 def _env_line(env: dict) -> str:
     return "; ".join(f"{k} {v}" for k, v in env.items() if not isinstance(v, dict))
 
@@ -149,15 +162,17 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
     by_kind: dict[tuple[str, str, str], list[tuple[str, dict]]] = {}
     for name, rec in records:
         by_kind.setdefault(_pull_kind(rec), []).append((name, rec))
-    for kind in sorted(by_kind, key=lambda k: (k[1:] != ("1:1", "1:1"), k[0] != "trtllm", k)):
+    for kind in sorted(by_kind, key=lambda k: (k[3], k[1:3] != ("1:1", "1:1"),
+                                               k[0] != "trtllm", k)):
         recs = by_kind[kind]
-        layout, tp, pp = kind
+        layout, tp, pp, load = kind
         runs = sum(int(r.get("runs", 1)) for _, r in recs)
         sizes = sorted({int(s) for _, r in recs for s in r.get("by_size", {})})
         reshard = ", ".join(f"{what} {split.replace(':', ' → ')}" for what, split
                             in (("TP", tp), ("PP", pp)) if split != "1:1")
         title = f"Reshard {reshard}, pool layout" if reshard else "Pool layout"
-        out += [f"### {title} `{layout}` ({_count(runs, 'run')}, "
+        under = f", under an engine load of {load}" if load else ""
+        out += [f"### {title} `{layout}`{under} ({_count(runs, 'run')}, "
                 f"{_count(len(recs), 'record')})", "",
                 "| size | " + " | ".join(label for _, label in XFER_METRICS) + " | raw GB/s |",
                 "|---|" + "---|" * (len(XFER_METRICS) + 1)]
@@ -182,21 +197,22 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
     if notes:
         out += ["", "Notes:", ""] + [f"- `{name}`: {note}" for name, note in notes]
     out += _one_block_lines([(n, r) for n, r in records
-                             if _pull_kind(r)[1:] == ("1:1", "1:1")])
+                             if _pull_kind(r)[1:] == ("1:1", "1:1", 0.0)])
     out += _first_pull_lines([(n, r) for n, r in records
-                              if _pull_kind(r)[1:] == ("1:1", "1:1")])
+                              if _pull_kind(r)[1:] == ("1:1", "1:1", 0.0)])
     out += ["", f"![pull / raw per run]({PLOT})", ""]
     return out
 
 
-def _pull_kind(rec: dict) -> tuple[str, str, str]:
-    """A record's pool layout and its TP and PP ``source:destination`` sizes (the TP one naming
-    the destination's rank when the run hosted one rank of several)."""
+def _pull_kind(rec: dict) -> tuple[str, str, str, float]:
+    """A record's pool layout, its TP and PP ``source:destination`` sizes (the TP one naming
+    the destination's rank when the run hosted one rank of several) and its engine load."""
     pull = rec.get("cases", {}).get("pull", {})
     tp = pull.get("tp", "1:1")
     if pull.get("one_rank"):  # --pull-one-rank
         tp += f", destination rank {pull['ranks'][0]} alone"
-    return (rec.get("pull_layout", pull.get("layout", "trtllm")), tp, pull.get("pp", "1:1"))
+    return (rec.get("pull_layout", pull.get("layout", "trtllm")), tp, pull.get("pp", "1:1"),
+            _load(rec))
 
 
 def _one_block_lines(records: list[tuple[str, dict]]) -> list[str]:
@@ -280,7 +296,7 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
     for name, rec in runs:
         nixl, pull = rec["compare"]["nixl"], rec.get("cases", {}).get("pull", {})
         per_request = any("consecutive_per_request" in r for r in nixl["cases"].values())
-        out += [f"Record `{name}` (commit {_commit(rec)}):", ""]
+        out += [f"{_record(name, rec)}:", ""]
         out += _interleaved_lines(pull)
         if len(nixl.get("agents", [])) > 1:
             won = sorted({c["agent"] for r in nixl["cases"].values() for c in r.values()
@@ -388,7 +404,7 @@ def _time_section(records: list[tuple[str, dict]]) -> list[str]:
     for name, rec in runs:
         pull = rec["cases"]["pull"]
         nixl = rec.get("compare", {}).get("nixl", {}).get("cases", {})
-        out += [f"Record `{name}` (commit {_commit(rec)}):", "",
+        out += [f"{_record(name, rec)}:", "",
                 "| size | NIXL READ | pull | " + " | ".join(c for c, _ in TIME_COLUMNS) + " |",
                 "|---|---|---|" + "---|" * len(TIME_COLUMNS)]
         for size in sorted((k for k in pull if k.isdigit()), key=int):
@@ -439,7 +455,7 @@ def _targets_section(records: list[tuple[str, dict]]) -> list[str]:
            "stream and the reshards against a raw send of the same bytes.", ""]
     for name, rec in runs:
         met = sum(1 for t in rec["targets"] if t["met"])
-        out += [f"Record `{name}` (commit {_commit(rec)}): {met} of {len(rec['targets'])} met.",
+        out += [f"{_record(name, rec)}: {met} of {len(rec['targets'])} met.",
                 "", "| target | where | value | wanted | met |", "|---|---|---|---|---|"]
         out += [f"| {t['what']} | {t['where']} | {t['value']:.3f} | {t['bound']} | "
                 f"{'yes' if t['met'] else 'no'} |" for t in rec["targets"]]
@@ -553,7 +569,7 @@ def plot(data: dict[str, Any], path: Path) -> bool:
     except ImportError:
         return False
     fig, ax = plt.subplots(figsize=(7, 4))
-    recs = [r for _, r in data["xfer"] if _pull_kind(r) == ("trtllm", "1:1", "1:1")]
+    recs = [r for _, r in data["xfer"] if _pull_kind(r) == ("trtllm", "1:1", "1:1", 0.0)]
     sizes = sorted({int(s) for r in recs for s in r["by_size"]})
     for j, (key, label) in enumerate(XFER_METRICS):
         xs, ys = [], []

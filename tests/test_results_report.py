@@ -121,3 +121,27 @@ def test_a_first_pull_is_shown(tmp_path):
     (tmp_path / "xfer" / "run.json").write_text(json.dumps(rec))
     text = report.render(report.load(tmp_path))
     assert "| `run.json` | 512 | 31.50 | 6.00 | 3.75 | 18.00 | 13.50 |" in text
+
+
+def test_a_run_under_an_engine_load_stands_apart(tmp_path):
+    """A run under ``--engine-load`` gets a table of its own, named by its load, and never
+    enters the idle runs' ranges."""
+    report = _report()
+    (tmp_path / "xfer").mkdir()
+
+    def rec(ratio: float, load: dict | None) -> dict:
+        env = {"commit": "abc1234", "cpus": 2}
+        if load:
+            env["engine_load"] = load
+        return {"bench": "xfer", "bytes": 64 << 20, "ratio": ratio,
+                "by_size": {str(64 << 20): {"ratio": ratio, "raw_gbps": 5.0}}, "env": env}
+
+    (tmp_path / "xfer" / "idle.json").write_text(json.dumps(rec(1.3, None)))
+    (tmp_path / "xfer" / "busy.json").write_text(json.dumps(
+        rec(0.4, {"fraction": 0.5, "busy": 0.55})))
+    text = report.render(report.load(tmp_path))
+    idle = text.index("### Pool layout `trtllm` (1 run, 1 record)")
+    busy = text.index("### Pool layout `trtllm`, under an engine load of 0.5 (1 run, 1 record)")
+    assert idle < busy
+    assert "| 64 MiB | 1.30 |" in text[idle:busy] and "0.40" not in text[idle:busy]
+    assert "| 64 MiB | 0.40 |" in text[busy:]

@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from kvkern.tools import benchtargets
+from kvkern.tools import benchtargets, engineload
 from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env
 
 MiB = 1 << 20
@@ -76,6 +76,13 @@ def _parse_split(flag: str, text: str, parser: Any) -> tuple[int, int]:
     except ValueError:
         parser.error(f"{flag} {text!r}: want S:D, each dividing the {total} {what}")
     return src, dst
+
+
+def _load_fraction(text: str) -> float:
+    try:
+        return engineload.parse_fraction(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _parse_size(text: str) -> int:
@@ -832,6 +839,17 @@ def run_xfer(s: Settings) -> dict[str, Any]:
     if Credential.from_env() is None:  # the bench and its peer form a fleet of their own
         os.environ[SECRET_ENV] = generate_secret()
         os.environ.pop(SECRET_FILE_ENV, None)
+    load = engineload.from_env()
+    try:
+        out = _run_xfer(s)
+    finally:
+        busy = load.stop() if load is not None else 0.0
+    if load is not None:  # what this (the pulling) process's engine computed
+        out["env"]["engine_load"] = {"fraction": load.fraction, "busy": busy}
+    return out
+
+
+def _run_xfer(s: Settings) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvkern-bench-") as tmp:
         port_file = os.path.join(tmp, "port")
         cmd = [sys.executable, "-m", "kvkern.tools.benchcli", "_peer", "--port-file", port_file,
@@ -1008,6 +1026,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where both processes' buffers and KV pools live (cuda: device "
                         "memory, moved by UCX's CUDA transports; the pull streams)")
+    x.add_argument("--engine-load", type=_load_fraction, default=0.0, metavar="F",
+                   help="an engine's own Python work in every process of the run: a thread "
+                        "computing for F of every 10 ms (kvkern.tools.engineload)")
     x.add_argument("--json", action="store_true", help="print one JSON object, last line")
     p = sub.add_parser("_peer")  # the benchmark's second process; no help: not listed
     p.add_argument("--port-file", required=True)
@@ -1030,6 +1051,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
 
     if ns.what == "_peer":
+        engineload.from_env()  # the source's engine, when the run asks for one
         asyncio.run(_peer_main(ns.port_file, ns.max_seconds, ns.parent_pid or os.getppid(),
                                ns.in_flight, ns.pull_blocks, ns.chunk_bytes,
                                ns.pull_layout, ns.pull_tp, ns.device, ns.pull_pp,
@@ -1054,6 +1076,8 @@ def main(argv: list[str] | None = None) -> int:
                  pull_one_rank=ns.pull_one_rank,
                  device=ns.device, source_blocks=ns.source_blocks,
                  nixl=ns.compare == "nixl" and "pull" in cases)
+    if ns.engine_load:  # every process of the run (peers, NIXL's) starts its own
+        os.environ[engineload.ENV] = str(ns.engine_load)
     try:
         reshards = benchtargets.parse_reshards(ns.reshards, compare=ns.compare is not None)
     except ValueError as exc:

@@ -30,9 +30,10 @@ its pulls, round by round, and judges kvkern / NIXL on them (the lean agent was 
 configuration in every consecutive case recorded).
 
 Both processes run with kvkern's UCX settings (:mod:`kvkern.xfer.ucx_env`), so NIXL's UCX
-and kvkern's pull choose among the same transports. NIXL is an optional bench dependency:
-``make bench-nixl`` installs ``nixl`` and ``nixl-cu12`` without their dependencies (they would
-replace the CPU torch build).
+and kvkern's pull choose among the same transports, and under the same engine load when the
+run asks for one (:mod:`kvkern.tools.engineload`: each of NIXL's processes starts its own).
+NIXL is an optional bench dependency: ``make bench-nixl`` installs ``nixl`` and ``nixl-cu12``
+without their dependencies (they would replace the CPU torch build).
 """
 
 from __future__ import annotations
@@ -48,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kvkern.tools import engineload
 
 __all__ = ["AGENTS", "BLOCK_BYTES", "MAPPINGS", "Server", "compare", "faster",
            "kvkern_ratios", "main", "run", "serve", "summary"]
@@ -286,7 +289,8 @@ def _environment() -> dict[str, Any]:
 
     return {"python": platform.python_version(), "cpus": os.cpu_count(),
             "nixl": getattr(nixl, "__version__", _dist_version("nixl")),
-            "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")}}
+            "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")},
+            "engine_load": float(os.environ.get(engineload.ENV) or 0.0)}
 
 
 def serve(n_max: int, agent: str, timeout_s: float = 300.0) -> int:
@@ -452,6 +456,7 @@ def _dist_version(name: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    engineload.from_env()  # this process's engine, when the run asks for one (initiator, target)
     if argv[:1] == ["_target"]:
         return _target(Path(argv[1]), int(argv[2]), int(argv[3]), argv[4])
     if argv[:1] == ["_serve"]:
