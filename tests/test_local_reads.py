@@ -215,6 +215,30 @@ def test_a_long_run_is_read_in_calls_of_call_bytes(source, monkeypatch):
     assert made == [64 << 10] * 4 + [300_000 - (256 << 10) + 1000]
 
 
+def test_small_calls_keep_the_interpreter_lock_and_large_ones_release_it(source, monkeypatch):
+    """A call of at most HOLD_BYTES goes through ``ctypes.PyDLL`` (the lock kept: taking it
+    back in a busy engine can cost more than the call), a larger one through ``ctypes.CDLL``
+    (the other lanes and the engine run during the copy); both read the same bytes."""
+    assert local_reads._readv(True)._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    assert not local_reads._readv(False)._flags_ & ctypes._FUNCFLAG_PYTHONAPI
+    src, base, _ = source
+    held = []
+    real = local_reads._readv
+    monkeypatch.setattr(local_reads, "_readv", lambda hold=False: held.append(hold) or real(hold))
+    small, large = local_reads.HOLD_BYTES, local_reads.HOLD_BYTES + 4096
+    dst = poisoned(small + large)
+    here = int(dst.ctypes.data)
+    runs = [(here, base, small), (here + small, base + 8192, large)]
+    want = reference(dst, runs, here, source_bytes(), base)
+    read(src, runs[:1])
+    read(src, runs[1:])
+    assert held == [True, False]
+    assert np.array_equal(dst, want)
+    # a failed held call reports its errno as a released one does
+    with pytest.raises(LocalReadError, match="EFAULT|Bad address"):
+        read(src, [(here, 4096, 4096)])
+
+
 def test_a_call_fails_whole_on_an_unmapped_source_address(source):
     src, base, _ = source
     dst = poisoned(8192)

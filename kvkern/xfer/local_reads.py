@@ -47,14 +47,19 @@ if TYPE_CHECKING:
     from kvkern.xfer.pauses import Steps
 
 __all__ = ["Beacon", "LocalReadError", "LocalSource", "host_id", "parse", "reading",
-           "usable", "forget", "calls", "CALL_BYTES", "IOV_MAX", "TOKEN_BYTES"]
+           "usable", "forget", "calls", "CALL_BYTES", "HOLD_BYTES", "IOV_MAX", "TOKEN_BYTES"]
 
 log = logging.getLogger("kvkern.xfer")
 
 IOV_MAX = 1024  # the kernel's UIO_MAXIOV: pieces per side of one call
-# bytes of one call at most (a longer run is cut): a call copies 1-3 ms at most, so a stop
-# or a passed deadline is seen between calls and the first bytes land early
-CALL_BYTES = 16 << 20
+# bytes of one call at most (a longer run is cut): a stop or a passed deadline is seen between
+# calls, within the copy of one (13 ms at 5 GB/s). Each call releases the interpreter lock and
+# takes it back at its end, which in an engine's process can wait up to the interpreter's switch
+# interval: fewer, larger calls (docs/performance.md)
+CALL_BYTES = 64 << 20
+# calls of at most this many bytes (directory reads, small pulls: microseconds) keep the
+# interpreter lock: taking it back after such a call can cost more than the call
+HOLD_BYTES = 256 << 10
 TOKEN_BYTES = 16
 _MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 _MAX_HOST_CHARS = 128
@@ -138,20 +143,20 @@ def parse(doc: object) -> LocalSource | None:
     return LocalSource(pid, at, raw)
 
 
-_call = None
+_calls: dict[bool, object] = {}
 
 
-def _readv():
-    """libc's ``process_vm_readv`` (ctypes releases the interpreter lock around it)."""
-    global _call
-    if _call is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.process_vm_readv
+def _readv(hold: bool = False):
+    """libc's ``process_vm_readv``: through ``ctypes.CDLL``, which releases the interpreter
+    lock around the call, or with ``hold`` through ``ctypes.PyDLL``, which keeps it."""
+    fn = _calls.get(hold)
+    if fn is None:
+        fn = (ctypes.PyDLL if hold else ctypes.CDLL)(None, use_errno=True).process_vm_readv
         fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p,
                        ctypes.c_ulong, ctypes.c_ulong]
         fn.restype = ctypes.c_ssize_t
-        _call = fn
-    return _call
+        _calls[hold] = fn
+    return fn
 
 
 def _iov(rows: np.ndarray | ctypes.Array) -> tuple[int, int]:
@@ -166,7 +171,7 @@ def _call_once(pid: int, local: np.ndarray | ctypes.Array, remote: np.ndarray | 
                nbytes: int) -> None:
     """One call over ``local`` and ``remote`` iovec rows (:func:`_iov`); raises
     :class:`LocalReadError` unless every byte moved."""
-    got = _readv()(pid, *_iov(local), *_iov(remote), 0)
+    got = _readv(nbytes <= HOLD_BYTES)(pid, *_iov(local), *_iov(remote), 0)
     if got != nbytes:
         err = ctypes.get_errno() if got < 0 else 0
         why = f"{errno.errorcode.get(err, err)}: {os.strerror(err)}" if err else \
