@@ -832,7 +832,8 @@ async def _run_cases(info: dict, s: Settings, loop: Any) -> dict[str, Any]:
 
 
 def run_xfer(s: Settings) -> dict[str, Any]:
-    """Start the peer, run the cases, always kill the peer. Returns the result object."""
+    """Start the peer (and this process's engine load, when the run asks for one), run the
+    cases, always kill the peer. Returns the result object."""
     s.apply_env(os.environ)
     from kvkern.xfer.auth import SECRET_ENV, SECRET_FILE_ENV, Credential, generate_secret  # noqa: PLC0415
 
