@@ -159,7 +159,7 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
            "lane`; the older ones asked for a grant there.", ""]
     if not records:
         return out + ["No run is recorded.", ""]
-    by_kind: dict[tuple[str, str, str], list[tuple[str, dict]]] = {}
+    by_kind: dict[tuple[str, str, str, float], list[tuple[str, dict]]] = {}
     for name, rec in records:
         by_kind.setdefault(_pull_kind(rec), []).append((name, rec))
     for kind in sorted(by_kind, key=lambda k: (k[3], k[1:3] != ("1:1", "1:1"),
