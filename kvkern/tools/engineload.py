@@ -10,8 +10,8 @@ while the engine's thread computes. A benchmark on an otherwise idle process nev
 every ``period_s`` and sleeps for the rest, as an engine step does between its waits.
 ``kvkern bench xfer --engine-load F`` sets :data:`ENV`, and every process of the run (the
 pulling process, its source, NIXL's initiator and target) starts one with :func:`from_env`,
-so kvkern and NIXL are measured under the same load. The busy fraction each process reached
-is reported with its figures.
+so kvkern and NIXL are measured under the same load. The run's record holds the fraction
+asked for and the one the pulling process's thread reached (``env.engine_load``).
 """
 
 from __future__ import annotations
