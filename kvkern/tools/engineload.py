@@ -20,6 +20,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Mapping
 
 __all__ = ["ENV", "PERIOD_S", "EngineLoad", "from_env", "parse_fraction"]
 
@@ -88,7 +89,7 @@ class EngineLoad:
         self._t1 = clock()
 
 
-def from_env(env: os._Environ[str] | dict[str, str] = os.environ) -> EngineLoad | None:
+def from_env(env: Mapping[str, str] = os.environ) -> EngineLoad | None:
     """The load :data:`ENV` asks this process for, started; None when it asks for none."""
     text = env.get(ENV, "")
     if not text:
