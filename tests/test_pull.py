@@ -369,6 +369,65 @@ def test_local_prefix_and_remote_tail(src, make_puller, direct):
     src.wait_no_pins()
 
 
+def pull_into(p: Puller, rid: str, tokens: list[int], hint: dict, block_ids: list[int],
+              timeout: float = 30.0):
+    """What an engine connector does: admit the hint on its scheduler side, pull into the
+    blocks it allocated, and poll for the end."""
+    from kvkern.xfer.admission import Admitted, WorkerFacts, admit
+    from kvkern.xfer.hints import decode_hint
+    from kvkern.xfer.policy import CostGuard
+
+    decoded = decode_hint(hint)
+    facts = WorkerFacts(block_size=BS, hash_scheme=p.group.hash_scheme, bytes_per_block=1,
+                        longest_prefix=lambda hashes: 0)
+    admitted = admit(tokens, decoded, worker=facts, config=p.config,
+                     cost_guard=CostGuard(p.config))
+    assert isinstance(admitted, Admitted), admitted
+    p.pull_into(rid, decoded, admitted, block_ids)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for got, outcome in p.take_finished():
+            assert got == rid
+            return outcome
+        p.wait_finished(0.05)
+    raise AssertionError(f"{rid} did not finish")
+
+
+@pytest.mark.parametrize("how", ["granted", "direct", "ucx", "refused"])
+def test_a_pull_into_the_engines_blocks_reads_only_a_same_host_source(src, make_puller, how,
+                                                                      monkeypatch):
+    """Into the engine's own blocks (``Puller.pull_into``) a source process on this host is
+    read with kvkern's own calls, asking for a grant or directly (kvkern.xfer.direct); a
+    source that would be read through UCX (``local_reads`` off, as for a source on another
+    host) or whose calls are refused streams instead. Bit-exact in the engine's blocks
+    (scattered, in reverse order), every other block untouched, nothing committed or freed."""
+    from kvkern.xfer import local_reads
+
+    if how == "refused":
+        monkeypatch.setattr(local_reads, "usable", lambda source: False)
+    n = 8
+    tokens = fresh_tokens(n * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    engine = group.manager.allocate(2 * n)
+    ids = engine[::-2]  # the pull's blocks: scattered, descending
+    before = snapshot(group)
+    p = make_puller(group, direct_reads=how == "direct", local_reads=how != "ucx")
+    sent = src.http("GET", "/test/stats")["replies"]
+    o = pull_into(p, "into", tokens, hint_for(src, tokens), ids)
+    assert o.used and o.reason is Reason.OK and o.blocks_transferred == n, o
+    check_bytes(src, group, hashes, ids)
+    read = how in ("granted", "direct")
+    assert served_kinds(src, sent) == {"read": int(how == "granted"), "stream": int(not read)}
+    assert (o.reads > 0) == read and (o.messages == 0) == (how == "direct"), o
+    assert p.metrics.value("kvkern_direct_reads_total", result="used") == (how == "direct")
+    assert_only_changed(group, before, set(ids))
+    assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 0  # not committed
+    group.manager.release(engine)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
 def test_partial_local_leaf_is_never_overwritten(src, make_puller):
     tokens = fresh_tokens(10 * BS)
     hashes = src.commit(tokens)
@@ -1319,7 +1378,7 @@ def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeyp
 
     calls = []
 
-    async def failing(self, address, parts, *, timeout, local=None):
+    async def failing(self, address, parts, *, timeout, local=None, only_local=False):
         calls.append(address)
         raise TransportError("transfer_failed", "injected lane failure")
 

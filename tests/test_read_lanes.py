@@ -568,6 +568,69 @@ async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkey
 
 
 @aio
+async def test_memory_the_engine_owns_is_read_only_with_same_host_calls(source, lanes,
+                                                                         monkeypatch, on):
+    """``only_local`` (a pull into the engine's blocks): no same-host source, or one whose
+    calls are refused, fails the read before anything is posted; UCX is never used."""
+    from kvkern.xfer import local_reads
+    from kvkern.xfer.local_reads import LocalSource
+
+    _, region, address = source
+    rl = lanes(2, min_bytes=1, **on)
+    dst = poisoned(1 << 16)
+    runs = [(dst.data_ptr(), region.address, 1 << 16)]
+    monkeypatch.setattr(local_reads, "usable", lambda src: False)
+    for local in (None, LocalSource(os.getppid(), 1, bytes(16))):
+        with pytest.raises(TransportError, match="only from a source process on this host") \
+                as info:
+            await rl.read(address, [(region.rkey, runs)], timeout=5, local=local,
+                          only_local=True)
+        assert info.value.reason == "transfer_failed"
+    assert rl.peers == 0 and (dst == POISON).all()
+
+
+@pytest.mark.parametrize("only_local", [False, True], ids=["private", "engine"])
+@aio
+async def test_a_cancelled_read_into_engine_memory_ends_after_its_call(lanes, monkeypatch,
+                                                                      only_local):
+    """A same-host call that outlives the stop and the drain (a source whose memory stalls
+    the call): a read into the puller's own blocks raises ReadsStuck at the drain's end (the
+    blocks are quarantined); one into the engine's blocks (``only_local``) is waited for
+    until its call has returned, so no byte lands after the cancelled read has ended."""
+    from kvkern.xfer import local_reads
+    from kvkern.xfer.local_reads import LocalSource
+
+    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.0)
+    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+    monkeypatch.setattr(local_reads, "usable", lambda src: True)
+    in_call, landed = threading.Event(), []
+
+    def stalled_call(src, parts, deadline, stop):  # one call: it ignores the stop
+        in_call.set()
+        time.sleep(1.6)  # past READ_DRAIN_S + 1 s
+        landed.append(time.monotonic())
+        return None
+        yield
+
+    monkeypatch.setattr(local_reads, "reading", stalled_call)
+    rl = lanes(1)
+    task = asyncio.ensure_future(rl.read(b"unused", [(b"key", [(1, 2, 3)])], timeout=20,
+                                         local=LocalSource(os.getppid(), 1, bytes(16)),
+                                         only_local=only_local))
+    await until(in_call.is_set)
+    task.cancel()
+    if only_local:
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert landed  # the call had returned when the read ended
+    else:
+        with pytest.raises(ReadsStuck):
+            await task
+        assert not landed  # the call was still running when the read ended
+        await until(lambda: bool(landed))
+
+
+@aio
 async def test_remote_key_cache_is_bounded_between_reads(source, lanes, monkeypatch, on):
     """Keys are unpacked once per endpoint and kept; a read whose new keys would overflow
     the cache first destroys the cached ones (never a key a posted read uses), and a read

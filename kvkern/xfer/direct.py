@@ -430,7 +430,8 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
         return None
     try:
         first = await lanes.run_script(worker, direct, timeout=xfer_t, nbytes=direct.nbytes,
-                                       local=receiver.local_source(job.state, keys[0]))
+                                       local=receiver.local_source(job.state, keys[0]),
+                                       only_local=job.into is not None)
     except ReadsStuck:
         job.quarantined = True
         # UCX may still write the directory buffers: never reuse (or free) them

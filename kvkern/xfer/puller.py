@@ -251,8 +251,11 @@ class Puller:
         The engine owns the blocks throughout: nothing is committed, leased or freed here,
         and the pull is never de-duplicated. When it ends, its outcome comes out of
         :meth:`take_finished`; ``outcome.blocks_transferred`` leading blocks hold the source's
-        bytes, the rest must be recomputed. Always streamed, never read one-sided: a read that
-        outlived its abort could still write blocks the engine has reused."""
+        bytes, the rest must be recomputed. Host blocks are read from a source process on the
+        same host (:mod:`kvkern.xfer.local_reads`: a call returns or is still on one of
+        kvkern's threads, and the pull ends only after it has); from any other source the
+        pull streams, never reads through UCX: such a read could outlive its abort and write
+        blocks the engine has reused."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         ids = tuple(int(b) for b in block_ids)

@@ -397,20 +397,20 @@ class ReadLanes:
         return sum(len(lane.stuck_batches) for lane in self._all)
 
     async def read(self, address: bytes, parts: Sequence[Part], *, timeout: float,
-                   local: LocalSource | None = None) -> float | None:
+                   local: LocalSource | None = None, only_local: bool = False) -> float | None:
         """Read every part's runs from the source worker at ``address``, split over the
         lanes (shares of at least ``min_bytes``; on the loop lane when they are at most
         ``loop_bytes``); returns the ``perf_counter`` time the first run was seen complete.
         Raises :class:`TransportError` (``transfer_failed``, ``transfer_timeout``,
         ``closed``) or :class:`ReadsStuck`; after a raise no lane writes to any run's local
-        memory, except for ReadsStuck. ``local``: as :meth:`run_script`."""
+        memory, except for ReadsStuck. ``local``, ``only_local``: as :meth:`run_script`."""
         nbytes = sum(run[2] for _, runs in parts for run in runs)
         return await self.run_script(address, lambda read: read(parts), timeout=timeout,
-                                     nbytes=nbytes, local=local)
+                                     nbytes=nbytes, local=local, only_local=only_local)
 
     async def run_script(self, address: bytes, script: Callable[[Reader], Steps[T]], *,
                          timeout: float, nbytes: int | None = None,
-                         local: LocalSource | None = None) -> T:
+                         local: LocalSource | None = None, only_local: bool = False) -> T:
         """Run ``script(read)``, where ``read(parts)`` reads ``parts`` from the source worker
         at ``address`` (steps that return when all of them landed, as :meth:`read`): a
         sequence of dependent reads (look up, read, validate) with no hop through the event
@@ -421,7 +421,14 @@ class ReadLanes:
         not block and may only pause through ``read``. Errors and cancellation as
         :meth:`read`. ``local``: the source process on this host (its state's
         ``read_local``), read with large ``process_vm_readv`` calls instead of UCX's where
-        :func:`kvkern.xfer.local_reads.usable` says it may be."""
+        :func:`kvkern.xfer.local_reads.usable` says it may be.
+
+        ``only_local``: memory that the engine owns (:meth:`Puller.pull_into
+        <kvkern.xfer.puller.Puller.pull_into>`), read only with those calls, never through
+        UCX (``transfer_failed`` where ``local`` may not be read). A call returns or is
+        still on its lane's thread, so a cancelled script is waited for until its calls
+        have ended, however long: no byte lands after this returns or raises (but for
+        :class:`ReadsStuck`, raised only when a second cancellation ends that wait)."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         if self._closed:
@@ -432,6 +439,9 @@ class ReadLanes:
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
         if local is not None and not local_reads.usable(local):
             local = None
+        if only_local and local is None:
+            raise TransportError("transfer_failed", "memory the engine owns is read only from "
+                                 "a source process on this host, with this process's own calls")
         if nbytes is not None and nbytes <= self.loop_bytes and not self._loop_busy \
                 and self._loop in (None, loop):
             self._loop, self._loop_busy = loop, True
@@ -447,7 +457,7 @@ class ReadLanes:
             result, error, cancelled = await self._on_first_lane(
                 loop, lambda: run_blocking(script(
                     lambda parts: self._reading_all(address, parts, deadline, stop, local))),
-                stop)
+                stop, until_done=only_local)
         if isinstance(error, _Stuck):
             raise ReadsStuck(str(error))
         if cancelled:
@@ -465,11 +475,12 @@ class ReadLanes:
                              f"read lane: {type(error).__name__}: {error}") from error
 
     async def _on_first_lane(self, loop: asyncio.AbstractEventLoop, call: Callable[[], T],
-                             stop: threading.Event) -> tuple[T | None, BaseException | None,
-                                                             bool]:
+                             stop: threading.Event, *, until_done: bool = False,
+                             ) -> tuple[T | None, BaseException | None, bool]:
         """``call()`` on the first lane's thread: its result, its error, and whether this
         wait was cancelled (the reads then finish within READ_CANCEL_GRACE_S or are
-        stopped, and the call ends by its own bounds)."""
+        stopped, and the call ends by its own bounds; ``until_done``: waited for until it
+        has, unless cancelled once more)."""
         fut = loop.run_in_executor(self._lanes[0].executor, call)
         try:
             return await asyncio.shield(fut), None, False
@@ -481,6 +492,12 @@ class ReadLanes:
                 stop.set()
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(asyncio.shield(fut), transport.READ_DRAIN_S + 1.0)
+            if not fut.done() and until_done:
+                log.error("a same-host read into the engine's blocks is still in its system "
+                          "call %s s after its stop; the pull ends when the call does",
+                          transport.READ_DRAIN_S + 1.0)
+                with contextlib.suppress(BaseException):  # (cancelled again: ReadsStuck)
+                    await asyncio.shield(fut)
             return None, (fut.exception() if fut.done() and not fut.cancelled()
                           else _Stuck("lanes did not end")), True
         except BaseException as exc:  # noqa: BLE001 (mapped by the caller)

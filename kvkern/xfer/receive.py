@@ -294,12 +294,15 @@ class ReadReceiver:
         (its state says how). Canonical segments on both sides (TRT-LLM rows, per-layer
         HND): any plan pieces (a TP or PP reshard reads head and layer ranges). A source pool
         readable only in its own order (e.g. vLLM NHD): a destination pool of the same
-        layout, whole blocks."""
+        layout, whole blocks. Into the engine's own blocks (``job.into``) only from a
+        source process on this host (:meth:`reads_locally`)."""
         state = job.state
         if not (self.config.remote_read and state is not None
                 and READ_CAPABILITY in state.capabilities and rank_kv.device.type == "cpu"):
             return False
         key = (job.source_dp, pair.src_rank)
+        if job.into is not None and not self.reads_locally(job, key):
+            return False
         kind = state.reads.get(key)
         if kind == "canonical":
             return rank_kv.read_segments is not None
@@ -327,7 +330,13 @@ class ReadReceiver:
             return True
         if least < self.config.local_read_min_run_bytes:
             return False
-        key = (job.source_dp, src_rank)  # (same-host reads run on the read lanes only)
+        return self.reads_locally(job, (job.source_dp, src_rank))
+
+    def reads_locally(self, job: PullJob, key: tuple[int, int]) -> bool:
+        """Source rank ``key`` is a process on this host that this puller reads with its own
+        calls (:mod:`kvkern.xfer.local_reads`, on the read lanes only). The only reads into
+        the engine's blocks: a call returns or is still on our thread, where a UCX read
+        could outlive its abort and land in blocks the engine has reused."""
         local = self.local_source(job.state, key)
         return (local is not None and self.lanes_for(job.state.read_workers.get(key)) is not None
                 and local_reads.usable(local))
@@ -445,12 +454,14 @@ class ReadReceiver:
         from kvkern.xfer.ucp_rma import scatter_check_failed  # noqa: PLC0415
 
         lanes = self.lanes_for(worker)
+        into = job.into is not None
         try:
             if lanes is not None:
                 try:
-                    return await lanes.read(worker, keyed, timeout=xfer_t, local=local)
+                    return await lanes.read(worker, keyed, timeout=xfer_t, local=local,
+                                            only_local=into)
                 except TransportError as exc:
-                    if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck):
+                    if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck) or into:
                         raise
                     # The lanes failed, not the copy's time: read again on the connection
                     # (the private blocks are ours; the pins are held), and leave this
@@ -458,6 +469,9 @@ class ReadReceiver:
                     # check: see ReadBatch.wait).
                     if not scatter_check_failed(exc):
                         self.lanes_failed(worker, exc)
+            if into:  # (never through UCX: see reads_locally)
+                raise TransportError("transfer_failed", "no read lanes for a read into the "
+                                     "engine's blocks")
             return await conn.read_parts(keyed, timeout=xfer_t)
         except ReadsStuck:
             job.quarantined = True

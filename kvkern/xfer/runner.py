@@ -152,13 +152,17 @@ class PullRunner:
 
     def _free_private(self, job: PullJob) -> None:
         """Private blocks not committed go back exactly once (quarantined ones never)."""
+        if job.private is not None and job.into is not None:
+            if job.quarantined:  # only when the wait for a stuck call was cancelled
+                log.error("pull %r: a same-host read into the engine's blocks %s was still "
+                          "in its system call when the pull ended", job.rec.request_id,
+                          job.private[:16])
+            job.private = None  # the engine's blocks: it recomputes them (Puller.pull_into)
         if job.private is not None and job.quarantined:
             ids, job.private = job.private, None
             self.quarantined_blocks += len(ids)
             log.error("pull %r: %d private blocks quarantined (one-sided reads still "
                       "running after their endpoint was aborted)", job.rec.request_id, len(ids))
-        if job.private is not None and job.into is not None:
-            job.private = None  # the engine's blocks: it recomputes them (Puller.pull_into)
         if job.private is not None:  # not committed: free every block exactly once
             ids, job.private = job.private, None
             self.group.manager.free_private(ids)
@@ -385,7 +389,7 @@ class PullRunner:
         be allowed too, but for the size of its reads (which the pairs of one source rank
         have together: :meth:`_direct_groups`)."""
         state, key = job.state, (job.source_dp, pair.src_rank)
-        return (self.config.direct_reads and job.into is None and state is not None
+        return (self.config.direct_reads and state is not None
                 and key in state.read_indexes and key in state.read_workers
                 and self.reads.read_allowed(job, pair, rank_kv))
 
@@ -416,7 +420,7 @@ class PullRunner:
                            start=job.local, count=job.count, pieces=pieces, chunk_bytes=chunk,
                            deadline_ms=max(1, int(remaining * 1000)),
                            require_all=job.policy == "strict",
-                           read=job.into is None and self.reads.can_read(job, pair, rank_kv),
+                           read=self.reads.can_read(job, pair, rank_kv),
                            chunk_blocks=job.chunk_blocks,
                            model=getattr(self.group, "model_id", ""))
 
