@@ -47,6 +47,8 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
     assert one["reads"] == reads, one  # consecutive source blocks
     assert one["messages"] == (0 if reads else 2 * (2 + 1)), one  # 2 pairs: 1 chunk each
     assert one["stream_pull_gbps"] > 0 and one["scattered_pull_gbps"] > 0
+    # as an engine connector pulls (Puller.pull_into), read and streamed
+    assert one["into_pull_gbps"] > 0 and one["into_stream_pull_gbps"] > 0
     # the scattered source packs its streams: the time it took, from its own metrics
     assert one["stream_scattered_pack_ms"] > 0 and one["stream_scattered_pack_gbps"] > 0
     assert pull["hint_to_first_byte_ms"] > 0 and pull["one_block_cpu_ms"] > 0
@@ -115,6 +117,7 @@ def test_bench_xfer_reshards_and_targets_in_the_same_run():
     row = sub[str(1 << 20)]
     assert row["ratio"] > 0 and row["reads"] == 2 and row["stream_pull_gbps"] > 0
     assert "granted_ratio" not in row and "lanes1_ratio" not in row  # headline paths only
+    assert "into_ratio" not in row
     targets = {(t["target"], t["where"]): t for t in res["targets"]}
     assert targets[("reshard_vs_raw", "TP 2:1, 1 MiB")]["value"] == round(row["ratio"], 3)
     assert targets[("hint_to_first_byte_ms", "1 block")]["value"] == \

@@ -421,6 +421,10 @@ def test_a_pull_into_the_engines_blocks_reads_only_a_same_host_source(src, make_
     assert served_kinds(src, sent) == {"read": int(how == "granted"), "stream": int(not read)}
     assert (o.reads > 0) == read and (o.messages == 0) == (how == "direct"), o
     assert p.metrics.value("kvkern_direct_reads_total", result="used") == (how == "direct")
+    path = {"granted": "read", "direct": "direct"}.get(how, "stream")
+    assert {k: p.metrics.value("kvkern_pairs_pulled_total", path=k)
+            for k in ("direct", "read", "stream")} == {k: int(k == path)
+                                                       for k in ("direct", "read", "stream")}
     assert_only_changed(group, before, set(ids))
     assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 0  # not committed
     group.manager.release(engine)

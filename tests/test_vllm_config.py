@@ -12,6 +12,7 @@ def test_defaults_stay_on_loopback():
     cfg = ConnectorConfig.from_extra(None)
     assert (cfg.listen_host, cfg.listen_port, cfg.allowlist) == ("127.0.0.1", 0, ("127.0.0.1",))
     assert not cfg.trust_unsigned_hints and cfg.serve and cfg.policy == "strict"
+    assert cfg.remote_read == "off"  # reads are an opt-in (SECURITY.md)
 
 
 def test_the_three_settings_an_operator_gives():
@@ -25,6 +26,7 @@ def test_the_three_settings_an_operator_gives():
     assert ConnectorConfig.from_extra({"allowlist": ["a", "b"]}).allowlist == ("a", "b")
     assert ConnectorConfig.from_extra({"gil_switch_interval_s": None}).gil_switch_interval_s \
         is None
+    assert ConnectorConfig.from_extra({"remote_read": "host"}).remote_read == "host"
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -37,6 +39,8 @@ def test_the_three_settings_an_operator_gives():
     ({"deadline_s": float("nan")}, "positive number"),
     ({"max_inflight_pulls": 0}, ">= 1"),
     ({"policy": "maybe"}, "strict"),
+    ({"remote_read": "on"}, "remote_read must be one of"),
+    ({"remote_read": True}, "remote_read must be one of"),
     ({"model_id": 3}, "must be a string"),
     ({"gil_switch_interval_s": -1}, "positive number"),
 ])

@@ -60,7 +60,8 @@ from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env
 MiB = 1 << 20
 # a pull size's ratios to the raw send, one per path measured beside the headline pull
 PATH_RATIOS = ("copy_ratio", "scattered_ratio", "granted_ratio", "stream_ratio",
-               "stream_scattered_ratio", "lanes1_ratio", "lanes0_ratio", "ucx_ratio")
+               "stream_scattered_ratio", "into_ratio", "into_stream_ratio", "lanes1_ratio",
+               "lanes0_ratio", "ucx_ratio")
 _PATTERN_PERIOD = 251  # prime, so chunk boundaries never line up with the pattern
 
 
@@ -507,7 +508,11 @@ class _PullBench:
         return [p for p in (self.puller, self.streamer, *self.fewer.values(), self.threaded)
                 if p is not None]
 
-    async def pull(self, n: int, port: int | None = None, via: Any = None) -> Any:
+    async def pull(self, n: int, port: int | None = None, via: Any = None, *,
+                   into: bool = False) -> Any:
+        """One pull of ``n`` blocks through ``via``; ``into``: as an engine connector pulls,
+        into blocks taken from the pool beforehand (``Puller.pull_into``, admitted first,
+        untimed), given back after."""
         via = via or self.puller
         r = f"bench-{next(self._rid)}"
         hint = {"kv_hint": {"source": f"127.0.0.1:{port or self.bench.pull_http_port}",
@@ -518,8 +523,38 @@ class _PullBench:
             from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
 
             hashes = self._hashes[n] = sequence_hashes(tokens, self.bs, self.group.hash_scheme)
+        if into:
+            return await self._pull_into(via, r, tokens, hint, hashes)
         via.submit(r, tokens, hint, block_hashes=hashes)
         o = await via.wait(r, 60)
+        return self._used(o, n)
+
+    async def _pull_into(self, via: Any, r: str, tokens: list[int], hint: dict,
+                         hashes: list[int]) -> Any:
+        from kvkern.xfer.admission import Admitted, WorkerFacts, admit  # noqa: PLC0415
+        from kvkern.xfer.hints import decode_hint  # noqa: PLC0415
+        from kvkern.xfer.policy import CostGuard  # noqa: PLC0415
+
+        decoded = decode_hint(hint)
+        facts = WorkerFacts(block_size=self.bs, hash_scheme=self.group.hash_scheme,
+                            bytes_per_block=self.per_block, longest_prefix=lambda hs: 0)
+        admitted = admit(tokens, decoded, worker=facts, config=via.config,
+                         cost_guard=CostGuard(via.config), engine_hashes=hashes)
+        if not isinstance(admitted, Admitted):
+            raise RuntimeError(f"bench pull into the engine's blocks not admitted: {admitted}")
+        ids = self.group.manager.allocate(len(hashes))
+        if ids is None:
+            raise RuntimeError(f"{len(hashes)} blocks for a pull into them not available")
+        try:
+            via.pull_into(r, decoded, admitted, ids)
+            o = await via.wait(r, 60)
+            via.take_finished()
+        finally:
+            self.group.manager.release(ids)
+        return self._used(o, len(hashes))
+
+    @staticmethod
+    def _used(o: Any, n: int) -> Any:
         if not o.used:
             raise RuntimeError(f"bench pull of {n} blocks fell back: {o.reason.value}: "
                                f"{o.detail}")
@@ -679,7 +714,8 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
     await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
     raw_t, msgs, reads, phases = [], [], [], []
     times: dict[str, list[float]] = {"pull": [], "scattered": [], "stream": [],
-                                     "stream_scattered": [], **{k: [] for k in pb.fewer}}
+                                     "stream_scattered": [], "into": [], "into_stream": [],
+                                     **{k: [] for k in pb.fewer}}
     scat = bench.scattered_http_port
     variants = [("raw", None, None), ("pull", None, pb.puller)]
     if scat:
@@ -688,6 +724,9 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         variants.append(("stream", None, pb.streamer))
         if scat:
             variants.append(("stream_scattered", scat, pb.streamer))
+        if s.all_variants:  # as an engine connector pulls: read (this host's source), and
+            # streamed as from a source elsewhere
+            variants += [("into", None, pb.puller), ("into_stream", None, pb.streamer)]
     variants += [(k, None, via) for k, via in pb.fewer.items()]
     if pb.nixl is not None:  # NIXL's READ of as many blocks, each of its ways
         for mapping, per_request in NIXL_WAYS:
@@ -707,7 +746,7 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
                 if (took := await _nixl_read(pb, n, *via)) is not None:
                     times[kind].append(took)
                 continue
-            o = await pb.pull(n, port, via)
+            o = await pb.pull(n, port, via, into=kind.startswith("into"))
             times[kind].append(o.total_s)
             if kind == "pull":
                 msgs.append(o.messages)
@@ -734,7 +773,7 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         ss = _summary(nbytes, times["scattered"])
         row.update(scattered_pull_gbps=ss["gbps"],
                    scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
-    for key in ("stream", "stream_scattered", *pb.fewer):
+    for key in ("stream", "stream_scattered", "into", "into_stream", *pb.fewer):
         if times[key]:  # the stream path and fewer lanes in the same run, for comparison
             t = _summary(nbytes, times[key])
             row.update({f"{key}_pull_gbps": t["gbps"],

@@ -72,6 +72,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 SOURCE_STATUSES: tuple[str, ...] = ("ok", "partial", "miss", "rejected", "busy", "error")
 DIRECT_READ_RESULTS: tuple[str, ...] = ("used", "missing", "changed", "failed")
+PAIR_PATHS: tuple[str, ...] = ("direct", "read", "stream")
 CONNECTION_REFUSALS: tuple[str, ...] = ("handshake", "unauthenticated", "untrusted_limit")
 _LABEL_RE = re.compile(r"[a-z0-9_]{1,64}")
 
@@ -123,6 +124,10 @@ class XferMetrics:
         self.direct_reads = counter("direct_reads", "Pairs read without a message to the "
                                     "source, by result (used; else a grant was asked for).",
                                     ("result",))
+        self.pairs_pulled = counter("pairs_pulled", "Pairs (source rank, destination rank) "
+                                    "whose bytes arrived, by path: direct (read without a "
+                                    "message), read (granted one-sided read), stream.",
+                                    ("path",))
         self.pulls_in_flight = Gauge(p + "pulls_in_flight", "Pulls in progress.", registry=r)
         self.phase_seconds = Histogram(p + "phase_seconds", "Latency of each pull phase.",
                                        ("phase",), buckets=LATENCY_BUCKETS, registry=r)
@@ -158,6 +163,8 @@ class XferMetrics:
             self.source_requests.labels(status=status)
         for result in DIRECT_READ_RESULTS:
             self.direct_reads.labels(result=result)
+        for path in PAIR_PATHS:
+            self.pairs_pulled.labels(path=path)
         for reason in CONNECTION_REFUSALS:
             self.source_connections_refused.labels(reason=reason)
 
@@ -196,6 +203,12 @@ class XferMetrics:
         """A direct read ended: ``used``, ``missing`` (a hash not in the directory),
         ``changed`` (a block changed while read) or ``failed`` (the lanes failed)."""
         self.direct_reads.labels(result=_label("direct read", result)).inc()
+
+    def pair_pulled(self, path: str, pairs: int = 1) -> None:
+        """``pairs`` pairs' bytes arrived by ``path`` (:data:`PAIR_PATHS`)."""
+        if path not in PAIR_PATHS:
+            raise ValueError(f"pair path {path!r} is not one of {PAIR_PATHS}")
+        self.pairs_pulled.labels(path=path).inc(_count("pairs", pairs))
 
     def pull_started(self) -> None:
         self.pulls_in_flight.inc()

@@ -302,6 +302,7 @@ class PullRunner:
                 for group in groups]), strict=True):
             if got is not None:
                 served.update(dict.fromkeys(group, got))
+                self._pulled("direct", len(group))
         rest = [i for i in range(len(pairs)) if i not in served]
         if rest and not served:
             self._plan_chunks(job, pairs)
@@ -379,9 +380,15 @@ class PullRunner:
                                f"a read to a request that did not ask for one")
             await self.reads.receive(job, pair, conn, reply, rank_kv, xfer_t, t_req)
             job.open_transfers.remove(entry)
+            self._pulled("read")
             return served
         await self.streams.receive(job, pair, rank_kv, conn, reply, chunk, xfer_t, entry)
+        self._pulled("stream")
         return served
+
+    def _pulled(self, path: str, pairs: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.pair_pulled(path, pairs)
 
     def _direct(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
         """This pair may read directly (:mod:`kvkern.xfer.direct`): allowed on both sides,

@@ -97,10 +97,13 @@ def tiny_model(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engines(tiny_model, tmp_path_factory):
-    """Source ``a``, destination ``b`` (signed hints only) and ``c`` (a source the tests may
-    kill), started together."""
+    """Source ``a`` (its pool read one-sided: ``b`` on this host reads it straight into the
+    blocks vLLM allocated), destination ``b`` (signed hints only) and ``c`` (a source that
+    streams, which the tests may kill), started together."""
     logs = tmp_path_factory.mktemp("vllm-logs")
-    made = {name: Engine(name, tiny_model, free_port(), logs) for name in ("a", "b", "c")}
+    extra = {"a": ("--remote-read", "host")}
+    made = {name: Engine(name, tiny_model, free_port(), logs, *extra.get(name, ()))
+            for name in ("a", "b", "c")}
     try:
         t0 = time.monotonic()
         for e in made.values():

@@ -29,6 +29,8 @@ def build(args: argparse.Namespace):
                  "transfer_timeout_s": args.transfer_timeout_s, "deadline_s": 10.0}
         if args.trust_unsigned_hints:
             extra["trust_unsigned_hints"] = True
+        if args.remote_read != "off":
+            extra["remote_read"] = args.remote_read
         kv = KVTransferConfig(kv_connector="KvkernConnector",
                               kv_connector_module_path="kvkern.integrations.vllm",
                               kv_role="kv_both", kv_load_failure_policy="recompute",
@@ -103,6 +105,7 @@ def main() -> None:
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--no-connector", action="store_true")
     p.add_argument("--trust-unsigned-hints", action="store_true")
+    p.add_argument("--remote-read", default="off", choices=["off", "host", "all"])
     p.add_argument("--transfer-timeout-s", type=float, default=3.0)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--kv-cache-mib", type=int, default=64)

@@ -88,6 +88,17 @@ def counters(engine) -> dict:
     return engine.ask("stats")["counters"]
 
 
+def unpinned(engine, timeout: float = 10.0) -> dict:
+    """The engine's stats once kvkern holds no pin there: a read's pins are let go when the
+    destination's release arrives, which the reply's hold bounds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.ask("stats")
+        if stats["pins"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
 def test_a_pulled_prefix_continues_bit_identically(engines):
     a, b = engines["a"], engines["b"]
     toks = prompt(1)
@@ -101,6 +112,8 @@ def test_a_pulled_prefix_continues_bit_identically(engines):
     moved = b.generate(request("t1-other", other))["t1-other"]
     assert moved["logprobs"] != want["logprobs"]
     assert counters(b).get("kvkern_pulls_total[ok]", 0) >= 1
+    # read one-sided into vLLM's blocks: a serves reads and runs on this host
+    assert counters(b).get("kvkern_pairs_pulled_total[read]", 0) >= 1
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
             f"http://{source_of(b)}/metrics", timeout=10) as page:  # what operators scrape
         assert 'kvkern_pulls_total{outcome="ok"}' in page.read().decode()
@@ -164,7 +177,7 @@ def test_fifty_hinted_requests_leave_both_pools_as_they_were(engines):
         [want[f"m{i}-a2"]["tokens"] for i in range(50)]
     assert sum(r["cached"] == FULL * BS for r in got.values()) >= 4  # pulls happened
     for engine, base in ((a, base_a), (b, base_b)):
-        now = engine.ask("stats")
+        now = unpinned(engine)
         assert now["free_blocks"] == base["free_blocks"] == now["num_blocks"] - 1, now
         assert now["pins"] == 0
 
@@ -173,8 +186,10 @@ def test_a_source_killed_mid_pull_leaves_the_request_to_recompute(engines):
     b, c = engines["b"], engines["c"]
     warm, toks = prompt(60), prompt(61)
     c.generate(request("k-warm", warm), request("k-fill", toks))
+    streams = counters(b).get("kvkern_pairs_pulled_total[stream]", 0)
     first = b.generate(request("k-warm-b", warm, *hint_params("kv_hint", c, warm)))
     assert first["k-warm-b"]["cached"] == FULL * BS  # state cached, connection open
+    assert counters(b)["kvkern_pairs_pulled_total[stream]"] == streams + 1  # c serves no reads
     want = c.generate(request("k-want", toks))["k-want"]
     base = b.ask("stats")
     c.signal(signal.SIGSTOP)  # the source stops answering mid-pull ...
@@ -221,5 +236,5 @@ def test_a_busy_source_serves_while_its_scheduler_runs(engines):
             assert mine["cached"] == FULL * BS and mine["logprobs"] == theirs["logprobs"]
             pulled += 1
     assert pulled >= 4, got
-    stats = a.ask("stats")
+    stats = unpinned(a)
     assert stats["pins"] == 0 and stats["free_blocks"] == stats["num_blocks"] - 1

@@ -14,7 +14,10 @@ Optional: ``advertise_host`` (the address peers and routers use when ``listen`` 
 wildcard), ``trust_unsigned_hints`` (accept hints not signed by ``kvkern router``; for a
 router that cannot sign, with engines that clients cannot reach directly), ``model_id``
 (default: derived from the model, its revision, dtypes and the hash settings), ``kv_layout``
-(``vllm_cpu`` / ``vllm_v1``; default by device), ``serve`` (false: pull only), ``policy``,
+(``vllm_cpu`` / ``vllm_v1``; default by device), ``serve`` (false: pull only),
+``remote_read`` (``off``, ``host`` or ``all``: the source's pools that peers may read
+one-sided, an opt-in, see SECURITY.md; an engine on the same host then reads a host pool
+straight into the blocks vLLM allocated instead of asking for a stream), ``policy``,
 ``metadata_timeout_s``, ``transfer_timeout_s``, ``deadline_s``, ``max_inflight_pulls``,
 ``gil_switch_interval_s`` (the engine process's ``sys.setswitchinterval``; ``null`` keeps
 the interpreter's).
@@ -26,6 +29,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+from kvkern.xfer.source_config import REMOTE_READ_MODES
 
 __all__ = ["ConnectorConfig"]
 
@@ -43,6 +48,7 @@ class ConnectorConfig:
     model_id: str | None = None
     kv_layout: str | None = None
     serve: bool = True
+    remote_read: str = "off"
     policy: str = "strict"
     metadata_timeout_s: float = 2.0
     transfer_timeout_s: float = 10.0
@@ -87,6 +93,9 @@ class ConnectorConfig:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"max_inflight_pulls must be an int >= 1, got {n!r}")
             kw["max_inflight_pulls"] = n
+        if extra.get("remote_read", "off") not in REMOTE_READ_MODES:
+            raise ValueError(f"remote_read must be one of {list(REMOTE_READ_MODES)}, got "
+                             f"{extra['remote_read']!r}")
         if extra.get("policy", "strict") not in ("strict", "best_effort"):
             raise ValueError(f"policy must be 'strict' or 'best_effort', got "
                              f"{extra['policy']!r}")
