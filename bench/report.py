@@ -10,7 +10,7 @@ Records, one JSON object per file:
     ``kvkern bench xfer --json | tail -1 > bench/results/xfer/NAME.json`` as it is: its
     ``by_size`` maps a byte count to the run's figures (``ratio``, ``scattered_ratio``,
     ``lanes1_ratio``, ``lanes0_ratio``, ``ucx_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
-    ``raw_gbps``, ...) and ``env`` holds its environment (``commit``, ``cpus``, versions).
+    ``into_ratio``, ``into_stream_ratio``, ``raw_gbps``, ...) and ``env`` holds its environment (``commit``, ``cpus``, versions).
     Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``); a TP or
     PP reshard (``--pull-tp``, ``--pull-pp``) is read from ``cases.pull``. A record
     of several runs has a list of values per figure and ``"runs": N``; ``raw_gbps_range``
@@ -50,7 +50,9 @@ XFER_METRICS = (("ratio", "`ratio` (2 lanes)"), ("copy_ratio", "copy alone"),
                 ("scattered_ratio", "scattered"),
                 ("granted_ratio", "granted"), ("lanes1_ratio", "one lane"), ("lanes0_ratio", "connection"),
                 ("ucx_ratio", "through UCX"),
-                ("stream_ratio", "stream"), ("stream_scattered_ratio", "stream scattered"))
+                ("stream_ratio", "stream"), ("stream_scattered_ratio", "stream scattered"),
+                ("into_ratio", "into engine blocks"),
+                ("into_stream_ratio", "into engine blocks, streamed"))
 
 
 def _values(v: Any) -> list[float]:
