@@ -10,7 +10,8 @@ Records, one JSON object per file:
     ``kvkern bench xfer --json | tail -1 > bench/results/xfer/NAME.json`` as it is: its
     ``by_size`` maps a byte count to the run's figures (``ratio``, ``scattered_ratio``,
     ``lanes1_ratio``, ``lanes0_ratio``, ``ucx_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
-    ``into_ratio``, ``into_stream_ratio``, ``raw_gbps``, ...) and ``env`` holds its environment (``commit``, ``cpus``, versions).
+    ``into_ratio``, ``into_stream_ratio``, ``raw_gbps``, ...) and ``env`` holds its environment
+    (``commit``, ``cpus``, versions).
     Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``); a TP or
     PP reshard (``--pull-tp``, ``--pull-pp``) is read from ``cases.pull``. A record
     of several runs has a list of values per figure and ``"runs": N``; ``raw_gbps_range``
@@ -490,23 +491,37 @@ def _cpu_section(records: list[tuple[str, dict]]) -> list[str]:
 
 def _vllm_section(records: list[tuple[str, dict]]) -> list[str]:
     out = ["## Time to first token in vLLM (`make bench-vllm`)", "",
-           "Two vLLM engines (CPU build) with the kvkern connector, one process each: B serves a "
-           "prompt whose prefix A computed, once with a signed hint naming A (B pulls the "
-           "prefix, then prefills 16 more tokens) and once without (B prefills it all), on "
-           "fresh prompts. Medians of the runs; the crossover is the shortest measured prefix "
-           "from which the pull wins.", ""]
+           "vLLM engines (CPU build) with the kvkern connector, one process each: B serves a "
+           "prompt whose prefix a source computed, with a signed hint naming it (B pulls the "
+           "prefix, then prefills 16 more tokens), and a prompt as long without one (B "
+           "prefills it all), on fresh prompts. The source streams the blocks (A), or lets B "
+           "read them straight into the blocks vLLM allocated (R, `remote_read: host`, on "
+           "B's host) where the record has that column. Medians of the runs; the crossover is "
+           "the shortest measured prefix from which the pull wins.", ""]
     if not records:
         return out + ["No run is recorded.", ""]
     for name, rec in records:
         model = ", ".join(f"{k} {v}" for k, v in rec.get("model", {}).items())
+        read = all("read_s" in r for r in rec["rows"])
         out += [f"### `{name}` (commit {_commit(rec)})", "",
-                f"Model: {model}. Environment: {_env_line(rec.get('env', {}))}.", "",
-                "| prefix tokens | KV MiB | TTFT with the pull (s) | TTFT recomputing (s) "
-                "| recompute / pull |", "|---|---|---|---|---|"]
+                f"Model: {model}. Environment: {_env_line(rec.get('env', {}))}.", ""]
+        if read:
+            out += ["| prefix tokens | KV MiB | TTFT with the pull, streamed (s) | read (s) "
+                    "| TTFT recomputing (s) | recompute / streamed | recompute / read |",
+                    "|---|---|---|---|---|---|---|"]
+        else:
+            out += ["| prefix tokens | KV MiB | TTFT with the pull (s) | TTFT recomputing (s) "
+                    "| recompute / pull |", "|---|---|---|---|---|"]
         for r in rec["rows"]:
-            out.append(f"| {r['prefix_tokens']} | {r['kv_mib']:.1f} | {r['pull_s']:.3f} "
-                       f"| {r['recompute_s']:.3f} | {r['recompute_s'] / r['pull_s']:.1f} |")
-        out += ["", f"Crossover: {rec.get('crossover_tokens')} tokens.", ""]
+            cells = [str(r["prefix_tokens"]), f"{r['kv_mib']:.1f}", f"{r['pull_s']:.3f}"]
+            cells += [f"{r['read_s']:.3f}"] if read else []
+            cells += [f"{r['recompute_s']:.3f}", f"{r['recompute_s'] / r['pull_s']:.1f}"]
+            cells += [f"{r['recompute_s'] / r['read_s']:.1f}"] if read else []
+            out.append("| " + " | ".join(cells) + " |")
+        crossover = f"Crossover: {rec.get('crossover_tokens')} tokens"
+        if read:
+            crossover += f" streamed, {rec.get('read_crossover_tokens')} read"
+        out += ["", crossover + ".", ""]
     return out
 
 

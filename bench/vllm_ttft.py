@@ -1,11 +1,14 @@
 """Time to first token in vLLM with a kvkern pull against recomputing the prefix.
 
-Two real vLLM engines (CPU build) with the kvkern connector, each in its own process
-(``tests/vllm/engine.py``): engine A computes a prompt; engine B then serves the same prompt
-twice over, once with a signed hint naming A (B pulls the prefix's blocks, then prefills the
-rest) and once without (B prefills it all). Every prompt is fresh, so no run hits B's own
-prefix cache. Writes one JSON record (``bench/results/vllm/``) with the environment and
-prints the table and the crossover: the shortest prefix from which the pull wins.
+Three real vLLM engines (CPU build) with the kvkern connector, each in its own process
+(``tests/vllm/engine.py``): source A streams its blocks, source R lets its host pool be read
+(``remote_read: host``), B pulls. A and R each compute a prompt; B then serves it with a
+signed hint naming that source (B pulls the prefix's blocks, streamed from A or read from R
+straight into the blocks vLLM allocated, then prefills the rest), and a prompt as long
+without a hint (B prefills it all). Every prompt is fresh, so no run hits B's own prefix
+cache, and B's ``kvkern_pairs_pulled_total`` confirms each pull's path. Writes one JSON
+record (``bench/results/vllm/``) with the environment and prints the table and the
+crossovers: the shortest prefix from which each pull wins.
 
     make bench-vllm                                  # 32, 128, 512, 2k and 8k prefix tokens
     PYTHONPATH=. .venv-vllm/bin/python bench/vllm_ttft.py --prefixes 2048,8192 --reps 3
@@ -55,23 +58,31 @@ def main() -> None:
     extra = ("--max-model-len", str(max_len), "--kv-cache-mib", "1024",
              "--transfer-timeout-s", "30")
     a = Engine("a", model, free_port(), work, *extra)
+    r = Engine("r", model, free_port(), work, *extra, "--remote-read", "host")
     b = Engine("b", model, free_port(), work, *extra)
+    engines = (a, r, b)
     try:
-        a.wait_ready(), b.wait_ready()
-        # untimed: the first prefill of each engine, B's first connection to A
-        measure(a, b, 4 * BS, 1, router, sign_hint, decode_hint, salt=-1)
-        rows = [measure(a, b, n, args.reps, router, sign_hint, decode_hint) for n in prefixes]
+        for e in engines:
+            e.wait_ready()
+        signer = (router, sign_hint, decode_hint)
+        # untimed: the first prefill of each engine, B's first connections to A and R
+        measure((a, r, b), 4 * BS, 1, signer, salt=-1)
+        rows = [measure((a, r, b), n, args.reps, signer) for n in prefixes]
     finally:
-        a.close(), b.close()
+        for e in engines:
+            e.close()
     record = {"bench": "vllm_ttft", "model": BENCH_MODEL, "block_size": BS, "rows": rows,
-              "crossover_tokens": next((r["prefix_tokens"] for r in rows
-                                        if r["pull_s"] < r["recompute_s"]), None),
+              "crossover_tokens": _crossover(rows, "pull_s"),
+              "read_crossover_tokens": _crossover(rows, "read_s"),
               "env": environment()}
-    print(f"{'prefix':>7} {'KV MiB':>7} {'pull TTFT s':>12} {'recompute s':>12} {'speedup':>8}")
-    for r in rows:
-        print(f"{r['prefix_tokens']:>7} {r['kv_mib']:>7.1f} {r['pull_s']:>12.3f} "
-              f"{r['recompute_s']:>12.3f} {r['speedup']:>7.2f}x")
-    print(f"crossover: {record['crossover_tokens']} tokens")
+    print(f"{'prefix':>7} {'KV MiB':>7} {'streamed s':>11} {'read s':>9} {'recompute s':>12} "
+          f"{'speedup':>8} {'read':>7}")
+    for row in rows:
+        print(f"{row['prefix_tokens']:>7} {row['kv_mib']:>7.1f} {row['pull_s']:>11.3f} "
+              f"{row['read_s']:>9.3f} {row['recompute_s']:>12.3f} {row['speedup']:>7.2f}x "
+              f"{row['read_speedup']:>6.2f}x")
+    print(f"crossover: {record['crossover_tokens']} tokens streamed, "
+          f"{record['read_crossover_tokens']} read")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{record['env']['commit']}-ttft.json"
@@ -85,33 +96,52 @@ def _tokens(seed: int, n: int) -> list[int]:
     return [rng.randrange(5, 995) for _ in range(n)]
 
 
-def measure(a, b, prefix: int, reps: int, router, sign_hint, decode_hint,
-            salt: int = 0) -> dict:
-    """Median TTFT on B with a pull and without, over ``reps`` fresh prompts (no prompt is
-    ever seen twice by B, so neither measurement hits B's own prefix cache)."""
-    pulls, recomputes, cached = [], [], []
+def _crossover(rows: list[dict], key: str) -> int | None:
+    return next((r["prefix_tokens"] for r in rows if r[key] < r["recompute_s"]), None)
+
+
+def _pulled(b, source, toks: list[int], rid: str, path: str, prefix: int, signer) -> float:
+    """B's TTFT for ``toks`` with a signed hint naming ``source``, which computed them; the
+    pull must fill the whole prefix by ``path`` (else something else would be timed)."""
+    router, sign_hint, decode_hint = signer
+    source.generate({"id": f"{source.name}{rid}", "tokens": toks, "max_tokens": 1})
+    params = {"kv_hint": {"source": f"127.0.0.1:{source.port}"}}
+    params.update(sign_hint(router, decode_hint(params), toks))
+    key = f"kvkern_pairs_pulled_total[{path}]"
+    before = b.ask("stats")["counters"].get(key, 0)
+    got = b.generate({"id": f"b{rid}", "tokens": toks, "max_tokens": 1,
+                      "kv_transfer_params": params})[f"b{rid}"]
+    if got["cached"] != prefix:
+        raise RuntimeError(f"the hinted request found {got['cached']} of {prefix} "
+                           f"prefix tokens computed (a pull, not a local hit, is timed)")
+    if b.ask("stats")["counters"].get(key, 0) != before + 1:
+        raise RuntimeError(f"the pull from {source.name} did not take the {path} path")
+    return got["ttft_s"]
+
+
+def measure(engines, prefix: int, reps: int, signer, salt: int = 0) -> dict:
+    """Median TTFT on B with a streamed pull (from A), a read one (from R) and none, over
+    ``reps`` fresh prompts each (no prompt is ever seen twice by B, so no measurement hits
+    B's own prefix cache)."""
+    a, r, b = engines
+    pulls, reads, recomputes = [], [], []
     for rep in range(reps):
         seed = (salt * 1000 + prefix) * 1000 + rep
         toks = _tokens(seed, prefix + BS // 2)  # the shared prefix, then a question
-        a.generate({"id": f"a{seed}", "tokens": toks, "max_tokens": 1})
-        params = {"kv_hint": {"source": f"127.0.0.1:{a.port}"}}
-        params.update(sign_hint(router, decode_hint(params), toks))
-        got = b.generate({"id": f"b{seed}", "tokens": toks, "max_tokens": 1,
-                          "kv_transfer_params": params})[f"b{seed}"]
-        if got["cached"] != prefix:  # a measurement of something else: stop
-            raise RuntimeError(f"the hinted request found {got['cached']} of {prefix} "
-                               f"prefix tokens computed (a pull, not a local hit, is timed)")
-        pulls.append(got["ttft_s"])
-        cached.append(got["cached"])
+        pulls.append(_pulled(b, a, toks, f"{seed}", "stream", prefix, signer))
+        other = _tokens(seed + 5 * 10**8, len(toks))
+        reads.append(_pulled(b, r, other, f"{seed}r", "read", prefix, signer))
         fresh = _tokens(seed + 10**9, len(toks))  # same length, cached nowhere
-        ref = b.generate({"id": f"r{seed}", "tokens": fresh, "max_tokens": 1})[f"r{seed}"]
+        ref = b.generate({"id": f"x{seed}", "tokens": fresh, "max_tokens": 1})[f"x{seed}"]
         if ref["cached"]:
             raise RuntimeError(f"the recompute run found {ref['cached']} tokens cached")
         recomputes.append(ref["ttft_s"])
-    pull, recompute = statistics.median(pulls), statistics.median(recomputes)
+    pull, read = statistics.median(pulls), statistics.median(reads)
+    recompute = statistics.median(recomputes)
     return {"prefix_tokens": prefix, "kv_mib": prefix * 8192 / 2**20,
-            "pull_s": pull, "recompute_s": recompute, "speedup": recompute / pull,
-            "pull_runs": pulls, "recompute_runs": recomputes, "cached_tokens": cached}
+            "pull_s": pull, "read_s": read, "recompute_s": recompute,
+            "speedup": recompute / pull, "read_speedup": recompute / read,
+            "pull_runs": pulls, "read_runs": reads, "recompute_runs": recomputes}
 
 
 def environment() -> dict:

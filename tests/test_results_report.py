@@ -146,3 +146,21 @@ def test_a_run_under_an_engine_load_stands_apart(tmp_path):
     assert idle < busy
     assert "| 64 MiB | 1.30 |" in text[idle:busy] and "0.40" not in text[idle:busy]
     assert "| 64 MiB | 0.40 |" in text[busy:]
+
+
+def test_a_vllm_record_shows_the_read_pull_where_it_has_one(tmp_path):
+    """``make bench-vllm`` records: a streamed pull and recomputation per prefix, and where
+    the record has them the pull read into vLLM's blocks too, with both crossovers."""
+    report = _report()
+    (tmp_path / "vllm").mkdir()
+    row = {"prefix_tokens": 2048, "kv_mib": 16.0, "pull_s": 0.2, "recompute_s": 1.0}
+    old = {"rows": [row], "crossover_tokens": 2048, "env": {"commit": "abc1234"}}
+    new = {"rows": [dict(row, read_s=0.1)], "crossover_tokens": 2048,
+           "read_crossover_tokens": 512, "env": {"commit": "def5678"}}
+    (tmp_path / "vllm" / "a.json").write_text(json.dumps(old))
+    (tmp_path / "vllm" / "b.json").write_text(json.dumps(new))
+    text = report.render(report.load(tmp_path))
+    assert "| 2048 | 16.0 | 0.200 | 1.000 | 5.0 |" in text
+    assert "Crossover: 2048 tokens." in text
+    assert "| 2048 | 16.0 | 0.200 | 0.100 | 1.000 | 5.0 | 10.0 |" in text
+    assert "Crossover: 2048 tokens streamed, 512 read." in text
