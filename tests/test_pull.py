@@ -376,6 +376,7 @@ def pull_into(p: Puller, rid: str, tokens: list[int], hint: dict, block_ids: lis
     from kvkern.xfer.admission import Admitted, WorkerFacts, admit
     from kvkern.xfer.hints import decode_hint
     from kvkern.xfer.policy import CostGuard
+    from tests.test_pull_into import finished
 
     decoded = decode_hint(hint)
     facts = WorkerFacts(block_size=BS, hash_scheme=p.group.hash_scheme, bytes_per_block=1,
@@ -384,13 +385,7 @@ def pull_into(p: Puller, rid: str, tokens: list[int], hint: dict, block_ids: lis
                      cost_guard=CostGuard(p.config))
     assert isinstance(admitted, Admitted), admitted
     p.pull_into(rid, decoded, admitted, block_ids)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for got, outcome in p.take_finished():
-            assert got == rid
-            return outcome
-        p.wait_finished(0.05)
-    raise AssertionError(f"{rid} did not finish")
+    return finished(p, rid, timeout)
 
 
 @pytest.mark.parametrize("how", ["granted", "direct", "ucx", "refused"])
