@@ -260,10 +260,17 @@ def test_a_stop_or_passed_deadline_reads_nothing(source):
 
 
 def test_usable_checks_the_token_and_remembers(source, monkeypatch):
+    """Each check that refuses counts once in ``kvkern_local_read_refusals_total``; a
+    remembered verdict does not."""
+    from kvkern.xfer.metrics import XferMetrics
+
+    metrics = XferMetrics()
+    refused = metrics.value("kvkern_local_read_refusals_total")
     src, _, _ = source
     wrong = src._replace(token=bytes(b ^ 1 for b in src.token))
     assert local_reads.usable(src)
     assert not local_reads.usable(wrong)
+    assert metrics.value("kvkern_local_read_refusals_total") == refused + 1
     # remembered: no second call for either
     monkeypatch.setattr(local_reads, "_call_once", lambda *a: pytest.fail("called again"))
     assert local_reads.usable(src) and not local_reads.usable(wrong)
@@ -277,6 +284,8 @@ def test_usable_checks_the_token_and_remembers(source, monkeypatch):
     assert not local_reads.usable(wrong) and not checks
     monkeypatch.setattr(local_reads, "REFUSAL_TTL_S", 0.0)
     assert not local_reads.usable(wrong) and checks == [1]
+    assert metrics.value("kvkern_local_read_refusals_total") == refused + 3
+    assert local_reads.refusals() == refused + 3
 
 
 def test_a_process_gone_is_not_usable_and_its_reads_fail():

@@ -47,7 +47,8 @@ if TYPE_CHECKING:
     from kvkern.xfer.pauses import Steps
 
 __all__ = ["Beacon", "LocalReadError", "LocalSource", "host_id", "parse", "reading",
-           "usable", "forget", "calls", "CALL_BYTES", "HOLD_BYTES", "IOV_MAX", "TOKEN_BYTES"]
+           "usable", "forget", "refusals", "calls", "CALL_BYTES", "HOLD_BYTES", "IOV_MAX",
+           "TOKEN_BYTES"]
 
 log = logging.getLogger("kvkern.xfer")
 
@@ -183,6 +184,7 @@ def _call_once(pid: int, local: np.ndarray | ctypes.Array, remote: np.ndarray | 
 # fails (forget)
 _verdicts: collections.OrderedDict[LocalSource, tuple[bool, float]] = collections.OrderedDict()
 _lock = threading.Lock()
+_refused = 0  # checks that refused a source (refusals())
 
 
 def usable(src: LocalSource) -> bool:
@@ -202,13 +204,21 @@ def usable(src: LocalSource) -> bool:
             why = "another process holds that process id now (its token differs)"
     except (LocalReadError, OSError, AttributeError) as exc:  # AttributeError: no such call
         why = str(exc)
+    global _refused
     if why is not None:
         log.info("process %d on this host is read through UCX: %s", src.pid, why)
     with _lock:
+        _refused += why is not None
         _verdicts[src] = (why is None, time.monotonic())
         while len(_verdicts) > _VERDICTS_MAX:
             _verdicts.popitem(last=False)
     return why is None
+
+
+def refusals() -> int:
+    """How many checks of :func:`usable` refused a source in this process (each source is
+    checked again every :data:`REFUSAL_TTL_S` while it is used)."""
+    return _refused
 
 
 def forget(src: LocalSource) -> None:

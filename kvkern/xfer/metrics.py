@@ -12,6 +12,10 @@ Every metric is prefixed ``kvkern_``. Destination side (the puller calls these):
     kvkern_blocks_transferred_total                  counter   blocks received and committed
     kvkern_bytes_transferred_total                   counter   bytes received
     kvkern_blocks_skipped_total                      counter   blocks the destination had already
+    kvkern_direct_reads_total{result}                counter   pairs read without a message
+    kvkern_pairs_pulled_total{path}                  counter   direct, read or stream
+    kvkern_local_read_refusals_total                 counter   same-host sources this process
+                                                               may not read itself (process-wide)
     kvkern_pulls_in_flight                           gauge
     kvkern_phase_seconds{phase}                      histogram metadata, plan, allocate,
                                                                transfer, unpack, validate,
@@ -60,6 +64,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 __all__ = ["CONTENT_TYPE_LATEST", "LATENCY_BUCKETS", "PHASES", "XferMetrics"]
 
@@ -88,6 +93,24 @@ def _count(name: str, n: int | float) -> float:
     if n < 0:
         raise ValueError(f"{name} increment {n} is negative")
     return n
+
+
+class _LocalReadRefusals:
+    """``kvkern_local_read_refusals_total``: checks of a same-host source that found this
+    process may not read it with its own calls (:func:`kvkern.xfer.local_reads.usable`: the
+    host's ptrace policy, a process gone, a token that differs), counted process-wide. Such a
+    source is read through UCX, and a pull into an engine's own blocks streams instead."""
+
+    NAME = PREFIX + "local_read_refusals"
+    DOC = "Same-host sources found not readable with this process's own calls (process-wide)."
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        from kvkern.xfer import local_reads  # noqa: PLC0415
+
+        yield CounterMetricFamily(self.NAME, self.DOC, value=local_reads.refusals())
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, self.DOC)
 
 
 class XferMetrics:
@@ -128,6 +151,7 @@ class XferMetrics:
                                     "whose bytes arrived, by path: direct (read without a "
                                     "message), read (granted one-sided read), stream.",
                                     ("path",))
+        r.register(_LocalReadRefusals())
         self.pulls_in_flight = Gauge(p + "pulls_in_flight", "Pulls in progress.", registry=r)
         self.phase_seconds = Histogram(p + "phase_seconds", "Latency of each pull phase.",
                                        ("phase",), buckets=LATENCY_BUCKETS, registry=r)
