@@ -427,6 +427,41 @@ def test_a_pull_into_the_engines_blocks_reads_only_a_same_host_source(src, make_
     src.wait_no_pins()
 
 
+def test_a_read_into_the_engines_blocks_that_its_source_never_confirms_counts_nothing(
+        src, make_puller):
+    """A granted read into the engine's blocks with no hold (it counts only on the source's
+    ReadAck) from a source that freezes after its reply: the read itself completes, the
+    pull ends at its deadline with no block counted (the engine recomputes them all),
+    nothing beyond the pull's blocks is written, and the source's pins go once it answers
+    again."""
+    n = 6
+    tokens = fresh_tokens(n * BS)
+    src.commit(tokens)
+    group = make_group()
+    engine = group.manager.allocate(n)
+    p = make_puller(group)
+    warm = fresh_tokens(BS)  # the state and the lanes made: the deadline is the pull's own
+    src.commit(warm)
+    assert pull(p, "warm", warm, hint_for(src, warm)).used
+    p.release("warm")
+    before = snapshot(group)
+    sent = src.http("GET", "/test/stats")["replies"]
+    src.faults(freeze_after_reply=True, read_hold_s=0)
+    try:
+        o = pull_into(p, "into-frozen", tokens, hint_for(src, tokens, deadline_s=0.6), engine)
+    finally:
+        src.faults(freeze_after_reply=False, read_hold_s=5.0)
+    assert not o.used and o.reason is Reason.DEADLINE_EXCEEDED, o
+    assert o.blocks_transferred == 0 and o.reads >= 1, o
+    assert served_kinds(src, sent) == {"read": 1, "stream": 0}
+    assert_only_changed(group, before, set(engine))
+    assert group.manager.num_free == group.num_blocks - n  # still the engine's
+    group.manager.release(engine)
+    assert p.quarantined_blocks == 0
+    assert_clean(group)
+    src.wait_no_pins()
+
+
 def test_partial_local_leaf_is_never_overwritten(src, make_puller):
     tokens = fresh_tokens(10 * BS)
     hashes = src.commit(tokens)
