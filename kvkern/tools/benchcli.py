@@ -533,13 +533,12 @@ class _PullBench:
                          hashes: list[int]) -> Any:
         from kvkern.xfer.admission import Admitted, WorkerFacts, admit  # noqa: PLC0415
         from kvkern.xfer.hints import decode_hint  # noqa: PLC0415
-        from kvkern.xfer.policy import CostGuard  # noqa: PLC0415
 
         decoded = decode_hint(hint)
         facts = WorkerFacts(block_size=self.bs, hash_scheme=self.group.hash_scheme,
                             bytes_per_block=self.per_block, longest_prefix=lambda hs: 0)
         admitted = admit(tokens, decoded, worker=facts, config=via.config,
-                         cost_guard=CostGuard(via.config), engine_hashes=hashes)
+                         cost_guard=via.cost_guard, engine_hashes=hashes)
         if not isinstance(admitted, Admitted):
             raise RuntimeError(f"bench pull into the engine's blocks not admitted: {admitted}")
         ids = self.group.manager.allocate(len(hashes))
