@@ -51,9 +51,9 @@ def rounds(monkeypatch) -> list[int]:
     counts: list[int] = []
     buckets = direct.DirectRead._buckets
 
-    def counted(self, read, which, wanted):
-        counts.append(len(which))
-        return buckets(self, read, which, wanted)
+    def counted(self, read, which, wanted, plan=None):
+        counts.append(len(self.want) if which is None else len(which))
+        return buckets(self, read, which, wanted, plan)
 
     monkeypatch.setattr(direct.DirectRead, "_buckets", counted)
     return counts

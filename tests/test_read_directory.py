@@ -33,6 +33,7 @@ from kvkern.cache.directory import (
     entries,
     find,
     home_buckets,
+    home_runs,
     slot_offsets,
     stable,
 )
@@ -674,5 +675,11 @@ def test_home_buckets_loop_and_vectorized_agree(chained, data, group, log_bucket
             for p in range(start, start + count)]
     got = home_buckets(chained, start, count, buckets, group)
     assert got.dtype == np.int64 and got.tolist() == want
-    with pytest.raises(ValueError, match="beyond"):
-        home_buckets(chained, start, len(chained) - start + 1, buckets, group)
+    # as runs of consecutive buckets within the table, in order (a group's buckets that
+    # wrap past the last one, more than once where the group is larger than the table)
+    runs = home_runs(chained, start, count, buckets, group)
+    assert all(n > 0 and first + n <= buckets for first, n in runs)
+    assert [first + i for first, n in runs for i in range(n)] == want
+    for make in (home_buckets, home_runs):
+        with pytest.raises(ValueError, match="beyond"):
+            make(chained, start, len(chained) - start + 1, buckets, group)

@@ -70,7 +70,7 @@ from kvkern.checks import check_non_negative_int, check_positive_int
 
 __all__ = ["BUCKET_BYTES", "BUCKET_SLOTS", "DIRECTORY_GROUP", "MAX_GROUP", "SLOT_BYTES",
            "SLOT_WORDS", "TAG_CACHED", "TAG_CHANGING", "ReadDirectory", "bucket_of", "entries",
-           "find", "home_buckets", "slot_offsets", "stable"]
+           "find", "home_buckets", "home_runs", "slot_offsets", "stable"]
 
 BUCKET_SLOTS = 8
 SLOT_WORDS = 4  # hash, block_id, tag, reserved (0)
@@ -328,6 +328,30 @@ def home_buckets(chained: Sequence[int], start: int, count: int, buckets: int,
     return ((anchors + (pos % group).astype(np.uint64)) & np.uint64(mask)).astype(np.int64)
 
 
+def home_runs(chained: Sequence[int], start: int, count: int, buckets: int,
+              group: int) -> list[tuple[int, int]]:
+    """:func:`home_buckets` as runs of consecutive buckets, in order: ``(first bucket,
+    length)`` per group of positions (more where its buckets wrap past the table's end).
+    Same checks; no array is made."""
+    check_positive_int("buckets", buckets)
+    check_positive_int("group", group)
+    check_non_negative_int("start", start)
+    check_non_negative_int("count", count)
+    if buckets & (buckets - 1):
+        raise ValueError(f"buckets must be a power of two, got {buckets}")
+    if start + count > len(chained):
+        raise ValueError(f"positions {start}..{start + count} beyond {len(chained)} hashes")
+    mask, end, runs = buckets - 1, start + count, []
+    for g0 in range(start - start % group, end, group):
+        lo, hi = max(start, g0), min(end, g0 + group)
+        first, n = (int(chained[g0]) + lo - g0) & mask, hi - lo
+        while n:  # (a run wraps past the last bucket to the first)
+            take = min(n, buckets - first)
+            runs.append((first, take))
+            first, n = 0, n - take
+    return runs
+
+
 def slot_offsets(buckets: np.ndarray, slots: np.ndarray) -> np.ndarray:
     """Byte offsets in the table of slot ``slots[i]`` of bucket ``buckets[i]`` (int64);
     ValueError for a slot outside ``[0, BUCKET_SLOTS)`` (such as find's -1) or a negative
@@ -386,13 +410,17 @@ def _find_small(r: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
 
 
 def _find_numpy(r: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    match = (r[:, :, _HASH] == w[:, None]) & (
-        (r[:, :, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED))
-    hit = match.any(axis=1)
-    slot = np.where(hit, match.argmax(axis=1), -1).astype(np.int64)
-    picked = r[np.arange(len(w)), np.maximum(slot, 0)]
-    block = np.where(hit, picked[:, _BLOCK].astype(np.int64), -1)
-    tag = np.where(hit, picked[:, _TAG], np.uint64(0)).astype(np.uint64)
+    match = r[:, :, _HASH] == w[:, None]
+    match &= (r[:, :, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED)
+    slot = match.argmax(axis=1).astype(np.int64, copy=False)  # (0 where none matches)
+    at = np.arange(len(w))
+    picked = r[at, slot]
+    block, tag = picked[:, _BLOCK].astype(np.int64), picked[:, _TAG]
+    hit = match[at, slot]
+    if hit.all():  # (every hash found: the usual look-up)
+        return slot, block, tag
+    miss = ~hit
+    slot[miss], block[miss], tag[miss] = -1, -1, 0
     return slot, block, tag
 
 

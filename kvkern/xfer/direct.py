@@ -55,6 +55,7 @@ from kvkern.cache.directory import (
     entries,
     find,
     home_buckets,
+    home_runs,
     stable,
 )
 from kvkern.xfer.messages import ReadGrant, Status
@@ -72,7 +73,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.state import ReadIndex
 
 __all__ = ["DirectRead", "look_up_reads", "plan_reads", "read_directly", "read_spans",
-           "read_whole", "same_directory"]
+           "read_whole", "run_reads", "same_directory"]
 
 # Whole-directory buffers kept per source for the next pull: at most this many, each at most
 # this large (a directory is 256 B per pool block).
@@ -176,6 +177,17 @@ def plan_reads(offsets: np.ndarray, item: int, gap: int) -> tuple[np.ndarray | N
     return read_spans(offs, item, gap)
 
 
+def run_reads(runs: Sequence[tuple[int, int]], item: int) -> tuple[None, list[tuple[int, int,
+                                                                                 int]]]:
+    """The reads of ``runs`` of consecutive ``item``-byte entries (``(first entry, count)``
+    each), one per run in the order given, as :func:`plan_reads` returns them."""
+    reads, at = [], 0
+    for first, n in runs:
+        reads.append((at * item, first * item, n * item))
+        at += n
+    return None, reads
+
+
 def same_directory(a: ReadIndex, b: ReadIndex) -> bool:
     """Two ranks' indexes name one read directory (the ranks of one pool): one look-up and
     one confirmation serve the pairs of both."""
@@ -205,10 +217,8 @@ class DirectRead:
         self.buffers: list[np.ndarray] = []  # what this read's reads write, besides blocks
         hashes = job.chained[job.local:job.local + job.count]
         self.want = np.asarray(hashes, dtype=np.uint64)
-        self.plain = bucket_of(self.want, index.dir_buckets)
-        group = index.dir_group
-        self.home = self.plain if not group else home_buckets(
-            job.chained, job.local, job.count, index.dir_buckets, group)
+        self._plain: np.ndarray | None = None  # each hash's bucket by hash alone (plain)
+        self._home: np.ndarray | None = None  # and its home bucket (home)
         # Per pair, a grant as the source rank would write it, for the largest block the
         # index allows: the receiver's checks of an offer then bound every address this
         # read computes.
@@ -225,8 +235,15 @@ class DirectRead:
                 read_native=job.state.reads.get((job.source_dp, pair.src_rank)) == "native")
             self.templates.append(template)
             self.segs.append(receiver.check_offer(job, pair, template, rank_kv))
+        group = index.dir_group
         self.whole = read_whole(index.dir_buckets,
                                 look_up_reads(job.local, job.count, group))
+        # A chain's home buckets read as one run per group of positions, in the order
+        # wanted (as plan_reads finds them, without an array): None to plan from the buckets
+        runs = home_runs(job.chained, job.local, job.count, index.dir_buckets,
+                         group) if group and not self.whole else []
+        self._home_plan = (run_reads(runs, BUCKET_BYTES)
+                           if runs and 4 * len(runs) <= job.count else None)
         self.nbytes = job.count * sum(pair.block_nbytes for pair, _ in self.pairs)
         self.reads = 0
         self._rounds: list[tuple] = []  # the look-up's bucket reads: (which, k, plan)
@@ -235,6 +252,20 @@ class DirectRead:
         self.t_in = self.t_out = 0.0  # when the steps began and ended (perf_counter)
         self.miss = ""  # why nothing was kept (a grant is asked for instead)
         self.result = "used"  # kvkern.xfer.metrics.DIRECT_READ_RESULTS
+
+    @property
+    def plain(self) -> np.ndarray:
+        if self._plain is None:
+            self._plain = bucket_of(self.want, self.index.dir_buckets)
+        return self._plain
+
+    @property
+    def home(self) -> np.ndarray:
+        if self._home is None:
+            job, group = self.job, self.index.dir_group
+            self._home = self.plain if not group else home_buckets(
+                job.chained, job.local, job.count, self.index.dir_buckets, group)
+        return self._home
 
     # ---- steps, on the first lane's thread or the loop lane's
 
@@ -288,15 +319,17 @@ class DirectRead:
     def _look_up(self, read: Reader) -> Steps[tuple[np.ndarray, ...]]:
         """Each wanted hash's bucket as read from the source, its slot and block there (-1
         when absent), and which bucket that is: the home bucket, or the plain one for a hash
-        not found at home."""
+        not found at home; None when the buckets were read on their own (the confirmation
+        repeats those reads and needs no bucket)."""
         table = (yield from self._whole_table(read)) if self.whole else None
         if table is None:
-            rows = yield from self._buckets(read, self.home, None)
+            rows = yield from self._buckets(read, None, None, self._home_plan)
         else:
             rows = table[self.home]
         slot, block, _ = find(rows, self.want)
-        where = self.home
-        miss = np.flatnonzero((block < 0) & (self.plain != self.home))
+        where = self.home if table is not None else None  # (bucket reads: see _confirm)
+        absent = block < 0
+        miss = np.flatnonzero(absent & (self.plain != self.home)) if absent.any() else ()
         if len(miss):
             if table is None:
                 more = yield from self._buckets(read, self.plain[miss], miss)
@@ -304,8 +337,9 @@ class DirectRead:
                 more = table[self.plain[miss]]
             slot2, block2, _ = find(more, self.want[miss])
             rows[miss], slot[miss], block[miss] = more, slot2, block2
-            where = self.home.copy()
-            where[miss] = self.plain[miss]
+            if where is not None:
+                where = self.home.copy()
+                where[miss] = self.plain[miss]
         return rows, slot, block, where
 
     def _whole_table(self, read: Reader) -> Steps[np.ndarray]:
@@ -315,19 +349,24 @@ class DirectRead:
         yield from read([(index.dir_key, [(table.ctypes.data, index.dir_base, table.nbytes)])])
         return table
 
-    def _buckets(self, read: Reader, buckets: np.ndarray,
-                 which: np.ndarray | None) -> Steps[np.ndarray]:
+    def _buckets(self, read: Reader, buckets: np.ndarray | None, which: np.ndarray | None,
+                 plan: tuple | None = None) -> Steps[np.ndarray]:
         """The rows of ``buckets`` (those of the wanted hashes ``which``, None: all), read
-        from the source; the reads are kept for the confirmation (:meth:`_confirm`)."""
-        # (the reads' gaps narrowed so that their bytes stay within
-        # MAX_WHOLE_DIRECTORY_BYTES)
-        gap = max(0, min(DIRECTORY_READ_COST_BYTES,
-                         MAX_WHOLE_DIRECTORY_BYTES // max(len(buckets), 1) - BUCKET_BYTES))
-        plan = plan_reads(buckets * BUCKET_BYTES, BUCKET_BYTES, gap)
-        self._rounds.append((which, len(buckets), plan))
+        from the source; the reads are kept for the confirmation (:meth:`_confirm`).
+        ``plan``: their reads, made already (:func:`plan_reads`'s form; ``buckets`` None:
+        the home buckets)."""
+        if plan is None:
+            buckets = self.home if buckets is None else buckets
+            # (the reads' gaps narrowed so that their bytes stay within
+            # MAX_WHOLE_DIRECTORY_BYTES)
+            gap = max(0, min(DIRECTORY_READ_COST_BYTES,
+                             MAX_WHOLE_DIRECTORY_BYTES // max(len(buckets), 1) - BUCKET_BYTES))
+            plan = plan_reads(buckets * BUCKET_BYTES, BUCKET_BYTES, gap)
+        k = len(self.want) if buckets is None else len(buckets)
+        self._rounds.append((which, k, plan))
         raw = yield from self._fetch_raw(read, [plan])
         self._raw.append(raw.tobytes())
-        return self._rows(raw, [(len(buckets), plan)])[0]
+        return self._rows(raw, [(k, plan)])[0]
 
     def _fetch_raw(self, read: Reader, plans: Sequence[tuple]) -> Steps[np.ndarray]:
         """The bytes of every plan's reads (:func:`plan_reads`), all read at once, one plan
@@ -375,7 +414,7 @@ class DirectRead:
         return table
 
     def _confirm(self, read: Reader, rows: np.ndarray, slot: np.ndarray,
-                 where: np.ndarray) -> Steps[np.ndarray]:
+                 where: np.ndarray | None) -> Steps[np.ndarray]:
         """Which blocks count: the look-up's reads once more, all at once, after the blocks.
         Bucket reads whose bytes are all as the look-up read them keep every block found
         (one comparison, no per-slot work); else each found slot's words are compared
