@@ -60,9 +60,10 @@ BLOCK_BYTES = 512 << 10  # kvkern bench xfer's block: 8 layers x 2 x 8 heads x 1
 STRIDE = 1_000_003
 NOTIFY_WAIT_S = 5.0  # how long a stopping target waits for notifications still on their way
 # The target's pause between polls for notifications (a READ over shared memory or RDMA
-# completes without the target): polling every 1 ms took 13% of a core beside kvkern's pulls,
-# 64 MiB ones 8.8 against 7.2 ms (three runs each), while NIXL's READs measured the same.
-TARGET_POLL_S = 0.01
+# completes without the target): an idle target polling every 1 / 10 / 50 ms takes 8 / 3 /
+# 0.6% of a core, which kvkern's pulls beside it lose (64 MiB 8.8 ms at 1 ms, 7.2 at 10 ms,
+# three runs each), while NIXL's READs measured the same at either rate.
+TARGET_POLL_S = 0.05
 MiB = 1 << 20
 # nixl_agent_config arguments of each agent configuration
 AGENTS = {"lean": {"enable_prog_thread": False, "backends": ["UCX"]},
