@@ -305,11 +305,8 @@ def bucket_of(hashes: np.ndarray, buckets: int) -> np.ndarray:
     return (hs & np.uint64(buckets - 1)).astype(np.int64)
 
 
-def home_buckets(chained: Sequence[int], start: int, count: int, buckets: int,
-                 group: int) -> np.ndarray:
-    """The home bucket of each of ``chained[start:start + count]`` (int64), where
-    ``chained[p]`` is the hash at position ``p`` of a sequence, in a table of ``buckets``
-    buckets that places ``group`` positions together (module docstring)."""
+def _check_positions(chained: Sequence[int], start: int, count: int, buckets: int,
+                     group: int) -> None:
     check_positive_int("buckets", buckets)
     check_positive_int("group", group)
     check_non_negative_int("start", start)
@@ -318,6 +315,14 @@ def home_buckets(chained: Sequence[int], start: int, count: int, buckets: int,
         raise ValueError(f"buckets must be a power of two, got {buckets}")
     if start + count > len(chained):
         raise ValueError(f"positions {start}..{start + count} beyond {len(chained)} hashes")
+
+
+def home_buckets(chained: Sequence[int], start: int, count: int, buckets: int,
+                 group: int) -> np.ndarray:
+    """The home bucket of each of ``chained[start:start + count]`` (int64), where
+    ``chained[p]`` is the hash at position ``p`` of a sequence, in a table of ``buckets``
+    buckets that places ``group`` positions together (module docstring)."""
+    _check_positions(chained, start, count, buckets, group)
     mask = buckets - 1
     if count <= SMALL:  # (below numpy's fixed cost per call)
         return np.array([(int(chained[p - p % group]) + p % group) & mask
@@ -333,14 +338,7 @@ def home_runs(chained: Sequence[int], start: int, count: int, buckets: int,
     """:func:`home_buckets` as runs of consecutive buckets, in order: ``(first bucket,
     length)`` per group of positions (more where its buckets wrap past the table's end).
     Same checks; no array is made."""
-    check_positive_int("buckets", buckets)
-    check_positive_int("group", group)
-    check_non_negative_int("start", start)
-    check_non_negative_int("count", count)
-    if buckets & (buckets - 1):
-        raise ValueError(f"buckets must be a power of two, got {buckets}")
-    if start + count > len(chained):
-        raise ValueError(f"positions {start}..{start + count} beyond {len(chained)} hashes")
+    _check_positions(chained, start, count, buckets, group)
     mask, end, runs = buckets - 1, start + count, []
     for g0 in range(start - start % group, end, group):
         lo, hi = max(start, g0), min(end, g0 + group)
