@@ -388,18 +388,24 @@ def pull_into(p: Puller, rid: str, tokens: list[int], hint: dict, block_ids: lis
     return finished(p, rid, timeout)
 
 
-@pytest.mark.parametrize("how", ["granted", "direct", "ucx", "refused"])
-def test_a_pull_into_the_engines_blocks_reads_only_a_same_host_source(src, make_puller, how,
-                                                                      monkeypatch):
-    """Into the engine's own blocks (``Puller.pull_into``) a source process on this host is
-    read with kvkern's own calls, asking for a grant or directly (kvkern.xfer.direct); a
-    source that would be read through UCX (``local_reads`` off, as for a source on another
-    host) or whose calls are refused streams instead. Bit-exact in the engine's blocks
-    (scattered, in reverse order), every other block untouched, nothing committed or freed."""
+@pytest.mark.parametrize("how", ["granted", "direct", "ucx", "ucx_direct", "refused",
+                                 "no_lanes"])
+def test_a_pull_into_the_engines_blocks_reads_them_on_the_lanes(src, make_puller, how,
+                                                                monkeypatch):
+    """Into the engine's own blocks (``Puller.pull_into``) the source is read one-sided on
+    the read lanes, asking for a grant or directly (kvkern.xfer.direct): with kvkern's own
+    calls (a source process on this host), or through UCX (``local_reads`` off, as for a
+    source on another host, or calls refused). A puller without read lanes streams.
+    Bit-exact in the engine's blocks (scattered, in reverse order), every other block
+    untouched, nothing committed or freed."""
     from kvkern.xfer import local_reads
 
     if how == "refused":
         monkeypatch.setattr(local_reads, "usable", lambda source: False)
+    calls = []
+    real_call = local_reads._call_once
+    monkeypatch.setattr(local_reads, "_call_once", lambda *a: (calls.append(a),
+                                                               real_call(*a))[1])
     n = 8
     tokens = fresh_tokens(n * BS)
     hashes = src.commit(tokens)
@@ -407,21 +413,80 @@ def test_a_pull_into_the_engines_blocks_reads_only_a_same_host_source(src, make_
     engine = group.manager.allocate(2 * n)
     ids = engine[::-2]  # the pull's blocks: scattered, descending
     before = snapshot(group)
-    p = make_puller(group, direct_reads=how == "direct", local_reads=how != "ucx")
+    direct = how in ("direct", "ucx_direct")
+    p = make_puller(group, direct_reads=direct, local_reads=not how.startswith("ucx"),
+                    **({"read_lanes": 0} if how == "no_lanes" else {}))
     sent = src.http("GET", "/test/stats")["replies"]
     o = pull_into(p, "into", tokens, hint_for(src, tokens), ids)
     assert o.used and o.reason is Reason.OK and o.blocks_transferred == n, o
     check_bytes(src, group, hashes, ids)
-    read = how in ("granted", "direct")
-    assert served_kinds(src, sent) == {"read": int(how == "granted"), "stream": int(not read)}
-    assert (o.reads > 0) == read and (o.messages == 0) == (how == "direct"), o
-    assert p.metrics.value("kvkern_direct_reads_total", result="used") == (how == "direct")
-    path = {"granted": "read", "direct": "direct"}.get(how, "stream")
+    read = how != "no_lanes"
+    assert bool(calls) == (how in ("granted", "direct"))  # else through UCX, or streamed
+    assert served_kinds(src, sent) == {"read": int(read and not direct), "stream": int(not read)}
+    assert (o.reads > 0) == read and (o.messages == 0) == direct, o
+    assert p.metrics.value("kvkern_direct_reads_total", result="used") == direct
+    path = "stream" if not read else "direct" if direct else "read"
     assert {k: p.metrics.value("kvkern_pairs_pulled_total", path=k)
             for k in ("direct", "read", "stream")} == {k: int(k == path)
                                                        for k in ("direct", "read", "stream")}
     assert_only_changed(group, before, set(ids))
     assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 0  # not committed
+    group.manager.release(engine)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_puller,
+                                                                      monkeypatch):
+    """Reads into the engine's blocks through UCX that are still running when their wait
+    times out, and after their endpoint's forced close and the drain: the pull ends (and
+    tells the engine its blocks are free) only once they have completed, with no block
+    counted and nothing quarantined; a later pull reads again."""
+    from kvkern.xfer import transport
+
+    done, done_at, made = threading.Event(), [], []
+
+    class Late(ucp_rma.ReadBatch):  # real reads, seen complete only once ``done`` is set
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+        def poll(self):
+            return done.is_set() and super().poll()
+
+    n = 6
+    tokens = fresh_tokens(n * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    engine = group.manager.allocate(n)
+    p = make_puller(group, local_reads=False, transfer_timeout_s=0.3)
+    warm = fresh_tokens(BS)  # the state and the lanes made
+    src.commit(warm)
+    assert pull(p, "warm", warm, hint_for(src, warm)).used
+    p.release("warm")
+    before = snapshot(group)
+    monkeypatch.setattr(ucp_rma, "ReadBatch", Late)
+    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+
+    def complete_later():
+        while not made:
+            time.sleep(0.005)
+        time.sleep(1.0)  # past the wait's timeout and 10 drains
+        done_at.append(time.monotonic())
+        done.set()
+
+    threading.Thread(target=complete_later, daemon=True).start()
+    o = pull_into(p, "into-late", tokens, hint_for(src, tokens), engine)
+    ended = time.monotonic()
+    assert done_at and ended >= done_at[0], "the pull ended before its reads had"
+    assert not o.used and o.reason is Reason.TRANSFER_TIMEOUT and o.blocks_transferred == 0, o
+    assert_only_changed(group, before, set(engine))
+    assert group.manager.num_free == group.num_blocks - n  # still the engine's
+    assert p.quarantined_blocks == 0
+    monkeypatch.undo()
+    o = pull_into(p, "into-after", tokens, hint_for(src, tokens), engine)
+    assert o.used and o.blocks_transferred == n, o
+    check_bytes(src, group, hashes, engine)
     group.manager.release(engine)
     assert_clean(group)
     src.wait_no_pins()
@@ -1412,7 +1477,7 @@ def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeyp
 
     calls = []
 
-    async def failing(self, address, parts, *, timeout, local=None, only_local=False):
+    async def failing(self, address, parts, *, timeout, local=None, owned=False):
         calls.append(address)
         raise TransportError("transfer_failed", "injected lane failure")
 

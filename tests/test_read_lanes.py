@@ -568,34 +568,77 @@ async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkey
 
 
 @aio
-async def test_memory_the_engine_owns_is_read_only_with_same_host_calls(source, lanes,
-                                                                         monkeypatch, on):
-    """``only_local`` (a pull into the engine's blocks): no same-host source, or one whose
-    calls are refused, fails the read before anything is posted; UCX is never used."""
+async def test_memory_the_engine_owns_is_read_through_ucx_without_a_same_host_source(
+        source, lanes, monkeypatch, on):
+    """``owned`` (a pull into the engine's blocks) with no same-host source, or one whose
+    calls are refused: read through UCX, bit-exact, every other byte untouched."""
     from kvkern.xfer import local_reads
     from kvkern.xfer.local_reads import LocalSource
 
-    _, region, address = source
+    src, region, address = source
     rl = lanes(2, min_bytes=1, **on)
-    dst = poisoned(1 << 16)
-    runs = [(dst.data_ptr(), region.address, 1 << 16)]
     monkeypatch.setattr(local_reads, "usable", lambda src: False)
-    for local in (None, LocalSource(os.getppid(), 1, bytes(16))):
-        with pytest.raises(TransportError, match="only from a source process on this host") \
-                as info:
-            await rl.read(address, [(region.rkey, runs)], timeout=5, local=local,
-                          only_local=True)
-        assert info.value.reason == "transfer_failed"
-    assert rl.peers == 0 and (dst == POISON).all()
+    for seed, local in enumerate((None, LocalSource(os.getppid(), 1, bytes(16)))):
+        dst = poisoned(2 * 64 * 4096)
+        runs, want = shuffled_blocks(src, region, dst, 64, 4096, seed=seed)
+        await rl.read(address, [(region.rkey, runs)], timeout=5, local=local, owned=True)
+        assert torch.equal(dst, want)
 
 
-@pytest.mark.parametrize("only_local", [False, True], ids=["private", "engine"])
+class LateBatch(NeverDone):
+    """A batch whose reads complete only once ``done`` is set: reads that outlive their
+    endpoint's close and the drain, then end."""
+
+    done = threading.Event()
+
+    @property
+    def stuck(self):
+        return not self.done.is_set()
+
+    def poll(self):
+        return self.done.is_set()
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["private", "engine"])
+@aio
+async def test_a_ucx_read_into_engine_memory_ends_only_after_its_reads(source, lanes,
+                                                                        monkeypatch, on, owned):
+    """UCX reads still running after their endpoint's forced close and the drain: into the
+    puller's own blocks the read raises ReadsStuck at the drain's end (the memory is
+    quarantined); into the engine's blocks (``owned``) it ends only once they have
+    completed, however long after the drain, raising the timeout that stopped it."""
+    _, region, address = source
+    late = type("Late", (LateBatch,), {"done": threading.Event()})
+    monkeypatch.setattr(ucp_rma, "ReadBatch", late)
+    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+    rl = lanes(1, **on)
+    done_at = []
+
+    def complete_later():
+        time.sleep(0.5)  # 10 drains
+        done_at.append(time.monotonic())
+        late.done.set()
+
+    threading.Thread(target=complete_later, daemon=True).start()
+    if owned:
+        with pytest.raises(TransportError) as info:
+            await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01, owned=True)
+        assert info.value.reason == "transfer_timeout" and done_at
+        assert rl.stuck_reads == 0
+    else:
+        with pytest.raises(ReadsStuck):
+            await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01)
+        assert not done_at and rl.stuck_reads == 1
+        await until(lambda: bool(done_at))
+
+
+@pytest.mark.parametrize("owned", [False, True], ids=["private", "engine"])
 @aio
 async def test_a_cancelled_read_into_engine_memory_ends_after_its_call(lanes, monkeypatch,
-                                                                      only_local):
+                                                                      owned):
     """A same-host call that outlives the stop and the drain (a source whose memory stalls
     the call): a read into the puller's own blocks raises ReadsStuck at the drain's end (the
-    blocks are quarantined); one into the engine's blocks (``only_local``) is waited for
+    blocks are quarantined); one into the engine's blocks (``owned``) is waited for
     until its call has returned, so no byte lands after the cancelled read has ended."""
     from kvkern.xfer import local_reads
     from kvkern.xfer.local_reads import LocalSource
@@ -616,10 +659,10 @@ async def test_a_cancelled_read_into_engine_memory_ends_after_its_call(lanes, mo
     rl = lanes(1)
     task = asyncio.ensure_future(rl.read(b"unused", [(b"key", [(1, 2, 3)])], timeout=20,
                                          local=LocalSource(os.getppid(), 1, bytes(16)),
-                                         only_local=only_local))
+                                         owned=owned))
     await until(in_call.is_set)
     task.cancel()
-    if only_local:
+    if owned:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert landed  # the call had returned when the read ended

@@ -470,7 +470,7 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
     try:
         first = await lanes.run_script(worker, direct, timeout=xfer_t, nbytes=direct.nbytes,
                                        local=receiver.local_source(job.state, keys[0]),
-                                       only_local=job.into is not None)
+                                       owned=job.into is not None)
     except ReadsStuck:
         job.quarantined = True
         # UCX may still write the directory buffers: never reuse (or free) them

@@ -251,11 +251,13 @@ class Puller:
         The engine owns the blocks throughout: nothing is committed, leased or freed here,
         and the pull is never de-duplicated. When it ends, its outcome comes out of
         :meth:`take_finished`; ``outcome.blocks_transferred`` leading blocks hold the source's
-        bytes, the rest must be recomputed. Host blocks are read from a source process on the
-        same host (:mod:`kvkern.xfer.local_reads`: a call returns or is still on one of
-        kvkern's threads, and the pull ends only after it has); from any other source the
-        pull streams, never reads through UCX: such a read could outlive its abort and write
-        blocks the engine has reused."""
+        bytes, the rest must be recomputed. Host blocks are read one-sided on the read lanes
+        (a source process on this host with kvkern's own calls, any other through UCX), and
+        such a pull ends only once every read it started has ended: each call has returned
+        and each UCX read has completed (an aborted read's endpoint is closed, which
+        completes its reads once the transport has stopped them), however long that takes.
+        So no read lands in a block after the engine learns the pull ended. Without read
+        lanes, or from a device pool, the pull streams."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         ids = tuple(int(b) for b in block_ids)

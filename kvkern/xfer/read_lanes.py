@@ -39,6 +39,13 @@ cancelled :meth:`ReadLanes.read` lets the reads finish for up to ``READ_CANCEL_G
 then stops the lanes. Reads that outlive the drain raise :class:`ReadsStuck` (quarantine the
 local memory), as on the connection.
 
+Memory the engine owns (``owned``: :meth:`Puller.pull_into <kvkern.xfer.puller.Puller.pull_into>`)
+has no quarantine: the engine reuses its blocks once the pull ends. Such a read ends only after
+every read it posted has completed, with or without an error, however long past the drain
+that takes: a completed UCX read writes nothing more (a forced close completes the reads still
+running only once the transport has stopped them, e.g. an RDMA queue pair flushed), and a
+same-host call has returned.
+
 Trust: the worker address comes from the state of a source the allowlist admitted; its
 transports are the same ones UCX learns from that source's listener when the control
 connection is made, so a lane reaches nothing that connection could not.
@@ -68,6 +75,7 @@ from kvkern.xfer.tuning import (
     LOOP_SPIN_S,
     MAX_CACHED_RKEYS,
     MAX_LANE_PEERS,
+    OWNED_DRAIN_POLL_S,
     SPLIT_ALIGN,
 )
 from kvkern.xfer.ucp_rma import Scatter
@@ -258,10 +266,12 @@ class _Lane:
     def _close_peer(self, peer: _Peer, batches: list[ReadBatch]) -> None:
         run_blocking(self._closing_peer(peer, batches))
 
-    def _closing_peer(self, peer: _Peer, batches: list[ReadBatch]) -> Steps[None]:
+    def _closing_peer(self, peer: _Peer, batches: list[ReadBatch],
+                      owned: bool = False) -> Steps[None]:
         """Close the endpoint (UCX cancels its running reads), drain ``batches``, then
         destroy the keys (libucp 1.21 releases a key through its worker, so after the
-        endpoint is fine). Raises _Stuck if reads outlive READ_DRAIN_S."""
+        endpoint is fine). Raises _Stuck if reads outlive READ_DRAIN_S; ``owned`` (their
+        memory is the engine's): drains until every read has completed instead."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         ucp_rma.forget_endpoint(peer.handle)
@@ -269,29 +279,37 @@ class _Lane:
             peer.ep.close_blocking()
         deadline = time.monotonic() + transport.READ_DRAIN_S
         progress = ucxcompat.request_calls()[2]
+        pause = LANE_DRAIN_POLL_S
         while not all(b.poll() for b in batches):
-            if time.monotonic() >= deadline:
-                self.stuck_batches.extend(b for b in batches if b.stuck)
-                raise _Stuck(f"{sum(b.posted for b in batches)} reads still running after "
-                             f"their endpoint was closed (waited {transport.READ_DRAIN_S} s)")
+            if time.monotonic() >= deadline and pause == LANE_DRAIN_POLL_S:
+                running = sum(b.posted for b in batches)
+                if not owned:
+                    self.stuck_batches.extend(b for b in batches if b.stuck)
+                    raise _Stuck(f"{running} reads still running after their endpoint was "
+                                 f"closed (waited {transport.READ_DRAIN_S} s)")
+                log.error("%d reads into memory the engine owns still running %s s after "
+                          "their endpoint was closed; the read ends when they have",
+                          running, transport.READ_DRAIN_S)
+                pause = OWNED_DRAIN_POLL_S
             if not progress(self._worker_handle):
-                yield LANE_DRAIN_POLL_S
+                yield pause
         peer.destroy_keys()
         peer.ep = peer.address = None  # released here, on the lane's thread
 
     def run(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
             timeout: float, stop: threading.Event,
-            local: LocalSource | None = None) -> float | None:
+            local: LocalSource | None = None, owned: bool = False) -> float | None:
         """:meth:`reading` on this thread."""
-        return run_blocking(self.reading(address, parts, timeout, stop, local))
+        return run_blocking(self.reading(address, parts, timeout, stop, local, owned))
 
     def reading(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
                 timeout: float, stop: threading.Event,
-                local: LocalSource | None = None) -> Steps[float | None]:
+                local: LocalSource | None = None, owned: bool = False) -> Steps[float | None]:
         """Read ``parts`` from the source worker at ``address`` (from the process ``local``
         on this host with :mod:`kvkern.xfer.local_reads` instead, when given); the time the
         first run completed. Raises RmaError (a failed read), TimeoutError (``timeout``
-        passed or ``stop`` set) or _Stuck, having closed the endpoint in each case."""
+        passed or ``stop`` set) or _Stuck (never when ``owned``: see the module docstring),
+        having closed the endpoint and drained its reads in each case."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         if stop.is_set():
@@ -321,7 +339,7 @@ class _Lane:
         except BaseException as exc:
             if peer is not None:
                 self._peers.pop(address, None)
-                closing = self._closing_peer(peer, batches)
+                closing = self._closing_peer(peer, batches, owned)
                 if isinstance(exc, GeneratorExit):  # (the driver stopped: no more pauses)
                     run_blocking(closing)
                 else:
@@ -397,20 +415,20 @@ class ReadLanes:
         return sum(len(lane.stuck_batches) for lane in self._all)
 
     async def read(self, address: bytes, parts: Sequence[Part], *, timeout: float,
-                   local: LocalSource | None = None, only_local: bool = False) -> float | None:
+                   local: LocalSource | None = None, owned: bool = False) -> float | None:
         """Read every part's runs from the source worker at ``address``, split over the
         lanes (shares of at least ``min_bytes``; on the loop lane when they are at most
         ``loop_bytes``); returns the ``perf_counter`` time the first run was seen complete.
         Raises :class:`TransportError` (``transfer_failed``, ``transfer_timeout``,
         ``closed``) or :class:`ReadsStuck`; after a raise no lane writes to any run's local
-        memory, except for ReadsStuck. ``local``, ``only_local``: as :meth:`run_script`."""
+        memory, except for ReadsStuck. ``local``, ``owned``: as :meth:`run_script`."""
         nbytes = sum(run[2] for _, runs in parts for run in runs)
         return await self.run_script(address, lambda read: read(parts), timeout=timeout,
-                                     nbytes=nbytes, local=local, only_local=only_local)
+                                     nbytes=nbytes, local=local, owned=owned)
 
     async def run_script(self, address: bytes, script: Callable[[Reader], Steps[T]], *,
                          timeout: float, nbytes: int | None = None,
-                         local: LocalSource | None = None, only_local: bool = False) -> T:
+                         local: LocalSource | None = None, owned: bool = False) -> T:
         """Run ``script(read)``, where ``read(parts)`` reads ``parts`` from the source worker
         at ``address`` (steps that return when all of them landed, as :meth:`read`): a
         sequence of dependent reads (look up, read, validate) with no hop through the event
@@ -423,11 +441,10 @@ class ReadLanes:
         ``read_local``), read with large ``process_vm_readv`` calls instead of UCX's where
         :func:`kvkern.xfer.local_reads.usable` says it may be.
 
-        ``only_local``: memory that the engine owns (:meth:`Puller.pull_into
-        <kvkern.xfer.puller.Puller.pull_into>`), read only with those calls, never through
-        UCX (``transfer_failed`` where ``local`` may not be read). A call returns or is
-        still on its lane's thread, so a cancelled script is waited for until its calls
-        have ended, however long: no byte lands after this returns or raises (but for
+        ``owned``: memory that the engine owns (:meth:`Puller.pull_into
+        <kvkern.xfer.puller.Puller.pull_into>`). A cancelled, failed or timed-out script is
+        waited for until every call it made has returned and every UCX read it posted has
+        completed, however long: no byte lands after this returns or raises (but for
         :class:`ReadsStuck`, raised only when a second cancellation ends that wait)."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
@@ -439,15 +456,13 @@ class ReadLanes:
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
         if local is not None and not local_reads.usable(local):
             local = None
-        if only_local and local is None:
-            raise TransportError("transfer_failed", "memory the engine owns is read only from "
-                                 "a source process on this host, with this process's own calls")
         if nbytes is not None and nbytes <= self.loop_bytes and not self._loop_busy \
                 and self._loop in (None, loop):
             self._loop, self._loop_busy = loop, True
             try:
                 result, error, cancelled = await _drive_here(script(
-                    lambda parts: self._on_loop.reading(address, parts, left(), stop, local)),
+                    lambda parts: self._on_loop.reading(address, parts, left(), stop, local,
+                                                        owned)),
                     stop)
             finally:
                 self._loop_busy = False
@@ -456,8 +471,9 @@ class ReadLanes:
         else:
             result, error, cancelled = await self._on_first_lane(
                 loop, lambda: run_blocking(script(
-                    lambda parts: self._reading_all(address, parts, deadline, stop, local))),
-                stop, until_done=only_local)
+                    lambda parts: self._reading_all(address, parts, deadline, stop, local,
+                                                    owned))),
+                stop, until_done=owned)
         if isinstance(error, _Stuck):
             raise ReadsStuck(str(error))
         if cancelled:
@@ -493,9 +509,8 @@ class ReadLanes:
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(asyncio.shield(fut), transport.READ_DRAIN_S + 1.0)
             if not fut.done() and until_done:
-                log.error("a same-host read into the engine's blocks is still in its system "
-                          "call %s s after its stop; the pull ends when the call does",
-                          transport.READ_DRAIN_S + 1.0)
+                log.error("a read into the engine's blocks is still running %s s after its "
+                          "stop; the pull ends when it does", transport.READ_DRAIN_S + 1.0)
                 with contextlib.suppress(BaseException):  # (cancelled again: ReadsStuck)
                     await asyncio.shield(fut)
             return None, (fut.exception() if fut.done() and not fut.cancelled()
@@ -504,8 +519,8 @@ class ReadLanes:
             return None, exc, False
 
     def _reading_all(self, address: bytes, parts: Sequence[Part], deadline: float,
-                     stop: threading.Event,
-                     local: LocalSource | None = None) -> Steps[float | None]:
+                     stop: threading.Event, local: LocalSource | None = None,
+                     owned: bool = False) -> Steps[float | None]:
         """On the first lane's thread: its share here, the others' on their threads (which
         never wait on another lane, so no wait cycle); one failing stops the rest. Raises
         the first error that is not a timeout caused by the stop (_Stuck first). Steps for
@@ -515,7 +530,7 @@ class ReadLanes:
         if not shares:
             return None
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
-        futs = [lane.executor.submit(lane.run, address, share, left(), stop, local)
+        futs = [lane.executor.submit(lane.run, address, share, left(), stop, local, owned)
                 for lane, share in zip(self._lanes[1:], shares[1:], strict=False)]
         for fut in futs:  # one lane failing stops the others at once
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
@@ -524,7 +539,7 @@ class ReadLanes:
         errors: list[BaseException] = []
         try:
             firsts.append((yield from self._lanes[0].reading(address, shares[0], left(),
-                                                             stop, local)))
+                                                             stop, local, owned)))
         except GeneratorExit:
             stop.set()
             raise

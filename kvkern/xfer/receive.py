@@ -294,14 +294,14 @@ class ReadReceiver:
         (its state says how). Canonical segments on both sides (TRT-LLM rows, per-layer
         HND): any plan pieces (a TP or PP reshard reads head and layer ranges). A source pool
         readable only in its own order (e.g. vLLM NHD): a destination pool of the same
-        layout, whole blocks. Into the engine's own blocks (``job.into``) only from a
-        source process on this host (:meth:`reads_locally`)."""
+        layout, whole blocks. Into the engine's own blocks (``job.into``) only on read lanes,
+        which end such a read only once every read it posted has (:mod:`kvkern.xfer.read_lanes`)."""
         state = job.state
         if not (self.config.remote_read and state is not None
                 and READ_CAPABILITY in state.capabilities and rank_kv.device.type == "cpu"):
             return False
         key = (job.source_dp, pair.src_rank)
-        if job.into is not None and not self.reads_locally(job, key):
+        if job.into is not None and self.lanes_for(state.read_workers.get(key)) is None:
             return False
         kind = state.reads.get(key)
         if kind == "canonical":
@@ -334,9 +334,7 @@ class ReadReceiver:
 
     def reads_locally(self, job: PullJob, key: tuple[int, int]) -> bool:
         """Source rank ``key`` is a process on this host that this puller reads with its own
-        calls (:mod:`kvkern.xfer.local_reads`, on the read lanes only). The only reads into
-        the engine's blocks: a call returns or is still on our thread, where a UCX read
-        could outlive its abort and land in blocks the engine has reused."""
+        calls (:mod:`kvkern.xfer.local_reads`, on the read lanes only)."""
         local = self.local_source(job.state, key)
         return (local is not None and self.lanes_for(job.state.read_workers.get(key)) is not None
                 and local_reads.usable(local))
@@ -459,7 +457,7 @@ class ReadReceiver:
             if lanes is not None:
                 try:
                     return await lanes.read(worker, keyed, timeout=xfer_t, local=local,
-                                            only_local=into)
+                                            owned=into)
                 except TransportError as exc:
                     if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck) or into:
                         raise
@@ -469,7 +467,7 @@ class ReadReceiver:
                     # check: see ReadBatch.wait).
                     if not scatter_check_failed(exc):
                         self.lanes_failed(worker, exc)
-            if into:  # (never through UCX: see reads_locally)
+            if into:  # (only on lanes, which wait for every read: see read_allowed)
                 raise TransportError("transfer_failed", "no read lanes for a read into the "
                                      "engine's blocks")
             return await conn.read_parts(keyed, timeout=xfer_t)

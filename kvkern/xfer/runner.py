@@ -153,10 +153,9 @@ class PullRunner:
     def _free_private(self, job: PullJob) -> None:
         """Private blocks not committed go back exactly once (quarantined ones never)."""
         if job.private is not None and job.into is not None:
-            if job.quarantined:  # only when the wait for a stuck call was cancelled
-                log.error("pull %r: a same-host read into the engine's blocks %s was still "
-                          "in its system call when the pull ended", job.rec.request_id,
-                          job.private[:16])
+            if job.quarantined:  # only when the wait for a stuck read was cancelled
+                log.error("pull %r: a read into the engine's blocks %s was still running "
+                          "when the pull ended", job.rec.request_id, job.private[:16])
             job.private = None  # the engine's blocks: it recomputes them (Puller.pull_into)
         if job.private is not None and job.quarantined:
             ids, job.private = job.private, None

@@ -24,6 +24,7 @@ __all__ = [
     "DIRECTORY_READ_COST_BYTES", "LANE_RETRY_S", "LANE_UCX_CONFIG", "MAX_CACHED_RKEYS",
     "MAX_CACHED_SOURCES", "REFRESH_AHEAD",
     "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "MAX_UNTRUSTED_CONNECTIONS",
+    "OWNED_DRAIN_POLL_S",
     "PACK_WAIT_S", "QUOTA_POLL_S",
     "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "READ_WAITER_THREADS",
     "SCATTER_MAX_BYTES",
@@ -70,6 +71,9 @@ SPLIT_ALIGN = 4096
 # A lane draining an aborted endpoint's reads polls at this interval when UCX made no
 # progress.
 LANE_DRAIN_POLL_S = 0.001
+# Past READ_DRAIN_S, a drain of reads into memory the engine owns (which waits for them
+# however long: kvkern.xfer.read_lanes) polls at this interval.
+OWNED_DRAIN_POLL_S = 0.01
 # UCX settings of a lane's own context (on top of the UCX_* environment). CMA progresses at
 # most CMA_TX_QUOTA queued copies per progress call (default 1): a pull from a per-layer
 # pool is thousands of 32-64 KiB reads, and one progress call per read made scattered HND

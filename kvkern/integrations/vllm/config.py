@@ -16,8 +16,8 @@ router that cannot sign, with engines that clients cannot reach directly), ``mod
 (default: derived from the model, its revision, dtypes and the hash settings), ``kv_layout``
 (``vllm_cpu`` / ``vllm_v1``; default by device), ``serve`` (false: pull only),
 ``remote_read`` (``off``, ``host`` or ``all``: the source's pools that peers may read
-one-sided, an opt-in, see SECURITY.md; an engine on the same host then reads a host pool
-straight into the blocks vLLM allocated instead of asking for a stream), ``policy``,
+one-sided, an opt-in, see SECURITY.md; other engines then read a host pool straight
+into the blocks vLLM allocated instead of asking for a stream), ``policy``,
 ``metadata_timeout_s``, ``transfer_timeout_s``, ``deadline_s``, ``max_inflight_pulls``,
 ``gil_switch_interval_s`` (the engine process's ``sys.setswitchinterval``; ``null`` keeps
 the interpreter's).
