@@ -10,8 +10,8 @@ Records, one JSON object per file:
     ``kvkern bench xfer --json | tail -1 > bench/results/xfer/NAME.json`` as it is: its
     ``by_size`` maps a byte count to the run's figures (``ratio``, ``scattered_ratio``,
     ``lanes1_ratio``, ``lanes0_ratio``, ``ucx_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
-    ``into_ratio``, ``into_stream_ratio``, ``raw_gbps``, ...) and ``env`` holds its environment
-    (``commit``, ``cpus``, versions).
+    ``into_ratio``, ``into_ucx_ratio``, ``into_stream_ratio``, ``raw_gbps``, ...) and ``env``
+    holds its environment (``commit``, ``cpus``, versions).
     Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``); a TP or
     PP reshard (``--pull-tp``, ``--pull-pp``) is read from ``cases.pull``. A record
     of several runs has a list of values per figure and ``"runs": N``; ``raw_gbps_range``
@@ -53,6 +53,7 @@ XFER_METRICS = (("ratio", "`ratio` (2 lanes)"), ("copy_ratio", "copy alone"),
                 ("ucx_ratio", "through UCX"),
                 ("stream_ratio", "stream"), ("stream_scattered_ratio", "stream scattered"),
                 ("into_ratio", "into engine blocks"),
+                ("into_ucx_ratio", "into engine blocks, through UCX"),
                 ("into_stream_ratio", "into engine blocks, streamed"))
 
 

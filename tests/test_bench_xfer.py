@@ -49,6 +49,7 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
     assert one["stream_pull_gbps"] > 0 and one["scattered_pull_gbps"] > 0
     # as an engine connector pulls (Puller.pull_into), read and streamed
     assert one["into_pull_gbps"] > 0 and one["into_stream_pull_gbps"] > 0
+    assert one["into_ucx_pull_gbps"] > 0  # and through UCX, as from a source on another host
     # the scattered source packs its streams: the time it took, from its own metrics
     assert one["stream_scattered_pack_ms"] > 0 and one["stream_scattered_pack_gbps"] > 0
     assert pull["hint_to_first_byte_ms"] > 0 and pull["one_block_cpu_ms"] > 0

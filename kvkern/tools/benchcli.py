@@ -60,8 +60,8 @@ from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env
 MiB = 1 << 20
 # a pull size's ratios to the raw send, one per path measured beside the headline pull
 PATH_RATIOS = ("copy_ratio", "scattered_ratio", "granted_ratio", "stream_ratio",
-               "stream_scattered_ratio", "into_ratio", "into_stream_ratio", "lanes1_ratio",
-               "lanes0_ratio", "ucx_ratio")
+               "stream_scattered_ratio", "into_ratio", "into_ucx_ratio", "into_stream_ratio",
+               "lanes1_ratio", "lanes0_ratio", "ucx_ratio")
 _PATTERN_PERIOD = 251  # prime, so chunk boundaries never line up with the pattern
 
 
@@ -713,7 +713,8 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
     await bench.fetch(nbytes, nbytes, in_flight=1)  # warm the raw buffer too
     raw_t, msgs, reads, phases = [], [], [], []
     times: dict[str, list[float]] = {"pull": [], "scattered": [], "stream": [],
-                                     "stream_scattered": [], "into": [], "into_stream": [],
+                                     "stream_scattered": [], "into": [], "into_ucx": [],
+                                     "into_stream": [],
                                      **{k: [] for k in pb.fewer}}
     scat = bench.scattered_http_port
     variants = [("raw", None, None), ("pull", None, pb.puller)]
@@ -724,8 +725,10 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         if scat:
             variants.append(("stream_scattered", scat, pb.streamer))
         if s.all_variants:  # as an engine connector pulls: read (this host's source), and
-            # streamed as from a source elsewhere
+            # streamed (a device pool, or a source that allows no reads)
             variants += [("into", None, pb.puller), ("into_stream", None, pb.streamer)]
+    if "ucx" in pb.fewer:  # and read through UCX, as from a source on another host
+        variants.append(("into_ucx", None, pb.fewer["ucx"]))
     variants += [(k, None, via) for k, via in pb.fewer.items()]
     if pb.nixl is not None:  # NIXL's READ of as many blocks, each of its ways
         for mapping, per_request in NIXL_WAYS:
@@ -772,7 +775,7 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         ss = _summary(nbytes, times["scattered"])
         row.update(scattered_pull_gbps=ss["gbps"],
                    scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
-    for key in ("stream", "stream_scattered", "into", "into_stream", *pb.fewer):
+    for key in ("stream", "stream_scattered", "into", "into_ucx", "into_stream", *pb.fewer):
         if times[key]:  # the stream path and fewer lanes in the same run, for comparison
             t = _summary(nbytes, times[key])
             row.update({f"{key}_pull_gbps": t["gbps"],
