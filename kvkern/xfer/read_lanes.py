@@ -279,10 +279,10 @@ class _Lane:
             peer.ep.close_blocking()
         deadline = time.monotonic() + transport.READ_DRAIN_S
         progress = ucxcompat.request_calls()[2]
-        pause = LANE_DRAIN_POLL_S
+        pause, past = LANE_DRAIN_POLL_S, False
         while not all(b.poll() for b in batches):
-            if time.monotonic() >= deadline and pause == LANE_DRAIN_POLL_S:
-                running = sum(b.posted for b in batches)
+            if not past and time.monotonic() >= deadline:
+                past, running = True, sum(b.posted for b in batches)
                 if not owned:
                     self.stuck_batches.extend(b for b in batches if b.stuck)
                     raise _Stuck(f"{running} reads still running after their endpoint was "
