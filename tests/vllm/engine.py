@@ -99,6 +99,14 @@ def stats(llm) -> dict:
     return res
 
 
+def local_reads(on: bool) -> dict:
+    from kvkern.xfer import local_reads as module
+
+    real = vars(module).setdefault("_usable", module.usable)
+    module.usable = real if on else (lambda source: False)
+    return {"local_reads": on}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -122,6 +130,9 @@ def main() -> None:
                 ans = generate(llm, cmd["requests"])
             elif cmd["op"] == "stats":
                 ans = stats(llm)
+            elif cmd["op"] == "local_reads":  # off: every source read through UCX, as
+                # across hosts (a same-host source's own calls refused)
+                ans = local_reads(cmd["on"])
             elif cmd["op"] == "quit":
                 break
             else:

@@ -119,6 +119,28 @@ def test_a_pulled_prefix_continues_bit_identically(engines):
         assert 'kvkern_pulls_total{outcome="ok"}' in page.read().decode()
 
 
+def test_a_prefix_read_through_ucx_into_vllms_blocks_continues_bit_identically(engines):
+    """``b`` reads ``a``'s blocks through UCX, as from another host (its own same-host calls
+    refused), one-sided and straight into the blocks vLLM allocated."""
+    a, b = engines["a"], engines["b"]
+    toks = prompt(2)
+    want = own_continuation(a, toks, "u1")
+    before = counters(b)
+    b.ask("local_reads", on=False)
+    try:
+        got = b.generate(request("u1-b", toks, *hint_params("kv_hint", a, toks)))["u1-b"]
+    finally:
+        b.ask("local_reads", on=True)
+    assert got["cached"] == FULL * BS, got
+    assert got["logprobs"] == want["logprobs"] and got["tokens"] == want["tokens"]
+    after = counters(b)
+    pulled = {k: after.get(f"kvkern_pairs_pulled_total[{k}]", 0)
+              - before.get(f"kvkern_pairs_pulled_total[{k}]", 0)
+              for k in ("direct", "read", "stream")}
+    assert pulled["stream"] == 0 and pulled["direct"] + pulled["read"] >= 1, pulled
+    assert unpinned(a)["pins"] == 0
+
+
 @pytest.mark.parametrize("dialect", ["kv_hints", "request.kv_hints", "router_hint",
                                      "remote_kv_source"])
 def test_every_hint_dialect_pulls(engines, dialect):
