@@ -25,7 +25,8 @@ Records, one JSON object per file:
 ``bench/results/vllm/*.json``
     ``make bench-vllm`` (``bench/vllm_ttft.py``) writes one: ``rows`` of ``prefix_tokens``,
     ``kv_mib``, ``pull_s`` and ``recompute_s`` (medians of TTFT with a pull and with the whole
-    prompt recomputed, in the same run), ``crossover_tokens``, ``model`` and ``env``.
+    prompt recomputed, in the same run), ``read_s`` and ``ucx_s`` (read pulls, where
+    measured), ``crossover_tokens``, ``model`` and ``env``.
 ``bench/results/kernel_aot.json``
     ``python -m kvkern.kernels.aot`` (ahead-of-time compile facts, no GPU needed).
 ``bench/results/gpu/*.json``
@@ -497,31 +498,36 @@ def _vllm_section(records: list[tuple[str, dict]]) -> list[str]:
            "prefix, then prefills 16 more tokens), and a prompt as long without one (B "
            "prefills it all), on fresh prompts. The source streams the blocks (A), or lets B "
            "read them straight into the blocks vLLM allocated (R, `remote_read: host`, on "
-           "B's host) where the record has that column. Medians of the runs; the crossover is "
-           "the shortest measured prefix from which the pull wins.", ""]
+           "B's host) where the record has that column: with B's own same-host calls, and "
+           "through UCX with those refused, as from another host, where it has that one. "
+           "Medians of the runs; the crossover is the shortest measured prefix from which the "
+           "pull wins.", ""]
     if not records:
         return out + ["No run is recorded.", ""]
     for name, rec in records:
         model = ", ".join(f"{k} {v}" for k, v in rec.get("model", {}).items())
-        read = all("read_s" in r for r in rec["rows"])
+        # the read columns each record has: (key, TTFT heading, ratio heading, crossover)
+        reads = [c for c in (("read_s", "read (s)", "recompute / read", "read"),
+                             ("ucx_s", "read through UCX (s)", "recompute / through UCX",
+                              "through UCX"))
+                 if all(c[0] in r for r in rec["rows"])]
         out += [f"### `{name}` (commit {_commit(rec)})", "",
                 f"Model: {model}. Environment: {_env_line(rec.get('env', {}))}.", ""]
-        if read:
-            out += ["| prefix tokens | KV MiB | TTFT with the pull, streamed (s) | read (s) "
-                    "| TTFT recomputing (s) | recompute / streamed | recompute / read |",
-                    "|---|---|---|---|---|---|---|"]
-        else:
-            out += ["| prefix tokens | KV MiB | TTFT with the pull (s) | TTFT recomputing (s) "
-                    "| recompute / pull |", "|---|---|---|---|---|"]
+        pulled = "TTFT with the pull, streamed (s)" if reads else "TTFT with the pull (s)"
+        versus = "recompute / streamed" if reads else "recompute / pull"
+        heads = ["prefix tokens", "KV MiB", pulled, *(c[1] for c in reads),
+                 "TTFT recomputing (s)", versus, *(c[2] for c in reads)]
+        out += ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
         for r in rec["rows"]:
             cells = [str(r["prefix_tokens"]), f"{r['kv_mib']:.1f}", f"{r['pull_s']:.3f}"]
-            cells += [f"{r['read_s']:.3f}"] if read else []
+            cells += [f"{r[c[0]]:.3f}" for c in reads]
             cells += [f"{r['recompute_s']:.3f}", f"{r['recompute_s'] / r['pull_s']:.1f}"]
-            cells += [f"{r['recompute_s'] / r['read_s']:.1f}"] if read else []
+            cells += [f"{r['recompute_s'] / r[c[0]]:.1f}" for c in reads]
             out.append("| " + " | ".join(cells) + " |")
         crossover = f"Crossover: {rec.get('crossover_tokens')} tokens"
-        if read:
-            crossover += f" streamed, {rec.get('read_crossover_tokens')} read"
+        if reads:
+            crossover += " streamed" + "".join(
+                f", {rec.get(c[0].replace('_s', '_crossover_tokens'))} {c[3]}" for c in reads)
         out += ["", crossover + ".", ""]
     return out
 

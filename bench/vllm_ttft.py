@@ -5,8 +5,10 @@ Three real vLLM engines (CPU build) with the kvkern connector, each in its own p
 (``remote_read: host``), B pulls. A and R each compute a prompt; B then serves it with a
 signed hint naming that source (B pulls the prefix's blocks, streamed from A or read from R
 straight into the blocks vLLM allocated, then prefills the rest), and a prompt as long
-without a hint (B prefills it all). Every prompt is fresh, so no run hits B's own prefix
-cache, and B's ``kvkern_pairs_pulled_total`` confirms each pull's path. Writes one JSON
+without a hint (B prefills it all). B reads R with its own same-host calls, and once more
+through UCX with those calls refused, as it reads a source on another host. Every prompt
+is fresh, so no run hits B's own prefix cache, and B's ``kvkern_pairs_pulled_total``
+confirms each pull's path. Writes one JSON
 record (``bench/results/vllm/``) with the environment and prints the table and the
 crossovers: the shortest prefix from which each pull wins.
 
@@ -74,15 +76,16 @@ def main() -> None:
     record = {"bench": "vllm_ttft", "model": BENCH_MODEL, "block_size": BS, "rows": rows,
               "crossover_tokens": _crossover(rows, "pull_s"),
               "read_crossover_tokens": _crossover(rows, "read_s"),
+              "ucx_crossover_tokens": _crossover(rows, "ucx_s"),
               "env": environment()}
-    print(f"{'prefix':>7} {'KV MiB':>7} {'streamed s':>11} {'read s':>9} {'recompute s':>12} "
-          f"{'speedup':>8} {'read':>7}")
+    print(f"{'prefix':>7} {'KV MiB':>7} {'streamed s':>11} {'read s':>9} {'UCX s':>8} "
+          f"{'recompute s':>12} {'speedup':>8} {'read':>7} {'UCX':>7}")
     for row in rows:
         print(f"{row['prefix_tokens']:>7} {row['kv_mib']:>7.1f} {row['pull_s']:>11.3f} "
-              f"{row['read_s']:>9.3f} {row['recompute_s']:>12.3f} {row['speedup']:>7.2f}x "
-              f"{row['read_speedup']:>6.2f}x")
+              f"{row['read_s']:>9.3f} {row['ucx_s']:>8.3f} {row['recompute_s']:>12.3f} "
+              f"{row['speedup']:>7.2f}x {row['read_speedup']:>6.2f}x {row['ucx_speedup']:>6.2f}x")
     print(f"crossover: {record['crossover_tokens']} tokens streamed, "
-          f"{record['read_crossover_tokens']} read")
+          f"{record['read_crossover_tokens']} read, {record['ucx_crossover_tokens']} through UCX")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{record['env']['commit']}-ttft.json"
@@ -120,28 +123,35 @@ def _pulled(b, source, toks: list[int], rid: str, path: str, prefix: int, signer
 
 
 def measure(engines, prefix: int, reps: int, signer, salt: int = 0) -> dict:
-    """Median TTFT on B with a streamed pull (from A), a read one (from R) and none, over
-    ``reps`` fresh prompts each (no prompt is ever seen twice by B, so no measurement hits
-    B's own prefix cache)."""
+    """Median TTFT on B with a streamed pull (from A), a read one (from R, with B's own calls
+    and through UCX) and none, over ``reps`` fresh prompts each (no prompt is ever seen twice
+    by B, so no measurement hits B's own prefix cache)."""
     a, r, b = engines
-    pulls, reads, recomputes = [], [], []
+    pulls, reads, ucx, recomputes = [], [], [], []
     for rep in range(reps):
         seed = (salt * 1000 + prefix) * 1000 + rep
         toks = _tokens(seed, prefix + BS // 2)  # the shared prefix, then a question
         pulls.append(_pulled(b, a, toks, f"{seed}", "stream", prefix, signer))
         other = _tokens(seed + 5 * 10**8, len(toks))
         reads.append(_pulled(b, r, other, f"{seed}r", "read", prefix, signer))
+        b.ask("local_reads", on=False)  # as across hosts: B's same-host calls refused
+        try:
+            third = _tokens(seed + 7 * 10**8, len(toks))
+            ucx.append(_pulled(b, r, third, f"{seed}u", "read", prefix, signer))
+        finally:
+            b.ask("local_reads", on=True)
         fresh = _tokens(seed + 10**9, len(toks))  # same length, cached nowhere
         ref = b.generate({"id": f"x{seed}", "tokens": fresh, "max_tokens": 1})[f"x{seed}"]
         if ref["cached"]:
             raise RuntimeError(f"the recompute run found {ref['cached']} tokens cached")
         recomputes.append(ref["ttft_s"])
-    pull, read = statistics.median(pulls), statistics.median(reads)
+    pull, read, via_ucx = (statistics.median(x) for x in (pulls, reads, ucx))
     recompute = statistics.median(recomputes)
     return {"prefix_tokens": prefix, "kv_mib": prefix * 8192 / 2**20,
-            "pull_s": pull, "read_s": read, "recompute_s": recompute,
+            "pull_s": pull, "read_s": read, "ucx_s": via_ucx, "recompute_s": recompute,
             "speedup": recompute / pull, "read_speedup": recompute / read,
-            "pull_runs": pulls, "read_runs": reads, "recompute_runs": recomputes}
+            "ucx_speedup": recompute / via_ucx, "pull_runs": pulls, "read_runs": reads,
+            "ucx_runs": ucx, "recompute_runs": recomputes}
 
 
 def environment() -> dict:

@@ -151,17 +151,25 @@ def test_a_run_under_an_engine_load_stands_apart(tmp_path):
 
 def test_a_vllm_record_shows_the_read_pull_where_it_has_one(tmp_path):
     """``make bench-vllm`` records: a streamed pull and recomputation per prefix, and where
-    the record has them the pull read into vLLM's blocks too, with both crossovers."""
+    the record has them the pulls read into vLLM's blocks too, with every crossover."""
     report = _report()
     (tmp_path / "vllm").mkdir()
     row = {"prefix_tokens": 2048, "kv_mib": 16.0, "pull_s": 0.2, "recompute_s": 1.0}
     old = {"rows": [row], "crossover_tokens": 2048, "env": {"commit": "abc1234"}}
     new = {"rows": [dict(row, read_s=0.1)], "crossover_tokens": 2048,
            "read_crossover_tokens": 512, "env": {"commit": "def5678"}}
+    ucx = {"rows": [dict(row, read_s=0.1, ucx_s=0.125)], "crossover_tokens": 2048,
+           "read_crossover_tokens": 512, "ucx_crossover_tokens": 1024,
+           "env": {"commit": "0a1b2c3"}}
     (tmp_path / "vllm" / "a.json").write_text(json.dumps(old))
     (tmp_path / "vllm" / "b.json").write_text(json.dumps(new))
+    (tmp_path / "vllm" / "c.json").write_text(json.dumps(ucx))
     text = report.render(report.load(tmp_path))
     assert "| 2048 | 16.0 | 0.200 | 1.000 | 5.0 |" in text
     assert "Crossover: 2048 tokens." in text
     assert "| 2048 | 16.0 | 0.200 | 0.100 | 1.000 | 5.0 | 10.0 |" in text
     assert "Crossover: 2048 tokens streamed, 512 read." in text
+    # and read through UCX, as from another host, where the record has that too
+    assert "| read (s) | read through UCX (s) | TTFT recomputing (s) |" in text
+    assert "| 2048 | 16.0 | 0.200 | 0.100 | 0.125 | 1.000 | 5.0 | 10.0 | 8.0 |" in text
+    assert "Crossover: 2048 tokens streamed, 512 read, 1024 through UCX." in text
