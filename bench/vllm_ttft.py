@@ -8,9 +8,9 @@ straight into the blocks vLLM allocated, then prefills the rest), and a prompt a
 without a hint (B prefills it all). B reads R with its own same-host calls, and once more
 through UCX with those calls refused, as it reads a source on another host. Every prompt
 is fresh, so no run hits B's own prefix cache, and B's ``kvkern_pairs_pulled_total``
-confirms each pull's path. Writes one JSON
-record (``bench/results/vllm/``) with the environment and prints the table and the
-crossovers: the shortest prefix from which each pull wins.
+confirms each pull's path. Writes one JSON record (``bench/results/vllm/``) with the
+environment and prints the table and the crossovers: the shortest prefix from which each
+pull wins.
 
     make bench-vllm                                  # 32, 128, 512, 2k and 8k prefix tokens
     PYTHONPATH=. .venv-vllm/bin/python bench/vllm_ttft.py --prefixes 2048,8192 --reps 3
