@@ -39,12 +39,12 @@ cancelled :meth:`ReadLanes.read` lets the reads finish for up to ``READ_CANCEL_G
 then stops the lanes. Reads that outlive the drain raise :class:`ReadsStuck` (quarantine the
 local memory), as on the connection.
 
-Memory the engine owns (``owned``: :meth:`Puller.pull_into <kvkern.xfer.puller.Puller.pull_into>`)
-has no quarantine: the engine reuses its blocks once the pull ends. Such a read ends only after
-every read it posted has completed, with or without an error, however long past the drain
-that takes: a completed UCX read writes nothing more (a forced close completes the reads still
-running only once the transport has stopped them, e.g. an RDMA queue pair flushed), and a
-same-host call has returned.
+Memory the engine owns (``owned``: :meth:`Puller.pull_into
+<kvkern.xfer.puller.Puller.pull_into>`) has no quarantine: the engine reuses its blocks once
+the pull ends. Such a read ends only after every read it posted has completed, with or
+without an error, however long past the drain that takes: a completed UCX read writes nothing
+more (a forced close completes the reads still running only once the transport has stopped
+them, e.g. an RDMA queue pair flushed), and a same-host call has returned.
 
 Trust: the worker address comes from the state of a source the allowlist admitted; its
 transports are the same ones UCX learns from that source's listener when the control
