@@ -1501,6 +1501,42 @@ def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeyp
     src.wait_no_pins()
 
 
+def test_failed_read_lanes_fail_a_pull_into_the_engines_blocks_and_the_next_streams(
+        src, make_puller, monkeypatch):
+    """Into the engine's blocks, read lanes that fail (not by time) fail that pull (the
+    engine recomputes; nothing is read again on the connection) and rest: the next pull
+    into the engine's blocks streams."""
+    from kvkern.xfer.read_lanes import ReadLanes
+    from kvkern.xfer.transport import TransportError
+
+    calls = []
+
+    async def failing(self, address, parts, *, timeout, local=None, owned=False):
+        calls.append(owned)
+        raise TransportError("transfer_failed", "injected lane failure")
+
+    monkeypatch.setattr(ReadLanes, "read", failing)
+    group = make_group()
+    engine = group.manager.allocate(6)
+    p = make_puller(group)
+    before = snapshot(group)
+    tokens = fresh_tokens(6 * BS)
+    src.commit(tokens)
+    o = pull_into(p, "into-lanes-down", tokens, hint_for(src, tokens), engine)
+    assert not o.used and o.reason is Reason.TRANSFER_FAILED and calls == [True], o
+    assert_only_changed(group, before, set(engine))
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    sent = src.http("GET", "/test/stats")["replies"]
+    o = pull_into(p, "into-streamed", tokens, hint_for(src, tokens), engine)
+    assert o.used and o.blocks_transferred == 6 and calls == [True], o
+    assert served_kinds(src, sent) == {"read": 0, "stream": 1}
+    check_bytes(src, group, hashes, engine)
+    group.manager.release(engine)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
 @pytest.fixture(scope="module")
 def src_hnd():
     """A source whose pool is per-layer HND (vLLM/FlashInfer): one read segment per layer."""

@@ -459,14 +459,17 @@ class ReadReceiver:
                     return await lanes.read(worker, keyed, timeout=xfer_t, local=local,
                                             owned=into)
                 except TransportError as exc:
-                    if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck) or into:
+                    if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck):
                         raise
-                    # The lanes failed, not the copy's time: read again on the connection
-                    # (the private blocks are ours; the pins are held), and leave this
-                    # source's lanes alone for a while (not for a failed scattered-read
-                    # check: see ReadBatch.wait).
+                    # The lanes failed, not the copy's time: leave this source's lanes
+                    # alone for a while (not for a failed scattered-read check: see
+                    # ReadBatch.wait), and read again on the connection (the private
+                    # blocks are ours; the pins are held). Into the engine's blocks the
+                    # pull fails instead; the next ones stream while the lanes rest.
                     if not scatter_check_failed(exc):
                         self.lanes_failed(worker, exc)
+                    if into:
+                        raise
             if into:  # (only on lanes, which wait for every read: see read_allowed)
                 raise TransportError("transfer_failed", "no read lanes for a read into the "
                                      "engine's blocks")
