@@ -112,11 +112,14 @@ class ReadDirectory:
         start = -self._buffer.ctypes.data % ALIGN
         self.table = self._buffer[start:start + nbytes].view(np.uint64).reshape(
             self._buckets, BUCKET_SLOTS, SLOT_WORDS)
-        self._words = self.table.reshape(-1)  # a view: word 4 * flat_slot + k
+        # The writer reaches the table's words (word 4 * flat_slot + k) and its per-block
+        # arrays through memoryviews, not numpy scalars: 1.4-1.9 us a publish against 1.9-2.1.
+        self._words = _words_of(self.table.reshape(-1))
         self._used = [0] * self._buckets  # per bucket, a bit per slot holding a block
-        self._slot_of = np.full(num_blocks, -1, dtype=np.int64)
-        self._hash_of = np.zeros(num_blocks, dtype=np.uint64)
-        self._home_of = np.full(num_blocks, -1, dtype=np.int64)  # home bucket, while published
+        # per block: its flat slot and home bucket (-1) and its hash (0), while published
+        self._slot_of = _words_of(np.full(num_blocks, -1, dtype=np.int64))
+        self._hash_of = _words_of(np.zeros(num_blocks, dtype=np.uint64))
+        self._home_of = _words_of(np.full(num_blocks, -1, dtype=np.int64))
         self._unpublished = 0
         self._published = 0
 
@@ -158,7 +161,7 @@ class ReadDirectory:
 
     def slot_of(self, block_id: int) -> int:
         """The flat slot (``bucket * BUCKET_SLOTS + slot``) naming ``block_id``, or -1."""
-        return int(self._slot_of[self._check_block(block_id)])
+        return self._slot_of[self._check_block(block_id)]
 
     def slot_address(self, flat_slot: int) -> int:
         """Address of a flat slot's first word."""
@@ -181,7 +184,7 @@ class ReadDirectory:
             raise ValueError(f"hash must be an int in [0, 2**64), got {h!r}")
         if self._slot_of[bid] >= 0:
             raise ValueError(f"block {bid} is already published under hash "
-                             f"{int(self._hash_of[bid])} (slot {int(self._slot_of[bid])})")
+                             f"{self._hash_of[bid]} (slot {self._slot_of[bid]})")
         home = self._home(h, chain)
         bucket = home
         used = self._used[bucket]
@@ -195,7 +198,7 @@ class ReadDirectory:
         flat = bucket * BUCKET_SLOTS + j
         w = self._words
         base = flat * SLOT_WORDS
-        seq = (int(w[base + _TAG]) >> 2) + 1
+        seq = (w[base + _TAG] >> 2) + 1
         w[base + _TAG] = seq << 2 | TAG_CHANGING
         w[base + _HASH] = h
         w[base + _BLOCK] = bid
@@ -210,12 +213,12 @@ class ReadDirectory:
     def withdraw(self, block_id: int) -> None:
         """Clear the slot naming ``block_id``, if it holds one."""
         bid = self._check_block(block_id)
-        flat = int(self._slot_of[bid])
+        flat = self._slot_of[bid]
         if flat < 0:
             return
         w = self._words
         base = flat * SLOT_WORDS
-        seq = (int(w[base + _TAG]) >> 2) + 1
+        seq = (w[base + _TAG] >> 2) + 1
         w[base + _TAG] = seq << 2 | TAG_CHANGING
         w[base + _HASH] = 0
         w[base + _BLOCK] = 0
@@ -268,27 +271,32 @@ class ReadDirectory:
         if len(flats) != self._published:
             raise AssertionError(f"{len(flats)} slots in use, {self._published} counted")
         for flat in flats.tolist():
-            h, bid = (int(x) for x in self._words[flat * SLOT_WORDS:flat * SLOT_WORDS + 2])
+            h, bid = self._words[flat * SLOT_WORDS:flat * SLOT_WORDS + 2].tolist()
             if index.get(h) != bid:
                 raise AssertionError(f"slot {flat} names block {bid} under hash {h}; the "
                                      f"index has {index.get(h)}")
-            if bid >= self._num_blocks or int(self._slot_of[bid]) != flat:
+            if bid >= self._num_blocks or self._slot_of[bid] != flat:
                 raise AssertionError(f"slot {flat} names block {bid}, whose recorded slot "
                                      f"is not it")
-            if flat // BUCKET_SLOTS not in (h & (self._buckets - 1), int(self._home_of[bid])):
+            if flat // BUCKET_SLOTS not in (h & (self._buckets - 1), self._home_of[bid]):
                 raise AssertionError(f"slot {flat}: hash {h} outside its home and plain "
                                      f"buckets")
-        for bid in np.flatnonzero(self._slot_of >= 0).tolist():
-            h = int(self._hash_of[bid])
+        for bid in np.flatnonzero(np.asarray(self._slot_of) >= 0).tolist():
+            h = self._hash_of[bid]
             if index.get(h) != bid:
                 raise AssertionError(f"block {bid} is published under hash {h}; the index "
                                      f"has {index.get(h)}")
             if chains is not None:
                 c = chains.get(bid)
                 home = self._home(h, c)
-                if int(self._home_of[bid]) != home:
+                if self._home_of[bid] != home:
                     raise AssertionError(f"block {bid} (chain {c}) has home bucket "
-                                         f"{int(self._home_of[bid])}, not {home}")
+                                         f"{self._home_of[bid]}, not {home}")
+
+
+def _words_of(a: np.ndarray) -> memoryview:
+    """A memoryview of the 1-D 64-bit array ``a`` whose items are Python ints."""
+    return memoryview(a.view(np.uint8)).cast("q" if a.dtype == np.int64 else "Q")
 
 
 # ------------------------------------------------------------------------------- reader
