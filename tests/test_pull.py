@@ -1467,21 +1467,29 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert p._lanes is None and (lane_set is None or lane_set.peers == 0)
 
 
-def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeypatch):
-    """Read lanes that fail (not by time) cost no pull: the same pull reads again on the
-    control connection, and later pulls from that source worker skip the lanes until
-    LANE_RETRY_S has passed."""
-    from kvkern.xfer import receive as receive_mod
+def fail_read_lanes(monkeypatch) -> list[bool]:
+    """Every read on read lanes fails, not by time; per read, whether it was into memory
+    the engine owns."""
     from kvkern.xfer.read_lanes import ReadLanes
     from kvkern.xfer.transport import TransportError
 
     calls = []
 
     async def failing(self, address, parts, *, timeout, local=None, owned=False):
-        calls.append(address)
+        calls.append(owned)
         raise TransportError("transfer_failed", "injected lane failure")
 
     monkeypatch.setattr(ReadLanes, "read", failing)
+    return calls
+
+
+def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeypatch):
+    """Read lanes that fail (not by time) cost no pull: the same pull reads again on the
+    control connection, and later pulls from that source worker skip the lanes until
+    LANE_RETRY_S has passed."""
+    from kvkern.xfer import receive as receive_mod
+
+    calls = fail_read_lanes(monkeypatch)
     group = make_group()
     p = make_puller(group)
     for i in range(2):
@@ -1506,16 +1514,7 @@ def test_failed_read_lanes_fail_a_pull_into_the_engines_blocks_and_the_next_stre
     """Into the engine's blocks, read lanes that fail (not by time) fail that pull (the
     engine recomputes; nothing is read again on the connection) and rest: the next pull
     into the engine's blocks streams."""
-    from kvkern.xfer.read_lanes import ReadLanes
-    from kvkern.xfer.transport import TransportError
-
-    calls = []
-
-    async def failing(self, address, parts, *, timeout, local=None, owned=False):
-        calls.append(owned)
-        raise TransportError("transfer_failed", "injected lane failure")
-
-    monkeypatch.setattr(ReadLanes, "read", failing)
+    calls = fail_read_lanes(monkeypatch)
     group = make_group()
     engine = group.manager.allocate(6)
     p = make_puller(group)
