@@ -304,6 +304,7 @@ def test_reads_that_outlive_their_abort_keep_every_buffer_they_target(src, make_
     monkeypatch.setattr(direct.DirectRead, "_confirm", stuck_after_confirming)
     o = pull(p, "stuck", tokens, hint_for(src, tokens))
     assert not o.used and p.quarantined_blocks == 4, o
+    assert p.metrics.value("kvkern_blocks_quarantined_total") == 4
     kept = {id(b) for b in p._reads.stuck_buffers}
     assert stuck[0] and all(id(b) in kept for b in stuck[0])
     assert not p._reads.direct_scratch and not p._reads.loop_scratch

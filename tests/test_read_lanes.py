@@ -613,6 +613,7 @@ async def test_a_ucx_read_into_engine_memory_ends_only_after_its_reads(source, l
     monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
     rl = lanes(1, **on)
     done_at = []
+    past = read_lanes.reads_past_drain()
 
     def complete_later():
         time.sleep(0.5)  # 10 drains
@@ -630,6 +631,8 @@ async def test_a_ucx_read_into_engine_memory_ends_only_after_its_reads(source, l
             await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01)
         assert not done_at and rl.stuck_reads == 1
         await until(lambda: bool(done_at))
+    memory = "engine" if owned else "private"  # counted once, under its memory
+    assert read_lanes.reads_past_drain() == dict(past, **{memory: past[memory] + 1})
 
 
 @pytest.mark.parametrize("owned", [False, True], ids=["private", "engine"])

@@ -16,6 +16,11 @@ Every metric is prefixed ``kvkern_``. Destination side (the puller calls these):
     kvkern_pairs_pulled_total{path}                  counter   direct, read or stream
     kvkern_local_read_refusals_total                 counter   same-host sources this process
                                                                may not read itself (process-wide)
+    kvkern_reads_past_drain_total{memory}            counter   aborted reads still running after
+                                                               their drain (private: quarantined,
+                                                               engine: waited for; process-wide)
+    kvkern_blocks_quarantined_total                  counter   private blocks never reused: reads
+                                                               into them outlived their abort
     kvkern_pulls_in_flight                           gauge
     kvkern_phase_seconds{phase}                      histogram metadata, plan, allocate,
                                                                transfer, unpack, validate,
@@ -99,7 +104,7 @@ class _LocalReadRefusals:
     """``kvkern_local_read_refusals_total``: checks of a same-host source that found this
     process may not read it with its own calls (:func:`kvkern.xfer.local_reads.usable`: the
     host's ptrace policy, a process gone, a token that differs), counted process-wide. Such a
-    source is read through UCX, and a pull into an engine's own blocks streams instead."""
+    source is read through UCX instead."""
 
     NAME = PREFIX + "local_read_refusals"
     DOC = "Same-host sources found not readable with this process's own calls (process-wide)."
@@ -111,6 +116,29 @@ class _LocalReadRefusals:
 
     def describe(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily(self.NAME, self.DOC)
+
+
+class _ReadsPastDrain:
+    """``kvkern_reads_past_drain_total{memory}``: read lanes' drains whose reads were still
+    running ``READ_DRAIN_S`` after their endpoint's forced close
+    (:func:`kvkern.xfer.read_lanes.reads_past_drain`), counted process-wide: into the puller's
+    own blocks (``private``: quarantined) or an engine's (``engine``: the pull, and the
+    engine's blocks, waited until they ended)."""
+
+    NAME = PREFIX + "reads_past_drain"
+    DOC = ("Aborted one-sided reads still running after their drain, by the memory they "
+           "write (process-wide).")
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        from kvkern.xfer import read_lanes  # noqa: PLC0415
+
+        family = CounterMetricFamily(self.NAME, self.DOC, labels=("memory",))
+        for memory, n in read_lanes.reads_past_drain().items():
+            family.add_metric((memory,), n)
+        yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, self.DOC, labels=("memory",))
 
 
 class XferMetrics:
@@ -152,6 +180,10 @@ class XferMetrics:
                                     "message), read (granted one-sided read), stream.",
                                     ("path",))
         r.register(_LocalReadRefusals())
+        r.register(_ReadsPastDrain())
+        self.blocks_quarantined = counter("blocks_quarantined", "Private blocks never "
+                                          "reused: one-sided reads into them outlived their "
+                                          "abort.")
         self.pulls_in_flight = Gauge(p + "pulls_in_flight", "Pulls in progress.", registry=r)
         self.phase_seconds = Histogram(p + "phase_seconds", "Latency of each pull phase.",
                                        ("phase",), buckets=LATENCY_BUCKETS, registry=r)

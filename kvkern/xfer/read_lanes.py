@@ -86,7 +86,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.local_reads import LocalSource
     from kvkern.xfer.ucp_rma import ReadBatch, RemoteKey
 
-__all__ = ["ReadLanes", "split_parts", "address_usable", "MAX_PEERS",
+__all__ = ["ReadLanes", "split_parts", "address_usable", "reads_past_drain", "MAX_PEERS",
            "MAX_WORKER_ADDRESS_BYTES"]
 
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
@@ -98,6 +98,19 @@ MAX_PEERS = MAX_LANE_PEERS
 MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
 
 log = logging.getLogger("kvkern.xfer")
+
+# Drains whose reads were still running READ_DRAIN_S after their endpoint's forced close, in
+# this process, by the memory they write: the puller's own or the engine's.
+_past_drain = {"private": 0, "engine": 0}
+_past_drain_lock = threading.Lock()
+
+
+def reads_past_drain() -> dict[str, int]:
+    """How many lane drains in this process had reads still running ``READ_DRAIN_S`` after
+    their endpoint's forced close, by memory: ``private`` (the puller's own blocks, then
+    quarantined) and ``engine`` (an engine's blocks: the pull waited until they ended)."""
+    with _past_drain_lock:
+        return dict(_past_drain)
 
 
 def split_parts(parts: Sequence[Part], n: int, *, min_bytes: int = 0,
@@ -283,6 +296,8 @@ class _Lane:
         while not all(b.poll() for b in batches):
             if not past and time.monotonic() >= deadline:
                 past, running = True, sum(b.posted for b in batches)
+                with _past_drain_lock:
+                    _past_drain["engine" if owned else "private"] += 1
                 if not owned:
                     self.stuck_batches.extend(b for b in batches if b.stuck)
                     raise _Stuck(f"{running} reads still running after their endpoint was "

@@ -160,6 +160,8 @@ class PullRunner:
         if job.private is not None and job.quarantined:
             ids, job.private = job.private, None
             self.quarantined_blocks += len(ids)
+            if self.metrics is not None:
+                self.metrics.blocks_quarantined.inc(len(ids))
             log.error("pull %r: %d private blocks quarantined (one-sided reads still "
                       "running after their endpoint was aborted)", job.rec.request_id, len(ids))
         if job.private is not None:  # not committed: free every block exactly once
