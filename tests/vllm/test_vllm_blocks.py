@@ -39,18 +39,27 @@ def vllm_pool():
     return pool, manager, blocks
 
 
-def cached_request(pool, tokens: list[int], rid: str = "r"):
-    """A vLLM request whose full blocks vLLM computed and cached."""
+def vllm_request(tokens: list[int], rid: str):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
-    req = Request(rid, tokens, SamplingParams(max_tokens=1), None,
-                  block_hasher=get_request_block_hasher(BS, sha256))
+    return Request(rid, tokens, SamplingParams(max_tokens=1), None,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def cached_request(pool, tokens: list[int], rid: str = "r", blocks=None, *,
+                   written: bool = True):
+    """A vLLM request whose full blocks vLLM computed and cached; with ``blocks`` (the index
+    bound to ``pool``), in a step of their own, reported written unless ``written`` is
+    false."""
+    req = vllm_request(tokens, rid)
     n = len(tokens) // BS
     got = pool.get_new_blocks(n)
     pool.cache_full_blocks(req, got, 0, n, BS, 0)
+    if blocks is not None and written:
+        blocks.written(blocks.seal())  # the step's forward pass wrote them
     pool.free_blocks(reversed(got))  # the request finished: cached, evictable
     return req, got
 
@@ -65,7 +74,7 @@ def test_vllms_hashes_are_kvkerns_vllm_scheme(vllm_pool):
 
 def test_pin_holds_cached_blocks_and_unpin_gives_them_back(vllm_pool):
     pool, _, blocks = vllm_pool
-    req, got = cached_request(pool, list(range(12)))
+    req, got = cached_request(pool, list(range(12)), blocks=blocks)
     hashes = [vllm_u64(h) for h in req.block_hashes]
     free = pool.get_num_free_blocks()
     handle = blocks.pin(hashes, require_all=True)
@@ -82,9 +91,67 @@ def test_pin_holds_cached_blocks_and_unpin_gives_them_back(vllm_pool):
     assert blocks.longest_prefix(hashes) == 3  # still cached
 
 
+def test_a_cached_block_is_served_only_once_its_step_is_written(vllm_pool):
+    """vLLM caches a block when it schedules the step that computes it, before the forward
+    pass writes it: the index serves it only after the step is sealed and reported written
+    (and its ready check passes), and a later step's blocks wait for that step."""
+    pool, _, blocks = vllm_pool
+    first, _ = cached_request(pool, list(range(300, 308)), "first", blocks, written=False)
+    early = [vllm_u64(h) for h in first.block_hashes]
+    assert blocks.longest_prefix(early) == 0 and blocks.pin(early) is None  # not sealed
+    step = blocks.seal()
+    later, _ = cached_request(pool, list(range(400, 408)), "later", blocks, written=False)
+    late = [vllm_u64(h) for h in later.block_hashes]
+    next_step = blocks.seal()
+    ready = []
+    blocks.written(step, lambda: bool(ready))  # forward issued, its event not passed yet
+    assert blocks.longest_prefix(early) == 0 and blocks.pin(early) is None
+    ready.append(True)
+    assert blocks.longest_prefix(early) == 2 and blocks.longest_prefix(late) == 0
+    blocks.written(next_step)
+    assert blocks.longest_prefix(late) == 2
+
+
+def test_a_block_cached_again_waits_for_its_new_step(vllm_pool):
+    """A block evicted and cached under another hash before its first step is written is
+    served under neither hash then, and under the new one once the new step is written."""
+    pool, _, blocks = vllm_pool
+    first, got = cached_request(pool, list(range(500, 504)), "first", blocks, written=False)
+    step = blocks.seal()
+    held = pool.get_new_blocks(pool.get_num_free_blocks())  # vLLM reuses every free block
+    assert got[0] in held and got[0].block_hash is None
+    second = vllm_request(list(range(600, 604)), "second")
+    pool.cache_full_blocks(second, got, 0, 1, BS, 0)  # the same block, a new prefix
+    next_step = blocks.seal()
+    old, new = (vllm_u64(r.block_hashes[0]) for r in (first, second))
+    blocks.written(step)
+    assert blocks.longest_prefix([old]) == 0 and blocks.longest_prefix([new]) == 0
+    blocks.written(next_step)
+    assert blocks.longest_prefix([new]) == 1 and blocks.longest_prefix([old]) == 0
+    pool.free_blocks(held)
+
+
+def test_steps_never_reported_written_are_bounded(vllm_pool, monkeypatch):
+    """Without a worker half reporting its steps, at most MAX_UNWRITTEN_STEPS steps' cached
+    blocks wait: older ones are dropped, never served."""
+    from kvkern.integrations.vllm import blocks as blocks_mod
+
+    monkeypatch.setattr(blocks_mod, "MAX_UNWRITTEN_STEPS", 2)
+    pool, _, blocks = vllm_pool
+    reqs = []
+    for i in range(3):
+        req, _ = cached_request(pool, list(range(700 + 4 * i, 704 + 4 * i)), f"s{i}", blocks,
+                                written=False)
+        reqs.append(req)
+        last = blocks.seal()
+    assert len(blocks._unwritten) == 2
+    blocks.written(last)
+    assert [blocks.longest_prefix([vllm_u64(r.block_hashes[0])]) for r in reqs] == [0, 1, 1]
+
+
 def test_an_evicted_block_is_not_served(vllm_pool):
     pool, _, blocks = vllm_pool
-    req, _ = cached_request(pool, list(range(100, 108)))
+    req, _ = cached_request(pool, list(range(100, 108)), blocks=blocks)
     hashes = [vllm_u64(h) for h in req.block_hashes]
     pool.get_new_blocks(pool.get_num_free_blocks())  # vLLM reuses every free block
     assert blocks.pin(hashes) is None and blocks.longest_prefix(hashes) == 0
@@ -103,7 +170,7 @@ def test_two_vllm_hashes_with_one_u64_are_never_served(vllm_pool):
 
 def test_pins_wait_for_the_scheduler_call_in_progress(vllm_pool):
     pool, manager, blocks = vllm_pool
-    req, _ = cached_request(pool, list(range(200, 208)))
+    req, _ = cached_request(pool, list(range(200, 208)), blocks=blocks)
     hashes = [vllm_u64(h) for h in req.block_hashes]
     busy = threading.Thread(target=manager.allocate_slots, args=(0.3,))
     busy.start()

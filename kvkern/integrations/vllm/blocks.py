@@ -8,26 +8,36 @@ pin (lookup, then ``touch``) and an unpin (``free_blocks``) run between the sche
 calls, never inside one: ``allocate_slots`` checks the free blocks and takes them under the
 same lock a pin holds while it takes cached free blocks out of the free queue.
 
-The u64 index (low 64 bits -> the cached block) is filled as vLLM caches full blocks
-(``cache_full_blocks``) and checked on every use (the block must still carry that hash);
-two different vLLM hashes with the same low 64 bits make that u64 ambiguous, and an
-ambiguous u64 is never served::
+The u64 index (low 64 bits -> the cached block) is filled with the full blocks vLLM caches
+(``cache_full_blocks``) once their bytes are written, and checked on every use (the block must
+still carry that hash); two different vLLM hashes with the same low 64 bits make that u64
+ambiguous, and an ambiguous u64 is never served.
+
+vLLM caches a block when it schedules the step that computes its last tokens, before that
+step's forward pass writes them (vLLM's own requests cannot read it sooner). A peer could, so
+a block enters the index only after its step's forward pass: the scheduler half closes each
+step's cached blocks with :meth:`VllmBlocks.seal` (its number rides in the step's connector
+metadata), and the worker half calls :meth:`VllmBlocks.written` once that step's forward pass
+has written them (on a GPU, once the stream has passed an event recorded after it)::
 
     vLLM scheduler thread                 kvkern loop thread (source)
     allocate_slots --+ lock               pin(h0..h2) --+ lock
-      cache_full_blocks -> index.add       index[h] -> block (still hashed h?)
+      cache_full_blocks -> step's list       steps written: their blocks -> index
+    build_connector_meta: seal() -> step   index[h] -> block (still hashed h?)
     ---------------+ unlock                 touch(blocks): ref++ , out of the free queue
-                                          --------------+ unlock ... send ... unpin: free_blocks
+    forward pass; wait_for_save:          --------------+ unlock ... send ... unpin: free_blocks
+      written(step)
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import itertools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvkern.cache.protocol import Lease, PinHandle
@@ -37,6 +47,9 @@ __all__ = ["VllmBlocks"]
 log = logging.getLogger("kvkern.integrations.vllm")
 
 _AMBIGUOUS = object()
+#: Steps whose cached blocks may wait for their forward pass: beyond it the oldest step's
+#: blocks are dropped unserved (a worker half that never reports its steps written).
+MAX_UNWRITTEN_STEPS = 1024
 
 
 def _u64(key: bytes) -> int:
@@ -58,6 +71,15 @@ class VllmBlocks:
         self._index: dict[int, Any] = {}  # u64 -> cached KVCacheBlock, or _AMBIGUOUS
         self._pins: dict[int, list[Any]] = {}
         self._ids = itertools.count(1)
+        # blocks cached in the step being scheduled (each with its hash then), the steps
+        # sealed but not yet written, and the writes reported (step, ready check)
+        self._cached: list[tuple[Any, bytes]] = []
+        self._unwritten: collections.deque[tuple[int, list[tuple[Any, bytes]]]] = \
+            collections.deque()
+        self._writes: collections.deque[tuple[int, Callable[[], bool] | None]] = \
+            collections.deque()
+        self._steps = itertools.count(1)
+        self._dropped_steps = 0
 
     # ------------------------------------------------------------------ binding to vLLM
 
@@ -94,9 +116,48 @@ class VllmBlocks:
                 bound = signature.bind(*args, **kwargs).arguments
                 if bound.get("kv_cache_group_id", 0) == self._group_id:
                     blocks = bound["blocks"][bound["num_cached_blocks"]:bound["num_full_blocks"]]
-                    self._add(blocks)
+                    self._cached.extend((b, b.block_hash) for b in blocks
+                                        if b.block_hash is not None)
                 return out
         return call
+
+    # ------------------------------------------------------ steps: cached, then written
+
+    def seal(self) -> int:
+        """Close the step being scheduled: the blocks vLLM cached in it wait for
+        :meth:`written` of the number returned (the scheduler half, once per step)."""
+        with self._lock:
+            step = next(self._steps)
+            if self._cached:
+                self._unwritten.append((step, self._cached))
+                self._cached = []
+                if len(self._unwritten) > MAX_UNWRITTEN_STEPS:
+                    self._unwritten.popleft()
+                    self._dropped_steps += 1
+                    if self._dropped_steps == 1:
+                        log.warning("kvkern: cached blocks of %d steps not reported written; "
+                                    "the oldest are not served", MAX_UNWRITTEN_STEPS)
+            return step
+
+    def written(self, step: int, ready: Callable[[], bool] | None = None) -> None:
+        """Step ``step``'s forward pass has written its blocks (those of every earlier step
+        too), once ``ready()`` is true when given (a device event's ``query``): they may be
+        served from then on (the worker half, once per step, in order)."""
+        with self._lock:
+            self._writes.append((step, ready))
+            self._promote()
+
+    def _promote(self) -> None:
+        """Index the blocks of every step reported written (in order, each once its ready
+        check passes) that still carry the hash they were cached under."""
+        while self._writes:
+            step, ready = self._writes[0]
+            if ready is not None and not ready():
+                return
+            self._writes.popleft()
+            while self._unwritten and self._unwritten[0][0] <= step:
+                _, batch = self._unwritten.popleft()
+                self._add([b for b, key in batch if b.block_hash == key])
 
     def _add(self, blocks: Sequence[Any]) -> None:
         index = self._index
@@ -156,6 +217,7 @@ class VllmBlocks:
 
     def longest_prefix(self, hashes: Sequence[int]) -> int:
         with self._lock:
+            self._promote()
             n = 0
             for h in hashes:
                 if self._lookup(h) is None:
@@ -167,6 +229,7 @@ class VllmBlocks:
         with self._lock:
             if self._pool is None:
                 return None
+            self._promote()
             blocks = []
             for h in hashes:
                 block = self._lookup(h)

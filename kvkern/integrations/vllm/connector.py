@@ -88,7 +88,9 @@ class KvkernConnector(KVConnectorBase_V1):
         return  # peers pull from vLLM's prefix cache itself: nothing to save
 
     def wait_for_save(self) -> None:
-        return
+        # the step's forward pass has been issued: its cached blocks may be served once written
+        if self.has_connector_metadata():
+            self._worker.forward_done(self._get_connector_metadata())
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

@@ -6,7 +6,9 @@ Per hinted request (vLLM's calls, in order)::
     get_num_new_matched_tokens   hint (kv_transfer_params or Request.kv_hints), its signature,
                                  admit(engine hashes, local hit) -> (tail tokens, async) or 0
     update_state_after_alloc     the tail's block ids -> a Load for the next step's metadata
-    build_connector_meta         the step's Loads -> the worker half (pull_into)
+    build_connector_meta         the step's Loads -> the worker half (pull_into), and the
+                                 step's number: the blocks vLLM cached in it are served
+                                 once the worker half reports its forward pass done
     update_connector_output      finished_recving: the load is over (one per request: when
                                  vLLM asks again after a failed load, the answer is 0)
     request_finished             a load still running: keep the blocks (True) until the
@@ -54,11 +56,15 @@ class Load:
 
 class LoadMetadataBase:
     """The step's loads, from the scheduler half to the worker half; ``idle`` when the step
-    computes no token (the engine is only waiting, for example on pulls)."""
+    computes no token (the engine is only waiting, for example on pulls); ``step``: its
+    number in the block index (:meth:`VllmBlocks.seal
+    <kvkern.integrations.vllm.blocks.VllmBlocks.seal>`), reported written after its forward
+    pass."""
 
-    def __init__(self, loads: list[Load], idle: bool = False) -> None:
+    def __init__(self, loads: list[Load], idle: bool = False, step: int = 0) -> None:
         self.loads = loads
         self.idle = idle
+        self.step = step
 
 
 def xfer_config(rt: EngineRuntime) -> XferConfig:
@@ -160,7 +166,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, metadata_type: type, scheduled_tokens: int) -> Any:
         loads, self._loads = self._loads, []
-        return metadata_type(loads, idle=scheduled_tokens == 0)
+        return metadata_type(loads, idle=scheduled_tokens == 0, step=self.rt.blocks.seal())
 
     def update_connector_output(self, connector_output: Any) -> None:
         for rid in connector_output.finished_recving or ():

@@ -6,10 +6,12 @@ binds to vLLM's block pool) and starts the :class:`~kvkern.xfer.source.SourceSer
 (unless ``serve`` is off) and the :class:`~kvkern.xfer.puller.Puller`.
 
 Each step: ``start_load_kv`` starts the step's loads (``Puller.pull_into``, on kvkern's
-loop, never blocking the forward pass); ``get_finished`` reports every load that ended in
-``finished_recving``, and ``get_block_ids_with_load_errors`` the blocks a load did not fill
-(all of a failed load's, the tail of a partial one), which vLLM recomputes. A load whose
-request finished (aborted) is cancelled, and reported like any other when it has ended.
+loop, never blocking the forward pass); ``wait_for_save`` reports the step's forward pass to
+the block index, which then serves the blocks vLLM cached for it (:meth:`forward_done`);
+``get_finished`` reports every load that ended in ``finished_recving``, and
+``get_block_ids_with_load_errors`` the blocks a load did not fill (all of a failed load's,
+the tail of a partial one), which vLLM recomputes. A load whose request finished (aborted)
+is cancelled, and reported like any other when it has ended.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class WorkerSide:
         self._running: dict[str, Load] = {}
         self._done: set[str] = set()
         self._errors: set[int] = set()
+        self._on_device = False  # vLLM's KV tensors are on a GPU (register_kv_caches)
 
     def register_kv_caches(self, kv_caches: dict) -> None:
         from kvkern.xfer.puller import Puller  # noqa: PLC0415
@@ -51,6 +54,7 @@ class WorkerSide:
                              f"its cache config {facts.block_size}")
         group = KVGroup(topology=topology, dp_rank=0, manager=rt.blocks, ranks={0: rank},
                         model_id=facts.model_id)
+        self._on_device = rank.device.type == "cuda"
         loop = rt.ensure_loop()
         rt.puller = Puller(group, config=xfer_config(rt), loop=loop, metrics=rt.metrics,
                            credential=rt.credential)
@@ -85,6 +89,22 @@ class WorkerSide:
                 self._done.add(load.request_id)
                 self._errors.update(load.block_ids)
                 del self._running[load.request_id]
+
+    def forward_done(self, metadata: Any) -> None:
+        """The step of ``metadata`` has issued its forward pass: the blocks vLLM cached in it
+        may be served once it has written them (at once on the CPU; on a GPU once the
+        current stream passes an event recorded now)."""
+        step = getattr(metadata, "step", 0)
+        if not step:
+            return
+        ready = None
+        if self._on_device:
+            import torch  # noqa: PLC0415
+
+            event = torch.cuda.Event()
+            event.record()
+            ready = event.query
+        self.rt.blocks.written(step, ready)
 
     def get_finished(self, finished_req_ids: set[str], *, idle: bool = False
                      ) -> tuple[None, set[str] | None]:
