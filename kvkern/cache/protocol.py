@@ -43,6 +43,9 @@ Rules every implementation keeps (the reference :class:`kvkern.cache.pool.BlockP
   that is not pinned) raises ``ValueError`` naming the values.
 * A pinned block is never evicted or reused until unpinned; a private block is invisible to
   lookups until committed; a leased block is not evicted until claimed, released or expired.
+* A cached block is found (``longest_prefix``, ``pin``) only once its bytes are final: an
+  engine that caches a block before its forward pass writes it (vLLM does) holds it back
+  until then (:mod:`kvkern.integrations.vllm.blocks`).
 * All calls are thread-safe: the source service and the puller run on an asyncio thread, the
   engine elsewhere.
 
