@@ -133,11 +133,11 @@ def measure(engines, prefix: int, reps: int, signer, salt: int = 0) -> dict:
         toks = _tokens(seed, prefix + BS // 2)  # the shared prefix, then a question
         pulls.append(_pulled(b, a, toks, f"{seed}", "stream", prefix, signer))
         other = _tokens(seed + 5 * 10**8, len(toks))
-        reads.append(_pulled(b, r, other, f"{seed}r", "read", prefix, signer))
+        reads.append(_pulled(b, r, other, f"{seed}r", "direct", prefix, signer))
         b.ask("local_reads", on=False)  # as across hosts: B's same-host calls refused
         try:
             third = _tokens(seed + 7 * 10**8, len(toks))
-            ucx.append(_pulled(b, r, third, f"{seed}u", "read", prefix, signer))
+            ucx.append(_pulled(b, r, third, f"{seed}u", "direct", prefix, signer))
         finally:
             b.ask("local_reads", on=True)
         fresh = _tokens(seed + 10**9, len(toks))  # same length, cached nowhere

@@ -28,6 +28,9 @@ class _Pool:
     def touch(self, blocks):
         pass
 
+    def get_new_blocks(self, num_blocks):
+        return []
+
     def free_blocks(self, blocks):
         pass
 

@@ -149,6 +149,41 @@ def test_steps_never_reported_written_are_bounded(vllm_pool, monkeypatch):
     assert [blocks.longest_prefix([vllm_u64(r.block_hashes[0])]) for r in reqs] == [0, 1, 1]
 
 
+def found_at_home(directory, hashes: list[int]) -> list[int]:
+    """The block ids a destination's direct read finds for a sequence's ``hashes`` in their
+    home buckets (kvkern.xfer.direct's first round), -1 where absent."""
+    import numpy as np
+
+    from kvkern.cache.directory import find, home_buckets
+
+    home = home_buckets(hashes, 0, len(hashes), directory.buckets, directory.group)
+    return find(directory.table[home], np.asarray(hashes, dtype=np.uint64))[1].tolist()
+
+
+def test_the_read_directory_names_written_blocks_until_vllm_hands_them_out(vllm_pool):
+    """The read directory a source registers for direct reads names a block from when its
+    step is written, in the home bucket a destination reads first, and no longer once vLLM
+    hands the block out again (before anything writes it) or its u64 turns ambiguous."""
+    pool, _, blocks = vllm_pool
+    directory = blocks.read_directory()
+    assert blocks.read_directory() is directory
+    req, got = cached_request(pool, list(range(800, 812)), "d", blocks, written=False)
+    hashes = [vllm_u64(h) for h in req.block_hashes]
+    assert found_at_home(directory, hashes) == [-1, -1, -1]  # cached, not written
+    blocks.written(blocks.seal())
+    assert found_at_home(directory, hashes) == [b.block_id for b in got]
+    directory.check({h: b.block_id for h, b in zip(hashes, got, strict=True)})
+    held = pool.get_new_blocks(pool.get_num_free_blocks())  # vLLM reuses every free block
+    assert found_at_home(directory, hashes) == [-1, -1, -1] and directory.published == 0
+    pool.free_blocks(held)
+    one = SimpleNamespace(block_id=5, block_hash=b"A" * 24 + b"12345678" + b"\0\0\0\0")
+    two = SimpleNamespace(block_id=6, block_hash=b"B" * 24 + b"12345678" + b"\0\0\0\0")
+    blocks._add([(one, None)])
+    assert directory.slot_of(5) >= 0
+    blocks._add([(two, None)])  # the u64 turns ambiguous: neither block is named
+    assert directory.slot_of(5) == directory.slot_of(6) == -1
+
+
 def test_an_evicted_block_is_not_served(vllm_pool):
     pool, _, blocks = vllm_pool
     req, _ = cached_request(pool, list(range(100, 108)), blocks=blocks)
@@ -161,10 +196,10 @@ def test_two_vllm_hashes_with_one_u64_are_never_served(vllm_pool):
     _, _, blocks = vllm_pool
     one = SimpleNamespace(block_id=5, block_hash=b"A" * 24 + b"12345678" + b"\0\0\0\0")
     two = SimpleNamespace(block_id=6, block_hash=b"B" * 24 + b"12345678" + b"\0\0\0\0")
-    blocks._add([one])
+    blocks._add([(one, None)])
     h = vllm_u64(one.block_hash[:-4])
     assert blocks.longest_prefix([h]) == 1
-    blocks._add([two])
+    blocks._add([(two, None)])
     assert blocks.longest_prefix([h]) == 0 and blocks.pin([h]) is None
 
 

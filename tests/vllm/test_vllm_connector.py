@@ -112,8 +112,9 @@ def test_a_pulled_prefix_continues_bit_identically(engines):
     moved = b.generate(request("t1-other", other))["t1-other"]
     assert moved["logprobs"] != want["logprobs"]
     assert counters(b).get("kvkern_pulls_total[ok]", 0) >= 1
-    # read one-sided into vLLM's blocks: a serves reads and runs on this host
-    assert counters(b).get("kvkern_pairs_pulled_total[read]", 0) >= 1
+    # read one-sided into vLLM's blocks with no message to a (its read directory names
+    # them): a serves reads and runs on this host
+    assert counters(b).get("kvkern_pairs_pulled_total[direct]", 0) >= 1
     with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
             f"http://{source_of(b)}/metrics", timeout=10) as page:  # what operators scrape
         assert 'kvkern_pulls_total{outcome="ok"}' in page.read().decode()

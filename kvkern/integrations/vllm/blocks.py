@@ -27,6 +27,14 @@ has written them (on a GPU, once the stream has passed an event recorded after i
     ---------------+ unlock                 touch(blocks): ref++ , out of the free queue
     forward pass; wait_for_save:          --------------+ unlock ... send ... unpin: free_blocks
       written(step)
+
+The index also keeps a read directory (:meth:`VllmBlocks.read_directory`, the optional
+capability of :mod:`kvkern.cache.protocol`), so that peers read the blocks without a message
+(:mod:`kvkern.xfer.direct`): a block is published when it enters the index (placed by its
+position in its request, as :func:`kvkern.cache.holders.chain_records` places a chain), and
+withdrawn when vLLM hands it out again (``get_new_blocks``, before anything can write it) or
+its u64 turns ambiguous. A peer that read a block withdrawn meanwhile sees its slot changed
+and does not use it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvkern.cache.hashing import vllm_u64
+from kvkern.cache.holders import DIRECTORY_GROUP
 from kvkern.cache.protocol import Lease, PinHandle
 
 __all__ = ["VllmBlocks"]
@@ -47,6 +57,7 @@ __all__ = ["VllmBlocks"]
 log = logging.getLogger("kvkern.integrations.vllm")
 
 _AMBIGUOUS = object()
+_Cached = tuple[Any, bytes, "tuple[int, int] | None"]  # (block, its hash then, chain record)
 #: Steps whose cached blocks may wait for their forward pass: beyond it the oldest step's
 #: blocks are dropped unserved (a worker half that never reports its steps written).
 MAX_UNWRITTEN_STEPS = 1024
@@ -71,15 +82,17 @@ class VllmBlocks:
         self._index: dict[int, Any] = {}  # u64 -> cached KVCacheBlock, or _AMBIGUOUS
         self._pins: dict[int, list[Any]] = {}
         self._ids = itertools.count(1)
-        # blocks cached in the step being scheduled (each with its hash then), the steps
-        # sealed but not yet written, and the writes reported (step, ready check)
-        self._cached: list[tuple[Any, bytes]] = []
-        self._unwritten: collections.deque[tuple[int, list[tuple[Any, bytes]]]] = \
-            collections.deque()
+        # blocks cached in the step being scheduled (each with its hash then and its chain
+        # record), the steps sealed but not yet written, and the writes reported (step,
+        # ready check)
+        self._cached: list[_Cached] = []
+        self._unwritten: collections.deque[tuple[int, list[_Cached]]] = collections.deque()
         self._writes: collections.deque[tuple[int, Callable[[], bool] | None]] = \
             collections.deque()
         self._steps = itertools.count(1)
         self._dropped_steps = 0
+        self._directory: Any = None  # a ReadDirectory once a source asks for one
+        self._tensor_blocks: int | None = None  # blocks in vLLM's KV tensors (the worker's)
 
     # ------------------------------------------------------------------ binding to vLLM
 
@@ -94,7 +107,9 @@ class VllmBlocks:
                 for name, _ in inspect.getmembers(type(obj), inspect.isfunction):
                     if not name.startswith("_"):
                         setattr(obj, name, self._locked(getattr(obj, name)))
-            pool.cache_full_blocks = self._indexing(pool.cache_full_blocks)
+            pool.cache_full_blocks = self._indexing(pool.cache_full_blocks,
+                                                    getattr(pool, "hash_block_size", None))
+            pool.get_new_blocks = self._withdrawing(pool.get_new_blocks)
             self._pool = pool
 
     def _locked(self, method: Any) -> Any:
@@ -106,7 +121,11 @@ class VllmBlocks:
                 return method(*args, **kwargs)
         return call
 
-    def _indexing(self, cache_full_blocks: Any) -> Any:
+    def _indexing(self, cache_full_blocks: Any, hash_block_size: int | None) -> Any:
+        """``cache_full_blocks``, whose newly cached blocks wait for their step to be
+        written. A block's chain record is its position in its request and the hash at its
+        group's start, where the request's hashes are one per block (else None: the block
+        is placed by its hash alone)."""
         signature = inspect.signature(cache_full_blocks)
 
         @functools.wraps(cache_full_blocks)
@@ -115,9 +134,31 @@ class VllmBlocks:
                 out = cache_full_blocks(*args, **kwargs)
                 bound = signature.bind(*args, **kwargs).arguments
                 if bound.get("kv_cache_group_id", 0) == self._group_id:
-                    blocks = bound["blocks"][bound["num_cached_blocks"]:bound["num_full_blocks"]]
-                    self._cached.extend((b, b.block_hash) for b in blocks
-                                        if b.block_hash is not None)
+                    first = bound["num_cached_blocks"]
+                    blocks = bound["blocks"][first:bound["num_full_blocks"]]
+                    hashes = getattr(bound.get("request"), "block_hashes", None)
+                    per_block = hashes is not None and hash_block_size in (
+                        None, bound.get("block_size"))
+                    for pos, b in enumerate(blocks, first):
+                        if b.block_hash is None:  # (a null block is skipped)
+                            continue
+                        anchor = pos - pos % DIRECTORY_GROUP
+                        chain = (pos, vllm_u64(hashes[anchor])) if per_block and \
+                            anchor < len(hashes) else None
+                        self._cached.append((b, b.block_hash, chain))
+                return out
+        return call
+
+    def _withdrawing(self, get_new_blocks: Any) -> Any:
+        @functools.wraps(get_new_blocks)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                out = get_new_blocks(*args, **kwargs)
+                d = self._directory
+                if d is not None:  # handed out: about to be written
+                    for b in out:
+                        if b.block_id < d.num_blocks:
+                            d.withdraw(b.block_id)
                 return out
         return call
 
@@ -157,11 +198,12 @@ class VllmBlocks:
             self._writes.popleft()
             while self._unwritten and self._unwritten[0][0] <= step:
                 _, batch = self._unwritten.popleft()
-                self._add([b for b, key in batch if b.block_hash == key])
+                self._add([(b, chain) for b, key, chain in batch if b.block_hash == key])
 
-    def _add(self, blocks: Sequence[Any]) -> None:
+    def _add(self, blocks: Sequence[tuple[Any, tuple[int, int] | None]]) -> None:
+        """Index (and publish) written ``(block, chain record)`` pairs."""
         index = self._index
-        for block in blocks:
+        for block, chain in blocks:
             key = block.block_hash
             if key is None:
                 continue
@@ -171,14 +213,48 @@ class VllmBlocks:
                     or _u64(have.block_hash) != h:
                 if have is not _AMBIGUOUS:
                     index[h] = block
+                    self._publish(block, h, chain)
             elif have.block_hash != key:  # same low 64 bits, another vLLM hash
                 index[h] = _AMBIGUOUS
+                if self._directory is not None and have.block_id < self._directory.num_blocks:
+                    self._directory.withdraw(have.block_id)
                 log.warning("two vLLM block hashes share the u64 %d: never served", h)
             else:
                 index[h] = block  # the same prefix cached again in another block
+                self._publish(block, h, chain)
         if len(index) > 2 * max(self._pool.num_gpu_blocks if self._pool is not None else 0,
                                 1024):
             self._prune()
+
+    def _publish(self, block: Any, h: int, chain: tuple[int, int] | None) -> None:
+        if self._directory is not None and block.block_id < self._directory.num_blocks:
+            self._directory.withdraw(block.block_id)  # (a slot under an earlier hash)
+            self._directory.publish(block.block_id, h, chain)
+
+    def tensor_blocks(self, n: int) -> None:
+        """The worker half's count of blocks in vLLM's KV tensors: the read directory's size
+        when it is made before the scheduler half binds the block pool (vLLM registers its
+        KV caches first)."""
+        with self._lock:
+            self._tensor_blocks = n
+
+    def read_directory(self) -> Any:
+        """The read directory of the indexed blocks (made on the first call, with every block
+        indexed then; the same object after): peers read it and the blocks it names without
+        a message to this source (:mod:`kvkern.xfer.direct`)."""
+        from kvkern.cache.directory import ReadDirectory  # noqa: PLC0415
+
+        with self._lock:
+            if self._directory is None:
+                n = self._pool.num_gpu_blocks if self._pool is not None else self._tensor_blocks
+                if not n:
+                    raise ValueError("no read directory before the number of blocks is known")
+                self._directory = ReadDirectory(n, DIRECTORY_GROUP)
+                for h, block in self._index.items():
+                    if block is not _AMBIGUOUS and block.block_hash is not None \
+                            and _u64(block.block_hash) == h:
+                        self._publish(block, h, None)
+            return self._directory
 
     def _prune(self) -> None:
         stale = [h for h, b in self._index.items()

@@ -55,6 +55,7 @@ class WorkerSide:
         group = KVGroup(topology=topology, dp_rank=0, manager=rt.blocks, ranks={0: rank},
                         model_id=facts.model_id)
         self._on_device = rank.device.type == "cuda"
+        rt.blocks.tensor_blocks(rank.layout.num_blocks)  # (the read directory's size)
         loop = rt.ensure_loop()
         rt.puller = Puller(group, config=xfer_config(rt), loop=loop, metrics=rt.metrics,
                            credential=rt.credential)
