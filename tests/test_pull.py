@@ -436,12 +436,14 @@ def test_a_pull_into_the_engines_blocks_reads_them_on_the_lanes(src, make_puller
     src.wait_no_pins()
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["granted", "direct"])
 def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_puller,
-                                                                      monkeypatch):
+                                                                      monkeypatch, direct):
     """Reads into the engine's blocks through UCX that are still running when their wait
     times out, and after their endpoint's forced close and the drain: the pull ends (and
     tells the engine its blocks are free) only once they have completed, with no block
-    counted and nothing quarantined; a later pull reads again."""
+    counted and nothing quarantined; a later pull reads again. Asking for a grant, or
+    directly (the directory look-up's reads are the ones held then)."""
     from kvkern.xfer import transport
 
     done, done_at, made = threading.Event(), [], []
@@ -459,7 +461,7 @@ def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_
     hashes = src.commit(tokens)
     group = make_group()
     engine = group.manager.allocate(n)
-    p = make_puller(group, local_reads=False, transfer_timeout_s=0.3)
+    p = make_puller(group, local_reads=False, transfer_timeout_s=0.3, direct_reads=direct)
     warm = fresh_tokens(BS)  # the state and the lanes made
     src.commit(warm)
     assert pull(p, "warm", warm, hint_for(src, warm)).used
