@@ -154,11 +154,8 @@ class VllmBlocks:
         def call(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 out = get_new_blocks(*args, **kwargs)
-                d = self._directory
-                if d is not None:  # handed out: about to be written
-                    for b in out:
-                        if b.block_id < d.num_blocks:
-                            d.withdraw(b.block_id)
+                for b in out:  # handed out: about to be written
+                    self._withdraw(b)
                 return out
         return call
 
@@ -216,8 +213,7 @@ class VllmBlocks:
                     self._publish(block, h, chain)
             elif have.block_hash != key:  # same low 64 bits, another vLLM hash
                 index[h] = _AMBIGUOUS
-                if self._directory is not None and have.block_id < self._directory.num_blocks:
-                    self._directory.withdraw(have.block_id)
+                self._withdraw(have)
                 log.warning("two vLLM block hashes share the u64 %d: never served", h)
             else:
                 index[h] = block  # the same prefix cached again in another block
@@ -227,9 +223,17 @@ class VllmBlocks:
             self._prune()
 
     def _publish(self, block: Any, h: int, chain: tuple[int, int] | None) -> None:
-        if self._directory is not None and block.block_id < self._directory.num_blocks:
-            self._directory.withdraw(block.block_id)  # (a slot under an earlier hash)
+        if self._withdraw(block):  # (a slot under an earlier hash)
             self._directory.publish(block.block_id, h, chain)
+
+    def _withdraw(self, block: Any) -> bool:
+        """Clear ``block``'s slot in the read directory, if there is one; whether the
+        directory covers the block."""
+        d = self._directory
+        if d is None or block.block_id >= d.num_blocks:
+            return False
+        d.withdraw(block.block_id)
+        return True
 
     def tensor_blocks(self, n: int) -> None:
         """The worker half's count of blocks in vLLM's KV tensors: the read directory's size
