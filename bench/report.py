@@ -205,6 +205,7 @@ def _xfer_section(records: list[tuple[str, dict]]) -> list[str]:
                              if _pull_kind(r)[1:] == ("1:1", "1:1", 0.0)])
     out += _first_pull_lines([(n, r) for n, r in records
                               if _pull_kind(r)[1:] == ("1:1", "1:1", 0.0)])
+    out += _past_ttl_lines(records)
     out += ["", f"![pull / raw per run]({PLOT})", ""]
     return out
 
@@ -280,6 +281,28 @@ def _first_pull_lines(records: list[tuple[str, dict]]) -> list[str]:
             "lanes' first endpoints to the source), the copy, and all but the copy.", "",
             "| record | blocks | whole | state fetch | look-up | copy | all but the copy |",
             "|---|---|---|---|---|---|---|", *rows]
+
+
+def _past_ttl_lines(records: list[tuple[str, dict]]) -> list[str]:
+    """One-block pulls whose source state is past its time to live, per record that measured
+    them: used while fetched again, and waited for, against a fresh state in the same run."""
+    rows = []
+    for name, r in records:
+        past = r.get("cases", {}).get("pull", {}).get("past_ttl")
+        if isinstance(past, dict) and all(k in past for k in ("fresh", "stale", "refetch")):
+            rows.append(f"| `{name}` | {_fmt(past['fresh']['total_ms'])} | "
+                        f"{_fmt(past['stale']['total_ms'])} | "
+                        f"{_fmt(past['stale']['metadata_ms'])} | "
+                        f"{_fmt(past['refetch']['total_ms'])} | "
+                        f"{_fmt(past['refetch']['metadata_ms'])} |")
+    if not rows:
+        return []
+    return ["", "One-block pulls after a pause past the source state's time to live (as from a "
+            "source pulled from rarely), medians in ms: with the state fresh, with the state "
+            "used while it is fetched again (`state_max_stale_s`), and waiting for the fetch, "
+            "alternated in the same run.",
+            "", "| record | fresh: whole | stale, used: whole | metadata | fetched first: "
+            "whole | metadata |", "|---|---|---|---|---|---|", *rows]
 
 
 def _two(x: float | None) -> str:

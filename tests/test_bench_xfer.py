@@ -68,6 +68,10 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
         thread = pull["lane_thread"]
         assert 0 < thread["one_block_overhead_ms"] < thread["one_block_total_ms"]
         assert thread["one_block_phases_ms"]["handoff"] > 0
+    # a state past its time to live used at once, against waiting for its fetch (HTTP)
+    past = pull["past_ttl"]
+    assert past["stale"]["metadata_ms"] < past["refetch"]["metadata_ms"], past
+    assert past["stale_over_fresh"] > 0 and past["refetch_over_fresh"] > 0
 
 
 def test_bench_xfer_one_destination_rank_reads_its_head_slices():

@@ -30,6 +30,8 @@ def test_config_defaults_are_safe():
     ("prefill_s_per_token", -1e-3), ("default_state_port", 70000), ("state_path", "x"),
     ("dedup", 1), ("allowlist", ["bad*entry"]), ("allowlist", 42),
     ("read_min_run_bytes", -1), ("read_min_run_bytes", 1.5), ("read_min_run_bytes", True),
+    ("state_max_stale_s", -1.0), ("state_max_stale_s", float("inf")),
+    ("state_max_stale_s", False), ("state_max_stale_s", "60"),
 ])
 def test_config_rejects_bad_values(field, value):
     with pytest.raises(ValueError):

@@ -1165,12 +1165,13 @@ def test_a_source_pulled_from_steadily_never_waits_for_its_state(src, make_pulle
                                                                   monkeypatch):
     """A cached source state and endpoint verdict older than REFRESH_AHEAD of their time to
     live are used at once and fetched again meanwhile (the pull ends while that fetch is
-    held); ones older than their time to live are not used (the pull waits for the fetch);
-    a refresh that fails drops the state; closing the puller ends a refresh still held."""
+    held), and so are ones past their time to live by less than ``state_max_stale_s`` (a
+    source pulled from rarely); older ones are not used (the pull waits for the fetch); a
+    refresh that fails drops the state; closing the puller ends a refresh still held."""
     from kvkern.xfer import discovery, endpoint
     from kvkern.xfer.tuning import REFRESH_AHEAD
 
-    ttl = 10.0
+    ttl, stale = 10.0, 40.0
     offset = [0.0]  # added to discovery's clock
     monkeypatch.setattr(discovery, "time", types.SimpleNamespace(
         monotonic=lambda: time.monotonic() + offset[0]))
@@ -1196,7 +1197,7 @@ def test_a_source_pulled_from_steadily_never_waits_for_its_state(src, make_pulle
 
     monkeypatch.setattr(endpoint, "fetch_state", fetch)
     monkeypatch.setattr(endpoint, "resolve_endpoint_async", resolve)
-    p = make_puller(make_group(), state_cache_ttl_s=ttl)
+    p = make_puller(make_group(), state_cache_ttl_s=ttl, state_max_stale_s=stale)
 
     def prompt() -> list[int]:  # (each pull its own blocks: none is cached here yet)
         toks = fresh_tokens(2 * BS)
@@ -1228,15 +1229,22 @@ def test_a_source_pulled_from_steadily_never_waits_for_its_state(src, make_pulle
     gate.set()
     until(lambda: not p._runner.discovery._state_fetches
           and not p._runner.discovery._refreshes)
-    offset[0] += ttl + 1  # past the refreshed entries' time to live: the pull waits
+    offset[0] += ttl + stale / 2  # past their time to live, not stale for long: used at once
+    gate.clear()
+    pulled("stale")
+    until(lambda: (len(fetches), len(resolves)) == (3, 3))
+    gate.set()
+    until(lambda: not p._runner.discovery._state_fetches
+          and not p._runner.discovery._refreshes)
+    offset[0] += ttl + stale + 1  # past their time to live and the stale allowance: it waits
     gate.clear()
     toks = prompt()
     p.submit("e", toks, hint_for(src, toks))
-    until(lambda: len(resolves) == 3)
+    until(lambda: len(resolves) == 4)
     time.sleep(0.2)
     assert p.outcome("e") is None
     gate.set()
-    assert p.result("e", 10).used and len(fetches) == 3
+    assert p.result("e", 10).used and len(fetches) == 4
     p.release("e")
     offset[0] += REFRESH_AHEAD * ttl + 0.5
     fail[0] = True
@@ -1286,8 +1294,14 @@ def test_a_pull_whose_connection_dies_before_its_reply_asks_once_more(src, make_
     assert pull(p, "after", toks, hint_for(src, toks)).used
 
 
-def test_source_restart_is_detected(make_puller):
+@pytest.mark.parametrize("stale", [False, True], ids=["cached", "past-its-ttl"])
+def test_source_restart_is_detected(make_puller, monkeypatch, stale):
+    """A pull on the cached state of a source that restarted (fresh, or past its time to
+    live and used while fetched again) fails its connection, asks again and names the
+    restart, or pulls from the new incarnation; the next pull does."""
     import socket
+
+    from kvkern.xfer import discovery
 
     with socket.socket() as sk:
         sk.bind((HOST, 0))
@@ -1302,6 +1316,11 @@ def test_source_restart_is_detected(make_puller):
         p = make_puller(group)
         assert pull(p, "first", a, hint_for(s1, a)).used  # caches s1's state
         p.release("first")
+        if stale:
+            later = p.config.state_cache_ttl_s + 1.0
+            assert later < p.config.state_cache_ttl_s + p.config.state_max_stale_s
+            monkeypatch.setattr(discovery, "time", types.SimpleNamespace(
+                monotonic=lambda: time.monotonic() + later))
         s1.kill()
         # same state endpoint, new incarnation and new UCX ports
         s2 = Source("source_peer.py", "--http-port", str(http_port), "--seq",
@@ -1309,6 +1328,8 @@ def test_source_restart_is_detected(make_puller):
         assert s2.ready["incarnation"] != s1.ready["incarnation"]
         t0 = time.monotonic()
         o = pull(p, "second", b, hint_for(s2, b))
+        if stale:  # used at once: it named the dead incarnation's UCX address
+            assert not o.used, o
         if not o.used:  # the cached state named the dead incarnation's UCX address
             assert o.reason is Reason.SOURCE_INCARNATION_CHANGED, o
             assert s1.ready["incarnation"] in o.detail and s2.ready["incarnation"] in o.detail

@@ -497,6 +497,13 @@ class _PullBench:
         self.threaded = (Puller(self.group, config=cfg.replace(loop_read_bytes=0),
                                 loop=bench.loop)
                          if s.all_variants and s.data_path != "stream" else None)
+        # and the source's state past a short time to live at every pull, as for a source
+        # pulled from rarely: used while fetched again, and (the alternative) waited for
+        self.past_ttl = ({"stale": Puller(self.group, loop=bench.loop, config=cfg.replace(
+                              state_cache_ttl_s=PAST_TTL_S)),
+                          "refetch": Puller(self.group, loop=bench.loop, config=cfg.replace(
+                              state_cache_ttl_s=PAST_TTL_S, state_max_stale_s=0.0))}
+                         if s.all_variants else {})
         self.per_block = sum(rkv.layout.bytes_per_block for rkv in self.ranks.values())
         self.nixl: Any = None  # a kvkern.tools.nixlbench.Server, when NIXL is interleaved
         self.nixl_error: str | None = None  # why it stopped, if it failed
@@ -505,7 +512,8 @@ class _PullBench:
 
     @property
     def pullers(self) -> list[Any]:
-        return [p for p in (self.puller, self.streamer, *self.fewer.values(), self.threaded)
+        return [p for p in (self.puller, self.streamer, *self.fewer.values(), self.threaded,
+                            *self.past_ttl.values())
                 if p is not None]
 
     async def pull(self, n: int, port: int | None = None, via: Any = None, *,
@@ -583,6 +591,8 @@ async def case_pull(bench: Bench, s: Settings) -> dict[str, Any]:
             out["granted"] = await _one_block(pb, s, pb.fewer["granted"])
         if pb.threaded is not None:
             out["lane_thread"] = await _one_block(pb, s, pb.threaded)
+        if pb.past_ttl:
+            out["past_ttl"] = await _past_ttl(pb, s)
         if pb.nixl is not None:
             server, pb.nixl = pb.nixl, None
             sent = await server.close()
@@ -642,6 +652,34 @@ async def _one_block(pb: _PullBench, s: Settings, via: Any) -> dict[str, float]:
            "one_block_phases_ms": _median_phases(phases)}
     if len(over) == len(total):
         out.update(one_block_overhead_ms=ms(over, 2), one_block_overhead_p80_ms=ms(over, 4))
+    return out
+
+
+# The state's time to live of ``case_pull``'s past-ttl pullers; their pulls are spaced by
+# twice this, which also lets each refresh end before the next round.
+PAST_TTL_S = 0.02
+
+
+async def _past_ttl(pb: _PullBench, s: Settings) -> dict[str, Any]:
+    """One-block pulls, each after a pause past the source state's time to live, by a
+    puller that uses the stale state while fetching it again and one that waits for the
+    fetch, alternated with the headline puller (its state fresh) after the same pause:
+    medians of the whole pull and its ``metadata`` phase, and each over the fresh one's."""
+    vias = {"fresh": pb.puller, **pb.past_ttl}
+    total: dict[str, list[float]] = {k: [] for k in vias}
+    metadata: dict[str, list[float]] = {k: [] for k in vias}
+    for _ in range(s.repeats):
+        for name, via in vias.items():
+            await asyncio.sleep(2 * PAST_TTL_S)
+            o = await pb.pull(1, via=via)
+            total[name].append(o.total_s)
+            metadata[name].append(o.phases.get("metadata", 0.0))
+    out: dict[str, Any] = {"ttl_s": PAST_TTL_S}
+    for name in vias:
+        out[name] = {"total_ms": round(statistics.median(total[name]) * 1e3, 3),
+                     "metadata_ms": round(statistics.median(metadata[name]) * 1e3, 3)}
+    for name in pb.past_ttl:
+        out[f"{name}_over_fresh"] = round(out[name]["total_ms"] / out["fresh"]["total_ms"], 3)
     return out
 
 
@@ -977,6 +1015,12 @@ def _print_human(res: dict[str, Any]) -> None:
             print(f"  {name:8s} 1 block (warm): hint to first byte {one['hint_to_first_byte_ms']}"
                   f" ms, whole pull {one['one_block_total_ms']} ms, overhead "
                   f"{one.get('one_block_overhead_ms', '-')} ms (medians)")
+    past = cases.get("pull", {}).get("past_ttl")
+    if past:
+        print(f"  past ttl 1 block, its state past its time to live: used while fetched again "
+              f"{past['stale']['total_ms']} ms, waiting for the fetch "
+              f"{past['refetch']['total_ms']} ms (metadata {past['refetch']['metadata_ms']} ms), "
+              f"state fresh {past['fresh']['total_ms']} ms (medians)")
     nixl = res.get("compare", {}).get("nixl")
     if nixl is not None and "error" in nixl:
         print(f"  nixl     {nixl['error']}")

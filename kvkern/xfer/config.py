@@ -80,6 +80,10 @@ class XferConfig:
 
     # ---- source state
     state_cache_ttl_s: float = 30.0  # per (source, incarnation); failures drop the entry
+    # past its time to live a cached state or verdict is still used this much longer, by a
+    # pull that also fetches it again (a source pulled from rarely costs no fetch per pull);
+    # a source that restarted meanwhile fails the connection and is fetched again at once
+    state_max_stale_s: float = 600.0
     max_state_bytes: int = 1 << 20
 
     # ---- retention and data stream
@@ -179,6 +183,11 @@ class XferConfig:
         if not isinstance(self.state_path, str) or not self.state_path.startswith("/"):
             raise ValueError(f"XferConfig.state_path must start with '/', got "
                              f"{self.state_path!r}")
+        stale = self.state_max_stale_s
+        if isinstance(stale, bool) or not isinstance(stale, (int, float)) \
+                or not (math.isfinite(stale) and stale >= 0):
+            raise ValueError(f"XferConfig.state_max_stale_s must be a finite number >= 0, got "
+                             f"{self.state_max_stale_s!r}")
         for name in ("read_min_run_bytes", "local_read_min_run_bytes", "read_lanes",
                      "read_lane_min_bytes", "loop_read_bytes"):
             check_non_negative_int(f"XferConfig.{name}", getattr(self, name))

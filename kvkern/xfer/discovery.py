@@ -5,9 +5,13 @@ UCX address of every source rank a plan needs (each allowlist-checked too).
 
 Verdicts and states are cached for ``XferConfig.state_cache_ttl_s``. One used when older than
 :data:`~kvkern.xfer.tuning.REFRESH_AHEAD` of that is resolved or fetched again in the
-background, so a source pulled from steadily is never waited for; none older than the time to
-live is used, and a refresh that fails drops the entry (the next pull asks again and meets
-the failure itself).
+background, so a source pulled from steadily is never waited for. Past its time to live an
+entry is still used for ``XferConfig.state_max_stale_s`` (and fetched again by the pull that
+uses it), so a source pulled from rarely costs no fetch per pull either: a state changes only
+with its source's incarnation, and a pull on the state of a source that restarted fails its
+connection, which drops the entry and asks again (:meth:`SourceDiscovery.connect_failed`).
+None older than both is used, and a refresh that fails drops the entry (the next pull asks
+again and meets the failure itself).
 
 Everything here happens before a block is allocated; every refusal is a
 :class:`~kvkern.xfer.pulljob.Fallback` with a named reason.
@@ -101,11 +105,12 @@ class SourceDiscovery:
 
     def _cached(self, hit: tuple[object, float] | None) -> tuple[bool, bool]:
         """Whether a cached ``(value, time cached)`` may be used, and whether to fetch it
-        again meanwhile (past REFRESH_AHEAD of its time to live)."""
+        again meanwhile (past REFRESH_AHEAD of its time to live, stale ones included)."""
         if hit is None:
             return False, False
         age, ttl = time.monotonic() - hit[1], self.config.state_cache_ttl_s
-        return age < ttl, REFRESH_AHEAD * ttl <= age < ttl
+        usable = age < ttl + self.config.state_max_stale_s
+        return usable, usable and age >= REFRESH_AHEAD * ttl
 
     async def _resolve(self, hint: KvHint, md_t: float) -> ResolvedEndpoint:
         from kvkern.xfer.endpoint import resolve_endpoint_async  # noqa: PLC0415
@@ -202,22 +207,24 @@ class SourceDiscovery:
 
     async def connect_failed(self, job: PullJob, exc: Exception) -> None:
         """A connection to a source rank failed before any data: if its state came from the
-        cache, drop it and re-check the incarnation (the source may have restarted)."""
+        cache, drop it and re-check the incarnation (the source may have restarted; a
+        refresh may already have replaced the entry, then that answers)."""
         self._verdicts.pop((job.hint.source, job.hint.source_dp_rank), None)
-        if not job.state_cached or job.state is None:
+        old = job.state
+        if not job.state_cached or old is None:
             return
         for key, (state, _) in list(self._state_cache.items()):
-            if state is job.state:
+            if state is old:
                 del self._state_cache[key]
-                try:
-                    fresh = await self.discover(job)
-                except Fallback:
-                    return
-                if fresh.incarnation != state.incarnation:
-                    raise Fallback(Reason.SOURCE_INCARNATION_CHANGED,
-                                   f"source incarnation {state.incarnation} -> "
-                                   f"{fresh.incarnation} ({exc})") from exc
-                return
+                break
+        try:
+            fresh = await self.discover(job)
+        except Fallback:
+            return
+        if fresh.incarnation != old.incarnation:
+            raise Fallback(Reason.SOURCE_INCARNATION_CHANGED,
+                           f"source incarnation {old.incarnation} -> "
+                           f"{fresh.incarnation} ({exc})") from exc
 
     # ------------------------------------------------------------------ compatibility
 
