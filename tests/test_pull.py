@@ -1183,8 +1183,14 @@ def test_a_source_pulled_from_steadily_never_waits_for_its_state(src, make_pulle
         while not gate.is_set():
             await asyncio.sleep(0.01)
 
+    in_flight = []  # pulls running when each fetch or resolution began
+
+    def running() -> float:
+        return p.metrics.pulls_in_flight._value.get()
+
     async def fetch(*a, **kw):
         fetches.append(offset[0])
+        in_flight.append(running())
         await held()
         if fail[0]:
             raise endpoint.FetchError("metadata_fetch_failed", "refused by the test")
@@ -1192,6 +1198,7 @@ def test_a_source_pulled_from_steadily_never_waits_for_its_state(src, make_pulle
 
     async def resolve(*a, **kw):
         resolves.append(offset[0])
+        in_flight.append(running())
         await held()
         return await real_resolve(*a, **kw)
 
@@ -1224,6 +1231,7 @@ def test_a_source_pulled_from_steadily_never_waits_for_its_state(src, make_pulle
     gate.clear()
     pulled("c")  # ends while its refreshes are held
     until(lambda: (len(fetches), len(resolves)) == (2, 2))
+    assert in_flight[2:] == [0, 0], in_flight  # each refresh began once "c" had ended
     pulled("d")  # one refresh at a time
     assert (len(fetches), len(resolves)) == (2, 2)
     gate.set()

@@ -5,7 +5,9 @@ UCX address of every source rank a plan needs (each allowlist-checked too).
 
 Verdicts and states are cached for ``XferConfig.state_cache_ttl_s``. One used when older than
 :data:`~kvkern.xfer.tuning.REFRESH_AHEAD` of that is resolved or fetched again in the
-background, so a source pulled from steadily is never waited for. Past its time to live an
+background once the pull that used it has ended (:meth:`SourceDiscovery.after_pull`; a fetch
+running beside a pull takes the interpreter from its reads), so a source pulled from steadily
+is never waited for. Past its time to live an
 entry is still used for ``XferConfig.state_max_stale_s`` (and fetched again by the pull that
 uses it), so a source pulled from rarely costs no fetch per pull either: a state changes only
 with its source's incarnation, and a pull on the state of a source that restarted fails its
@@ -72,6 +74,7 @@ class SourceDiscovery:
         # it -> (address, port) as checked (the allowlist is fixed for the config's life;
         # refusals are not kept)
         self._ucx_allowed: dict[tuple[str, int], tuple[str, int]] = {}
+        self._closed = False  # aclose: no refresh starts after it
 
     def allowlist(self) -> Allowlist:
         from kvkern.xfer.endpoint import Allowlist  # noqa: PLC0415
@@ -82,26 +85,40 @@ class SourceDiscovery:
     async def discover(self, job: PullJob) -> SourceState:
         """The hinted source's state (sets ``job.state``), or :class:`Fallback`."""
         md_t = job.timeouts[0]
-        resolved = await self.resolve(job.hint, md_t)
+        resolved = await self.resolve(job, md_t)
         return await self.state(job, resolved, md_t)
 
-    async def resolve(self, hint: KvHint, md_t: float) -> ResolvedEndpoint:
+    def after_pull(self, job: PullJob) -> None:
+        """``job`` has ended: start the refreshes it found due (each only if its entry is
+        still the one the pull used and none is running; none once closed)."""
+        later, job.refreshes = job.refreshes, []
+        if not self._closed:
+            for start in later:
+                start()
+
+    async def resolve(self, job: PullJob, md_t: float) -> ResolvedEndpoint:
         """Parse, resolve once and allowlist-check the hint's endpoint. Allowed verdicts are
         cached for ``state_cache_ttl_s`` (refusals never are), so a warm pull skips the
-        resolver thread (and one older than REFRESH_AHEAD of that is resolved again
-        meanwhile); the connection still goes to the address that was checked."""
+        resolver thread (and one older than REFRESH_AHEAD of that is resolved again once
+        ``job`` has ended); the connection still goes to the address that was checked."""
         if self._endpoint_config is None:
             self._endpoint_config = self.config.endpoint_config()
+        hint = job.hint
         key = (hint.source, hint.source_dp_rank)
         hit = self._verdicts.get(key)
         usable, refresh = self._cached(hit)
         if usable:
-            if refresh and key not in self._refreshes:
-                task = asyncio.ensure_future(self._resolve(hint, md_t))
-                self._refreshes[key] = task
-                task.add_done_callback(lambda t, k=key: self._resolved_again(k, t))
+            if refresh:
+                job.refreshes.append(lambda: self._resolve_again(key, hit, hint, md_t))
             return hit[0]
         return await self._resolve(hint, md_t)
+
+    def _resolve_again(self, key: tuple, hit: tuple, hint: KvHint, md_t: float) -> None:
+        if self._verdicts.get(key) is not hit or key in self._refreshes:
+            return  # resolved again, dropped or being resolved meanwhile
+        task = asyncio.ensure_future(self._resolve(hint, md_t))
+        self._refreshes[key] = task
+        task.add_done_callback(lambda t, k=key: self._resolved_again(k, t))
 
     def _cached(self, hit: tuple[object, float] | None) -> tuple[bool, bool]:
         """Whether a cached ``(value, time cached)`` may be used, and whether to fetch it
@@ -149,13 +166,18 @@ class SourceDiscovery:
         hit = self._state_cache.get(key)
         usable, refresh = self._cached(hit)
         if usable:
-            if refresh:
-                self._fetching(key, resolved, md_t)  # for the pulls after this one
+            if refresh:  # for the pulls after this one
+                job.refreshes.append(lambda: self._fetch_again(key, hit, resolved, md_t))
             job.state, job.state_cached = hit[0], True
             return hit[0]
         state = await asyncio.shield(self._fetching(key, resolved, md_t))
         job.state = state
         return state
+
+    def _fetch_again(self, key: tuple, hit: tuple, resolved: ResolvedEndpoint,
+                     md_t: float) -> None:
+        if self._state_cache.get(key) is hit:  # not fetched again or dropped meanwhile
+            self._fetching(key, resolved, md_t)
 
     def _fetching(self, key: tuple, resolved: ResolvedEndpoint, md_t: float) -> asyncio.Future:
         """The running fetch of the source's state, started if there is none: one per source
@@ -170,6 +192,7 @@ class SourceDiscovery:
     async def aclose(self) -> None:
         """Cancel the fetches and re-resolutions still running (a refresh no pull waits
         for would otherwise outlive the puller) and wait for them to end."""
+        self._closed = True
         tasks = [*self._state_fetches.values(), *self._refreshes.values()]
         for task in tasks:
             task.cancel()

@@ -13,6 +13,8 @@ from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.state import SourceState
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from kvkern.cache.protocol import Lease
     from kvkern.xfer.seam import TransferConnection
 
@@ -77,6 +79,9 @@ class PullJob:
     unpack_s: float = 0.0
     allocated: bool = False
     quarantined: bool = False  # reads outlived their abort: never reuse the private blocks
+    # cached source facts this pull found due for a refresh: started once it has ended
+    # (kvkern.xfer.discovery.SourceDiscovery.after_pull)
+    refreshes: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def count(self) -> int:

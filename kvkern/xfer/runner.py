@@ -149,6 +149,7 @@ class PullRunner:
         fields = self._measured(job, t0)
         fields.update(result)
         self._finish(rec, job_outcome(job, reason, detail, **fields), lease=lease)
+        self.discovery.after_pull(job)
 
     def _free_private(self, job: PullJob) -> None:
         """Private blocks not committed go back exactly once (quarantined ones never)."""
