@@ -284,25 +284,31 @@ def _first_pull_lines(records: list[tuple[str, dict]]) -> list[str]:
 
 
 def _past_ttl_lines(records: list[tuple[str, dict]]) -> list[str]:
-    """One-block pulls whose source state is past its time to live, per record that measured
-    them: used while fetched again, and waited for, against a fresh state in the same run."""
+    """Pulls whose source state is past its time to live, per record and size measured:
+    used while fetched again, and waited for, against a fresh state in the same run."""
     rows = []
     for name, r in records:
         past = r.get("cases", {}).get("pull", {}).get("past_ttl")
-        if isinstance(past, dict) and all(k in past for k in ("fresh", "stale", "refetch")):
-            rows.append(f"| `{name}` | {_fmt(past['fresh']['total_ms'])} | "
-                        f"{_fmt(past['stale']['total_ms'])} | "
-                        f"{_fmt(past['stale']['metadata_ms'])} | "
-                        f"{_fmt(past['refetch']['total_ms'])} | "
-                        f"{_fmt(past['refetch']['metadata_ms'])} |")
+        if not isinstance(past, dict):
+            continue
+        if "fresh" in past:  # one size only: one block
+            past = {str(r["cases"]["pull"].get("block_bytes", 0)): past}
+        for size, row in past.items():
+            if size.isdigit() and all(k in row for k in ("fresh", "stale", "refetch")):
+                rows.append(f"| `{name}` | {_size(int(size))} | "
+                            f"{_fmt(row['fresh']['total_ms'])} | "
+                            f"{_fmt(row['stale']['total_ms'])} | "
+                            f"{_fmt(row['stale']['metadata_ms'])} | "
+                            f"{_fmt(row['refetch']['total_ms'])} | "
+                            f"{_fmt(row['refetch']['metadata_ms'])} |")
     if not rows:
         return []
-    return ["", "One-block pulls after a pause past the source state's time to live (as from a "
-            "source pulled from rarely), medians in ms: with the state fresh, with the state "
-            "used while it is fetched again (`state_max_stale_s`), and waiting for the fetch, "
+    return ["", "Pulls after a pause past the source state's time to live (as from a source "
+            "pulled from rarely), medians in ms: with the state fresh, with the state used "
+            "while it is fetched again (`state_max_stale_s`), and waiting for the fetch, "
             "alternated in the same run.",
-            "", "| record | fresh: whole | stale, used: whole | metadata | fetched first: "
-            "whole | metadata |", "|---|---|---|---|---|---|", *rows]
+            "", "| record | pull | fresh: whole | stale, used: whole | metadata | fetched "
+            "first: whole | metadata |", "|---|---|---|---|---|---|---|", *rows]
 
 
 def _two(x: float | None) -> str:

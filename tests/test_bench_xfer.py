@@ -70,8 +70,11 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
         assert thread["one_block_phases_ms"]["handoff"] > 0
     # a state past its time to live used at once, against waiting for its fetch (HTTP)
     past = pull["past_ttl"]
-    assert past["stale"]["metadata_ms"] < past["refetch"]["metadata_ms"], past
-    assert past["stale_over_fresh"] > 0 and past["refetch_over_fresh"] > 0
+    assert sorted(k for k in past if k.isdigit()) == sorted({str(pull["block_bytes"]),
+                                                             str(1 << 20)}), past
+    for row in (past[k] for k in past if k.isdigit()):
+        assert row["stale"]["metadata_ms"] < row["refetch"]["metadata_ms"], past
+        assert row["stale_over_fresh"] > 0 and row["refetch_over_fresh"] > 0
 
 
 def test_bench_xfer_one_destination_rank_reads_its_head_slices():

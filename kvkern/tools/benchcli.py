@@ -661,25 +661,30 @@ PAST_TTL_S = 0.02
 
 
 async def _past_ttl(pb: _PullBench, s: Settings) -> dict[str, Any]:
-    """One-block pulls, each after a pause past the source state's time to live, by a
-    puller that uses the stale state while fetching it again and one that waits for the
-    fetch, alternated with the headline puller (its state fresh) after the same pause:
-    medians of the whole pull and its ``metadata`` phase, and each over the fresh one's."""
+    """Pulls of one block and of the middle measured size, each after a pause past the
+    source state's time to live, by a puller that uses the stale state (fetching it again
+    once the pull has ended) and one that waits for the fetch, alternated with the headline
+    puller (its state fresh) after the same pause: per size (bytes), medians of the whole
+    pull and its ``metadata`` phase, and each over the fresh one's."""
     vias = {"fresh": pb.puller, **pb.past_ttl}
-    total: dict[str, list[float]] = {k: [] for k in vias}
-    metadata: dict[str, list[float]] = {k: [] for k in vias}
-    for _ in range(s.repeats):
-        for name, via in vias.items():
-            await asyncio.sleep(2 * PAST_TTL_S)
-            o = await pb.pull(1, via=via)
-            total[name].append(o.total_s)
-            metadata[name].append(o.phases.get("metadata", 0.0))
     out: dict[str, Any] = {"ttl_s": PAST_TTL_S}
-    for name in vias:
-        out[name] = {"total_ms": round(statistics.median(total[name]) * 1e3, 3),
-                     "metadata_ms": round(statistics.median(metadata[name]) * 1e3, 3)}
-    for name in pb.past_ttl:
-        out[f"{name}_over_fresh"] = round(out[name]["total_ms"] / out["fresh"]["total_ms"], 3)
+    middle = sorted(s.sizes)[len(s.sizes) // 2] if s.sizes else pb.per_block
+    for n in dict.fromkeys((1, max(1, middle // pb.per_block))):
+        total: dict[str, list[float]] = {k: [] for k in vias}
+        metadata: dict[str, list[float]] = {k: [] for k in vias}
+        for _ in range(s.repeats):
+            for name, via in vias.items():
+                await asyncio.sleep(2 * PAST_TTL_S)
+                o = await pb.pull(n, via=via)
+                total[name].append(o.total_s)
+                metadata[name].append(o.phases.get("metadata", 0.0))
+        row: dict[str, Any] = {
+            name: {"total_ms": round(statistics.median(total[name]) * 1e3, 3),
+                   "metadata_ms": round(statistics.median(metadata[name]) * 1e3, 3)}
+            for name in vias}
+        for name in pb.past_ttl:
+            row[f"{name}_over_fresh"] = round(row[name]["total_ms"] / row["fresh"]["total_ms"], 3)
+        out[str(n * pb.per_block)] = row
     return out
 
 
@@ -1015,12 +1020,12 @@ def _print_human(res: dict[str, Any]) -> None:
             print(f"  {name:8s} 1 block (warm): hint to first byte {one['hint_to_first_byte_ms']}"
                   f" ms, whole pull {one['one_block_total_ms']} ms, overhead "
                   f"{one.get('one_block_overhead_ms', '-')} ms (medians)")
-    past = cases.get("pull", {}).get("past_ttl")
-    if past:
-        print(f"  past ttl 1 block, its state past its time to live: used while fetched again "
-              f"{past['stale']['total_ms']} ms, waiting for the fetch "
-              f"{past['refetch']['total_ms']} ms (metadata {past['refetch']['metadata_ms']} ms), "
-              f"state fresh {past['fresh']['total_ms']} ms (medians)")
+    for size, past in cases.get("pull", {}).get("past_ttl", {}).items():
+        if size.isdigit():
+            print(f"  past ttl {int(size) / MiB:5g} MiB, the state past its time to live: used "
+                  f"{past['stale']['total_ms']} ms, waiting for its fetch "
+                  f"{past['refetch']['total_ms']} ms (metadata {past['refetch']['metadata_ms']} "
+                  f"ms), fresh {past['fresh']['total_ms']} ms (medians)")
     nixl = res.get("compare", {}).get("nixl")
     if nixl is not None and "error" in nixl:
         print(f"  nixl     {nixl['error']}")
