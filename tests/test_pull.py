@@ -14,7 +14,7 @@ A pair between two trtllm pools (whole contiguous block rows) is read one-sided 
 (``XferConfig.remote_read``, the source's "read/1"); tests about the stream's chunks ask for
 the stream explicitly (``remote_read=False``), the fault tests run both, and the tests at the
 end cover the read path itself. Pullers here ask the source for every read (a grant:
-``direct_reads=False``; one test runs both ways), so the protocol's messages stay visible;
+``direct_reads=False``; a few tests run both ways), so the protocol's messages stay visible;
 reads without a message are covered in tests/test_direct_read.py. The source peer counts the
 replies it sent by kind (``/test/stats`` "replies"), so a test can tell which path a pull took.
 """
@@ -345,7 +345,7 @@ def test_other_engine_layouts_and_split_blocks(src, make_puller, layout, chunk_b
     src.wait_no_pins()
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["granted", "direct"])
+@pytest.mark.parametrize("direct", [False, True], ids=["streamed", "direct"])
 def test_local_prefix_and_remote_tail(src, make_puller, direct):
     """(``direct``: the tail read without a message, kvkern.xfer.direct.)"""
     tokens = fresh_tokens(12 * BS)
@@ -436,7 +436,7 @@ def test_a_pull_into_the_engines_blocks_reads_them_on_the_lanes(src, make_puller
     src.wait_no_pins()
 
 
-@pytest.mark.parametrize("direct", [False, True], ids=["granted", "direct"])
+@pytest.mark.parametrize("direct", [False, True], ids=["streamed", "direct"])
 def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_puller,
                                                                       monkeypatch, direct):
     """Reads into the engine's blocks through UCX that are still running when their wait
@@ -1302,8 +1302,9 @@ def test_a_pull_whose_connection_dies_before_its_reply_asks_once_more(src, make_
     assert pull(p, "after", toks, hint_for(src, toks)).used
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["streamed", "direct"])
 @pytest.mark.parametrize("stale", [False, True], ids=["cached", "past-its-ttl"])
-def test_source_restart_is_detected(make_puller, monkeypatch, stale):
+def test_source_restart_is_detected(make_puller, monkeypatch, stale, direct):
     """A pull on the cached state of a source that restarted (fresh, or past its time to
     live and used while fetched again) fails its connection, asks again and names the
     restart, or pulls from the new incarnation; the next pull does."""
@@ -1321,7 +1322,7 @@ def test_source_restart_is_detected(make_puller, monkeypatch, stale):
     s2 = None
     try:
         group = make_group()
-        p = make_puller(group)
+        p = make_puller(group, direct_reads=direct, remote_read=direct)
         assert pull(p, "first", a, hint_for(s1, a)).used  # caches s1's state
         p.release("first")
         if stale:
@@ -1344,6 +1345,7 @@ def test_source_restart_is_detected(make_puller, monkeypatch, stale):
         assert time.monotonic() - t0 < 10
         o = pull(p, "third", b, hint_for(s2, b))
         assert o.used and o.incarnation == s2.ready["incarnation"], o
+        assert (o.messages == 0) == direct, o  # a direct read: no message
         claim_check_release(p, group, s2, "third", sequence_hashes(b, BS))
         assert_clean(group)
         s2.wait_no_pins()
