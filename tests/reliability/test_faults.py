@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -35,7 +36,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvkern.serve.httpjson import get_json, post_json
-from tests.reliability.harness import T, pool_hashes, toks
+from tests.reliability.harness import (
+    COMMON,
+    T,
+    pool_hashes,
+    start_fault_workers,
+    stop_hard,
+    toks,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -369,3 +377,56 @@ def test_fault(cluster, record, rng, case: Case):
         assert not any(dst.wait_clean().values())
     finally:
         record("faults", case.name, **rec)
+
+
+def test_source_restarted_at_its_address(cluster, record, rng):
+    """A source restarts at the same address (a new incarnation with new UCX addresses)
+    while a destination that reads directly holds its cached state: the next hinted request
+    falls back naming the restart within its bound, exactly as without the hint, nothing
+    leaked; the request after it pulls from the new incarnation."""
+    dst = cluster["D4"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = {"R": [*COMMON, "--worker-id", "R", "--port", str(port)]}
+    old = start_fault_workers(spec)["R"]
+    new = None
+    rec: dict = {"what": "D4 (direct reads) holds the state of a source that then restarts "
+                         "at its address (new incarnation, new UCX addresses)",
+                 "expected": "source_incarnation_changed", "bound_s": HINT_T["deadline_s"]}
+    try:
+        rec.update(_check_next_request(old, dst, rng))  # D4 caches the source's state
+        old_incarnation = get_json(f"{old.url}/healthz", timeout=5)["incarnation"]
+        old.kill()
+        new = start_fault_workers(spec)["R"]
+        assert new.url == old.url
+        assert get_json(f"{new.url}/healthz", timeout=5)["incarnation"] != old_incarnation
+        prefix, tail = toks(8 * T, rng), toks(2, rng)
+        new.generate({"token_ids": prefix, "max_new_tokens": 0})
+        cold = dst.generate({"token_ids": prefix + tail, "max_new_tokens": 2,
+                             "use_cache": False})
+        hint = {"kv_hint": {"source": new.url, "block_hashes": pool_hashes(prefix),
+                            **HINT_T}}
+        t0 = time.perf_counter()
+        out = dst.generate({"token_ids": prefix + tail, "max_new_tokens": 2, **hint})
+        wall = time.perf_counter() - t0
+        pull = out["pull"]
+        rec.update(observed=pull["reason"], request_wall_s=round(wall, 3),
+                   fallback_s=round(pull["phases"].get("total", wall), 3),
+                   leaks_src=None)
+        assert pull["reason"] == "source_incarnation_changed", pull
+        assert rec["fallback_s"] <= HINT_T["deadline_s"] + SLACK_S, rec
+        assert out["fallback"] == "source_incarnation_changed" and out["pulled_tokens"] == 0
+        assert out["tokens"] == cold["tokens"]
+        assert out["logits_sha256"] == cold["logits_sha256"]
+        rec["same_as_no_hint"] = True
+        leak_dst, leak_src = dst.wait_clean(), new.wait_clean()
+        rec.update(leaks_dst=sum(leak_dst.values()), leaks_src=sum(leak_src.values()))
+        assert not any(leak_dst.values()) and not any(leak_src.values()), (leak_dst, leak_src)
+        rec.update(_check_next_request(new, dst, rng))  # from the new incarnation
+        assert not any(dst.wait_clean().values())
+    finally:
+        record("faults", "source_restarted_at_its_address", **rec)
+        stop_hard(old)
+        if new is not None:
+            stop_hard(new)
