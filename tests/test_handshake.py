@@ -148,6 +148,85 @@ async def test_a_client_that_never_answers_is_dropped_before_the_handler(monkeyp
         assert lst.accepted == 1 and len(handled) == 1
 
 
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+@aio
+async def test_a_connect_where_nothing_listens_fails_at_once(monkeypatch):
+    """Nothing listens at the address (a source that died or restarted elsewhere): the
+    connect fails with the endpoint, well before its timeout, every time, and the pool
+    names it ``connect_failed``."""
+    seen = _watch_abandons(monkeypatch)
+    _ucx()
+    loop = asyncio.get_running_loop()
+    for _ in range(5):
+        t0 = loop.time()
+        with pytest.raises(Exception) as info:
+            await handshake.connect(HOST, _closed_port(), 5.0)
+        assert not isinstance(info.value, TimeoutError), info.value
+        assert loop.time() - t0 < 1.0
+    assert len(seen) == 5 and all(h.settled or h in handshake._abandoned for h in seen)
+    async with ConnectionPool(credential=None, connect_timeout=5) as pool:
+        t0 = loop.time()
+        with pytest.raises(transport.TransportError) as info:
+            await pool.get(HOST, _closed_port())
+        assert info.value.reason == "connect_failed" and loop.time() - t0 < 1.0
+
+
+class _FailingEndpoint:
+    """An endpoint that fails while a stream receive waits on it: UCX calls its close
+    callback from the progress thread and never completes the receive."""
+
+    def __init__(self) -> None:
+        self.alive, self.closed, self.handle = True, False, 0
+        self._callback = None
+
+    def set_close_callback(self, cb, cb_args=None, cb_kwargs=None) -> None:
+        self._callback = cb
+
+    def stream_recv(self, arr):
+        class Pending:
+            completed = False
+
+            async def wait(self):
+                await asyncio.Event().wait()
+
+        return Pending()
+
+    stream_send = stream_recv
+
+    def fail_later(self, delay: float) -> None:
+        import threading
+
+        def fail() -> None:
+            self.alive = False
+            self._callback()
+
+        threading.Timer(delay, fail).start()
+
+    def close_blocking(self, **_) -> None:
+        self.closed = True
+
+
+@aio
+async def test_an_endpoint_failing_during_the_handshake_ends_it_at_once(monkeypatch):
+    monkeypatch.setattr(handshake.ucxcompat, "tags_checksum", lambda *a: 7)
+    ep = _FailingEndpoint()
+    hs = handshake.Handshake(ep, accepting=False)
+    ep.fail_later(0.05)
+    t0 = asyncio.get_running_loop().time()
+    with pytest.raises(ConnectionError):
+        await hs.run(5.0)
+    assert asyncio.get_running_loop().time() - t0 < 1.0
+    assert ep.closed and hs in handshake._abandoned  # its receive never completed: kept
+    handshake._abandoned.remove(hs)
+
+
 async def _until(cond, timeout: float) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not cond():

@@ -44,6 +44,11 @@ class HandshakeError(Exception):
     """The peer's tags did not arrive intact."""
 
 
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 def abandoned() -> int:
     """Handshakes ended early whose requests are still open (their buffers are kept)."""
     _sweep()
@@ -75,15 +80,32 @@ class Handshake:
 
     async def run(self, timeout: float) -> int:
         """Send ours and receive theirs (the accepting side sends first) within ``timeout``
-        seconds; the peer's tag. On any early end the endpoint is closed (:meth:`abandon`)."""
+        seconds; the peer's tag. On any early end the endpoint is closed (:meth:`abandon`).
+        An endpoint that fails meanwhile (nothing listens at the address any more) ends the
+        exchange at once: UCX does not complete a stream request posted on it."""
         send, recv = self._arrays
         steps = ((True, send), (False, recv)) if self.accepting else ((False, recv), (True, send))
+        loop = asyncio.get_running_loop()
+        failed = loop.create_future()
+
+        def on_failure(*_: object) -> None:  # UCX's progress thread
+            with contextlib.suppress(RuntimeError):  # (a loop already closed)
+                loop.call_soon_threadsafe(_settle, failed)
+
         try:
+            self.ep.set_close_callback(on_failure)
             async with asyncio.timeout(timeout):
                 for sending, arr in steps:
                     req = self.ep.stream_send(arr) if sending else self.ep.stream_recv(arr)
                     self._reqs.append(req)
-                    await req.wait()
+                    if not self.ep.alive:
+                        raise ConnectionError("the endpoint failed before the handshake")
+                    waiting = asyncio.ensure_future(req.wait())
+                    await asyncio.wait((waiting, failed), return_when=asyncio.FIRST_COMPLETED)
+                    if not waiting.done():
+                        waiting.cancel()
+                        raise ConnectionError("the endpoint failed during the handshake")
+                    waiting.result()
         except BaseException:
             self.abandon()
             raise
