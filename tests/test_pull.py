@@ -1342,6 +1342,8 @@ def test_source_restart_is_detected(make_puller, monkeypatch, stale, direct):
         if not o.used:  # the cached state named the dead incarnation's UCX address
             assert o.reason is Reason.SOURCE_INCARNATION_CHANGED, o
             assert s1.ready["incarnation"] in o.detail and s2.ready["incarnation"] in o.detail
+            if direct:  # its direct read failed: no connection to the dead address tried
+                assert "one-sided read" in o.detail, o
         assert time.monotonic() - t0 < 10
         o = pull(p, "third", b, hint_for(s2, b))
         assert o.used and o.incarnation == s2.ready["incarnation"], o

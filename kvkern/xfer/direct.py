@@ -40,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -448,11 +448,15 @@ class DirectRead:
 
 async def read_directly(receiver: ReadReceiver, job: PullJob,
                         pairs: Sequence[tuple[PeerTransfer, RankKV]], xfer_t: float,
-                        metrics: XferMetrics | None = None) -> int | None:
+                        metrics: XferMetrics | None = None,
+                        failed: Callable[[PullJob, Exception], Awaitable[None]] | None = None,
+                        ) -> int | None:
     """The blocks of ``pairs`` (source ranks with one read worker and one read directory,
     see :func:`same_directory`) read directly into the private blocks: the served count
     (every wanted block, for every pair), or None when the caller must ask for grants
-    (nothing read counts; the private blocks are rewritten by the granted reads)."""
+    (nothing read counts; the private blocks are rewritten by the granted reads). A read
+    that failed (the source's process may be gone) is told to ``failed`` first, which may
+    end the pull instead (:meth:`~kvkern.xfer.discovery.SourceDiscovery.connect_failed`)."""
     from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
     from kvkern.xfer.ucp_rma import scatter_check_failed  # noqa: PLC0415
 
@@ -492,6 +496,8 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
         if metrics is not None:
             metrics.direct_read("failed")
         receiver.lanes_failed(worker, exc)  # the granted read goes on the connection
+        if failed is not None:
+            await failed(job, exc)
         return None
     now = time.perf_counter()
     job.phases["direct"] = now - t

@@ -229,9 +229,10 @@ class SourceDiscovery:
             raise Fallback(Reason.METADATA_INVALID, f"{resolved.display_url}: {exc}") from None
 
     async def connect_failed(self, job: PullJob, exc: Exception) -> None:
-        """A connection to a source rank failed before any data: if its state came from the
-        cache, drop it and re-check the incarnation (the source may have restarted; a
-        refresh may already have replaced the entry, then that answers)."""
+        """A connection to a source rank failed before any data, or a direct read of it
+        failed: if its state came from the cache, drop it and re-check the incarnation (the
+        source may have restarted; a refresh may already have replaced the entry, then that
+        answers)."""
         self._verdicts.pop((job.hint.source, job.hint.source_dp_rank), None)
         old = job.state
         if not job.state_cached or old is None:

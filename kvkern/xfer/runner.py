@@ -300,7 +300,8 @@ class PullRunner:
         served: dict[int, int] = {}
         for group, got in zip(groups, await _all([
                 read_directly(self.reads, job, [(pairs[i], self.group.ranks[pairs[i].dst_rank])
-                                                for i in group], xfer_t, self.metrics)
+                                                for i in group], xfer_t, self.metrics,
+                              self.discovery.connect_failed)
                 for group in groups]), strict=True):
             if got is not None:
                 served.update(dict.fromkeys(group, got))
