@@ -379,23 +379,26 @@ def test_fault(cluster, record, rng, case: Case):
         record("faults", case.name, **rec)
 
 
-def test_source_restarted_at_its_address(cluster, record, rng):
+@pytest.mark.parametrize("dst_name", ["D1", "D4"], ids=["granted", "direct"])
+def test_source_restarted_at_its_address(cluster, record, rng, dst_name):
     """A source restarts at the same address (a new incarnation with new UCX addresses)
-    while a destination that reads directly holds its cached state: the next hinted request
-    falls back naming the restart within its bound, exactly as without the hint, nothing
-    leaked; the request after it pulls from the new incarnation."""
-    dst = cluster["D4"]
+    while a destination holds its cached state (one asking for grants, one reading
+    directly): the next hinted request falls back naming the restart at once (its
+    connection or its read fails), exactly as without the hint, nothing leaked; the
+    request after it pulls from the new incarnation."""
+    dst = cluster[dst_name]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     spec = {"R": [*COMMON, "--worker-id", "R", "--port", str(port)]}
     old = start_fault_workers(spec)["R"]
     new = None
-    rec: dict = {"what": "D4 (direct reads) holds the state of a source that then restarts "
-                         "at its address (new incarnation, new UCX addresses)",
+    reads = "asks for grants" if dst_name == "D1" else "reads directly"
+    rec: dict = {"what": f"{dst_name} ({reads}) holds the state of a source that then "
+                         "restarts at its address (new incarnation, new UCX addresses)",
                  "expected": "source_incarnation_changed", "bound_s": HINT_T["deadline_s"]}
     try:
-        rec.update(_check_next_request(old, dst, rng))  # D4 caches the source's state
+        rec.update(_check_next_request(old, dst, rng))  # dst caches the source's state
         old_incarnation = get_json(f"{old.url}/healthz", timeout=5)["incarnation"]
         old.kill()
         new = start_fault_workers(spec)["R"]
@@ -410,12 +413,14 @@ def test_source_restarted_at_its_address(cluster, record, rng):
         t0 = time.perf_counter()
         out = dst.generate({"token_ids": prefix + tail, "max_new_tokens": 2, **hint})
         wall = time.perf_counter() - t0
-        pull = out["pull"]
+        pull = dict(out["pull"])
+        pull["detail"] = get_json(f"{dst.url}/test/request?id={out['request_id']}",
+                                  timeout=5)["detail"] or ""
         rec.update(observed=pull["reason"], request_wall_s=round(wall, 3),
                    fallback_s=round(pull["phases"].get("total", wall), 3),
                    leaks_src=None)
-        assert pull["reason"] == "source_incarnation_changed", pull
-        assert rec["fallback_s"] <= HINT_T["deadline_s"] + SLACK_S, rec
+        assert pull["reason"] == "source_incarnation_changed", (pull["detail"], pull["phases"])
+        assert rec["fallback_s"] < 1.0, rec  # not a connect waiting out its timeout
         assert out["fallback"] == "source_incarnation_changed" and out["pulled_tokens"] == 0
         assert out["tokens"] == cold["tokens"]
         assert out["logits_sha256"] == cold["logits_sha256"]
@@ -426,7 +431,7 @@ def test_source_restarted_at_its_address(cluster, record, rng):
         rec.update(_check_next_request(new, dst, rng))  # from the new incarnation
         assert not any(dst.wait_clean().values())
     finally:
-        record("faults", "source_restarted_at_its_address", **rec)
+        record("faults", f"source_restarted_at_its_address_{dst_name}", **rec)
         stop_hard(old)
         if new is not None:
             stop_hard(new)
