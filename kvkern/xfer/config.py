@@ -80,9 +80,10 @@ class XferConfig:
 
     # ---- source state
     state_cache_ttl_s: float = 30.0  # per (source, incarnation); failures drop the entry
-    # past its time to live a cached state or verdict is still used this much longer, by a
-    # pull that also fetches it again (a source pulled from rarely costs no fetch per pull);
-    # a source that restarted meanwhile fails the connection and is fetched again at once
+    # past its time to live a cached state or verdict is still used this much longer, and
+    # fetched again after each pull that used it (a source pulled from rarely costs no fetch
+    # per pull); a source that restarted meanwhile fails the pull's connection or direct read,
+    # which fetches its state again at once and names the restart
     state_max_stale_s: float = 600.0
     max_state_bytes: int = 1 << 20
 

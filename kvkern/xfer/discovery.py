@@ -7,11 +7,11 @@ Verdicts and states are cached for ``XferConfig.state_cache_ttl_s``. One used wh
 :data:`~kvkern.xfer.tuning.REFRESH_AHEAD` of that is resolved or fetched again in the
 background once the pull that used it has ended (:meth:`SourceDiscovery.after_pull`; a fetch
 running beside a pull takes the interpreter from its reads), so a source pulled from steadily
-is never waited for. Past its time to live an
-entry is still used for ``XferConfig.state_max_stale_s`` (and fetched again by the pull that
-uses it), so a source pulled from rarely costs no fetch per pull either: a state changes only
-with its source's incarnation, and a pull on the state of a source that restarted fails its
-connection, which drops the entry and asks again (:meth:`SourceDiscovery.connect_failed`).
+is never waited for. Past its time to live an entry is still used for
+``XferConfig.state_max_stale_s`` (and fetched again after the pull that used it), so a source
+pulled from rarely costs no fetch per pull either: a state changes only with its source's
+incarnation, and a pull on the state of a source that restarted fails its connection or its
+direct read, which drops the entry and asks again (:meth:`SourceDiscovery.connect_failed`).
 None older than both is used, and a refresh that fails drops the entry (the next pull asks
 again and meets the failure itself).
 

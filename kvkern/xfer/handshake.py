@@ -101,11 +101,14 @@ class Handshake:
                     if not self.ep.alive:
                         raise ConnectionError("the endpoint failed before the handshake")
                     waiting = asyncio.ensure_future(req.wait())
-                    await asyncio.wait((waiting, failed), return_when=asyncio.FIRST_COMPLETED)
-                    if not waiting.done():
+                    try:
+                        await asyncio.wait((waiting, failed),
+                                           return_when=asyncio.FIRST_COMPLETED)
+                        if not waiting.done():
+                            raise ConnectionError("the endpoint failed during the handshake")
+                        waiting.result()
+                    finally:  # (a timeout or a failure leaves no task waiting on UCX)
                         waiting.cancel()
-                        raise ConnectionError("the endpoint failed during the handshake")
-                    waiting.result()
         except BaseException:
             self.abandon()
             raise
