@@ -234,6 +234,23 @@ async def _until(cond, timeout: float) -> None:
         await asyncio.sleep(0.01)
 
 
+@aio
+async def test_a_client_that_leaves_mid_handshake_frees_its_slot_at_once():
+    """A client that connects and goes away before answering: the listener's side of the
+    handshake ends with its endpoint, long before its timeout, and the slot it held among
+    the untrusted connections is free again."""
+    async def handler(conn):
+        raise AssertionError("no connection gets this far")
+
+    async with Listener(handler, connect_timeout=5, credential=None, max_untrusted=3) as lst:
+        _, ucx_api, ctx = _ucx()
+        raw = ucx_api.UCXEndpoint.create(ctx.worker, HOST, lst.port, True)
+        await _until(lambda: lst.untrusted_connections == 1, 2)
+        raw.close_blocking(period=10**9, max_attempts=1)
+        await _until(lambda: lst.untrusted_connections == 0, 1.0)
+        assert lst.accepted == 0
+
+
 def test_the_gate_counts_and_refuses_past_its_limit():
     told: list[str] = []
     gate = handshake.Gate(2, on_refuse=told.append)
