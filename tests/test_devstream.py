@@ -23,7 +23,7 @@ import torch
 
 from kvkern.kernels.pack import pack
 from kvkern.kernels.sharded import pack_for_peer
-from kvkern.layout.chunks import plan_chunks
+from kvkern.layout.chunks import plan_chunks, send_chunks
 from kvkern.layout.plan import plan_transfer
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer import devstream
@@ -32,6 +32,8 @@ from kvkern.xfer.devstream import DONE, HOST, CudaStream, StreamConfig, wait_rea
 from kvkern.xfer.kvgroup import RankKV
 from kvkern.xfer.messages import DEFAULT_CODEC, PlanPiece
 from kvkern.xfer.metrics import XferMetrics
+from kvkern.xfer.outcome import Reason
+from kvkern.xfer.pulljob import Fallback
 from kvkern.xfer.receive import StreamReceiver
 from kvkern.xfer.send import Sender
 from kvkern.xfer.staging import StagingPool
@@ -280,12 +282,16 @@ def whole_piece() -> PlanPiece:
                      offset=0, length=BLOCK_BYTES)
 
 
-async def send_all(device: str, log: list) -> FakeEp:
-    """The source's producer over ``send_stream``: 6 blocks in 3 chunks, a ring of 2; the
-    stream fakes, the producer's hook and the endpoint all append to ``log``."""
+async def send_all(device: str, log: list, ids: list[int] = BLOCK_IDS,
+                   chunks: list | None = None, packed: int | None = None) -> FakeEp:
+    """The source's producer over ``send_stream``: by default 6 blocks in 3 chunks, a ring
+    of 2; the stream fakes, the producer's hook and the endpoint all append to ``log``.
+    ``packed``: how many blocks go through staging (default: all)."""
     rkv = rank_kv(device, seed=1)
-    chunks = plan_chunks([BLOCK_BYTES], len(BLOCK_IDS), 2 * BLOCK_BYTES)
-    assert len(chunks) == 3
+    if chunks is None:
+        chunks = plan_chunks([BLOCK_BYTES], len(ids), 2 * BLOCK_BYTES)
+        assert len(chunks) == 3
+    packed = len(ids) if packed is None else packed
     executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="test-pack")
 
     async def before_chunk(tid: int, i: int) -> None:
@@ -300,21 +306,22 @@ async def send_all(device: str, log: list) -> FakeEp:
     ep = FakeEp(log)
     conn = Connection(ep, peer=None, codec=DEFAULT_CODEC)
     try:
-        produce = Sender(svc).producer(s, [whole_piece()], list(BLOCK_IDS), chunks)
+        produce = Sender(svc).producer(s, [whole_piece()], list(ids), chunks)
         await conn.send_stream(9, produce, len(chunks), timeout=5, max_in_flight=RING)
     finally:
         executor.shutdown()
-    want = pack(rkv.pool, rkv.layout, BLOCK_IDS).reshape(-1).view(torch.uint8).cpu()
+    want = pack(rkv.pool, rkv.layout, ids).reshape(-1).view(torch.uint8).cpu()
     got = b"".join(ep.sent[i] for i in range(len(chunks)))
     assert got == want.numpy().tobytes()  # bit-exact
     sent = ChunkLengths()
     for i in range(len(chunks)):
         sent.add(len(ep.sent[i]))
     sent.check(ep.trailer)  # the trailer names the chunks as they went
-    assert len({b.data_ptr() for b in s.staging}) == RING  # the ring was reused
-    # every chunk was packed (none is a run of a host pool's rows), and counted
-    assert svc.metrics.value("kvkern_source_packed_bytes_total") == want.numel()
-    assert svc.metrics.value("kvkern_source_pack_seconds_count") == len(chunks)
+    # the packed chunks (by default every chunk: none is a run of a host pool's rows) went
+    # through the ring of staging slots of the staging size, reused, and were counted
+    assert all(b.numel() == 2 * BLOCK_BYTES for b in s.staging)
+    assert len({b.data_ptr() for b in s.staging}) == min(RING, -(-packed // 2))
+    assert svc.metrics.value("kvkern_source_packed_bytes_total") == packed * BLOCK_BYTES
     return ep
 
 
@@ -337,8 +344,20 @@ async def test_source_sends_a_chunk_only_after_its_pack_event(no_device_sync):
     assert not any(e[0] == "stream_sync" for e in log)
 
 
+async def test_host_source_sends_its_runs_from_the_pool_and_packs_the_rest():
+    """Pool blocks 4..6 (a run of 3), then 0, 2 and 7: the run leaves from the pool in one
+    chunk above the staging size, 0 and 2 are packed into a slot, 7 alone leaves from the
+    pool; the bytes are the pack of all six either way."""
+    ids = [4, 5, 6, 0, 2, 7]
+    chunks = send_chunks(BLOCK_BYTES, ids, 2 * BLOCK_BYTES, 8 * BLOCK_BYTES, [], 3)
+    assert [(c.b0, c.b1) for c in chunks] == [(0, 3), (3, 5), (5, 6)]
+    log: list = []
+    await send_all("cpu", log, ids, chunks, packed=2)
+
+
 async def receive_all(device: str, log: list, private: list[int] = BLOCK_IDS,
-                      sizes: list[int] | None = None) -> tuple[RankKV, StagingPool, list]:
+                      sizes: list[int] | None = None,
+                      in_place: int = 0) -> tuple[RankKV, StagingPool, list]:
     """The destination's stream receiver: 6 blocks, by default in chunks that split blocks
     (the carry) into non-consecutive blocks (the ring)."""
     src = rank_kv("cpu", seed=2)
@@ -358,7 +377,8 @@ async def receive_all(device: str, log: list, private: list[int] = BLOCK_IDS,
     # the fields of the source's stream reply that the receiver reads
     reply = SimpleNamespace(transfer_id=11, served_blocks=n, total_bytes=n * BLOCK_BYTES,
                             n_chunks=len(sizes), chunk_sizes=sizes)
-    await StreamReceiver(cfg, staging).receive(job, tr, dst, conn, reply, 1024, 5.0, "entry")
+    await StreamReceiver(cfg, staging).receive(job, tr, dst, conn, reply, 1024, 5.0, "entry",
+                                               in_place=in_place)
     want = src.layout.logical(src.pool)[:n]
     got = dst.layout.logical(dst.pool).cpu()[private]
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # bit-exact
@@ -400,6 +420,24 @@ async def test_chunks_landing_in_the_blocks_wait_for_the_fence_first(no_device_s
         < at(log, ("recv", 0))
     assert ("enter", "side") not in log  # nothing to unpack, nothing to publish
     assert staging.pending == 0 and not any(e[0] == "stream_sync" for e in log)
+
+
+async def test_chunks_landing_in_place_may_exceed_the_staging_size_up_to_the_request():
+    """A planned run lands in place in one chunk of 6 blocks (above the 1 KiB staging slot,
+    within the request's ``in_place`` limit); the same chunk beyond that limit, or one above
+    the staging size into blocks that are not consecutive (it would need a staging slot),
+    drops the stream before anything is received."""
+    one = [6 * BLOCK_BYTES]
+    _, staging, _ = await receive_all("cpu", [], private=[1, 2, 3, 4, 5, 6], sizes=one,
+                                      in_place=6 * BLOCK_BYTES)
+    assert staging.idle_bytes == 0  # no slot was taken
+    for private, in_place in (([1, 2, 3, 4, 5, 6], 4 * BLOCK_BYTES),
+                              (BLOCK_IDS, 6 * BLOCK_BYTES)):
+        log: list = []
+        with pytest.raises(Fallback, match="chunks") as err:
+            await receive_all("cpu", log, private=private, sizes=one, in_place=in_place)
+        assert err.value.reason is Reason.TRANSFER_FAILED
+        assert not any(e[0] == "recv" for e in log)
 
 
 async def test_destination_with_host_streams_needs_no_wait():

@@ -3,11 +3,20 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvkern.layout.chunks import chunk_runs, count_chunks, plan_chunks, stream_plan
+from kvkern.layout.chunks import (
+    chunk_runs,
+    count_chunks,
+    plan_chunks,
+    send_chunks,
+    stream_plan,
+)
 from kvkern.layout.plan import plan_transfer
 from kvkern.layout.segments import (
     piece_nbytes,
@@ -94,6 +103,63 @@ def test_stream_plan_lands_long_runs_in_place_and_sends_the_short_ones_first():
     assert sizes == [4, 32, 8, 4]
     assert chunk_runs(ids, 32, 4) == [32, 8, 4, 4]  # the order kept: short runs in between
     assert stream_plan([], 32, 4) == ([], [])
+    # runs that land in place may take larger chunks than those through staging
+    assert stream_plan(ids, 2, 4, 64) == (order, [2, 2, 40, 4])
+    assert chunk_runs(ids, 2, 4, 16) == [16, 16, 8, 2, 2, 4]
+
+
+def test_send_chunks_sends_runs_from_the_pool_and_packs_the_rest():
+    """Pool blocks 10..13, then 2 and 5 (short runs), then 20..25 (block length 10, runs
+    of 4 or more leave from the pool in chunks of up to 50 bytes, the rest in chunks of
+    up to 20 bytes, packed)."""
+    ids = [10, 11, 12, 13, 2, 5, 20, 21, 22, 23, 24, 25]
+    got = [(c.b0, c.b1) for c in send_chunks(10, ids, 20, 50, [], 4)]
+    assert got == [(0, 4), (4, 6), (6, 11), (11, 12)]
+    assert all(c.lo == 0 and c.hi == (c.b1 - c.b0) * 10 for c in send_chunks(10, ids, 20, 50,
+                                                                             [], 4))
+    # the destination's plan still cuts: a run split by it is sent in two parts
+    got = [(c.b0, c.b1) for c in send_chunks(10, ids, 20, 50, [8, 4], 4)]
+    assert got == [(0, 4), (4, 6), (6, 8), (8, 12)]
+    # a run limit below the pack limit is the pack limit; a block above it is sliced
+    assert [(c.b0, c.b1) for c in send_chunks(10, ids[:4], 20, 10, [], 4)] == [(0, 2), (2, 4)]
+    assert send_chunks(30, ids[:2], 20, 1000, [], 1) == plan_chunks([30], 2, 20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 9), st.integers(0, 3)), min_size=1, max_size=12),
+       st.integers(1, 5), st.integers(1, 4), st.integers(1, 4), st.data())
+def test_sent_chunks_tile_the_stream_and_only_runs_exceed_the_pack_limit(
+        runs, per, more, min_run, data):
+    """Any pool blocks (runs of consecutive ids with gaps) and destination plan: the chunks
+    tile the served blocks in order, none across a planned boundary; a chunk above the pack
+    limit (``per`` blocks) is a part of one run of at least ``min_run`` blocks (sent from the
+    pool), within the run limit."""
+    ids, at = [], 0
+    for n, gap in runs:
+        at += gap + 1
+        ids += list(range(at, at + n))
+        at += n
+    n = len(ids)
+    plan = data.draw(st.lists(st.integers(1, 9), max_size=6))
+    per_run = per + more
+    chunks = send_chunks(10, ids, per * 10, per_run * 10, plan, min_run)
+    assert [c.b0 for c in chunks] == [0, *(c.b1 for c in chunks[:-1])]
+    assert chunks[-1].b1 == n and all(c.lo == 0 and c.hi == (c.b1 - c.b0) * 10 for c in chunks)
+    cuts = {sum(plan[:i]) for i in range(1, len(plan) + 1)}
+    assert not any(c.b0 < cut < c.b1 for c in chunks for cut in cuts)
+    # block -> its run, a run ending at a gap in the ids or at a planned cut
+    run_of = list(itertools.accumulate(
+        int(b > 0 and (ids[b] != ids[b - 1] + 1 or b in cuts)) for b in range(n)))
+    length = collections.Counter(run_of)
+    for c in chunks:
+        part = ids[c.b0:c.b1]
+        consecutive = part == list(range(part[0], part[0] + len(part)))
+        assert c.b1 - c.b0 <= (per_run if consecutive else per)
+        if c.b1 - c.b0 > per:  # a part of one run long enough to leave from the pool
+            assert consecutive and length[run_of[c.b0]] >= min_run
+        long = {run_of[b] for b in range(c.b0, c.b1) if length[run_of[b]] >= min_run}
+        if long:  # a long run's blocks share a chunk with no other run's: nothing to pack
+            assert {run_of[b] for b in range(c.b0, c.b1)} == long and len(long) == 1
 
 
 @settings(max_examples=300, deadline=None)

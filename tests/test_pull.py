@@ -154,7 +154,10 @@ def rt():
 
 @pytest.fixture(scope="module")
 def src():
-    s = Source("source_peer.py", "--num-blocks", "256", "--chunk-bytes", str(8 << 10))
+    # (runs of 2 blocks and more leave from the pool unpacked, as 4 MiB runs do in a pool
+    # of real blocks)
+    s = Source("source_peer.py", "--num-blocks", "256", "--chunk-bytes", str(8 << 10),
+               "--stream-min-run-bytes", str(2 * 2048))
     try:
         yield s.wait_ready()
     finally:
@@ -1665,20 +1668,45 @@ def test_read_in_the_pools_own_order_between_pools_of_one_layout(make_puller, la
         s.kill()
 
 
+def source_pieces(ids: list[int], min_run: int, per: int) -> int:
+    """How many chunks a source sends of one planned chunk of its blocks ``ids``: one per
+    run of at least ``min_run`` consecutive blocks (sent from its pool), and the blocks
+    between such runs packed together, ``per`` at a time."""
+    out = pending = 0
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i < len(ids) and ids[i] == ids[i - 1] + 1:
+            continue
+        if i - start >= min_run:
+            out += 1 + (pending > 0)
+            pending = 0
+        else:
+            pending += i - start
+            out += pending // per
+            pending %= per
+        start = i
+    return out + (pending > 0)
+
+
 @pytest.mark.parametrize("min_run_bytes,unpacked", [(2 * 2048, False), (1 << 30, True)],
                          ids=["runs-land-in-place", "runs-too-short"])
 def test_stream_chunks_follow_the_runs_of_receive_blocks(src, make_puller, monkeypatch,
                                                          min_run_bytes, unpacked):
     """A stream into receive blocks in runs of 3 (the source's chunks hold up to 4 blocks)
     asks for chunks cut at the runs (PullRequest.chunk_blocks): each lands in place, no
-    unpack; runs shorter than STREAM_MIN_RUN_BYTES share chunks unpacked from staging.
-    The bytes are the source's either way."""
+    unpack; runs shorter than STREAM_MIN_RUN_BYTES share chunks unpacked from staging, in
+    chunks of up to 4 blocks cut where the source's blocks stop being consecutive (each part
+    leaves the source's pool unpacked). The bytes are the source's either way."""
     from kvkern.xfer import runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "STREAM_MIN_RUN_BYTES", min_run_bytes)
     n = 12
     tokens = fresh_tokens(n * BS)
     hashes = src.commit(tokens)
+    remote = source_block_ids(src, hashes)
+    planned = [(b, b + 3) for b in range(0, n, 3)] if not unpacked else \
+        [(b, b + 4) for b in range(0, n, 4)]
+    chunks = sum(source_pieces(remote[a:b], 2, 4) for a, b in planned)
     group = make_group()
     mgr = group.manager
     taken = mgr.allocate(group.num_blocks)
@@ -1690,10 +1718,38 @@ def test_stream_chunks_follow_the_runs_of_receive_blocks(src, make_puller, monke
     o = pull(p, f"runs-{unpacked}", tokens, hint_for(src, tokens))
     assert o.used and o.blocks_transferred == n, o
     assert ("unpack" in o.phases) is unpacked, o.phases
-    assert o.messages == 2 + (3 if unpacked else 4), o  # request, reply, the chunks
+    assert o.messages == 2 + chunks, o  # request, reply, the chunks
     ids = p.claim(f"runs-{unpacked}")
     assert sorted(ids) == free
     check_and_release(p, group, src, hashes, ids, before, held)
+
+
+def test_a_run_landing_in_place_travels_in_one_chunk_above_both_chunk_sizes(make_puller,
+                                                                           monkeypatch):
+    """Consecutive blocks on both sides: no staging holds the stream, so the planned run is
+    one chunk of 12 blocks, though each side stages at most 4 (``chunk_bytes``)."""
+    from kvkern.xfer import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "STREAM_MIN_RUN_BYTES", 2 * 2048)
+    s = Source("source_peer.py", "--num-blocks", "32", "--chunk-bytes", str(8 << 10),
+               "--stream-min-run-bytes", str(2 * 2048)).wait_ready()
+    try:
+        n = 12
+        tokens = fresh_tokens(n * BS)
+        hashes = s.commit(tokens)
+        remote = source_block_ids(s, hashes)
+        assert remote == list(range(remote[0], remote[0] + n))  # consecutive at the source
+        group = make_group()
+        before = snapshot(group)
+        p = make_puller(group, remote_read=False, chunk_bytes=8 << 10)
+        o = pull(p, "one-chunk", tokens, hint_for(s, tokens))
+        assert o.used and o.blocks_transferred == n and o.bytes_transferred == n * 2048, o
+        assert o.messages == 3 and "unpack" not in o.phases, o  # request, reply, one chunk
+        ids = p.claim("one-chunk")
+        assert ids == list(range(ids[0], ids[0] + n))
+        check_and_release(p, group, s, hashes, ids, before, [])
+    finally:
+        s.kill()
 
 
 def test_read_and_stream_commit_the_same_bytes(src, make_puller):

@@ -8,7 +8,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ChunkSpec", "chunk_runs", "count_chunks", "plan_chunks", "stream_plan"]
+__all__ = ["ChunkSpec", "chunk_runs", "count_chunks", "plan_chunks", "send_chunks",
+           "stream_plan"]
 
 
 @dataclass(frozen=True)
@@ -106,21 +107,24 @@ def _run_lengths(ids: Sequence[int]) -> list[int]:
     return out
 
 
-def chunk_runs(ids: Sequence[int], per: int, min_run: int) -> list[int]:
+def chunk_runs(ids: Sequence[int], per: int, min_run: int,
+               per_run: int | None = None) -> list[int]:
     """The chunk sizes in blocks (``PullRequest.chunk_blocks``) of a stream into receive
     blocks ``ids`` in this order: every run of at least ``min_run`` consecutive ids as
-    chunks of at most ``per`` blocks of its own (they land in place); the shorter runs
-    between them together, in chunks of at most ``per`` blocks (unpacked from staging)::
+    chunks of at most ``per_run`` blocks (default ``per``) of its own (they land in place,
+    no staging); the shorter runs between them together, in chunks of at most ``per``
+    blocks (unpacked from staging)::
 
         ids [0..39] [100, 101] [200, 201] [300..303], per 32, min_run 4  ->  [32, 8, 4, 4]
     """
-    return _sizes(_run_lengths(ids), per, min_run)
+    return _sizes(_run_lengths(ids), per, min_run, per_run)
 
 
-def _sizes(runs: Sequence[int], per: int, min_run: int) -> list[int]:
+def _sizes(runs: Sequence[int], per: int, min_run: int, per_run: int | None = None) -> list[int]:
     """:func:`chunk_runs` of ids whose runs have lengths ``runs``, in order."""
-    if per < 1 or min_run < 1:
-        raise ValueError(f"per {per} and min_run {min_run} must be >= 1")
+    per_run = per if per_run is None else per_run
+    if per < 1 or min_run < 1 or per_run < 1:
+        raise ValueError(f"per {per}, per_run {per_run} and min_run {min_run} must be >= 1")
     sizes: list[int] = []
     pending = 0  # blocks of short runs not yet in a chunk
     for n in runs:
@@ -128,7 +132,7 @@ def _sizes(runs: Sequence[int], per: int, min_run: int) -> list[int]:
             if pending:
                 sizes.append(pending)
                 pending = 0
-            sizes += [min(per, n - j) for j in range(0, n, per)]
+            sizes += [min(per_run, n - j) for j in range(0, n, per_run)]
         else:
             pending += n
             while pending >= per:
@@ -139,7 +143,8 @@ def _sizes(runs: Sequence[int], per: int, min_run: int) -> list[int]:
     return sizes
 
 
-def stream_plan(ids: Sequence[int], per: int, min_run: int) -> tuple[list[int], list[int]]:
+def stream_plan(ids: Sequence[int], per: int, min_run: int,
+                per_run: int | None = None) -> tuple[list[int], list[int]]:
     """Receive block ``ids`` (ascending, in any order the destination may choose) ordered
     for a stream, and its :func:`chunk_runs`: the ids of runs shorter than ``min_run``
     first, so that their chunks' unpack overlaps the later chunks' transfer (unpacked last,
@@ -162,4 +167,25 @@ def stream_plan(ids: Sequence[int], per: int, min_run: int) -> tuple[list[int], 
             short_runs.append(n)
         start += n
     # maximal runs stay maximal side by side, so the order's runs are these
-    return short + long, _sizes(short_runs + long_runs, per, min_run)
+    return short + long, _sizes(short_runs + long_runs, per, min_run, per_run)
+
+
+def send_chunks(length: int, ids: Sequence[int], limit: int, run_limit: int,
+                blocks: Sequence[int], min_run: int) -> list[ChunkSpec]:
+    """The chunks a source sends of a stream of one piece of ``length`` bytes per block whose
+    pool blocks are ``ids`` (in stream order), when consecutive pool blocks can be sent
+    straight from the pool: the destination's plan ``blocks`` (as :func:`plan_chunks`), and
+    inside each of its chunks every run of at least ``min_run`` consecutive ids in chunks of
+    its own of up to ``run_limit`` bytes (no staging on this side), the shorter runs between
+    them together in chunks of up to ``limit`` bytes (packed into staging). A block larger
+    than ``limit`` is cut into byte slices as :func:`plan_chunks` cuts it."""
+    if length > limit:
+        return plan_chunks([length], len(ids), limit, blocks)
+    per, per_run = limit // length, max(run_limit, limit) // length
+    out: list[ChunkSpec] = []
+    for b0, b1 in _spans(len(ids), max(len(ids), 1), blocks):  # the plan's chunks, uncut
+        at = b0
+        for k in _sizes(_run_lengths(ids[b0:b1]), per, min_run, per_run):
+            out.append(ChunkSpec(0, at, at + k, 0, k * length))
+            at += k
+    return out

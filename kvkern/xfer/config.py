@@ -89,7 +89,9 @@ class XferConfig:
 
     # ---- retention and data stream
     lease_s: float = 30.0  # committed blocks are leased until claim/release or expiry
-    chunk_bytes: int = 16 << 20  # multi-MiB chunks amortize a per-message cost of ~30-270 us
+    # multi-MiB chunks amortize a per-message cost of ~30-270 us; a staging slot's size
+    # (chunks landing in place are up to tuning.ZERO_COPY_CHUNK_BYTES)
+    chunk_bytes: int = 16 << 20
     chunks_in_flight: int = 4  # staging ring depth per (source rank, destination rank) pair
     # read whole-block pieces one-sided from a source that offers it ("read/1"): one copy
     # from the source's pool into the private blocks, no pack, staging or unpack

@@ -132,7 +132,9 @@ class PullRequest(_Base, tag="pull_request"):
 
     ``deadline_ms`` is relative (milliseconds the source may spend, counted from receipt), so
     clock skew between hosts does not matter. ``chunk_bytes`` is the largest chunk the source
-    may send; the reply's ``chunk_sizes`` give the actual sizes. ``require_all`` (a strict
+    may send (a chunk the source packs keeps to its own chunk size too; a planned run that
+    lands in place may be larger than one the destination stages); the reply's
+    ``chunk_sizes`` give the actual sizes. ``require_all`` (a strict
     destination): a source that cannot serve all ``count`` blocks answers ``MISS`` without
     pinning or sending anything, instead of a PARTIAL the destination would have to cancel
     (which aborts the connection and every other transfer on it). ``read``: the destination

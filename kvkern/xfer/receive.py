@@ -184,42 +184,46 @@ class StreamReceiver:
 
     async def receive(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV,
                       conn: TransferConnection, reply: StreamReply, chunk: int, xfer_t: float,
-                      entry: tuple) -> None:
+                      entry: tuple, *, in_place: int = 0) -> None:
         """Receive and unpack every chunk ``reply`` announced; :class:`Fallback` if the
-        stream is not exactly the served blocks' bytes."""
+        stream is not exactly the served blocks' bytes. A chunk received into a staging
+        slot holds at most ``chunk`` bytes, one landing in place in the blocks at most
+        ``in_place`` (the request's ``chunk_bytes``)."""
         from kvkern.xfer import devstream  # noqa: PLC0415
 
         served, unit, cfg = reply.served_blocks, pair.block_nbytes, self.config
         nbytes = pair.nbytes(served)
-        if reply.total_bytes != nbytes or any(not 0 < s <= chunk for s in reply.chunk_sizes):
-            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} announces "
-                           f"{reply.total_bytes} B in chunks {reply.chunk_sizes[:4]}..., "
-                           f"expected {nbytes} B in chunks <= {chunk} B")
+        sizes = reply.chunk_sizes
+        starts = list(itertools.accumulate(sizes, initial=0))
+        ids = list(job.private[:served])
         # block rows a stream's chunks land in as they are (one piece of whole blocks)
         pieces = pair.pieces
         direct = (rank_kv.stream_rows(pieces[0].dst_layers, pieces[0].dst_heads,
                                       pieces[0].block_nbytes) if len(pieces) == 1 else None)
+        # the chunks that land in the blocks as they are (zero-copy), by their first block
+        landed_direct = {} if direct is None or reply.total_bytes != nbytes else \
+            _in_place(starts, unit, ids)
+        limit = max(in_place, chunk)
+        if reply.total_bytes != nbytes or any(
+                not 0 < s <= (limit if i in landed_direct else chunk)
+                for i, s in enumerate(sizes)):
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} announces "
+                           f"{reply.total_bytes} B in chunks {sizes[:4]}..., expected "
+                           f"{nbytes} B in chunks <= {chunk} B (<= {limit} B landing in "
+                           "place)")
         ring_n = max(1, min(cfg.chunks_in_flight, reply.n_chunks))
         ring: list[torch.Tensor | None] = [None] * ring_n  # staging slots, taken on first use
-        sizes = reply.chunk_sizes
-        ids = job.private[:served]
         ds = devstream.for_device(rank_kv.device)
         unpacker = StreamUnpacker(pair, rank_kv, ids, served, max_programs=ds.max_programs)
-        starts = list(itertools.accumulate(sizes, initial=0))
-        landed_direct: set[int] = set()
         fence = ds.fence()
         if direct is not None:
             await ds.wait(fence, xfer_t)
         last: list[Ready | None] = [None]  # the event after the latest unpack launched
 
         def buffer_for(i: int) -> torch.Tensor:
-            lo, hi = starts[i], starts[i + 1]
-            if direct is not None and lo % unit == 0 and hi % unit == 0:
-                b0, k = lo // unit, (hi - lo) // unit
-                first = ids[b0]
-                if all(ids[b0 + j] == first + j for j in range(k)):
-                    landed_direct.add(i)  # zero-copy: the chunk lands in the blocks
-                    return direct[first:first + k].reshape(-1)
+            first = landed_direct.get(i)
+            if first is not None:  # zero-copy: the chunk lands in the blocks
+                return direct[first:first + (starts[i + 1] - starts[i]) // unit].reshape(-1)
             slot = i % ring_n
             if ring[slot] is None:
                 ring[slot] = self.staging.take(rank_kv.device, max(chunk, cfg.chunk_bytes))
@@ -260,6 +264,21 @@ class StreamReceiver:
         if not unpacker.complete:
             raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
                            f"{pair.src_rank} ended at byte {unpacker.pos} of {nbytes}")
+
+
+def _in_place(starts: Sequence[int], unit: int, ids: Sequence[int]) -> dict[int, int]:
+    """chunk index -> first receive block, of the chunks (their byte ``starts`` in the
+    stream, and its end) that are whole blocks of consecutive receive ``ids``."""
+    out: dict[int, int] = {}
+    for i in range(len(starts) - 1):
+        lo, hi = starts[i], starts[i + 1]
+        if lo % unit or hi % unit:
+            continue
+        b0, b1 = lo // unit, hi // unit
+        first = ids[b0]
+        if ids[b0:b1] == list(range(first, first + b1 - b0)):
+            out[i] = first
+    return out
 
 
 # -------------------------------------------------------------------------------- reads

@@ -36,7 +36,11 @@ from kvkern.xfer.policy import CostGuard, apply_policy
 from kvkern.xfer.pulljob import Fallback, PullJob, PullRecord
 from kvkern.xfer.receive import ReadReceiver, StreamReceiver
 from kvkern.xfer.seam import Connector, TransferConnection
-from kvkern.xfer.tuning import CANCEL_SEND_TIMEOUT_S, STREAM_MIN_RUN_BYTES
+from kvkern.xfer.tuning import (
+    CANCEL_SEND_TIMEOUT_S,
+    STREAM_MIN_RUN_BYTES,
+    ZERO_COPY_CHUNK_BYTES,
+)
 
 if TYPE_CHECKING:
     from kvkern.cache.protocol import Lease
@@ -285,10 +289,11 @@ class PullRunner:
                 and self.group.ranks[pair.dst_rank].stream_rows(
                     pair.pieces[0].dst_layers, pair.pieces[0].dst_heads, unit) is not None:
             per, min_run = self.config.chunk_bytes // unit, -(-STREAM_MIN_RUN_BYTES // unit)
+            per_run = max(per, ZERO_COPY_CHUNK_BYTES // unit)
             if job.into is None:
-                job.private, job.chunk_blocks = stream_plan(job.private, per, min_run)
+                job.private, job.chunk_blocks = stream_plan(job.private, per, min_run, per_run)
             else:
-                job.chunk_blocks = chunk_runs(job.private, per, min_run)
+                job.chunk_blocks = chunk_runs(job.private, per, min_run, per_run)
 
     async def _pull_pairs(self, job: PullJob, pairs: list[PeerTransfer],
                           addrs: dict[int, tuple[str, int]],
@@ -358,11 +363,13 @@ class PullRunner:
         rank_kv = self.group.ranks[pair.dst_rank]
         unit = pair.block_nbytes
         # Whole blocks per chunk (zero-copy landing, no carry); a block larger than
-        # chunk_bytes travels in chunk_bytes slices that the unpacker reassembles.
+        # chunk_bytes travels in chunk_bytes slices that the unpacker reassembles. A planned
+        # stream's runs land in place in chunks up to ZERO_COPY_CHUNK_BYTES (no staging).
         chunk = (self.config.chunk_bytes // unit) * unit or self.config.chunk_bytes
+        ask = max(chunk, ZERO_COPY_CHUNK_BYTES // unit * unit) if job.chunk_blocks else chunk
         for again in (False, True):
             conn = await self._connect(job, addr, xfer_t)
-            req = self._request(job, pair, rank_kv, chunk)
+            req = self._request(job, pair, rank_kv, ask)
             entry = (conn, req.transfer_id)
             t_req = time.perf_counter()
             job.open_transfers.append(entry)
@@ -385,7 +392,8 @@ class PullRunner:
             job.open_transfers.remove(entry)
             self._pulled("read")
             return served
-        await self.streams.receive(job, pair, rank_kv, conn, reply, chunk, xfer_t, entry)
+        await self.streams.receive(job, pair, rank_kv, conn, reply, chunk, xfer_t, entry,
+                                   in_place=ask)
         self._pulled("stream")
         return served
 

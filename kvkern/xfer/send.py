@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvkern.kernels.pack import pack
-from kvkern.layout.chunks import ChunkSpec, count_chunks, plan_chunks
+from kvkern.layout.chunks import ChunkSpec, count_chunks, plan_chunks, send_chunks
 from kvkern.layout.segments import piece_nbytes, spans_whole_block
 from kvkern.xfer import devstream
 from kvkern.xfer.codes import RejectCode, reply_text
@@ -36,7 +36,7 @@ from kvkern.xfer.messages import (
 )
 from kvkern.xfer.source_config import PeerQuotas
 from kvkern.xfer.transport import Connection, Lane, TransportError, tag_for
-from kvkern.xfer.tuning import PACK_WAIT_S, QUOTA_POLL_S, QUOTA_WAIT_S
+from kvkern.xfer.tuning import PACK_WAIT_S, QUOTA_POLL_S, QUOTA_WAIT_S, STREAM_MIN_RUN_BYTES
 
 if TYPE_CHECKING:
     from kvkern.cache.protocol import PinHandle
@@ -379,8 +379,13 @@ class Sender:
             # the destination reads the pieces it asked for (native segments: whole blocks)
             await self.serve_read(s, registered, pieces, block_ids, handle.hashes)
             return
-        limit = min(req.chunk_bytes, svc.config.chunk_bytes)
-        chunks = plan_chunks([p.length for p in pieces], n, limit, req.chunk_blocks)
+        limit = min(req.chunk_bytes, svc.config.chunk_bytes)  # what fits a staging slot
+        if direct_rows(ctx.rkv, pieces) is None:
+            chunks = plan_chunks([p.length for p in pieces], n, limit, req.chunk_blocks)
+        else:  # runs of consecutive blocks leave from the pool, up to the request's limit
+            unit = pieces[0].length
+            chunks = send_chunks(unit, block_ids, limit, req.chunk_bytes, req.chunk_blocks,
+                                 -(-STREAM_MIN_RUN_BYTES // unit))
         sizes = [c.nbytes for c in chunks]
         reply = StreamReply(transfer_id=req.transfer_id,
                             status=Status.OK if n == req.count else Status.PARTIAL,
@@ -457,8 +462,20 @@ class Sender:
         layout = rank_kv.layout
         device = rank_kv.device
         ring = min(svc.config.chunks_in_flight, len(chunks))
+        rows = direct_rows(rank_kv, pieces)
+
+        def from_pool(c: ChunkSpec) -> int | None:
+            """The first pool block of a chunk sent straight from the pool (its pinned
+            blocks are consecutive: no pack, no staging), else None."""
+            if rows is None:
+                return None
+            first = block_ids[c.b0]
+            return first if block_ids[c.b0:c.b1] == list(range(first, first + c.b1 - c.b0)) \
+                else None
+
         # one size class for every send, so the prewarmed slots serve small pulls too
-        slot_bytes = max(max(c.nbytes for c in chunks), svc.config.chunk_bytes)
+        slot_bytes = max(max((c.nbytes for c in chunks if from_pool(c) is None), default=0),
+                         svc.config.chunk_bytes)
         slots: list[torch.Tensor | None] = [None] * ring  # taken from the pool on first use
         big: dict[str, Any] = {"key": None, "buf": None}  # one oversized block, sliced
         loop = asyncio.get_running_loop()
@@ -491,17 +508,13 @@ class Sender:
             s.pack_cf = svc.executor.submit(fn, *args)
             return await asyncio.wrap_future(s.pack_cf, loop=loop)
 
-        rows = direct_rows(rank_kv, pieces)
-
         async def produce(i: int) -> torch.Tensor:
             await svc._before_chunk(tid, i)
             c = chunks[i]
             p = pieces[c.piece]
-            if rows is not None:
-                first = block_ids[c.b0]
-                if block_ids[c.b0:c.b1] == list(range(first, first + c.b1 - c.b0)):
-                    # zero-copy: the pinned blocks are the chunk (no pack, no staging)
-                    return rows[first:first + c.b1 - c.b0].reshape(-1)[c.lo:c.hi]
+            first = from_pool(c)
+            if first is not None:  # zero-copy: the pinned blocks are the chunk
+                return rows[first:first + c.b1 - c.b0].reshape(-1)[c.lo:c.hi]
             if c.lo == 0 and c.hi == (c.b1 - c.b0) * p.length:
                 k = i % ring
                 if slots[k] is None:

@@ -50,14 +50,15 @@ class SourceConfig:
 
     ``host`` is where HTTP and the listeners bind; ``advertise_host`` (default ``host``) is
     the address peers dial, required when ``host`` binds every interface. ``chunk_bytes`` caps
-    a stream's chunks, ``chunks_in_flight`` the chunks packed ahead, ``max_concurrent_sends``
-    the admitted requests of all peers; ``max_send_s`` caps one request's time and
-    ``progress_timeout_s`` a stream without progress. ``staging_cache_bytes`` of staging
-    buffers are kept idle for reuse. ``remote_read`` (``off``/``host``/``all``) registers
-    pools for one-sided reads (an opt-in, see SECURITY.md), whose pins are held
-    ``read_hold_s`` at most; with ``read_directory`` (the default when reads are on) the
-    pool's read directory is registered too, so destinations read without asking first
-    (:mod:`kvkern.cache.directory`)."""
+    a stream's packed chunks (a staging slot; runs of consecutive blocks sent straight from
+    the pool keep to the request's limit only), ``chunks_in_flight`` the chunks packed
+    ahead, ``max_concurrent_sends`` the admitted requests of all peers; ``max_send_s`` caps
+    one request's time and ``progress_timeout_s`` a stream without progress.
+    ``staging_cache_bytes`` of staging buffers are kept idle for reuse. ``remote_read``
+    (``off``/``host``/``all``) registers pools for one-sided reads (an opt-in, see
+    SECURITY.md), whose pins are held ``read_hold_s`` at most; with ``read_directory`` (the
+    default when reads are on) the pool's read directory is registered too, so destinations
+    read without asking first (:mod:`kvkern.cache.directory`)."""
 
     worker_id: str
     host: str = "127.0.0.1"

@@ -107,8 +107,14 @@ LANE_RETRY_S = 60.0
 # A stream asks for its own chunks per run of consecutive receive blocks of at least this
 # many bytes, landing in place; shorter runs share chunks unpacked from staging. 64 MiB host
 # streams into runs of 8 / 4 / 2 MiB, each run its own chunks: 11.9 / 15.6 / 17.5 ms, against
-# 17.5 / 18.1 / 16.7 ms unpacked from staging (medians of 30 interleaved pulls each).
+# 17.5 / 18.1 / 16.7 ms unpacked from staging (medians of 30 interleaved pulls each). A source
+# sends its runs of consecutive pool blocks this long from the pool, in chunks of their own.
 STREAM_MIN_RUN_BYTES = 4 << 20
+# A chunk that lands in place (a run of consecutive receive blocks) may be this large: no
+# staging holds it on either side; chunks through staging keep to XferConfig.chunk_bytes.
+# A 256 MiB host stream of consecutive blocks: 0.84-0.89 of a raw send in 16 MiB chunks,
+# 0.90-0.94 in chunks this large (three interleaved runs each).
+ZERO_COPY_CHUNK_BYTES = 256 << 20
 
 # Hints name arbitrary sources, so the per-source caches (state, verdicts) stay bounded.
 MAX_CACHED_SOURCES = 4096

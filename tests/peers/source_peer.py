@@ -28,6 +28,9 @@ Flags
 ``--seed N``                  KV random seed (default 0)
 ``--chunk-bytes N --chunks-in-flight N --max-concurrent-sends N --max-send-s S``
                               SourceService settings (defaults 16 MiB, 4, 8, 60)
+``--stream-min-run-bytes N``  the source's STREAM_MIN_RUN_BYTES: its runs of consecutive
+                              blocks this long leave from the pool in chunks of their own
+                              (default 4 MiB, more than a test pool holds: every chunk packed)
 ``--read-hold-s S``           SourceService read_hold_s (default 5; 0: every read waits for the
                               ReadAck)
 ``--remote-read MODE``        SourceService remote_read: host (default; offer one-sided reads
@@ -376,6 +379,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk-bytes", type=int, default=16 << 20)
     ap.add_argument("--chunks-in-flight", type=int, default=4)
+    ap.add_argument("--stream-min-run-bytes", type=int, default=0)
     ap.add_argument("--max-concurrent-sends", type=int, default=8)
     ap.add_argument("--max-send-s", type=float, default=60.0)
     ap.add_argument("--remote-read", choices=REMOTE_READ_MODES, default="host")
@@ -392,6 +396,10 @@ def main() -> int:
     ap.add_argument("--kv-by-hash", action="store_true")
     args = ap.parse_args()
 
+    if args.stream_min_run_bytes:
+        from kvkern.xfer import send  # noqa: PLC0415
+
+        send.STREAM_MIN_RUN_BYTES = args.stream_min_run_bytes
     parent = os.getppid()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
