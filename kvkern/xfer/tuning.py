@@ -113,7 +113,8 @@ STREAM_MIN_RUN_BYTES = 4 << 20
 # A chunk that lands in place (a run of consecutive receive blocks) may be this large: no
 # staging holds it on either side; chunks through staging keep to XferConfig.chunk_bytes.
 # A 256 MiB host stream of consecutive blocks: 0.84-0.89 of a raw send in 16 MiB chunks,
-# 0.90-0.94 in chunks this large (three interleaved runs each).
+# 0.87-0.89 in 64 MiB chunks, 0.90-0.94 in chunks this large (three interleaved runs each).
+# Each chunk must land within XferConfig.transfer_timeout_s (10 s: 27 MB/s at this size).
 ZERO_COPY_CHUNK_BYTES = 256 << 20
 
 # Hints name arbitrary sources, so the per-source caches (state, verdicts) stay bounded.
