@@ -33,6 +33,7 @@ import sys
 import threading
 import time
 import types
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -63,6 +64,16 @@ ALLOW = "127.0.0.1/32"
 
 
 # ------------------------------------------------------------------------------ processes
+
+
+def _exit_text(code: int) -> str:
+    """A child's exit status in words (a negative one is the signal that ended it)."""
+    if code >= 0:
+        return "exit status"
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
 
 
 class Source:
@@ -102,8 +113,15 @@ class Source:
         req = urllib.request.Request(f"http://{self.endpoint}{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json",
                                               **peer_headers(method, path)})
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return json.loads(resp.read())
+        try:
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                return json.loads(resp.read())
+        except urllib.error.URLError as exc:
+            code = self.proc.poll()
+            if code is None:
+                raise
+            raise RuntimeError(f"source peer exited with {code} ({_exit_text(code)}) before "
+                               f"{method} {path}") from exc
 
     def commit(self, tokens: list[int], placement: str = "chain") -> list[int]:
         return self.http("POST", "/test/commit", {"tokens": tokens,

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import hashlib
 import itertools
 import json
@@ -364,6 +365,7 @@ class Peer:
 
 
 def main() -> int:
+    faulthandler.enable()  # a crash leaves its Python stacks on stderr (the test's output)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
