@@ -8,8 +8,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["ChunkSpec", "chunk_runs", "count_chunks", "plan_chunks", "send_chunks",
-           "stream_plan"]
+__all__ = ["ChunkSpec", "chunk_runs", "count_chunks", "consecutive_from", "plan_chunks",
+           "send_chunks", "stream_plan"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,13 @@ def plan_chunks(lengths: Sequence[int], n_blocks: int, limit: int,
                 for lo in range(0, length, limit):
                     out.append(ChunkSpec(p, b, b + 1, lo, min(lo + limit, length)))
     return out
+
+
+def consecutive_from(ids: Sequence[int], b0: int, b1: int) -> int | None:
+    """``ids[b0]`` when ``ids[b0:b1]`` are consecutive ids (one stretch of a pool's block
+    rows: a chunk that needs no pack or unpack), else None."""
+    first = ids[b0]
+    return first if list(ids[b0:b1]) == list(range(first, first + b1 - b0)) else None
 
 
 def _run_lengths(ids: Sequence[int]) -> list[int]:

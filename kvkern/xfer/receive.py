@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from kvkern.layout.chunks import consecutive_from
 from kvkern.layout.segments import (
     segment_gathers_to,
     source_segment_bytes,
@@ -274,9 +275,8 @@ def _in_place(starts: Sequence[int], unit: int, ids: Sequence[int]) -> dict[int,
         lo, hi = starts[i], starts[i + 1]
         if lo % unit or hi % unit:
             continue
-        b0, b1 = lo // unit, hi // unit
-        first = ids[b0]
-        if ids[b0:b1] == list(range(first, first + b1 - b0)):
+        first = consecutive_from(ids, lo // unit, hi // unit)
+        if first is not None:
             out[i] = first
     return out
 

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvkern.kernels.pack import pack
-from kvkern.layout.chunks import ChunkSpec, count_chunks, plan_chunks, send_chunks
+from kvkern.layout.chunks import (
+    ChunkSpec,
+    consecutive_from,
+    count_chunks,
+    plan_chunks,
+    send_chunks,
+)
 from kvkern.layout.segments import piece_nbytes, spans_whole_block
 from kvkern.xfer import devstream
 from kvkern.xfer.codes import RejectCode, reply_text
@@ -467,11 +473,7 @@ class Sender:
         def from_pool(c: ChunkSpec) -> int | None:
             """The first pool block of a chunk sent straight from the pool (its pinned
             blocks are consecutive: no pack, no staging), else None."""
-            if rows is None:
-                return None
-            first = block_ids[c.b0]
-            return first if block_ids[c.b0:c.b1] == list(range(first, first + c.b1 - c.b0)) \
-                else None
+            return None if rows is None else consecutive_from(block_ids, c.b0, c.b1)
 
         # one size class for every send, so the prewarmed slots serve small pulls too
         slot_bytes = max(max((c.nbytes for c in chunks if from_pool(c) is None), default=0),
