@@ -6,6 +6,8 @@ CUDA; the torch path runs on CPU. Both are compared with one reference."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -236,6 +238,25 @@ def test_unvalidated_ids_never_leave_the_pool():
     assert bits_equal(layout.logical(pool), before)
     with pytest.raises(IndexError):
         pack(pool, layout, [9], backend="torch", validate=False)
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="the host copy path")
+@pytest.mark.parametrize("name", ["trtllm", "vllm_hnd"])
+def test_host_pack_split_over_the_copy_threads_is_exact(name, monkeypatch):
+    """A pack above the split size runs on the copy threads; a dense pool's rows are taken
+    whole (``_take_rows``), a layer-major pool's slices gathered; both bit-exact."""
+    pack_mod = importlib.import_module("kvkern.kernels.pack")  # (the package exports pack())
+    taken = []
+    real = pack_mod._take_rows
+    monkeypatch.setattr(pack_mod, "_take_rows", lambda *a: (taken.append(a[1].numel()),
+                                                            real(*a)))
+    layout, pool = make(name, nb=64, nl=4, nh=8, t=16, d=128, dtype=torch.float16)
+    ids = torch.randperm(64, generator=torch.Generator().manual_seed(3))[:40].tolist()
+    assert 40 * layout.bytes_per_block >= pack_mod._SPLIT_BYTES
+    check_pack(layout, pool, ids, "torch")
+    assert sum(taken) == (2 * 40 if name == "trtllm" else 0)  # (two poisoned packs)
+    with pytest.raises(IndexError):
+        pack(pool, layout, [*ids[:39], 64], backend="torch", validate=False)
 
 
 def test_duplicate_destination_ids_rejected():
