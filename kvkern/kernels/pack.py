@@ -334,7 +334,11 @@ def _torch_copy(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Ten
         run(0, n)
         return
     bounds = [n * k // workers for k in range(workers + 1)]
-    futures = [_executor().submit(run, bounds[k], bounds[k + 1]) for k in range(workers)]
+    futures = [_executor().submit(run, bounds[k], bounds[k + 1]) for k in range(1, workers)]
+    try:
+        run(bounds[0], bounds[1])  # the caller copies the first share instead of waiting
+    finally:
+        concurrent.futures.wait(futures)  # no share outlives the call
     for f in futures:
         f.result()
 
