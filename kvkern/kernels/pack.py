@@ -273,9 +273,10 @@ def _executor() -> concurrent.futures.ThreadPoolExecutor:
 def _take_rows(src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:
     """``out[k] = src[ids[k]]`` for C-contiguous ``src`` and ``out`` on the host: one row
     copy after another on the calling thread, the interpreter lock released. Called from
-    the copy threads, ``index_select`` spreads its rows over a team of torch's intra-op
-    threads of its own (an engine's compute threads, once per calling thread): 32 rows of
-    512 KiB took 2.9 ms that way against 1.2 ms here. Ids past ``src`` raise IndexError."""
+    the copy threads, ``index_select`` spreads its rows over a thread team of its own per
+    calling thread, as large as torch's intra-op setting (in an engine, its compute thread
+    count): 32 rows of 512 KiB took 2.9 ms that way against 1.2 ms here. Ids past ``src``
+    raise IndexError."""
     top = int(ids.max())
     if top >= src.shape[0]:
         raise IndexError(f"block id {top} outside a pool of {src.shape[0]} blocks")
