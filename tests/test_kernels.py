@@ -243,8 +243,9 @@ def test_unvalidated_ids_never_leave_the_pool():
 @pytest.mark.skipif(HAS_CUDA, reason="the host copy path")
 @pytest.mark.parametrize("name", ["trtllm", "vllm_hnd"])
 def test_host_pack_split_over_the_copy_threads_is_exact(name, monkeypatch):
-    """A pack above the split size runs on the copy threads; a dense pool's rows are taken
-    whole (``_take_rows``), a layer-major pool's slices gathered; both bit-exact."""
+    """A pack above the split size runs on the calling thread and the copy threads; a dense
+    pool's rows are taken whole (``_take_rows``), a layer-major pool's slices gathered; both
+    bit-exact, and a bad id in any share raises once every share has ended."""
     pack_mod = importlib.import_module("kvkern.kernels.pack")  # (the package exports pack())
     taken = []
     real = pack_mod._take_rows
