@@ -446,6 +446,53 @@ async def test_destination_with_host_streams_needs_no_wait():
     assert staging.pending == 0 and staging.idle_bytes > 0
 
 
+async def grant_read(log: list) -> list:
+    """The source's read offer of blocks 1 and 2 (``Sender.serve_read``); returns the
+    replies it sent, each logged as ("reply", kind) when it went out."""
+    replies: list = []
+
+    async def reply(s, msg) -> None:
+        log.append(("reply", type(msg).__name__))
+        replies.append(msg)
+        s.read_done.set()  # the destination's ReadDone, at once
+
+    async def hook(*args) -> None:
+        return None
+
+    svc = SimpleNamespace(read_hold_s=5.0, metrics=XferMetrics(), _reply=reply,
+                          _before_read_reply=hook, _after_reply=hook, _before_chunk=hook)
+    now = asyncio.get_running_loop().time()
+    s = SimpleNamespace(req=SimpleNamespace(transfer_id=9, count=2),
+                        ctx=SimpleNamespace(rkv=rank_kv("cpu", seed=1), rank=0),
+                        started=now, deadline=now + 5.0, read_done=None, hold_until=None,
+                        ack_read=False, completed=False, cancel_reason=None)
+    registered = SimpleNamespace(
+        segments=SimpleNamespace(bases=[4096], stride=BLOCK_BYTES, nbytes=BLOCK_BYTES),
+        regions=[SimpleNamespace(rkey=b"rkey")], native=False)
+    await Sender(svc).serve_read(s, registered, [whole_piece()], [1, 2], [11, 12])
+    return replies
+
+
+async def test_a_read_offer_waits_for_the_kernels_that_wrote_its_blocks(no_device_sync):
+    """A device pool's blocks are read outside any stream order, so the grant goes out
+    only once the compute stream has passed a fence recorded after the pin."""
+    log: list = []
+    with devstream.installed("cpu", fake_cuda_stream(log)):
+        replies = await grant_read(log)
+    assert [type(r).__name__ for r in replies] == ["ReadGrant"]
+    assert replies[0].read_blocks == [1, 2]
+    fenced = at(log, ("record", "ev0", "compute"))
+    waited = at(log, ("sync", "ev0"))
+    assert log[waited][2].startswith("kvkern-event")  # off the event loop's thread
+    assert fenced < waited < at(log, ("reply", "ReadGrant")), log
+
+
+async def test_a_host_pools_read_offer_needs_no_wait():
+    log: list = []
+    replies = await grant_read(log)
+    assert log == [("reply", "ReadGrant")] and replies[0].served_blocks == 2
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 

@@ -57,7 +57,9 @@ Optional capability
     :class:`KVCacheManager`: a source looks it up with ``getattr(manager, "read_directory",
     None)`` and serves without it when absent. A manager that offers it returns the same
     directory on every call, keeps its memory valid for its own lifetime, publishes a block
-    only once its bytes are final and withdraws it before the block can be written again.
+    only once its bytes are final (in device memory: once the kernels that wrote it have
+    completed, as a reader follows no stream order) and withdraws it before the block can be
+    written again.
     Its ``commit_private`` accepts ``parent=`` (the chained hash before the first committed
     one, ``None`` at a sequence's start), which places a chain's blocks together in the
     directory. The reference :class:`kvkern.cache.pool.BlockPool` has it.

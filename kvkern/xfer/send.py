@@ -419,6 +419,11 @@ class Sender:
         svc, req, n = self.svc, s.req, len(block_ids)
         segs, regions = registered.segments, registered.regions
         block_nbytes = sum(p.length for p in pieces)  # what the destination will read
+        # A device pool's pinned blocks were written by engine kernels enqueued before the
+        # pin, and the destination's reads follow no stream order: the offer waits for them
+        # (a host pool's fence has always fired).
+        ds = devstream.for_device(s.ctx.rkv.device)
+        await ds.wait(ds.fence(), max(s.deadline - time.monotonic(), 0.001))
         s.read_done = asyncio.Event()
         # The hold counts from receipt (s.started): the destination counts it from before
         # it sent the request, so its window always ends first.
