@@ -872,6 +872,38 @@ async def test_read_without_read_done_is_released_once_at_the_deadline():
 
 
 @aio
+async def test_a_device_pool_is_not_offered_for_same_host_calls():
+    """kvkern's same-host reads copy host memory with ``process_vm_readv``; a rank whose
+    pool is in device memory (``remote_read="all"``) names no process to read that way, so
+    a destination on its host reads it through UCX like any other."""
+    group, _ = _group()
+    svc = SourceService([group], worker_id="inproc-local", remote_read="host", quotas=OPEN)
+    await svc.start()
+    try:
+        rank = svc.state()["dp_groups"]["0"]["ranks"]["0"]
+        if not rank.get("read_worker"):
+            pytest.skip("this UCX has no worker address for read lanes")
+        assert rank["read_local"] is not None  # a host pool: same-host calls offered
+
+        class OnDevice:  # the same rank, its pool seen as device memory
+            device = torch.device("cuda")
+
+            def __getattr__(self, name):
+                return getattr(rkv, name)
+
+        rkv = group.ranks[0]
+        group.ranks[0] = OnDevice()
+        try:
+            rank = svc.state()["dp_groups"]["0"]["ranks"]["0"]
+        finally:
+            group.ranks[0] = rkv
+        assert rank["read_worker"] and rank["read"] == "canonical"
+        assert rank.get("read_local") is None
+    finally:
+        await svc.close()
+
+
+@aio
 async def test_read_request_to_a_source_with_reads_off_gets_the_stream():
     group, hs = _group()
     svc = SourceService([group], worker_id="inproc-noread", remote_read="off", quotas=OPEN)

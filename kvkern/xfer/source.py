@@ -356,7 +356,10 @@ class SourceService:
                     doc.read = "native" if registered.native else "canonical"
                     if self.regions.read_worker:
                         doc.read_worker = self.regions.read_worker
-                        doc.read_local = self.regions.read_local
+                        # kvkern's same-host calls copy host memory only: a device pool
+                        # (remote_read="all") is read through UCX's CUDA transports
+                        if rank_kv.device.type == "cpu":
+                            doc.read_local = self.regions.read_local
                         if registered.directory is not None:
                             doc.read_index = registered.read_index()
                 ranks[str(r)] = doc
