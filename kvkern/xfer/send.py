@@ -231,6 +231,10 @@ class PeerLedger:
             held = table.get(key)
             if held is None:
                 continue
+            if len(held) == len(hashes) and sum(held.values()) == len(hashes) \
+                    and held.keys() == set(hashes):  # held for this pin alone (C loops)
+                del table[key]
+                continue
             for h in hashes:
                 left = held.get(h, 0) - 1
                 if left > 0:
@@ -247,12 +251,12 @@ class PeerLedger:
         q = self.quotas
         wanted = set(want)
         mine = self.peer_pins.get((peer, rank), {})
-        new = sum(1 for h in wanted if h not in mine)
+        new = len(wanted) - len(mine.keys() & wanted)  # (set operations in C)
         if len(mine) + new > q.peer_pin_fraction * pool:
             return (f"peer quota: {len(mine)} blocks pinned + {new} requested > "
                     f"{q.peer_pin_fraction:g} of the {pool}-block pool")
         held = self.rank_pins.get(rank, {})
-        new = sum(1 for h in wanted if h not in held)
+        new = len(wanted) - len(held.keys() & wanted)
         if len(held) + new > q.total_pin_fraction * pool:
             return (f"pin quota: {len(held)} blocks pinned by peers + {new} requested > "
                     f"{q.total_pin_fraction:g} of the {pool}-block pool")
