@@ -25,6 +25,10 @@ budget, and a step that fails or times out is recorded and the next one runs:
   the TP and PP reshards (``--reshards all``), with the targets judged on that run
   -> ``xfer.json``
 * demo: ``kvkern demo --device cuda`` with its exactness check -> ``demo.json``
+* xfer_window: the same pull streamed with sixteen chunks in flight instead of four
+  (``--in-flight 16``), pools on the GPU only: where a chunk crosses the link faster than
+  its completion comes back, the window of chunks in flight bounds a stream
+  -> ``xfer_window.json``
 * autotune: ``bench/autotune.py`` when budget is left (GPU only) -> ``autotune.json``
 
 ``targets.json`` holds the targets (pass / fail / not evaluated, with the worst case) and
@@ -455,6 +459,22 @@ def main(argv: list[str] | None = None) -> int:
             res["error"] = (f"exactness check failed: correct={demo.get('correct')}, "
                             f"fallbacks={demo.get('fallbacks')}")
     record("demo", res, demo)
+
+    # the stream's in-flight window (device pools only) ----------------------------------
+    if not device_pools:
+        record("xfer_window", {"rc": 0, "seconds": 0.0, "skipped": "needs device pools"})
+    elif left() < 150:
+        record("xfer_window", {"rc": 0, "seconds": 0.0,
+                               "skipped": f"{left():.0f} s of budget left, 150 needed"})
+    else:
+        cmd = xcmd + ["--sizes", size, "--cases", "raw,pull", "--data-path", "stream",
+                      "--in-flight", "16", "--reshards", "none", "--device", "cuda",
+                      "--json", "--timeout", "100"]
+        res = run_step(cmd, out / "xfer_window.log", min(120.0, left()))
+        window = last_json_line((out / "xfer_window.log").read_text(errors="replace"))
+        if res["rc"] == 0 and window is None:
+            res["rc"], res["error"] = 1, "no JSON line in the output"
+        record("xfer_window", res, window)
 
     # autotune (GPU only, with what is left) ----------------------------------------------
     if dry or not cuda:

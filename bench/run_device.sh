@@ -4,8 +4,9 @@
 #   CPU check:    bash bench/run_device.sh --dry-run  (every step end to end, tiny sizes)
 # Steps (bench/device_run.py): env, NVML facts, UCX transports, kernel sweep with bit-exact
 # checks, the gpu-marked tests, a two-process pull against raw UCXX, the demo's exactness
-# check, the autotuner if time is left; then targets.json and summary.json. A failing step is recorded
-# in its JSON and the next one runs. $OUT defaults to a new temporary directory.
+# check, the stream with a wider in-flight window, the autotuner if time is left; then
+# targets.json and summary.json. A failing step is recorded in its JSON and the next one
+# runs. $OUT defaults to a new temporary directory.
 # Interpreter: $PYTHON, else the project's .venv, else python3.
 set -uo pipefail
 cd "$(dirname "$0")/.."

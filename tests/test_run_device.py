@@ -22,7 +22,8 @@ GPU_STREAM_TESTS = ["test_gpu_source_and_destination_on_side_streams_are_bit_exa
                     "test_gpu_pack_on_a_side_stream_overlaps_a_matmul",
                     "test_gpu_publish_orders_the_compute_stream_after_the_unpack",
                     "test_gpu_staging_slot_waits_for_its_unpack_event"]
-STEPS = ["env", "gpu_facts", "ucx_transports", "kernels", "pytest_gpu", "xfer", "demo", "autotune"]
+STEPS = ["env", "gpu_facts", "ucx_transports", "kernels", "pytest_gpu", "xfer", "demo",
+         "xfer_window", "autotune"]
 
 
 def test_dry_run_writes_every_steps_json(tmp_path):
@@ -41,6 +42,7 @@ def test_dry_run_writes_every_steps_json(tmp_path):
     steps = summary["steps"]
     assert steps["gpu_facts"]["skipped"].startswith("dry run")
     assert steps["autotune"]["skipped"] == "needs a GPU"
+    assert steps["xfer_window"]["skipped"] == "needs device pools"
     for name in ("env", "kernels", "pytest_gpu"):  # only torch, Triton and pytest needed
         assert steps[name]["ok"], steps[name]
     ucx = json.loads((tmp_path / "ucx_transports.json").read_text())["result"]
