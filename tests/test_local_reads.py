@@ -4,15 +4,18 @@ OS process into poisoned buffers, checked byte for byte."""
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
 from unittest import mock
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -30,13 +33,16 @@ SEED = 20261203
 
 # A source process: a seeded buffer and the Beacon a source announces, then it waits for a
 # line on stdin (or its parent's end) before it exits.
+# It listens on a TCP port of its own, as a source serves its state.
 _CHILD = f"""
-import json, sys
+import json, socket, sys
 import numpy as np
 from kvkern.xfer.local_reads import Beacon
 buf = np.random.default_rng({SEED}).integers(0, 256, {SOURCE_BYTES}, dtype=np.uint8)
 beacon = Beacon()
-print(json.dumps({{"doc": beacon.doc(), "buf": int(buf.ctypes.data)}}), flush=True)
+server = socket.create_server(("127.0.0.1", 0))
+print(json.dumps({{"doc": beacon.doc(), "buf": int(buf.ctypes.data),
+                   "port": server.getsockname()[1]}}), flush=True)
 sys.stdin.readline()
 """
 
@@ -57,6 +63,7 @@ def source():
         info = json.loads(line)
         src = parse(info["doc"])
         assert src is not None and src.pid == child.pid
+        child.doc, child.port = info["doc"], info["port"]
         if not local_reads.usable(src):
             pytest.skip("process_vm_readv is not permitted between these processes")
         yield src, info["buf"], child
@@ -301,3 +308,67 @@ def test_a_process_gone_is_not_usable_and_its_reads_fail():
     dst = poisoned(64)
     with pytest.raises(LocalReadError, match="ESRCH"):
         read(src, [(int(dst.ctypes.data), info["buf"], 64)])
+
+
+# ---- who may be read: the process that served the state, and no other
+
+def test_serves_names_only_the_process_listening_on_the_address(source):
+    src, _, child = source
+    assert local_reads.serves(child.pid, "127.0.0.1", child.port) is None
+    assert local_reads.serves(child.pid, "::ffff:127.0.0.1", child.port) is None
+    with socket.create_server(("127.0.0.1", 0)) as own:
+        port = own.getsockname()[1]
+        assert local_reads.serves(os.getpid(), "127.0.0.1", port) is None
+        assert "does not hold" in local_reads.serves(child.pid, "127.0.0.1", port)
+    assert "does not hold" in local_reads.serves(os.getpid(), "127.0.0.1", child.port)
+    assert "no socket" in local_reads.serves(child.pid, "127.0.0.1", port)  # (closed)
+    assert "not an address of this host" in local_reads.serves(child.pid, "192.0.2.1",
+                                                               child.port)
+    assert "not an IP address" in local_reads.serves(child.pid, "localhost", child.port)
+
+
+def _state_body(read_local: dict) -> bytes:
+    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
+    from kvkern.xfer.state import PROTOCOL, DpGroupDoc, RankDoc, StateDoc  # noqa: PLC0415
+
+    topo = Topology(model=ModelKVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4,
+                                      dtype="float16"), parallel=Parallelism())
+    return msgspec.json.encode(StateDoc(
+        protocol=PROTOCOL, worker_id="w", incarnation="i", hash_scheme="s", block_size=4,
+        codec_fingerprint=f"{7:016x}", topology=topo.to_dict(), model="m",
+        capabilities=["pull/1", "read/1"],
+        dp_groups={"0": DpGroupDoc(ranks={"0": RankDoc(
+            ucx_host="127.0.0.1", ucx_port=5000, read="canonical", read_worker="abcd",
+            read_local=read_local)})}))
+
+
+@pytest.mark.parametrize("served_by", ["announced", "another"])
+def test_a_state_keeps_only_the_announcement_of_the_process_that_served_it(
+        source, served_by, monkeypatch):
+    """A peer that copies another process's announcement (its process id and token, public
+    in that process's own state) into the state it serves gets no same-host reads of that
+    process: only the process listening on the address the state came from is read."""
+    from kvkern.xfer import endpoint  # noqa: PLC0415
+    from kvkern.xfer.auth import Credential  # noqa: PLC0415
+    from kvkern.xfer.config import XferConfig  # noqa: PLC0415
+    from kvkern.xfer.discovery import SourceDiscovery  # noqa: PLC0415
+
+    _, _, child = source
+    body = _state_body(child.doc)
+
+    async def fetch_state(resolved, **_):
+        return body
+
+    monkeypatch.setattr(endpoint, "fetch_state", fetch_state)
+    with socket.create_server(("127.0.0.1", 0)) as own:
+        port = child.port if served_by == "announced" else own.getsockname()[1]
+        resolved = endpoint.ResolvedEndpoint(scheme="http", host="127.0.0.1", ip="127.0.0.1",
+                                             port=port, path="/kvkern/v1/state",
+                                             addresses=("127.0.0.1",))
+        discovery = SourceDiscovery(XferConfig(), Credential("k" * 32))
+        state = asyncio.run(discovery._fetch(resolved, 5.0))
+    assert state.read_workers == {(0, 0): b"\xab\xcd"}
+    if served_by == "announced":
+        assert state.read_locals == {(0, 0): parse(child.doc)} and state.served_here
+    else:
+        assert state.read_locals == {} and not state.served_here

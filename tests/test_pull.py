@@ -1531,7 +1531,8 @@ def fail_read_lanes(monkeypatch) -> list[bool]:
 
     calls = []
 
-    async def failing(self, address, parts, *, timeout, local=None, owned=False):
+    async def failing(self, address, parts, *, timeout, local=None, owned=False,
+                      same_host=False):
         calls.append(owned)
         raise TransportError("transfer_failed", "injected lane failure")
 

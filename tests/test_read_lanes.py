@@ -248,13 +248,32 @@ async def test_scattered_blocks_bit_exact_on_every_lane(source, lanes, n_lanes, 
     dst = poisoned(2 * 40 * 12288)
     runs, want = shuffled_blocks(src, region, dst, 40, 12288, seed=n_lanes)
     t0 = time.perf_counter()
-    first = await rl.read(address, [(region.rkey, runs)], timeout=10)
+    first = await rl.read(address, [(region.rkey, runs)], timeout=10, same_host=True)
     assert first is not None and t0 <= first <= time.perf_counter()
     assert torch.equal(dst, want)
     assert sorted(used) == list(range(n_lanes)) and rl.peers == n_lanes
     dst.fill_(POISON)  # again, on the endpoints and keys already open
-    await rl.read(address, [(region.rkey, runs)], timeout=10)
+    await rl.read(address, [(region.rkey, runs)], timeout=10, same_host=True)
     assert torch.equal(dst, want) and rl.peers == n_lanes
+
+
+@pytest.mark.parametrize("n_lanes", [1, 2])
+@aio
+async def test_a_process_on_this_host_is_read_only_for_a_state_it_served(source, lanes,
+                                                                         n_lanes):
+    """UCX reads any address of a process on this host (CMA), whatever the key: without
+    ``same_host`` (the state was not served by the process read) a lane refuses the read
+    before posting anything, and the memory stays poison."""
+    src, region, address = source
+    rl = lanes(n_lanes, min_bytes=1)
+    dst = poisoned(2 * 8 * 12288)
+    runs, want = shuffled_blocks(src, region, dst, 8, 12288, seed=7)
+    with pytest.raises(TransportError) as info:
+        await rl.read(address, [(region.rkey, runs)], timeout=10)
+    assert info.value.reason == "transfer_failed" and "on this host" in str(info.value)
+    assert torch.equal(dst, poisoned(2 * 8 * 12288))
+    await rl.read(address, [(region.rkey, runs)], timeout=10, same_host=True)
+    assert torch.equal(dst, want)
 
 
 @aio
@@ -266,7 +285,7 @@ async def test_one_big_run_is_cut_between_lanes(source, lanes):
     n = SRC_BYTES - 5 - 4091
     dst = poisoned(3 + n + 4096)
     await rl.read(address, [(region.rkey, [(dst.data_ptr() + 3, region.address + 5, n)])],
-                  timeout=10)
+                  timeout=10, same_host=True)
     assert torch.equal(dst[3:3 + n], src[5:5 + n])
     assert bool((dst[:3] == POISON).all()) and bool((dst[3 + n:] == POISON).all())
     assert rl.peers == 2
@@ -278,9 +297,9 @@ async def test_small_reads_use_one_lane(source, lanes):
     rl = lanes(2)  # 4 MiB per lane by default
     dst = poisoned(1 << 20)
     await rl.read(address, [(region.rkey, [(dst.data_ptr(), region.address, 1 << 20)])],
-                  timeout=5)
+                  timeout=5, same_host=True)
     assert torch.equal(dst, src[:1 << 20]) and rl.peers == 1
-    assert await rl.read(address, [], timeout=1) is None
+    assert await rl.read(address, [], timeout=1, same_host=True) is None
 
 
 @aio
@@ -301,13 +320,13 @@ async def test_small_reads_run_on_the_loop_lane(source, lanes, monkeypatch):
     here = threading.get_ident()
     dst = poisoned(2 * 16 * 4096)
     runs, want = shuffled_blocks(src, region, dst, 16, 4096, seed=3)
-    first = await rl.read(address, [(region.rkey, runs)], timeout=5)  # 64 KiB
+    first = await rl.read(address, [(region.rkey, runs)], timeout=5, same_host=True)  # 64 KiB
     assert first is not None and torch.equal(dst, want)
     assert where == [(-1, here)] and rl.peers == 1 and len(lane_peers(rl, -1)) == 1
     where.clear()
     dst = poisoned(2 * 17 * 4096)
     runs, want = shuffled_blocks(src, region, dst, 17, 4096, seed=4)  # 68 KiB: the lanes
-    await rl.read(address, [(region.rkey, runs)], timeout=5)
+    await rl.read(address, [(region.rkey, runs)], timeout=5, same_host=True)
     assert torch.equal(dst, want)
     assert sorted(i for i, _ in where) == [0, 1] and all(t != here for _, t in where)
     # two at once: the first holds the loop lane (its polling held for a while)
@@ -323,12 +342,13 @@ async def test_small_reads_run_on_the_loop_lane(source, lanes, monkeypatch):
     monkeypatch.setattr(ucp_rma, "ReadBatch", first_held)
     a, b = poisoned(4096), poisoned(4096)
     slow = asyncio.ensure_future(rl.read(
-        address, [(region.rkey, [(a.data_ptr(), region.address, 4096)])], timeout=5))
+        address, [(region.rkey, [(a.data_ptr(), region.address, 4096)])], timeout=5,
+                                         same_host=True))
     await until(lambda: len(made) == 1)
     assert not slow.done() and where == [(-1, here)]
     asyncio.get_running_loop().call_later(0.01, setattr, made[0], "hold", False)
     await rl.read(address, [(region.rkey, [(b.data_ptr(), region.address + 4096, 4096)])],
-                  timeout=5)
+                  timeout=5, same_host=True)
     await slow
     assert where[1][0] == 0 and where[1][1] != here
     assert torch.equal(a, src[:4096]) and torch.equal(b, src[4096:8192])
@@ -346,7 +366,7 @@ async def test_a_lane_keeps_at_most_max_peers_endpoints(source, second_worker, l
     for i, addr in enumerate([address, second_worker, address, address, second_worker]):
         dst = poisoned(2 * 8 * 4096)
         runs, want = shuffled_blocks(src, region, dst, 8, 4096, seed=20 + i)
-        await rl.read(addr, [(region.rkey, runs)], timeout=5)
+        await rl.read(addr, [(region.rkey, runs)], timeout=5, same_host=True)
         assert torch.equal(dst, want)
         assert list(lane_peers(rl, lane)) == [addr] and rl.peers == 1
 
@@ -359,7 +379,7 @@ async def test_the_loop_lane_closes_on_its_loop_from_another_thread(source, lane
     rl = lanes(1, loop_bytes=1 << 20)
     dst = poisoned(4096)
     await rl.read(address, [(region.rkey, [(dst.data_ptr(), region.address, 4096)])],
-                  timeout=5)
+                  timeout=5, same_host=True)
     assert torch.equal(dst, src[:4096]) and len(lane_peers(rl, -1)) == 1
     closed_on = []
     real = rl._on_loop.close
@@ -367,7 +387,7 @@ async def test_the_loop_lane_closes_on_its_loop_from_another_thread(source, lane
     await asyncio.to_thread(rl.close, 5.0)
     assert closed_on == [threading.get_ident()] and rl.peers == 0
     with pytest.raises(TransportError) as info:
-        await rl.read(address, [(region.rkey, [])], timeout=1)
+        await rl.read(address, [(region.rkey, [])], timeout=1, same_host=True)
     assert info.value.reason == "closed"
 
 
@@ -382,7 +402,8 @@ async def test_a_close_while_the_loop_lane_reads_waits_for_its_script(source, la
     rl = lanes(1, loop_bytes=1 << 20)
     dst = poisoned(2 * 64 * 4096)
     runs, want = shuffled_blocks(src, region, dst, 64, 4096, seed=5)
-    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=10))
+    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=10,
+                                         same_host=True))
     await until(lambda: len(made) == 1)
     assert not task.done() and len(made) == 1 and rl.peers == 1
     await asyncio.to_thread(rl.close, 5.0)
@@ -400,15 +421,16 @@ async def test_failed_read_closes_only_that_endpoint_and_names_the_status(source
     rl = lanes(1, **on)
     dst = poisoned(4096)
     ok = (dst.data_ptr(), region.address, 4096)
-    await rl.read(address, [(region.rkey, [ok])], timeout=5)
+    await rl.read(address, [(region.rkey, [ok])], timeout=5, same_host=True)
     assert rl.peers == 1
     with pytest.raises(TransportError) as info:
-        await rl.read(address, [(region.rkey, [(dst.data_ptr(), 4096, 4096)])], timeout=5)
+        await rl.read(address, [(region.rkey, [(dst.data_ptr(), 4096, 4096)])], timeout=5,
+                      same_host=True)
     assert info.value.reason == "transfer_failed" and "UCS_ERR" in str(info.value)
     assert isinstance(info.value.__cause__, ucp_rma.RmaError)
     assert rl.peers == 0
     dst.fill_(POISON)
-    await rl.read(address, [(region.rkey, [ok])], timeout=5)
+    await rl.read(address, [(region.rkey, [ok])], timeout=5, same_host=True)
     assert torch.equal(dst, src[:4096]) and rl.peers == 1
 
 
@@ -422,7 +444,7 @@ async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monk
     runs, _ = shuffled_blocks(src, region, dst, 64, 4096, seed=7)
     t0 = time.monotonic()
     with pytest.raises(TransportError) as info:
-        await rl.read(address, [(region.rkey, runs)], timeout=0.05)
+        await rl.read(address, [(region.rkey, runs)], timeout=0.05, same_host=True)
     assert info.value.reason == "transfer_timeout" and not isinstance(info.value, ReadsStuck)
     assert 0.04 < time.monotonic() - t0 < 2
     assert len(made) == (1 if on else 2) and not any(b.stuck for b in made)
@@ -430,7 +452,7 @@ async def test_timeout_is_transfer_timeout_closes_and_drains(source, lanes, monk
     monkeypatch.undo()
     dst.fill_(POISON)
     runs, want = shuffled_blocks(src, region, dst, 64, 4096, seed=7)
-    await rl.read(address, [(region.rkey, runs)], timeout=5)
+    await rl.read(address, [(region.rkey, runs)], timeout=5, same_host=True)
     assert torch.equal(dst, want)
 
 
@@ -449,11 +471,11 @@ async def test_timeout_with_copies_still_queued_drains(source, lanes, monkeypatc
     parts = [(region.rkey, [(dst.data_ptr(), region.address, SRC_BYTES)])]
     for bound in (1e-4, 1e-3):
         with pytest.raises(TransportError) as info:
-            await rl.read(address, parts, timeout=bound)
+            await rl.read(address, parts, timeout=bound, same_host=True)
         assert info.value.reason == "transfer_timeout"
         assert rl.stuck_reads == 0 and rl.peers == 0
     dst.fill_(POISON)
-    await rl.read(address, parts, timeout=10)
+    await rl.read(address, parts, timeout=10, same_host=True)
     assert torch.equal(dst, src)
 
 
@@ -475,7 +497,7 @@ async def test_a_lane_setting_this_ucx_lacks_falls_back_to_defaults(source, lane
     rl = lanes(1)
     dst = poisoned(8192)
     await rl.read(address, [(region.rkey, [(dst.data_ptr(), region.address, 8192)])],
-                  timeout=5)
+                  timeout=5, same_host=True)
     assert torch.equal(dst, src[:8192])
 
 
@@ -493,7 +515,8 @@ async def test_cancel(source, lanes, monkeypatch, grace):
     rl = lanes(2, min_bytes=1)
     dst = poisoned(2 * 256 * 4096)
     runs, want = shuffled_blocks(src, region, dst, 256, 4096, seed=11)
-    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20))
+    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20,
+                                         same_host=True))
     if grace:
         await asyncio.sleep(0)
     else:  # (cancelled once both lanes' reads are posted and held)
@@ -533,7 +556,8 @@ async def test_cancel_on_the_loop_lane(source, lanes, monkeypatch, grace):
             await asyncio.sleep(0)
 
     tick = asyncio.ensure_future(ticker())
-    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20))
+    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20,
+                                         same_host=True))
     await until(lambda: len(made) == 1)
     assert not task.done() and len(made) == 1 and ticks
     task.cancel()
@@ -562,7 +586,7 @@ async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkey
     monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
     rl = lanes(1, **on)
     with pytest.raises(ReadsStuck) as info:
-        await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01)
+        await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01, same_host=True)
     assert info.value.reason == "transfer_failed" and "still running" in str(info.value)
     assert rl.stuck_reads == 1
 
@@ -581,7 +605,8 @@ async def test_memory_the_engine_owns_is_read_through_ucx_without_a_same_host_so
     for seed, local in enumerate((None, LocalSource(os.getppid(), 1, bytes(16)))):
         dst = poisoned(2 * 64 * 4096)
         runs, want = shuffled_blocks(src, region, dst, 64, 4096, seed=seed)
-        await rl.read(address, [(region.rkey, runs)], timeout=5, local=local, owned=True)
+        await rl.read(address, [(region.rkey, runs)], timeout=5, local=local, owned=True,
+                      same_host=True)
         assert torch.equal(dst, want)
 
 
@@ -623,12 +648,13 @@ async def test_a_ucx_read_into_engine_memory_ends_only_after_its_reads(source, l
     threading.Thread(target=complete_later, daemon=True).start()
     if owned:
         with pytest.raises(TransportError) as info:
-            await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01, owned=True)
+            await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01, owned=True,
+                          same_host=True)
         assert info.value.reason == "transfer_timeout" and done_at
         assert rl.stuck_reads == 0
     else:
         with pytest.raises(ReadsStuck):
-            await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01)
+            await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01, same_host=True)
         assert not done_at and rl.stuck_reads == 1
         await until(lambda: bool(done_at))
     memory = "engine" if owned else "private"  # counted once, under its memory
@@ -662,7 +688,7 @@ async def test_a_cancelled_read_into_engine_memory_ends_after_its_call(lanes, mo
     rl = lanes(1)
     task = asyncio.ensure_future(rl.read(b"unused", [(b"key", [(1, 2, 3)])], timeout=20,
                                          local=LocalSource(os.getppid(), 1, bytes(16)),
-                                         owned=owned))
+                                         owned=owned, same_host=True))
     await until(in_call.is_set)
     task.cancel()
     if owned:
@@ -695,15 +721,16 @@ async def test_remote_key_cache_is_bounded_between_reads(source, lanes, monkeypa
         return [(k, [(dst.data_ptr() + i * 4096, region.address + i * 4096, 4096)])
                 for i, k in enumerate(ks)]
 
-    await rl.read(address, parts(keys[:2]), timeout=5)
+    await rl.read(address, parts(keys[:2]), timeout=5, same_host=True)
     peer = next(iter(lane_peers(rl, -1 if on else 0).values()))
     assert len(peer.rkeys) == 2 and destroyed == []
-    await rl.read(address, parts(keys[:2]), timeout=5)  # cached: nothing unpacked again
+    await rl.read(address, parts(keys[:2]), timeout=5,
+                  same_host=True)  # cached: nothing unpacked again
     assert len(peer.rkeys) == 2 and destroyed == []
-    await rl.read(address, parts([keys[2]]), timeout=5)
+    await rl.read(address, parts([keys[2]]), timeout=5, same_host=True)
     assert len(destroyed) == 2 and list(peer.rkeys) == [keys[2]]
     with pytest.raises(TransportError, match="3 remote keys"):  # 3 new ones > 2
-        await rl.read(address, parts([keys[0], keys[1], keys[3]]), timeout=5)
+        await rl.read(address, parts([keys[0], keys[1], keys[3]]), timeout=5, same_host=True)
     assert torch.equal(dst[:4096], src[:4096])
 
 
@@ -714,7 +741,7 @@ async def test_closed_lanes_refuse(source, lanes):
     rl.close()
     rl.close()  # idempotent
     with pytest.raises(TransportError) as info:
-        await rl.read(address, [(region.rkey, [])], timeout=1)
+        await rl.read(address, [(region.rkey, [])], timeout=1, same_host=True)
     assert info.value.reason == "closed"
 
 
@@ -732,11 +759,11 @@ async def test_addresses_are_checked_before_ucx_sees_them(source, lanes, on):
     dst = poisoned(4096)
     runs = [(dst.data_ptr(), region.address, 4096)]
     with pytest.raises(TransportError) as info:
-        await rl.read(wrong, [(region.rkey, runs)], timeout=2)
+        await rl.read(wrong, [(region.rkey, runs)], timeout=2, same_host=True)
     assert info.value.reason == "transfer_failed" and "unusable" in str(info.value)
     broken = address[:1] + bytes(len(address) - 1)
     with pytest.raises(TransportError):
-        await rl.read(broken, [(region.rkey, runs)], timeout=2)
+        await rl.read(broken, [(region.rkey, runs)], timeout=2, same_host=True)
     assert bool((dst == POISON).all()) and rl.peers == 0
 
 
@@ -795,10 +822,10 @@ async def main():
         dst = np.zeros(8 << 20, dtype=np.uint8)
         parts = [(rkey, [(dst.ctypes.data, base, dst.nbytes)])]
         small = [(rkey, [(dst.ctypes.data, base, 64 << 10)])]  # on the loop lane
-        await lanes.read(address, parts, timeout=10)
+        await lanes.read(address, parts, timeout=10, same_host=True)
         assert (dst == np.arange(8 << 20, dtype=np.uint8)).all()
         dst[:] = 0
-        await lanes.read(address, small, timeout=10)
+        await lanes.read(address, small, timeout=10, same_host=True)
         assert (dst[:64 << 10] == np.arange(64 << 10, dtype=np.uint8)).all()
         print("read-ok", flush=True)
         p.kill()
@@ -806,7 +833,7 @@ async def main():
         for what in (parts, small):
             t0 = time.monotonic()
             try:
-                await lanes.read(address, what, timeout=10)
+                await lanes.read(address, what, timeout=10, same_host=True)
                 print("killed-read-succeeded", flush=True)
             except TransportError as exc:
                 assert time.monotonic() - t0 < 10, exc

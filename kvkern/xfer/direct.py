@@ -474,7 +474,8 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
     try:
         first = await lanes.run_script(worker, direct, timeout=xfer_t, nbytes=direct.nbytes,
                                        local=receiver.local_source(job.state, keys[0]),
-                                       owned=job.into is not None)
+                                       owned=job.into is not None,
+                                       same_host=job.state.served_here)
     except ReadsStuck:
         job.quarantined = True
         # UCX may still write the directory buffers: never reuse (or free) them

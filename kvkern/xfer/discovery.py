@@ -22,6 +22,7 @@ Everything here happens before a block is allocated; every refusal is a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, TypeVar
@@ -46,6 +47,28 @@ log = logging.getLogger("kvkern.xfer")
 
 K = TypeVar("K")
 V = TypeVar("V")
+
+
+def _served_state(state: SourceState, resolved: ResolvedEndpoint) -> SourceState:
+    """``state`` without the same-host announcements (``read_local``) of processes other
+    than the one that served it (:func:`kvkern.xfer.local_reads.serves`): any peer can copy
+    another process's announcement into its own state. Those ranks are read through UCX,
+    which reads a process on this host only where ``served_here``."""
+    from kvkern.xfer import local_reads  # noqa: PLC0415
+
+    verdicts: dict[int, str | None] = {}
+    kept = {}
+    for key, src in state.read_locals.items():
+        if src.pid not in verdicts:
+            verdicts[src.pid] = local_reads.serves(src.pid, resolved.ip, resolved.port)
+        why = verdicts[src.pid]
+        if why is None:
+            kept[key] = src
+        else:
+            log.warning("source %s announces process %d on this host for same-host reads, "
+                        "which did not serve its state (%s): read through UCX",
+                        resolved.display_url, src.pid, why)
+    return dataclasses.replace(state, read_locals=kept, served_here=bool(kept))
 
 
 def bounded_put(cache: dict[K, V], key: K, value: V, limit: int = MAX_CACHED_SOURCES) -> None:
@@ -224,9 +247,12 @@ class SourceDiscovery:
         except FetchError as exc:
             raise Fallback(fetch_reason(exc.reason), f"{exc.reason}: {exc.detail}") from None
         try:
-            return parse_state(body)
+            state = parse_state(body)
         except ValueError as exc:
             raise Fallback(Reason.METADATA_INVALID, f"{resolved.display_url}: {exc}") from None
+        if state.read_locals:
+            state = await asyncio.to_thread(_served_state, state, resolved)
+        return state
 
     async def connect_failed(self, job: PullJob, exc: Exception) -> None:
         """A connection to a source rank failed before any data, or a direct read of it

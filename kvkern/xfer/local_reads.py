@@ -14,15 +14,19 @@ pieces per call and 6.6-8.3 GB/s with 16 (``docs/performance.md``). Here one cal
                                                  usable: read `at` in `pid`, compare the token
                                                  reading: process_vm_readv per <= 1024 pieces
 
-Trust: a source announces nothing it does not already expose. Any process that may call
+Trust: the announcement is public (every peer fetches the state), so it proves nothing by
+itself: a peer could announce another process on this host (its process id and token, copied
+from that process's own state) and name addresses in it. So a destination takes an
+announcement only from the process that served it (:func:`serves`): the state's address is
+one of this host's and the announced process holds the socket listening on it, which only
+that process can; the addresses a source then names (its read directory, its grants) come
+from the process they are read in. The token then proves that the process id still names that
+process when it is read (not another that now holds the number). Any process that may call
 ``process_vm_readv`` on the source (same user, the host's ptrace policy) may read all of its
-memory with or without the announcement, and UCX's CMA transport takes the same process id
-from the source's worker address. The token proves the process id names the process that
-wrote the state (not another process on the host that now holds that number); every remote
-address is checked against the source's announced pools by the caller, as for a UCX read.
-Where the call is not permitted, the host differs or the token does not match, the reads go
-through UCX as before; a failed call fails the read (``transfer_failed``), never a partial
-one.
+memory anyway; what the checks keep is that a peer cannot point this process's reads at a
+process other than itself. Where the call is not permitted, the host differs, the process
+does not serve the state or the token does not match, the reads go through UCX as before; a
+failed call fails the read (``transfer_failed``), never a partial one.
 
 Linux only (the system call); elsewhere :func:`parse` finds no host id and nothing changes.
 """
@@ -32,8 +36,10 @@ from __future__ import annotations
 import collections
 import ctypes
 import errno
+import ipaddress
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -47,7 +53,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.pauses import Steps
 
 __all__ = ["Beacon", "LocalReadError", "LocalSource", "host_id", "parse", "reading",
-           "usable", "forget", "refusals", "calls", "CALL_BYTES", "HOLD_BYTES", "IOV_MAX",
+           "serves", "usable", "forget", "refusals", "calls", "CALL_BYTES", "HOLD_BYTES", "IOV_MAX",
            "TOKEN_BYTES"]
 
 log = logging.getLogger("kvkern.xfer")
@@ -142,6 +148,81 @@ def parse(doc: object) -> LocalSource | None:
     except ValueError:
         return None
     return LocalSource(pid, at, raw)
+
+
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
+
+
+def _listeners(path: str, v6: bool, port: int) -> list[tuple[ipaddress._BaseAddress, str]]:
+    """(local address, socket inode) of every socket listening on ``port`` in one of this
+    network namespace's /proc/net/tcp tables."""
+    out = []
+    try:
+        with open(path, encoding="ascii") as f:
+            next(f, None)  # the header
+            for line in f:
+                cols = line.split()
+                if len(cols) < 10 or cols[3] != _LISTEN:
+                    continue
+                addr_hex, _, port_hex = cols[1].partition(":")
+                if int(port_hex, 16) != port:
+                    continue
+                raw = bytes.fromhex(addr_hex)  # 32-bit words in host (little-endian) order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                out.append((ipaddress.IPv6Address(raw) if v6 else ipaddress.IPv4Address(raw),
+                            cols[9]))
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _listening_inodes(ip: ipaddress._BaseAddress, port: int) -> set[str]:
+    """The inodes of the sockets a connection to ``ip``:``port`` on this host reaches: those
+    listening on exactly that address or on every address; for an IPv4 address the IPv6
+    tables' dual-stack ones only where no IPv4 socket listens on the port."""
+    if ip.version == 4:
+        v4 = {n for a, n in _listeners("/proc/self/net/tcp", False, port)
+              if a == ip or a.is_unspecified}
+        if v4:
+            return v4
+        mapped = ipaddress.IPv6Address(b"\0" * 10 + b"\xff\xff" + ip.packed)
+        return {n for a, n in _listeners("/proc/self/net/tcp6", True, port)
+                if a == mapped or a.is_unspecified}
+    return {n for a, n in _listeners("/proc/self/net/tcp6", True, port)
+            if a == ip or a.is_unspecified}
+
+
+def serves(pid: int, ip: str, port: int) -> str | None:
+    """Why process ``pid`` is not the process serving ``ip``:``port`` (the address its state
+    was fetched from), or None when it is: ``ip`` is an address of this host, and ``pid``
+    holds a socket listening there. Linux only (its /proc tables); elsewhere a reason."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return f"{ip!r} is not an IP address"
+    if addr.version == 6 and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    try:  # only an address of this host's binds
+        with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET,
+                           socket.SOCK_DGRAM) as probe:
+            probe.bind((str(addr), 0))
+    except OSError:
+        return f"{addr} is not an address of this host"
+    inodes = _listening_inodes(addr, port)
+    if not inodes:
+        return f"no socket of this host listens on {addr}:{port}"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError as exc:
+        return f"the sockets of process {pid} cannot be listed: {exc.strerror}"
+    wanted = {f"socket:[{n}]" for n in inodes}
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in wanted:
+                return None
+        except OSError:
+            continue  # (closed meanwhile)
+    return f"process {pid} does not hold the socket listening on {addr}:{port}"
 
 
 _calls: dict[bool, object] = {}

@@ -46,9 +46,14 @@ without an error, however long past the drain that takes: a completed UCX read w
 more (a forced close completes the reads still running only once the transport has stopped
 them, e.g. an RDMA queue pair flushed), and a same-host call has returned.
 
-Trust: the worker address comes from the state of a source the allowlist admitted; its
-transports are the same ones UCX learns from that source's listener when the control
-connection is made, so a lane reaches nothing that connection could not.
+Trust: the worker address and the addresses read come from the state (and grants) of a
+source the allowlist admitted, but any peer can publish another process's worker address. On
+one host UCX reads through transports that take any address of the process at the other end,
+whatever the key (CMA, KNEM, XPMEM: :data:`NEAR_TRANSPORTS`), so a lane reads through them
+only for a state served by a process of this host that this process may inspect
+(``same_host``: :func:`kvkern.xfer.local_reads.serves`, which such a state's reads usually
+take instead); elsewhere the read fails, and the puller reads on the control connection, to
+the process that answers it. Across hosts a registered key bounds every read.
 """
 
 from __future__ import annotations
@@ -87,7 +92,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.ucp_rma import ReadBatch, RemoteKey
 
 __all__ = ["ReadLanes", "split_parts", "address_usable", "reads_past_drain", "MAX_PEERS",
-           "MAX_WORKER_ADDRESS_BYTES"]
+           "MAX_WORKER_ADDRESS_BYTES", "NEAR_TRANSPORTS"]
 
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
 Part = tuple[bytes, Sequence[Run]]  # (packed rkey, runs)
@@ -96,6 +101,8 @@ T = TypeVar("T")
 
 MAX_PEERS = MAX_LANE_PEERS
 MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
+# UCX transports that read any address of a process on this host, whatever the remote key
+NEAR_TRANSPORTS = frozenset({"cma", "knem", "xpmem"})
 
 log = logging.getLogger("kvkern.xfer")
 
@@ -210,6 +217,9 @@ class _Peer:
         self.address: UCXAddress | None = address
         self.handle = handle
         self.rkeys: dict[bytes, RemoteKey] = {}
+        names = ucxcompat.endpoint_transports(handle)
+        # reads any address of a process on this host (unknown transports: assumed to)
+        self.near = names is None or not NEAR_TRANSPORTS.isdisjoint(names)
 
     def make_room(self, packed: Sequence[bytes]) -> None:
         """Before a read posts anything: if its new keys would overflow the cache, destroy
@@ -312,19 +322,21 @@ class _Lane:
         peer.ep = peer.address = None  # released here, on the lane's thread
 
     def run(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
-            timeout: float, stop: threading.Event,
-            local: LocalSource | None = None, owned: bool = False) -> float | None:
+            timeout: float, stop: threading.Event, local: LocalSource | None = None,
+            owned: bool = False, same_host: bool = False) -> float | None:
         """:meth:`reading` on this thread."""
-        return run_blocking(self.reading(address, parts, timeout, stop, local, owned))
+        return run_blocking(self.reading(address, parts, timeout, stop, local, owned,
+                                         same_host))
 
     def reading(self, address: bytes, parts: Sequence[tuple[bytes, Sequence[Run]]],
-                timeout: float, stop: threading.Event,
-                local: LocalSource | None = None, owned: bool = False) -> Steps[float | None]:
+                timeout: float, stop: threading.Event, local: LocalSource | None = None,
+                owned: bool = False, same_host: bool = False) -> Steps[float | None]:
         """Read ``parts`` from the source worker at ``address`` (from the process ``local``
         on this host with :mod:`kvkern.xfer.local_reads` instead, when given); the time the
-        first run completed. Raises RmaError (a failed read), TimeoutError (``timeout``
-        passed or ``stop`` set) or _Stuck (never when ``owned``: see the module docstring),
-        having closed the endpoint and drained its reads in each case."""
+        first run completed. Raises RmaError (a failed read, or an endpoint through
+        :data:`NEAR_TRANSPORTS` without ``same_host``), TimeoutError (``timeout`` passed or
+        ``stop`` set) or _Stuck (never when ``owned``: see the module docstring), having
+        closed the endpoint and drained its reads in each case."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
         if stop.is_set():
@@ -340,6 +352,10 @@ class _Lane:
         peer = None
         try:
             peer = self._peer(address)
+            if peer.near and not same_host:
+                raise ucp_rma.RmaError("the source worker is a process on this host, read "
+                                       "only for a state it served itself (kvkern.xfer."
+                                       "local_reads.serves)", ucp_rma.UCS_ERR_UNREACHABLE)
             peer.make_room([packed for packed, _ in parts])
             for packed, runs in parts:
                 batch = ucp_rma.ReadBatch(peer.rkey(packed), runs,
@@ -430,20 +446,24 @@ class ReadLanes:
         return sum(len(lane.stuck_batches) for lane in self._all)
 
     async def read(self, address: bytes, parts: Sequence[Part], *, timeout: float,
-                   local: LocalSource | None = None, owned: bool = False) -> float | None:
+                   local: LocalSource | None = None, owned: bool = False,
+                   same_host: bool = False) -> float | None:
         """Read every part's runs from the source worker at ``address``, split over the
         lanes (shares of at least ``min_bytes``; on the loop lane when they are at most
         ``loop_bytes``); returns the ``perf_counter`` time the first run was seen complete.
         Raises :class:`TransportError` (``transfer_failed``, ``transfer_timeout``,
         ``closed``) or :class:`ReadsStuck`; after a raise no lane writes to any run's local
-        memory, except for ReadsStuck. ``local``, ``owned``: as :meth:`run_script`."""
+        memory, except for ReadsStuck. ``local``, ``owned``, ``same_host``: as
+        :meth:`run_script`."""
         nbytes = sum(run[2] for _, runs in parts for run in runs)
         return await self.run_script(address, lambda read: read(parts), timeout=timeout,
-                                     nbytes=nbytes, local=local, owned=owned)
+                                     nbytes=nbytes, local=local, owned=owned,
+                                     same_host=same_host)
 
     async def run_script(self, address: bytes, script: Callable[[Reader], Steps[T]], *,
                          timeout: float, nbytes: int | None = None,
-                         local: LocalSource | None = None, owned: bool = False) -> T:
+                         local: LocalSource | None = None, owned: bool = False,
+                         same_host: bool = False) -> T:
         """Run ``script(read)``, where ``read(parts)`` reads ``parts`` from the source worker
         at ``address`` (steps that return when all of them landed, as :meth:`read`): a
         sequence of dependent reads (look up, read, validate) with no hop through the event
@@ -454,7 +474,9 @@ class ReadLanes:
         not block and may only pause through ``read``. Errors and cancellation as
         :meth:`read`. ``local``: the source process on this host (its state's
         ``read_local``), read with large ``process_vm_readv`` calls instead of UCX's where
-        :func:`kvkern.xfer.local_reads.usable` says it may be.
+        :func:`kvkern.xfer.local_reads.usable` says it may be. ``same_host``: the source's
+        state was served by a process of this host (see the module docstring); without it a
+        read through UCX to a process on this host fails.
 
         ``owned``: memory that the engine owns (:meth:`Puller.pull_into
         <kvkern.xfer.puller.Puller.pull_into>`). A cancelled, failed or timed-out script is
@@ -477,7 +499,7 @@ class ReadLanes:
             try:
                 result, error, cancelled = await _drive_here(script(
                     lambda parts: self._on_loop.reading(address, parts, left(), stop, local,
-                                                        owned)),
+                                                        owned, same_host)),
                     stop)
             finally:
                 self._loop_busy = False
@@ -487,7 +509,7 @@ class ReadLanes:
             result, error, cancelled = await self._on_first_lane(
                 loop, lambda: run_blocking(script(
                     lambda parts: self._reading_all(address, parts, deadline, stop, local,
-                                                    owned))),
+                                                    owned, same_host))),
                 stop, until_done=owned)
         if isinstance(error, _Stuck):
             raise ReadsStuck(str(error))
@@ -535,7 +557,7 @@ class ReadLanes:
 
     def _reading_all(self, address: bytes, parts: Sequence[Part], deadline: float,
                      stop: threading.Event, local: LocalSource | None = None,
-                     owned: bool = False) -> Steps[float | None]:
+                     owned: bool = False, same_host: bool = False) -> Steps[float | None]:
         """On the first lane's thread: its share here, the others' on their threads (which
         never wait on another lane, so no wait cycle); one failing stops the rest. Raises
         the first error that is not a timeout caused by the stop (_Stuck first). Steps for
@@ -545,7 +567,8 @@ class ReadLanes:
         if not shares:
             return None
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
-        futs = [lane.executor.submit(lane.run, address, share, left(), stop, local, owned)
+        futs = [lane.executor.submit(lane.run, address, share, left(), stop, local, owned,
+                                     same_host)
                 for lane, share in zip(self._lanes[1:], shares[1:], strict=False)]
         for fut in futs:  # one lane failing stops the others at once
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
@@ -554,7 +577,7 @@ class ReadLanes:
         errors: list[BaseException] = []
         try:
             firsts.append((yield from self._lanes[0].reading(address, shares[0], left(),
-                                                             stop, local, owned)))
+                                                             stop, local, owned, same_host)))
         except GeneratorExit:
             stop.set()
             raise

@@ -476,7 +476,7 @@ class ReadReceiver:
             if lanes is not None:
                 try:
                     return await lanes.read(worker, keyed, timeout=xfer_t, local=local,
-                                            owned=into)
+                                            owned=into, same_host=job.state.served_here)
                 except TransportError as exc:
                     if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck):
                         raise

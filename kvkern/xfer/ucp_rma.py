@@ -78,6 +78,7 @@ _STATUS_NAMES = {0: "UCS_OK", -80: "UCS_ERR_ENDPOINT_TIMEOUT",
                  **{-1 - i: f"UCS_ERR_{n}" for i, n in enumerate(_ERR_NAMES)}}
 UCS_ERR_CANCELED = -16
 UCS_ERR_IO_ERROR = -3
+UCS_ERR_UNREACHABLE = -6
 UCS_ERR_UNSUPPORTED_STATUS = -22
 # what a UCX that cannot scatter a read over a local iov answers (the read is then posted
 # piece by piece): INVALID_PARAM, NOT_IMPLEMENTED, UNSUPPORTED

@@ -293,6 +293,25 @@ class RequestParam(ctypes.Structure):  # ucp_request_param_t (ucp/api/ucp.h)
 
 
 _lib: ctypes.CDLL | None = None
+class TransportEntry(ctypes.Structure):  # ucp_transport_entry_t (ucp/api/ucp_def.h)
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class Transports(ctypes.Structure):  # ucp_transports_t (ucp/api/ucp_def.h)
+    _fields_ = [("entries", ctypes.POINTER(TransportEntry)), ("num_entries", ctypes.c_uint),
+                ("entry_size", ctypes.c_size_t)]
+
+
+class EpAttr(ctypes.Structure):  # ucp_ep_attr_t (ucp/api/ucp.h)
+    _fields_ = [("field_mask", ctypes.c_uint64), ("name", ctypes.c_char * 32),
+                ("local_sockaddr", ctypes.c_byte * 128), ("remote_sockaddr", ctypes.c_byte * 128),
+                ("transports", Transports), ("user_data", ctypes.c_void_p)]
+    # (the sockaddr_storage fields are 8-byte aligned in C; both start at multiples of 8)
+
+
+EP_ATTR_FIELD_TRANSPORTS = 1 << 3
+MAX_EP_TRANSPORTS = 32
+
 _lib_lock = threading.Lock()
 _V = ctypes.c_void_p
 _STATUS = ctypes.c_int8  # ucs_status_t is a packed (1-byte) signed enum in ucs/type/status.h
@@ -334,6 +353,7 @@ def libucp() -> ctypes.CDLL:
             "ucp_request_check_status": (_STATUS, [_V]),
             "ucp_request_free": (None, [_V]),
             "ucp_worker_progress": (ctypes.c_uint, [_V]),
+            "ucp_ep_query": (_STATUS, [_V, ctypes.POINTER(EpAttr)]),
         }
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
@@ -389,6 +409,25 @@ def unpack_rkey(ep_handle: int, packed: bytes) -> tuple[int, int | None]:
     rkey = _V()
     status = libucp().ucp_ep_rkey_unpack(ep_handle, buf, ctypes.byref(rkey))
     return status, (rkey.value if status == UCS_OK else None)
+
+
+def endpoint_transports(ep_handle: int) -> tuple[str, ...] | None:
+    """The names of the transports an endpoint's lanes use (``ucp_ep_query``), e.g.
+    ``("cma", "posix")`` to a process on this host; None where libucp cannot tell."""
+    entries = (TransportEntry * MAX_EP_TRANSPORTS)()
+    attr = EpAttr(field_mask=EP_ATTR_FIELD_TRANSPORTS)
+    attr.transports.entries = entries
+    attr.transports.num_entries = MAX_EP_TRANSPORTS
+    attr.transports.entry_size = ctypes.sizeof(TransportEntry)
+    try:
+        status = libucp().ucp_ep_query(ep_handle, ctypes.byref(attr))
+    except AttributeError:  # a libucp without the call
+        return None
+    if status != UCS_OK:
+        return None
+    n = min(attr.transports.num_entries, MAX_EP_TRANSPORTS)
+    return tuple((entries[i].transport_name or b"").decode("ascii", "replace")
+                 for i in range(n))
 
 
 def destroy_rkey(handle: int) -> None:
