@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, salt_key, sequence_hashes
+from kvkern.cache.hashing import (
+    DEFAULT_SCHEME,
+    HINT_SCHEME,
+    get_scheme,
+    salt_key,
+    sequence_hashes,
+)
 from kvkern.xfer.admission import Admitted, Skip, WorkerFacts, admit, read_hint
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.hints import HintLimits, HintRejected, KvHint
@@ -43,17 +49,20 @@ def test_a_hint_without_hashes_covers_every_full_block():
     assert got.base["blocks_hinted"] == 4 and got.base["blocks_local"] == 1
 
 
+@pytest.mark.parametrize("scheme_name", [HINT_SCHEME, DEFAULT_SCHEME])
 @pytest.mark.parametrize("chained", [False, True], ids=["per-block", "chained"])
-def test_hint_hashes_that_name_the_prompt_are_admitted(chained):
-    scheme = get_scheme(DEFAULT_SCHEME)
+def test_hint_hashes_that_name_the_prompt_are_admitted(chained, scheme_name):
+    """Hashes without a hash_scheme: Dynamo's (the hints' default) or the worker's own."""
+    scheme = get_scheme(scheme_name)
     mine = scheme.block_hashes(TOKENS[:3 * BS], BS)
     hashes = scheme.salted_chain(mine, None) if chained else mine
     got = run(hint(block_hashes=tuple(hashes)))
     assert isinstance(got, Admitted) and got.hinted == 3
+    assert got.chained == sequence_hashes(TOKENS[:3 * BS], BS, DEFAULT_SCHEME)
 
 
 def test_hashes_of_another_prompt_are_a_hash_mismatch():
-    scheme = get_scheme(DEFAULT_SCHEME)
+    scheme = get_scheme(HINT_SCHEME)
     other = scheme.block_hashes([t + 1 for t in TOKENS[:2 * BS]], BS)
     got = run(hint(block_hashes=tuple(other)))
     assert isinstance(got, Skip) and got.reason is Reason.HASH_MISMATCH

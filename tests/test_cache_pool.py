@@ -323,7 +323,7 @@ def cache_doc(pool: BlockPool, hashes: list[int]) -> list[int]:
 def test_implements_protocol():
     pool, _ = make()
     assert isinstance(pool, KVCacheManager)
-    assert pool.block_size == 4 and pool.hash_scheme == "public-xxh3-v1"
+    assert pool.block_size == 4 and pool.hash_scheme == "kvkern-blake2b-v1"
 
 
 def test_uncached_blocks_used_before_any_eviction():

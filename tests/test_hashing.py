@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import pytest
@@ -10,17 +11,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvkern.cache.hashing import (
+    DEFAULT_SCHEME,
+    HINT_SCHEME,
     U64_MASK,
     get_scheme,
     known_schemes,
     local_block_hashes,
     normalize_hash,
     normalize_hashes,
+    salt_key,
     sequence_hashes,
     trtllm_block_key,
     vllm_block_digests,
     vllm_u64,
 )
+
+XXH3 = "public-xxh3-v1"
 
 # Verified against Dynamo 1.6.1 (REFERENCE.md, "Block-hash schemes").
 GOLDEN = [
@@ -37,44 +43,74 @@ GOLDEN = [
 
 @pytest.mark.parametrize("n_tokens,block_size,expected", GOLDEN)
 def test_public_xxh3_golden(n_tokens, block_size, expected):
-    assert local_block_hashes(list(range(n_tokens)), block_size) == expected
-    assert local_block_hashes(list(range(n_tokens)), block_size, "public-xxh3-v1") == expected
+    assert local_block_hashes(list(range(n_tokens)), block_size, XXH3) == expected
 
 
 def test_public_second_block_is_position_independent():
     # Dynamo's local hash of block 1 of 0..63 equals the hash of tokens 32..63 on their own.
-    assert local_block_hashes(list(range(32, 64)), 32) == [13958166640625465031]
+    assert local_block_hashes(list(range(32, 64)), 32, XXH3) == [13958166640625465031]
 
 
-def test_partial_block_never_hashed():
-    assert local_block_hashes(list(range(31)), 32) == []
-    assert local_block_hashes(list(range(63)), 32) == [5756925433886871916]
-    assert sequence_hashes([], 16) == []
+@pytest.mark.parametrize("scheme", [XXH3, DEFAULT_SCHEME])
+def test_partial_block_never_hashed(scheme):
+    assert local_block_hashes(list(range(31)), 32, scheme) == []
+    assert local_block_hashes(list(range(63)), 32, scheme) == \
+        local_block_hashes(list(range(32)), 32, scheme)
+    assert sequence_hashes([], 16, scheme) == []
     assert sequence_hashes(list(range(15)), 16, "trtllm-v1") == []
 
 
-def test_sequence_hash_formula():
-    local = local_block_hashes(list(range(64)), 16)
-    seq = sequence_hashes(list(range(64)), 16)
+def _b2(data: bytes, person: bytes) -> int:
+    """BLAKE2b-64 as the reference: hashlib, no kvkern code."""
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=person).digest(),
+                          "little")
+
+
+def test_the_default_scheme_is_blake2b_and_its_formula():
+    assert DEFAULT_SCHEME == "kvkern-blake2b-v1" and HINT_SCHEME == XXH3
+    toks = list(range(1000, 1064))
+    local = local_block_hashes(toks, 16)
+    assert local == [_b2(struct.pack("<16I", *toks[i:i + 16]), b"kvkern-block/v1")
+                     for i in range(0, 64, 16)]
+    for salt in (None, salt_key("tenant-a")):
+        seq = sequence_hashes(toks, 16, cache_salt=salt)
+        prev = salt
+        for i in range(4):
+            want = local[i] if prev is None else _b2(struct.pack("<QQ", prev, local[i]),
+                                                     b"kvkern-chain/v1")
+            assert seq[i] == want
+            prev = want
+    assert salt_key("tenant-a") == _b2(b"tenant-a", b"kvkern-salt/v1")
+    assert salt_key("") is None and salt_key(None) is None
+
+
+@pytest.mark.parametrize("scheme", [XXH3, DEFAULT_SCHEME])
+def test_sequence_hash_formula(scheme):
+    local = local_block_hashes(list(range(64)), 16, scheme)
+    seq = sequence_hashes(list(range(64)), 16, scheme)
     assert seq[0] == local[0]
     for i in range(1, 4):
-        want = xxhash.xxh3_64_intdigest(struct.pack("<QQ", seq[i - 1], local[i]), seed=1337)
+        pair = struct.pack("<QQ", seq[i - 1], local[i])
+        want = (xxhash.xxh3_64_intdigest(pair, seed=1337) if scheme == XXH3
+                else _b2(pair, b"kvkern-chain/v1"))
         assert seq[i] == want
     assert len(set(seq)) == 4
 
 
-def test_chain_continues_from_parent():
-    scheme = get_scheme("public-xxh3-v1")
-    local = local_block_hashes(list(range(64)), 16)
-    full = scheme.chain(local)
-    assert scheme.chain(local[2:], parent=full[1]) == full[2:]
+@pytest.mark.parametrize("scheme", [XXH3, DEFAULT_SCHEME])
+def test_chain_continues_from_parent(scheme):
+    s = get_scheme(scheme)
+    local = local_block_hashes(list(range(64)), 16, scheme)
+    full = s.chain(local)
+    assert s.chain(local[2:], parent=full[1]) == full[2:]
 
 
-def test_chained_hash_depends_on_prefix_local_does_not():
+@pytest.mark.parametrize("scheme", [XXH3, DEFAULT_SCHEME])
+def test_chained_hash_depends_on_prefix_local_does_not(scheme):
     a = list(range(32))
     b = [7] * 16 + list(range(16, 32))
-    assert local_block_hashes(a, 16)[1] == local_block_hashes(b, 16)[1]
-    assert sequence_hashes(a, 16)[1] != sequence_hashes(b, 16)[1]
+    assert local_block_hashes(a, 16, scheme)[1] == local_block_hashes(b, 16, scheme)[1]
+    assert sequence_hashes(a, 16, scheme)[1] != sequence_hashes(b, 16, scheme)[1]
     assert sequence_hashes(a, 16, "trtllm-v1")[1] != sequence_hashes(b, 16, "trtllm-v1")[1]
 
 
@@ -195,10 +231,10 @@ def test_public_scheme_refuses_salt_and_lora():
 
 
 def test_unknown_scheme_lists_known():
-    with pytest.raises(ValueError, match="public-xxh3-v1.*trtllm-v1"):
+    with pytest.raises(ValueError, match="kvkern-blake2b-v1.*public-xxh3-v1.*trtllm-v1"):
         local_block_hashes([1, 2], 1, "vllm-sha1")
-    assert known_schemes() == ("public-xxh3-v1", "trtllm-v1", "vllm-sha256-cbor-v1",
-                               "vllm-sha256-v1")
+    assert known_schemes() == ("kvkern-blake2b-v1", "public-xxh3-v1", "trtllm-v1",
+                               "vllm-sha256-cbor-v1", "vllm-sha256-v1")
 
 
 # Values computed by vLLM 0.32's own ``hash_block_tokens`` (sha256 over pickle, NONE_HASH from

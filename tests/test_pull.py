@@ -40,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvkern.cache.hashing import local_block_hashes, sequence_hashes
+from kvkern.cache.hashing import DEFAULT_SCHEME, local_block_hashes, sequence_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.kernels.pack import pack
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
@@ -195,7 +195,7 @@ def fresh_tokens(n_tokens: int) -> list[int]:
 # ---------------------------------------------------------------------------- destination
 
 
-def make_group(tp: int = 1, *, num_blocks: int = 64, scheme: str = "public-xxh3-v1",
+def make_group(tp: int = 1, *, num_blocks: int = 64, scheme: str = DEFAULT_SCHEME,
                layout: str = "trtllm") -> KVGroup:
     topo = Topology(model=MODEL, parallel=Parallelism(tp_size=tp))
     pool = BlockPool(num_blocks, block_size=BS, hash_scheme=scheme)
@@ -746,9 +746,9 @@ def test_hash_scheme_mismatch(src, make_puller):
     src.commit(tokens)
     group = make_group(scheme="trtllm-v1")  # the worker hashes with another scheme
     p = make_puller(group)
-    o = pull(p, "scheme", tokens, hint_for(src, tokens))
+    o = pull(p, "scheme", tokens, hint_for(src, tokens, hash_scheme=DEFAULT_SCHEME))
     assert not o.used and o.reason is Reason.HASH_SCHEME_MISMATCH, o
-    assert "public-xxh3-v1" in o.detail and "trtllm-v1" in o.detail
+    assert DEFAULT_SCHEME in o.detail and "trtllm-v1" in o.detail
     assert_clean(group)
 
 

@@ -31,7 +31,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvkern.cache.hashing import sequence_hashes
+from kvkern.cache.hashing import DEFAULT_SCHEME, sequence_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.kernels.pack import pack
 from kvkern.layout.chunks import count_chunks, plan_chunks
@@ -80,7 +80,7 @@ aio = pytest.mark.asyncio(loop_scope="module")
 
 # The peers' model: 2 layers, 4 KV heads, head_dim 16, block 4 tokens, fp16.
 LAYERS, HEADS, HEAD_DIM, BLOCK, ITEM = 2, 4, 16, 4, 2
-SCHEME = "public-xxh3-v1"
+SCHEME = DEFAULT_SCHEME
 
 
 def unit(layers: int, heads: int) -> int:

@@ -1,6 +1,7 @@
 """The engine-side contract the transfer path needs from a KV cache manager
 (:class:`KVCacheManager`), a reference paged block pool with a prefix index
-(:class:`BlockPool`), and block-hash schemes (``public-xxh3-v1``, ``trtllm-v1``).
+(:class:`BlockPool`), and block-hash schemes (``kvkern-blake2b-v1``, ``public-xxh3-v1``,
+``trtllm-v1``, vLLM's).
 
 Names are loaded on first use, so importing ``kvkern.cache`` costs nothing until then.
 """

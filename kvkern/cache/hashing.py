@@ -16,6 +16,17 @@ Two forms exist for every scheme:
 
 Schemes
 -------
+``kvkern-blake2b-v1`` (the default for pools)
+    The structure of ``public-xxh3-v1`` below, with BLAKE2b (8-byte digests) in place of
+    XXH3-64: a block's local hash is ``BLAKE2b-64(le32 tokens, person="kvkern-block/v1")``,
+    chained ``c[i] = BLAKE2b-64(le64(c[i-1]) || le64(b[i]), person="kvkern-chain/v1")`` from
+    the cache salt as root parent (none: ``c[0] = b[0]``). A pool keys cached KV on these
+    hashes alone, so a prompt whose blocks hash like another's would be served that other's
+    KV: XXH3 is built for speed, and blocks of real token ids that hash like a chosen block
+    can be computed (a few seconds for a 16-token block), which lets anyone who can send a
+    prompt plant KV under a prefix others use. Finding such a block for BLAKE2b-64 takes
+    about 2**64 hashes.
+
 ``public-xxh3-v1``
     Dynamo's router hash. Local hash of a block: XXH3-64 over its token ids as 4-byte
     little-endian unsigned integers, seed 1337; it does **not** depend on earlier blocks.
@@ -26,6 +37,9 @@ Schemes
     as the chain's root parent (a kvkern extension; Dynamo's router chains from no parent)::
 
         c[0] = XXH3-64(le64(salt) || le64(b[0]), seed=1337),  then as above
+
+    What routers send in hints (``HINT_SCHEME``), and fit to name prefixes for routing; a
+    pool that serves many clients keys its KV on ``kvkern-blake2b-v1`` instead.
 
 ``vllm-sha256-v1`` / ``vllm-sha256-cbor-v1``
     vLLM v1's prefix-cache block hash with ``prefix_caching_hash_algo`` ``sha256`` (pickle,
@@ -41,9 +55,9 @@ Schemes
     multimodal extra keys are not reproduced: an engine passes its own hashes instead
     (``kvkern.integrations.vllm`` does).
 
-``cache_salt`` (the xxh3 and TRT-LLM schemes) is a u64; :func:`salt_key` maps a request's salt string (vLLM's
-``cache_salt``) to one. Tenants with different salts share no chained hash, so neither a
-prefix-index hit nor a pull crosses between them.
+``cache_salt`` (the BLAKE2b, xxh3 and TRT-LLM schemes) is a u64; :func:`salt_key` maps a
+request's salt string (vLLM's ``cache_salt``) to one. Tenants with different salts share no
+chained hash, so neither a prefix-index hit nor a pull crosses between them.
 
 ``trtllm-v1``
     TRT-LLM V1's ``BlockKeyHasher``. It is chained by construction (the parent hash seeds each
@@ -82,6 +96,7 @@ import xxhash
 
 __all__ = [
     "DEFAULT_SCHEME",
+    "HINT_SCHEME",
     "HashScheme",
     "U64_MASK",
     "get_scheme",
@@ -97,7 +112,8 @@ __all__ = [
 
 U64_MASK = (1 << 64) - 1
 _U32_MASK = (1 << 32) - 1
-DEFAULT_SCHEME = "public-xxh3-v1"
+DEFAULT_SCHEME = "kvkern-blake2b-v1"  # a pool's, unless its engine hashes otherwise
+HINT_SCHEME = "public-xxh3-v1"  # a hint's block_hashes without a hash_scheme (Dynamo's)
 DYNAMO_SEED = 1337
 _PAIR = struct.Struct("<QQ")  # (parent, block) hash pair of the xxh3 chain
 
@@ -164,7 +180,7 @@ def _xxh3_block_hashes(
 ) -> list[int]:
     if cache_salt is not None or lora_id is not None:
         raise ValueError(
-            f"scheme {DEFAULT_SCHEME!r} takes no cache_salt or lora_id "
+            f"scheme {HINT_SCHEME!r} takes no cache_salt or lora_id "
             f"(got cache_salt={cache_salt!r}, lora_id={lora_id!r})"
         )
     n_full = len(token_ids) // block_size
@@ -180,6 +196,45 @@ def _xxh3_chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
     digest, pack = xxhash.xxh3_64_intdigest, _PAIR.pack
     for h in normalize_hashes(block_hashes):
         cur = h if prev is None else digest(pack(prev, h), DYNAMO_SEED)
+        out.append(cur)
+        prev = cur
+    return out
+
+
+# ------------------------------------------------------------------------- kvkern-blake2b-v1
+
+# copies of a keyed-up state cost half a fresh hasher's set-up with its person string
+_B2_BLOCK, _B2_CHAIN, _B2_SALT = (hashlib.blake2b(digest_size=8, person=p) for p in (
+    b"kvkern-block/v1", b"kvkern-chain/v1", b"kvkern-salt/v1"))
+
+
+def _b2_u64(data: bytes | memoryview, base: hashlib.blake2b) -> int:
+    h = base.copy()
+    h.update(data)
+    return int.from_bytes(h.digest(), "little")
+
+
+def _b2_block_hashes(
+    token_ids: Sequence[int], block_size: int, *, cache_salt: int | None, lora_id: int | None
+) -> list[int]:
+    if cache_salt is not None or lora_id is not None:
+        raise ValueError(
+            f"scheme 'kvkern-blake2b-v1' takes no cache_salt or lora_id per block (the salt "
+            f"enters its chain; got cache_salt={cache_salt!r}, lora_id={lora_id!r})"
+        )
+    n_full = len(token_ids) // block_size
+    data = _token_bytes(token_ids, n_full * block_size)
+    step = 4 * block_size
+    view = memoryview(data)
+    return [_b2_u64(view[i : i + step], _B2_BLOCK) for i in range(0, n_full * step, step)]
+
+
+def _b2_chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
+    out = []
+    prev = None if parent is None else normalize_hash(parent)
+    pack = _PAIR.pack
+    for h in normalize_hashes(block_hashes):
+        cur = h if prev is None else _b2_u64(pack(prev, h), _B2_CHAIN)
         out.append(cur)
         prev = cur
     return out
@@ -381,6 +436,14 @@ _SCHEMES: dict[str, HashScheme] = {
     s.name: s
     for s in (
         HashScheme(
+            name="kvkern-blake2b-v1",
+            chained=False,
+            supports_salt=True,
+            supports_lora=False,
+            _block_hashes=_b2_block_hashes,
+            _chain=_b2_chain,
+        ),
+        HashScheme(
             name="public-xxh3-v1",
             chained=False,
             supports_salt=True,
@@ -405,11 +468,12 @@ _SCHEMES: dict[str, HashScheme] = {
 
 def salt_key(cache_salt: str | None) -> int | None:
     """The u64 a request's cache salt string stands for in every scheme (None for no salt or
-    the empty string, so unsalted requests keep the schemes' published values)."""
+    the empty string, so unsalted requests keep the schemes' published values): BLAKE2b, so
+    no one finds another salt string that stands for the same u64 (and shares that tenant's
+    hashes) short of about 2**64 tries."""
     if not cache_salt:
         return None
-    return xxhash.xxh3_64_intdigest(b"kvkern-cache-salt/v1\0" + cache_salt.encode("utf-8"),
-                                    DYNAMO_SEED)
+    return _b2_u64(cache_salt.encode("utf-8"), _B2_SALT)
 
 
 def known_schemes() -> tuple[str, ...]:
@@ -435,7 +499,8 @@ def local_block_hashes(
     lora_id: int | None = None,
 ) -> list[int]:
     """Per-block hashes of the full blocks of ``token_ids`` (u64, unchained for
-    ``public-xxh3-v1``; for ``trtllm-v1``, which has no unchained form, the chained keys)."""
+    ``kvkern-blake2b-v1`` and ``public-xxh3-v1``; for the chained schemes, which have no
+    unchained form, the chained keys)."""
     return get_scheme(scheme).block_hashes(
         token_ids, block_size, cache_salt=cache_salt, lora_id=lora_id
     )

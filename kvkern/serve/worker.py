@@ -129,9 +129,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the KV pool's memory layout")
     model.add_argument("--num-blocks", type=positive_int, default=1024,
                        help="KV blocks in the pool")
-    model.add_argument("--hash-scheme", default="public-xxh3-v1",
-                       choices=("public-xxh3-v1", "trtllm-v1"),
-                       help="block hash scheme of the prefix index")
+    model.add_argument("--hash-scheme", default="kvkern-blake2b-v1",
+                       choices=("kvkern-blake2b-v1", "public-xxh3-v1", "trtllm-v1"),
+                       help="block hash scheme of the prefix index (public-xxh3-v1 and "
+                            "trtllm-v1 let a client plant KV under another's prompt: "
+                            "kvkern.cache.hashing)")
     model.add_argument("--threads", type=positive_int, default=1,
                        help="torch intra-op threads; equal on every worker for bit identity")
     model.add_argument("--prefill-chunk", type=positive_int, default=None,

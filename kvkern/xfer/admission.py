@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, sequence_hashes
+from kvkern.cache.hashing import HINT_SCHEME, get_scheme, sequence_hashes
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.hints import ENGINE_SCHEME, HintLimits, HintRejected, KvHint, decode_hint
 from kvkern.xfer.outcome import Reason
@@ -100,8 +100,10 @@ def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config
             return Skip(Reason.INTERNAL_ERROR, f"engine gave {len(engine_hashes)} block hashes "
                         f"for a prompt of {n_full} full blocks")
         checked = _check_engine_hashes(engine_hashes[:n_full], hint, worker.hash_scheme)
-        if checked is None:  # the hint's hashes are another scheme's: check them on tokens
-            checked = _check_hint_hashes(tokens, hint, bs, n_full, salt, worker.hash_scheme)
+        if checked is None or isinstance(checked, Skip):  # checked on the tokens instead
+            on_tokens = _check_hint_hashes(tokens, hint, bs, n_full, salt, worker.hash_scheme)
+            if checked is None or not isinstance(on_tokens, Skip):
+                checked = on_tokens  # (else the engine's mismatch, which says more)
     else:
         checked = _check_hint_hashes(tokens, hint, bs, n_full, salt, worker.hash_scheme)
     if isinstance(checked, Skip):
@@ -143,11 +145,12 @@ def _check_engine_hashes(engine: list[int], hint: KvHint, worker_scheme: str
     """(hinted blocks, the worker's scheme, the engine's hashes) when the hint names this
     prompt in the engine's own hashes; a hint without hashes covers every full block.
     None when the hint's hashes are in another scheme, or in the worker's scheme but not
-    the engine's chained ones (the per-block form): those are checked on the tokens."""
+    the engine's chained ones (the per-block form): those are checked on the tokens, as
+    are an engine-scheme hint's that differ (a router may name the prompt in Dynamo's)."""
     if hint.block_hashes is None:
         return len(engine), worker_scheme, engine
-    scheme_name = hint.hash_scheme or DEFAULT_SCHEME
-    if scheme_name not in (ENGINE_SCHEME, worker_scheme):
+    scheme_name = hint.hash_scheme or HINT_SCHEME
+    if scheme_name not in (ENGINE_SCHEME, worker_scheme, HINT_SCHEME):
         return None
     want = list(hint.block_hashes)
     if len(want) > len(engine):
@@ -169,22 +172,30 @@ def _check_hint_hashes(tokens: list[int], hint: KvHint, bs: int, n_full: int,
     name this prompt; a hint without hashes covers every full block."""
     if hint.block_hashes is None:
         return n_full, "", None
-    scheme_name = hint.hash_scheme or DEFAULT_SCHEME
-    if scheme_name == ENGINE_SCHEME:
-        scheme_name = worker_scheme
-    try:
-        scheme = get_scheme(scheme_name)
-    except ValueError as exc:
-        return Skip(Reason.HASH_SCHEME_MISMATCH, str(exc))
+    named = hint.hash_scheme or HINT_SCHEME
+    # A router's hashes of a prompt are the worker's own or Dynamo's (which routers hash
+    # with, and which a worker's pool may not use): either names the prompt, being computed
+    # here from its very tokens.
+    names = ([named] if named not in (ENGINE_SCHEME, HINT_SCHEME) else list(dict.fromkeys(
+        (worker_scheme if named == ENGINE_SCHEME else HINT_SCHEME, worker_scheme,
+         HINT_SCHEME))))
+    scheme_name = names[0]
     hinted = len(hint.block_hashes)
     if hinted > n_full:
         return Skip(Reason.HASH_MISMATCH, f"hint names {hinted} blocks, the prompt has "
                     f"{n_full} full blocks of {bs} tokens")
     want = list(hint.block_hashes)
-    mine = scheme.block_hashes(tokens[:hinted * bs], bs,
-                               cache_salt=salt if scheme.chained else None)
-    if mine != want and scheme.salted_chain(mine, salt) != want:
-        i = next(i for i, (a, b) in enumerate(zip(mine, want, strict=True)) if a != b)
-        return Skip(Reason.HASH_MISMATCH, f"hint hash {i} is {want[i]}, the prompt's block "
-                    f"{i} hashes to {mine[i]} in {scheme_name}")
-    return hinted, scheme_name, mine
+    for name in names:
+        try:
+            scheme = get_scheme(name)
+        except ValueError as exc:
+            return Skip(Reason.HASH_SCHEME_MISMATCH, str(exc))
+        mine = scheme.block_hashes(tokens[:hinted * bs], bs,
+                                   cache_salt=salt if scheme.chained else None)
+        if mine == want or scheme.salted_chain(mine, salt) == want:
+            return hinted, name, mine
+        if name == scheme_name:
+            first = mine
+    i = next(i for i, (a, b) in enumerate(zip(first, want, strict=True)) if a != b)
+    return Skip(Reason.HASH_MISMATCH, f"hint hash {i} is {want[i]}, the prompt's block "
+                f"{i} hashes to {first[i]} in {scheme_name}")

@@ -66,7 +66,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from kvkern.cache.hashing import DEFAULT_SCHEME, known_schemes, normalize_hashes
+from kvkern.cache.hashing import HINT_SCHEME, known_schemes, normalize_hashes
 
 __all__ = [
     "BODY_INVALID",
@@ -322,7 +322,7 @@ def _decode_kvkern(raw: Any, limits: HintLimits) -> KvHint:
     return KvHint(
         source=_source(h.source, "kv_hint", limits),
         block_hashes=hashes,
-        hash_scheme=None if hashes is None else (scheme or DEFAULT_SCHEME),
+        hash_scheme=None if hashes is None else (scheme or HINT_SCHEME),
         dialect="kvkern",
         source_dp_rank=_dp_rank(h.source_dp_rank, "kv_hint"),
         policy=h.policy or limits.default_policy,

@@ -22,7 +22,7 @@ HTTP
     {"protocol": "kvkern/1",
      "worker_id": "...",
      "incarnation": "<uuid4 hex, new per service start>",
-     "hash_scheme": "public-xxh3-v1",          # every group's manager uses it
+     "hash_scheme": "kvkern-blake2b-v1",       # every group's manager uses it
      "block_size": 16,
      "codec_fingerprint": "<16 hex digits of Codec.fingerprint, zero padded>",
      "model": "<KVGroup.model_id>",            # a destination pulls only from its own model

@@ -22,7 +22,7 @@ Flags
 ``--layers N --kv-heads N --head-dim N --block-size N --dtype NAME``
                               the model (default 2 layers, 4 KV heads, head_dim 16, block 4,
                               float16)
-``--hash-scheme NAME``        default public-xxh3-v1
+``--hash-scheme NAME``        default kvkern-blake2b-v1 (kvkern.cache.hashing.DEFAULT_SCHEME)
 ``--seq SPEC``                pre-commit a token sequence (repeatable): ``A:B`` = tokens
                               ``range(A, B)``, or a comma list ``1,2,3``
 ``--seed N``                  KV random seed (default 0)
@@ -94,7 +94,7 @@ import time
 import torch
 from aiohttp import web
 
-from kvkern.cache.hashing import sequence_hashes
+from kvkern.cache.hashing import DEFAULT_SCHEME, sequence_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.kernels.pack import pack, unpack
 from kvkern.layout.kv_layout import allocate_staging
@@ -376,7 +376,7 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=16)
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--hash-scheme", default="public-xxh3-v1")
+    ap.add_argument("--hash-scheme", default=DEFAULT_SCHEME)
     ap.add_argument("--seq", action="append", default=[])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chunk-bytes", type=int, default=16 << 20)

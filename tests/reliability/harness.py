@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvkern.cache.hashing import sequence_hashes
+from kvkern.cache.hashing import DEFAULT_SCHEME, sequence_hashes
 from kvkern.serve.httpjson import get_json, post_json
 from kvkern.serve.procs import WorkerProcess, WorkerStartError, start_workers
 from kvkern.xfer.hints import decode_hint
@@ -22,7 +22,7 @@ from tests.fleet import signed
 PEERS = Path(__file__).parent / "peers"
 T = 4  # ModelConfig.tiny().block_size
 VOCAB = 256
-SCHEME = "public-xxh3-v1"  # the workers' pool scheme (kvkern worker default)
+SCHEME = DEFAULT_SCHEME  # the workers' pool scheme (kvkern worker default)
 # Pool counters that must be back at their baseline (0) once every request has ended.
 LEAK_FIELDS = ("used", "referenced", "pinned", "pins", "leased", "leases", "private")
 COMMON = ["--model", "tiny", "--num-blocks", "8192", "--allow", "127.0.0.0/8",

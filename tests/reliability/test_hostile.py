@@ -23,7 +23,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvkern.cache.hashing import local_block_hashes
+from kvkern.cache.hashing import DEFAULT_SCHEME, HINT_SCHEME, local_block_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.config import POLICIES, XferConfig
@@ -57,7 +57,7 @@ LONG = 10_000
 BS = 4
 MODEL = ModelKVSpec(num_layers=2, num_kv_heads=4, head_dim=16, block_size=BS, dtype="float16")
 TOKENS = list(range(100, 100 + 6 * BS + 2))  # 6 full blocks and a partial one
-GOOD_HASHES = local_block_hashes(TOKENS, BS)
+GOOD_HASHES = local_block_hashes(TOKENS, BS, HINT_SCHEME)  # (a hint's, named by no scheme)
 DEAD = "127.0.0.1:1"  # the only allowed endpoint; nothing listens there
 
 
@@ -227,7 +227,7 @@ def test_hint_fuzz_long(loop, record):
 def _good_state() -> dict:
     topo = Topology(model=MODEL, parallel=Parallelism())
     return {"protocol": "kvkern/1", "worker_id": "w", "incarnation": "i1",
-            "hash_scheme": "public-xxh3-v1", "block_size": BS,
+            "hash_scheme": DEFAULT_SCHEME, "block_size": BS,
             "codec_fingerprint": f"{DEFAULT_CODEC.fingerprint:016x}",
             "topology": topo.to_dict(),
             "dp_groups": {"0": {"ranks": {"0": {"ucx_host": "127.0.0.1", "ucx_port": 2}}}},
