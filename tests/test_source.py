@@ -928,6 +928,32 @@ async def test_read_request_to_a_source_with_reads_off_gets_the_stream():
         await svc.close()
 
 
+@aio
+async def test_a_request_for_chunks_below_the_floor_is_refused_before_any_pin():
+    """Each chunk costs the source a message and a step of Python: a request may not ask for
+    chunks below min_chunk_bytes, or one block's bytes where a block is smaller (this
+    pool's blocks: 2048 B)."""
+    group, hs = _group()
+    svc = SourceService([group], worker_id="inproc-floor", quotas=OPEN)
+    await svc.start()
+    try:
+        async with ConnectionPool(connect_timeout=10) as own:
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            for small in (1, 2047):
+                reply = await ask(conn, request(hs, chunk_bytes=small))
+                assert reply.status == Status.REJECTED, reply
+                assert reply.reason.startswith("too_many_chunks:") and "2048 B" in reply.reason
+                assert group.manager.num_pinned == 0
+            reply, data = await pull(conn, request(hs, chunk_bytes=2048))  # a block a chunk
+            assert reply.status == Status.OK and reply.n_chunks == len(hs)
+            assert data.size == reply.total_bytes
+    finally:
+        await svc.close()
+    assert svc.config.min_chunk_bytes == 64 << 10
+    with pytest.raises(ValueError, match="min_chunk_bytes"):
+        SourceService([group], worker_id="w", min_chunk_bytes=-1)
+
+
 # ----------------------------------------------------------------------- pure parts
 
 

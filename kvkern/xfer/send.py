@@ -42,7 +42,13 @@ from kvkern.xfer.messages import (
 )
 from kvkern.xfer.source_config import PeerQuotas
 from kvkern.xfer.transport import Connection, Lane, TransportError, tag_for
-from kvkern.xfer.tuning import PACK_WAIT_S, QUOTA_POLL_S, QUOTA_WAIT_S, STREAM_MIN_RUN_BYTES
+from kvkern.xfer.tuning import (
+    MIN_CHUNK_BYTES,
+    PACK_WAIT_S,
+    QUOTA_POLL_S,
+    QUOTA_WAIT_S,
+    STREAM_MIN_RUN_BYTES,
+)
 
 if TYPE_CHECKING:
     from kvkern.cache.protocol import PinHandle
@@ -135,9 +141,11 @@ def direct_rows(rank_kv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | 
     return rank_kv.stream_rows(pieces[0].layers, pieces[0].heads, pieces[0].length)
 
 
-def validate_request(ctx: RankCtx, req: PullRequest, *, model_id: str,
-                     chunk_bytes: int) -> list[PlanPiece]:
-    """The request's pieces sorted by offset, or :class:`Rejected` (nothing pinned yet)."""
+def validate_request(ctx: RankCtx, req: PullRequest, *, model_id: str, chunk_bytes: int,
+                     min_chunk_bytes: int = MIN_CHUNK_BYTES) -> list[PlanPiece]:
+    """The request's pieces sorted by offset, or :class:`Rejected` (nothing pinned yet).
+    A request for chunks below ``min_chunk_bytes`` (or one block's bytes, where smaller)
+    is refused: every chunk costs this side a message and a step of Python."""
     scheme = ctx.group.hash_scheme
     if req.hash_scheme != scheme:
         raise Rejected(RejectCode.HASH_SCHEME_MISMATCH, f"request scheme "
@@ -157,6 +165,10 @@ def validate_request(ctx: RankCtx, req: PullRequest, *, model_id: str,
     for p in pieces:
         _check_piece(ctx, layout, p, end)
         end += p.length
+    floor = min(min_chunk_bytes, end)  # (end: the bytes of one block's pieces)
+    if req.chunk_bytes < floor:
+        raise Rejected(RejectCode.TOO_MANY_CHUNKS, f"chunks of at most {req.chunk_bytes} B "
+                       f"asked for, this source cuts none below {floor} B")
     limit = min(req.chunk_bytes, chunk_bytes)
     n = count_chunks([p.length for p in pieces], req.count, limit, req.chunk_blocks)
     if n > MAX_CHUNKS:
@@ -287,7 +299,8 @@ class Sender:
                 return
             try:
                 pieces = validate_request(s.ctx, req, model_id=svc.model_id,
-                                          chunk_bytes=svc.config.chunk_bytes)
+                                          chunk_bytes=svc.config.chunk_bytes,
+                                          min_chunk_bytes=svc.config.min_chunk_bytes)
             except Rejected as rej:
                 log.info("rejected transfer %d on rank %d: %s", req.transfer_id, s.ctx.rank,
                          rej)

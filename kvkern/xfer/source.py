@@ -111,7 +111,9 @@ sorted by offset must tile ``[0, sum(length))`` exactly. The stream for ``n`` se
     stream   | piece 0: n blocks x length0 | piece 1: n blocks x length1 | ...
     chunks   |  c0  |  c1  |  c2 |  c3   |  c4  | c5 |                           (<= limit)
 
-Chunking: ``limit = min(request.chunk_bytes, service chunk_bytes)``. Chunk boundaries fall on
+Chunking: ``limit = min(request.chunk_bytes, service chunk_bytes)``; a request whose
+``chunk_bytes`` is below ``min_chunk_bytes`` (64 KiB, or one block's bytes where smaller) is
+refused (``too_many_chunks``), as each chunk costs a message. Chunk boundaries fall on
 whole (piece, block range) units: for each piece in offset order, runs of
 ``max(1, limit // length)`` blocks, one chunk each (the last run of a piece may be shorter;
 a chunk never spans two pieces). A request's ``chunk_blocks`` (one piece only) replaces the

@@ -15,7 +15,12 @@ from kvkern.checks import (
     check_positive_int,
 )
 from kvkern.xfer.httpguard import HttpLimits
-from kvkern.xfer.tuning import DEFAULT_MAX_SEND_S, DEFAULT_PROGRESS_TIMEOUT_S, DEFAULT_READ_HOLD_S
+from kvkern.xfer.tuning import (
+    DEFAULT_MAX_SEND_S,
+    DEFAULT_PROGRESS_TIMEOUT_S,
+    DEFAULT_READ_HOLD_S,
+    MIN_CHUNK_BYTES,
+)
 
 __all__ = ["DEFAULT_MAX_SEND_S", "DEFAULT_PROGRESS_TIMEOUT_S", "DEFAULT_READ_HOLD_S",
            "REMOTE_READ_MODES", "PeerQuotas", "SourceConfig"]
@@ -51,9 +56,11 @@ class SourceConfig:
     ``host`` is where HTTP and the listeners bind; ``advertise_host`` (default ``host``) is
     the address peers dial, required when ``host`` binds every interface. ``chunk_bytes`` caps
     a stream's packed chunks (a staging slot; runs of consecutive blocks sent straight from
-    the pool keep to the request's limit only), ``chunks_in_flight`` the chunks packed
-    ahead, ``max_concurrent_sends`` the admitted requests of all peers; ``max_send_s`` caps
-    one request's time and ``progress_timeout_s`` a stream without progress.
+    the pool keep to the request's limit only), and a request may not ask for chunks
+    smaller than ``min_chunk_bytes`` (or one block's bytes, where smaller);
+    ``chunks_in_flight`` caps the chunks packed ahead, ``max_concurrent_sends`` the admitted
+    requests of all peers; ``max_send_s`` caps one request's time and
+    ``progress_timeout_s`` a stream without progress.
     ``staging_cache_bytes`` of staging buffers are kept idle for reuse. ``remote_read``
     (``off``/``host``/``all``) registers pools for one-sided reads (an opt-in, see
     SECURITY.md), whose pins are held ``read_hold_s`` at most; with ``read_directory`` (the
@@ -65,6 +72,7 @@ class SourceConfig:
     http_port: int = 0
     advertise_host: str | None = None
     chunk_bytes: int = 16 << 20
+    min_chunk_bytes: int = MIN_CHUNK_BYTES
     chunks_in_flight: int = 4
     max_concurrent_sends: int = 8
     max_send_s: float = DEFAULT_MAX_SEND_S
@@ -85,6 +93,7 @@ class SourceConfig:
             raise ValueError(f"remote_read must be one of {REMOTE_READ_MODES}, got "
                              f"{self.remote_read!r}")
         check_non_negative_int("staging_cache_bytes", self.staging_cache_bytes)
+        check_non_negative_int("min_chunk_bytes", self.min_chunk_bytes)
         if not (isinstance(self.read_hold_s, (int, float)) and math.isfinite(self.read_hold_s)
                 and 0 <= self.read_hold_s <= self.max_send_s):
             raise ValueError(f"read_hold_s must be a finite number in [0, max_send_s], got "

@@ -135,6 +135,10 @@ CANCEL_SEND_TIMEOUT_S = 1.0
 
 # A send may take this long at most: TRT-LLM's kv_transfer_timeout_ms default.
 DEFAULT_MAX_SEND_S = 60.0
+# The smallest chunks a source cuts a stream into for a request (or one block's bytes,
+# where a block is smaller): each chunk costs a message and a step of Python on both
+# sides, so a request for 1-byte chunks of 64 cached blocks planned 2**20 chunks for 2.2 s.
+MIN_CHUNK_BYTES = 64 << 10
 # A stream that moves nothing this long is stuck.
 DEFAULT_PROGRESS_TIMEOUT_S = 10.0
 # Read pins are granted this long (capped by the request's deadline).

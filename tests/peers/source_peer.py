@@ -201,7 +201,8 @@ class Peer:
         self.churned: dict = {"rounds": 0, "running": False, "error": None}
         self.service = FaultySource(
             [self.group], worker_id=args.worker_id, http_port=args.http_port,
-            chunk_bytes=args.chunk_bytes, chunks_in_flight=args.chunks_in_flight,
+            chunk_bytes=args.chunk_bytes, min_chunk_bytes=0,  # (tests slice tiny blocks)
+            chunks_in_flight=args.chunks_in_flight,
             max_concurrent_sends=args.max_concurrent_sends, max_send_s=args.max_send_s,
             slow_send_ms=args.slow_send_ms, freeze_after_reply=args.freeze_after_reply,
             remote_read=args.remote_read, read_hold_s=args.read_hold_s,
