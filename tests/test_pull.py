@@ -330,6 +330,13 @@ def test_full_prefix_pull(src, make_puller):
         (16, 0, 16, 16)
     assert o.bytes_transferred == 16 * group.ranks[0].layout.bytes_per_block
     assert o.messages >= 3 and o.pairs == 1
+    # the cost guard learns the copy's rate and, apart, the rest of the pull as fixed cost
+    copy = o.phases.get("data", o.phases.get("read"))
+    copy = o.phases["transfer"] - o.phases.get("rtt", 0.0) if copy is None else copy
+    guard = p.cost_guard
+    assert guard.pulls_observed == 1
+    assert guard.bandwidth_bps == pytest.approx(o.bytes_transferred / copy, rel=0.05)
+    assert 0 < guard.rtt_s < o.phases["total"] - copy * 0.9
     assert p.state("full") is RequestState.CONTEXT_PREFETCH_COMPLETE and p.is_schedulable("full")
     json.loads(o.to_log())
     assert p.metrics.value("kvkern_pulls_total", outcome="ok") == 1

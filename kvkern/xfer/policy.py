@@ -12,7 +12,8 @@ block to be whole on every destination rank)::
 
 The cost guard skips pulls that cannot beat recompute::
 
-    pull      = rtt + bytes / bandwidth          (EWMA of measured pulls; priors before any)
+    pull      = fixed + bytes / bandwidth        (EWMA of measured pulls' fixed cost and copy
+                                                  rate; priors before any)
     recompute = tokens * prefill_s_per_token     (configured, else EWMA of observe_prefill,
                                                   else the prior; unknown -> the guard passes)
     skip (not_worth_it) when pull * margin >= recompute
@@ -99,8 +100,8 @@ class CostGuard:
         return new if old is None else (1 - self._alpha) * old + self._alpha * new
 
     def observe_pull(self, nbytes: int, seconds: float, rtt_s: float | None = None) -> None:
-        """A finished transfer of ``nbytes`` whose data phase took ``seconds`` (and whose
-        request -> reply round trip took ``rtt_s``)."""
+        """A finished pull of ``nbytes`` whose bytes moved in ``seconds`` and whose other
+        steps (admission, look-ups, round trips, commit: its fixed cost) took ``rtt_s``."""
         if nbytes <= 0 or not (seconds > 0 and math.isfinite(seconds)):
             return
         with self._lock:

@@ -233,7 +233,7 @@ class PullRunner:
         if keep < len(ids):
             group.manager.free_private(ids[keep:])
         job.phases["commit"] = time.perf_counter() - t
-        self.cost_guard.observe_pull(job.bytes, max(xfer_s, 1e-9), job.phases.get("rtt"))
+        self._observe(job)
         detail = (f"{keep} of {job.count} blocks from {len(pairs)} pair(s)"
                   + (f", {len(ids) - keep} skipped" if keep < len(ids) else ""))
         return lease, decision.reason, detail, {"blocks_transferred": keep,
@@ -262,10 +262,20 @@ class PullRunner:
         job.pairs = len(pairs)
         return pairs, addrs
 
+    def _observe(self, job: PullJob) -> None:
+        """Teach the cost guard this pull: the time that moved its bytes (a direct read's
+        copy, a granted read's reads, else the transfer less its round trip) and the rest of
+        the pull, from its submission, as the fixed cost it adds to every pull."""
+        phases = job.phases
+        copy = phases.get("data", phases.get("read"))
+        if copy is None:
+            copy = phases["transfer"] - phases.get("rtt", 0.0)
+        total = time.perf_counter() - job.t_submit
+        self.cost_guard.observe_pull(job.bytes, max(copy, 1e-9), max(total - copy, 0.0))
+
     def _into_detail(self, job: PullJob, keep: int, n_pairs: int) -> str:
         job.private = None
-        self.cost_guard.observe_pull(job.bytes, max(job.phases["transfer"], 1e-9),
-                                     job.phases.get("rtt"))
+        self._observe(job)
         return f"{keep} of {job.count} blocks from {n_pairs} pair(s) into the engine's blocks"
 
     def _allocate(self, job: PullJob, pairs: list[PeerTransfer]) -> None:
