@@ -624,13 +624,17 @@ def plot(data: dict[str, Any], path: Path) -> bool:
     fig, ax = plt.subplots(figsize=(7, 4))
     recs = [r for _, r in data["xfer"] if _pull_kind(r) == ("trtllm", "1:1", "1:1", 0.0)]
     sizes = sorted({int(s) for r in recs for s in r["by_size"]})
+    n = len(XFER_METRICS)
+    step = 0.8 / n  # every metric's points within its size's tick, in the order listed
+    colors = plt.get_cmap("tab20").colors
     for j, (key, label) in enumerate(XFER_METRICS):
         xs, ys = [], []
         for i, size in enumerate(sizes):
             vals = [v for r in recs for v in _values(_figure(r, size, key))]
-            xs += [i + (j - 2.5) * 0.12] * len(vals)
+            xs += [i + (j - (n - 1) / 2) * step] * len(vals)
             ys += vals
-        ax.scatter(xs, ys, s=14, label=label.replace("`", ""))
+        ax.scatter(xs, ys, s=14, color=colors[j % len(colors)],
+                   marker="os^D"[j // len(colors) % 4], label=label.replace("`", ""))
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
     ax.set_xticks(range(len(sizes)), [_size(s) for s in sizes])
     ax.set_ylabel("pull / raw UCXX send (bytes per second)")

@@ -82,7 +82,7 @@ def test_a_pulls_steps_show_beside_nixl(tmp_path):
 
 def test_nixl_interleaved_with_the_pulls_is_shown_and_used(tmp_path):
     """A record whose pull case interleaved NIXL's READs shows them in a table of their own,
-    with kvkern / NIXL against the slower of NIXL's two ways, and its step table sets the
+    with kvkern / NIXL against the faster of NIXL's two ways, and its step table sets the
     pull beside those READs rather than NIXL's own later run."""
     report = _report()
     (tmp_path / "xfer").mkdir()

@@ -12,11 +12,13 @@ process (the *destination*) and measures, per size:
                over a pool of 512 KiB blocks (8 layers x 8 KV heads x 128 dims x 16 tokens,
                bf16); this process pulls N blocks (N x 512 KiB = each size) with a
                :class:`~kvkern.xfer.puller.Puller` (hint -> state from cache -> plan ->
-               private blocks -> PullRequest -> one-sided reads of the pinned blocks on
-               ``--read-lanes`` read lanes -> commit, ReadDone), from a source whose
-               blocks are consecutive and from one whose blocks are shuffled
-               (``scattered_*``); the same read on one lane (``lanes1_*``) and on the
-               control connection's worker (``lanes0_*``); with ``--data-path both``
+               private blocks -> direct one-sided reads on ``--read-lanes`` read lanes,
+               checked against the source's read directory, no message -> commit), from a
+               source whose blocks are consecutive and from one whose blocks are shuffled
+               (``scattered_*``); the same pull asking for a grant first
+               (``granted_*``: PullRequest, pinned blocks, reads, ReadDone), on one lane
+               (``lanes1_*``) and on the control connection's worker (``lanes0_*``), into
+               engine blocks (``into_*``) and more; with ``--data-path both``
                (default) also through the chunk stream (``stream_*``: packed, sent,
                unpacked). Every repeat runs each variant and a raw one-buffer fetch of the
                same bytes once, in a shuffled order. Reports ``pull_gbps`` (bytes /
@@ -1069,9 +1071,12 @@ def _parser() -> argparse.ArgumentParser:
     x = sub.add_parser("xfer", help="raw UCXX transfer between two processes on 127.0.0.1",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     x.add_argument("--sizes", default="64MiB,256MiB", help="comma list, e.g. 64MiB,256MiB")
-    x.add_argument("--chunk", default="16MiB", help="chunk size of the chunked case")
+    x.add_argument("--chunk", default="16MiB",
+                   help="chunk size of the chunked case, and the pull case's chunk_bytes "
+                        "(source and puller)")
     x.add_argument("--in-flight", type=int, default=4,
-                   help="chunks in flight in the chunked case")
+                   help="chunks in flight in the chunked case, and the pull case's "
+                        "chunks_in_flight (source and puller)")
     x.add_argument("--repeats", type=int, default=Settings.repeats,
                    help="timed repetitions of each case")
     x.add_argument("--cases", default="raw,chunked,messages,pull",

@@ -114,11 +114,14 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
     nixl = res.get("compare", {}).get("nixl", {}).get("cases", {})
     for size in sorted(set(nixl) | {k for k in sizes if "nixl" in pull[k]}, key=int):
         # NIXL's READs interleaved with the pulls where the run has them, else its own run's
-        row = pull[size] if "nixl" in pull.get(size, {}) else nixl[size]
+        # (said in the verdict's place: measured minutes apart, not round by round)
+        interleaved = "nixl" in pull.get(size, {})
+        row = pull[size] if interleaved else nixl[size]
+        where = _where(size) if interleaved else f"{_where(size)} (NIXL's own run)"
         for key, suffix in (("kvkern_vs_nixl", ""), ("kvkern_vs_nixl_scattered", "_scattered")):
             ratios = [r for r in (row.get(key), row.get(f"kvkern_vs_nixl_per_request{suffix}"))
                       if isinstance(r, (int, float))]
-            out.append(_verdict(key, _where(size), min(ratios, default=None)))
+            out.append(_verdict(key, where, min(ratios, default=None)))
     for key in ("hint_to_first_byte_ms", "one_block_overhead_ms"):
         out.append(_verdict(key, "1 block", pull.get(key)))
     for size in sizes:

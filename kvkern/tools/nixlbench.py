@@ -26,8 +26,9 @@ turn and keeps, per size and way, the faster (its ``agent`` says which);
 
 :class:`Server` runs one session (lean agent) in a process of its own, one READ per request
 over its stdin and stdout: ``kvkern bench xfer --compare nixl`` interleaves those READs with
-its pulls, round by round, and judges kvkern / NIXL on them (the lean agent was the faster
-configuration in every consecutive case recorded).
+its pulls, round by round, and judges kvkern / NIXL on them. The lean agent was the faster
+configuration in most recorded runs of both, not all (``agent`` in each record's
+``compare.nixl`` says which was, per size and way).
 
 Both processes run with kvkern's UCX settings (:mod:`kvkern.xfer.ucx_env`), so NIXL's UCX
 and kvkern's pull choose among the same transports, and under the same engine load when the
