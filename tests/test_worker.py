@@ -248,3 +248,14 @@ def test_bad_requests_are_400(workers, body, status):
     with pytest.raises(HTTPError) as exc:
         gen(workers["A"].url, body)
     assert exc.value.status == status
+
+
+def test_a_generate_body_larger_than_a_request_can_use_is_413(workers):
+    """The tiny model's context is 512 tokens: a body is at most 256 KiB + 24 B a token,
+    not the 16 MiB of JSON objects that decode to hundreds of MiB."""
+    cap = (256 << 10) + 24 * 512
+    filler = {"x": [{}] * (cap // 3)}  # 3 bytes a "{}," : just over the cap
+    with pytest.raises(HTTPError) as exc:
+        gen(workers["A"].url, {"token_ids": [1, 2], "max_new_tokens": 1, **filler})
+    assert exc.value.status == 413
+    assert gen(workers["A"].url, {"token_ids": [1, 2], "max_new_tokens": 1})["tokens"]

@@ -81,6 +81,11 @@ log = logging.getLogger("kvkern.worker")
 
 READY_PREFIX = "KVKERN_READY "
 MAX_BODY_BYTES = 16 << 20
+# A generate body holds at most the model's context in token ids (<= 11 bytes each in JSON)
+# and hints of a few KiB; decoded JSON takes up to ~24x its bytes (small objects), so a
+# body is bounded by what a request can use, not by the HTTP limit above.
+GENERATE_BODY_BASE = 256 << 10
+GENERATE_BODY_PER_TOKEN = 24
 MAX_SALT_CHARS = 256
 
 
@@ -264,6 +269,10 @@ class Worker:
             1, thread_name_prefix="kvkern-engine")
         self._wait_pool = concurrent.futures.ThreadPoolExecutor(
             max(1, opts.max_inflight_pulls), thread_name_prefix="kvkern-pull-wait")
+        self.generate_body_bytes = GENERATE_BODY_BASE + GENERATE_BODY_PER_TOKEN * (
+            config.max_seq_len)
+        # requests read and decoded at once; the rest wait with their bodies unread
+        self._generating: asyncio.Semaphore | None = None
         self.url: str | None = None
 
     # ---------------------------------------------------------------------- lifecycle
@@ -500,15 +509,18 @@ class Worker:
         from kvkern.xfer.httpguard import read_json_object  # noqa: PLC0415
 
         arrival = time.perf_counter()
-        body = await read_json_object(request, max_bytes=MAX_BODY_BYTES,
-                                      timeout_s=self.source.http_limits.body_timeout_s)
+        if self._generating is None:  # (made on the loop that serves HTTP)
+            self._generating = asyncio.Semaphore(2 * max(1, self.opts.max_inflight_pulls))
         loop = asyncio.get_running_loop()
-        try:
-            status, out = await loop.run_in_executor(self._wait_pool, self.handle_generate,
-                                                     body, arrival)
-        except Exception as exc:  # noqa: BLE001 (report, keep serving)
-            log.exception("generate failed")
-            status, out = 500, {"error": f"{type(exc).__name__}: {exc}"}
+        async with self._generating:
+            body = await read_json_object(request, max_bytes=self.generate_body_bytes,
+                                          timeout_s=self.source.http_limits.body_timeout_s)
+            try:
+                status, out = await loop.run_in_executor(self._wait_pool,
+                                                         self.handle_generate, body, arrival)
+            except Exception as exc:  # noqa: BLE001 (report, keep serving)
+                log.exception("generate failed")
+                status, out = 500, {"error": f"{type(exc).__name__}: {exc}"}
         return web.json_response(out, status=status)
 
     async def _http_blocks(self, request):
