@@ -101,7 +101,12 @@ async def test_metrics_request_ids_and_health_changes(caplog):
                 assert r.status == 400
             c.listing_fails = False
             async with s.post(f"{router_url}/v1/refresh") as r:
+                assert r.status == 401  # fleet members only
+            headers, _ = CREDENTIAL.sign_request("POST", "/v1/refresh")
+            async with s.post(f"{router_url}/v1/refresh", headers=headers) as r:
                 assert r.status == 200
+            async with s.post(f"{router_url}/v1/refresh", headers=headers) as r:
+                assert r.status == 401  # (a replay)
             async with s.get(f"{router_url}/metrics") as r:
                 assert r.status == 200 and r.content_type == "text/plain"
                 text = await r.text()

@@ -388,7 +388,7 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
                             the request is not counted in flight). Returns summary plus
                             "destination_url" and "hint" (the body fragment).
         GET  /v1/workers    what the router knows of each worker
-        POST /v1/refresh    re-read every worker's GET /kvkern/v1/blocks now
+        POST /v1/refresh    re-read every worker's GET /kvkern/v1/blocks now (signed: fleet only)
         GET  /metrics       Prometheus text (:mod:`kvkern.serve.routermetrics`)
         GET  /healthz       "ok"
 
@@ -430,6 +430,8 @@ class _RouterService:
             self.metrics.add_worker(info["worker_id"])
         self.session: Any = None
         self.task: asyncio.Task | None = None
+        self._verifier = None  # (made on first use: a refresh's signature)
+        self._refreshing: asyncio.Future | None = None
         app = guard_app(web.Application(), self.limits)
         app.on_startup.append(self.on_startup)
         app.on_cleanup.append(self.on_cleanup)
@@ -633,9 +635,26 @@ class _RouterService:
                                   "workers": self.router.workers()})
 
     async def refresh(self, request: Any) -> Any:
+        """Fleet members only (a signed request, as for a worker's listing): each refresh
+        reads every worker's listing, and a failed one marks that worker unhealthy. Calls
+        while one runs share it."""
         from aiohttp import web  # noqa: PLC0415
 
-        return web.json_response(await self.refresh_once())
+        from kvkern.xfer.auth import AUTH_HEADER, HttpVerifier  # noqa: PLC0415
+        from kvkern.xfer.httpguard import json_error  # noqa: PLC0415
+
+        if self.cred is None:
+            raise json_error(web.HTTPForbidden, "this router has no fleet credential to "
+                             "check a refresh's")
+        if self._verifier is None:
+            self._verifier = HttpVerifier(self.cred)
+        auth = self._verifier.check(request.method, request.path_qs,
+                                    request.headers.get(AUTH_HEADER))
+        if not auth.ok:
+            raise json_error(web.HTTPUnauthorized, f"refresh refused: {auth.why}")
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.ensure_future(self.refresh_once())
+        return web.json_response(await asyncio.shield(self._refreshing))
 
     async def metrics_page(self, request: Any) -> Any:
         from aiohttp import web  # noqa: PLC0415
