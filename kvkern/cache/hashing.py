@@ -172,36 +172,50 @@ def _token_bytes(token_ids: Sequence[int], n: int) -> bytes:
             raise ValueError(f"token_ids[{i}] = {t!r} is not a u32 token id in [0, 2**32)")
     raise ValueError(f"token_ids could not be packed as {n} u32 values")
 
-# ---------------------------------------------------------------------------- public-xxh3-v1
+# ------------------------------------------- public-xxh3-v1 and kvkern-blake2b-v1 (one shape)
+
+Digest = Callable[[bytes | memoryview], int]  # bytes -> u64
 
 
-def _xxh3_block_hashes(
-    token_ids: Sequence[int], block_size: int, *, cache_salt: int | None, lora_id: int | None
-) -> list[int]:
-    if cache_salt is not None or lora_id is not None:
-        raise ValueError(
-            f"scheme {HINT_SCHEME!r} takes no cache_salt or lora_id "
-            f"(got cache_salt={cache_salt!r}, lora_id={lora_id!r})"
-        )
-    n_full = len(token_ids) // block_size
-    data = _token_bytes(token_ids, n_full * block_size)
-    step = 4 * block_size
-    view, digest = memoryview(data), xxhash.xxh3_64_intdigest
-    return [digest(view[i : i + step], DYNAMO_SEED) for i in range(0, n_full * step, step)]
+def _per_block(name: str, digest: Digest) -> Callable[..., list[int]]:
+    """The local hashes of an unchained scheme: ``digest`` of each full block's tokens as
+    little-endian u32; no salt or LoRA id per block (a salt enters the chain)."""
+
+    def block_hashes(token_ids: Sequence[int], block_size: int, *, cache_salt: int | None,
+                     lora_id: int | None) -> list[int]:
+        if cache_salt is not None or lora_id is not None:
+            raise ValueError(
+                f"scheme {name!r} takes no cache_salt or lora_id per block (a salt enters "
+                f"its chain; got cache_salt={cache_salt!r}, lora_id={lora_id!r})"
+            )
+        n_full = len(token_ids) // block_size
+        data = _token_bytes(token_ids, n_full * block_size)
+        step = 4 * block_size
+        view = memoryview(data)
+        return [digest(view[i : i + step]) for i in range(0, n_full * step, step)]
+
+    return block_hashes
 
 
-def _xxh3_chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
-    out = []
-    prev = None if parent is None else normalize_hash(parent)
-    digest, pack = xxhash.xxh3_64_intdigest, _PAIR.pack
-    for h in normalize_hashes(block_hashes):
-        cur = h if prev is None else digest(pack(prev, h), DYNAMO_SEED)
-        out.append(cur)
-        prev = cur
-    return out
+def _pair_chain(digest: Digest) -> Callable[[Sequence[int], int | None], list[int]]:
+    """``c[i] = digest(le64(c[i-1]) || le64(b[i]))`` from ``parent`` (none: ``c[0] = b[0]``)."""
+
+    def chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
+        out = []
+        prev = None if parent is None else normalize_hash(parent)
+        pack = _PAIR.pack
+        for h in normalize_hashes(block_hashes):
+            cur = h if prev is None else digest(pack(prev, h))
+            out.append(cur)
+            prev = cur
+        return out
+
+    return chain
 
 
-# ------------------------------------------------------------------------- kvkern-blake2b-v1
+def _xxh3(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data, DYNAMO_SEED)
+
 
 # copies of a keyed-up state cost half a fresh hasher's set-up with its person string
 _B2_BLOCK, _B2_CHAIN, _B2_SALT = (hashlib.blake2b(digest_size=8, person=p) for p in (
@@ -214,30 +228,12 @@ def _b2_u64(data: bytes | memoryview, base: hashlib.blake2b) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _b2_block_hashes(
-    token_ids: Sequence[int], block_size: int, *, cache_salt: int | None, lora_id: int | None
-) -> list[int]:
-    if cache_salt is not None or lora_id is not None:
-        raise ValueError(
-            f"scheme 'kvkern-blake2b-v1' takes no cache_salt or lora_id per block (the salt "
-            f"enters its chain; got cache_salt={cache_salt!r}, lora_id={lora_id!r})"
-        )
-    n_full = len(token_ids) // block_size
-    data = _token_bytes(token_ids, n_full * block_size)
-    step = 4 * block_size
-    view = memoryview(data)
-    return [_b2_u64(view[i : i + step], _B2_BLOCK) for i in range(0, n_full * step, step)]
+def _b2_block(data: bytes | memoryview) -> int:
+    return _b2_u64(data, _B2_BLOCK)
 
 
-def _b2_chain(block_hashes: Sequence[int], parent: int | None) -> list[int]:
-    out = []
-    prev = None if parent is None else normalize_hash(parent)
-    pack = _PAIR.pack
-    for h in normalize_hashes(block_hashes):
-        cur = h if prev is None else _b2_u64(pack(prev, h), _B2_CHAIN)
-        out.append(cur)
-        prev = cur
-    return out
+def _b2_chain(data: bytes | memoryview) -> int:
+    return _b2_u64(data, _B2_CHAIN)
 
 
 # --------------------------------------------------------------------------------- trtllm-v1
@@ -435,22 +431,10 @@ class HashScheme:
 _SCHEMES: dict[str, HashScheme] = {
     s.name: s
     for s in (
-        HashScheme(
-            name="kvkern-blake2b-v1",
-            chained=False,
-            supports_salt=True,
-            supports_lora=False,
-            _block_hashes=_b2_block_hashes,
-            _chain=_b2_chain,
-        ),
-        HashScheme(
-            name="public-xxh3-v1",
-            chained=False,
-            supports_salt=True,
-            supports_lora=False,
-            _block_hashes=_xxh3_block_hashes,
-            _chain=_xxh3_chain,
-        ),
+        *(HashScheme(name=name, chained=False, supports_salt=True, supports_lora=False,
+                     _block_hashes=_per_block(name, block), _chain=_pair_chain(chain))
+          for name, block, chain in (("kvkern-blake2b-v1", _b2_block, _b2_chain),
+                                     ("public-xxh3-v1", _xxh3, _xxh3))),
         HashScheme(
             name="trtllm-v1",
             chained=True,
