@@ -336,7 +336,7 @@ def test_full_prefix_pull(src, make_puller):
     guard = p.cost_guard
     assert guard.pulls_observed == 1
     assert guard.bandwidth_bps == pytest.approx(o.bytes_transferred / copy, rel=0.05)
-    assert 0 < guard.rtt_s < o.phases["total"] - copy * 0.9
+    assert guard.rtt_s == p.config.rtt_prior_s  # (a first contact: its state was fetched)
     assert p.state("full") is RequestState.CONTEXT_PREFETCH_COMPLETE and p.is_schedulable("full")
     json.loads(o.to_log())
     assert p.metrics.value("kvkern_pulls_total", outcome="ok") == 1
@@ -344,6 +344,13 @@ def test_full_prefix_pull(src, make_puller):
     ids = claim_check_release(p, group, src, "full", hashes)
     assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 16
     assert p.claim("full") is None  # claimed once
+    more = fresh_tokens(4 * BS)  # a pull from a source whose state is cached
+    more_hashes = src.commit(more)
+    o2 = pull(p, "again", more, hint_for(src, more))
+    copy2 = o2.phases.get("data", o2.phases.get("read"))
+    copy2 = o2.phases["transfer"] - o2.phases.get("rtt", 0.0) if copy2 is None else copy2
+    assert guard.pulls_observed == 2 and 0 < guard.rtt_s < o2.phases["total"] - 0.9 * copy2
+    ids += claim_check_release(p, group, src, "again", more_hashes)
     assert_only_changed(group, before, set(ids))
     assert_clean(group)
     src.wait_no_pins()

@@ -53,8 +53,8 @@ if TYPE_CHECKING:
     from kvkern.xfer.pauses import Steps
 
 __all__ = ["Beacon", "LocalReadError", "LocalSource", "host_id", "parse", "reading",
-           "serves", "usable", "forget", "refusals", "calls", "CALL_BYTES", "HOLD_BYTES", "IOV_MAX",
-           "TOKEN_BYTES"]
+           "serves", "usable", "forget", "refusals", "calls", "CALL_BYTES", "HOLD_BYTES",
+           "IOV_MAX", "TOKEN_BYTES"]
 
 log = logging.getLogger("kvkern.xfer")
 

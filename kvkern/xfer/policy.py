@@ -90,6 +90,7 @@ class CostGuard:
         self._alpha = config.ewma_alpha
         self._bw = config.bandwidth_prior_bps
         self._rtt = config.rtt_prior_s
+        self._rtt_observed = False  # (the first fixed cost measured replaces the prior)
         self._prefill: float | None = None  # learned s/token
         self.pulls_observed = 0
         self.prefills_observed = 0
@@ -108,7 +109,8 @@ class CostGuard:
             bw = nbytes / seconds
             self._bw = bw if self.pulls_observed == 0 else self._ewma(self._bw, bw)
             if rtt_s is not None and rtt_s >= 0 and math.isfinite(rtt_s):
-                self._rtt = rtt_s if self.pulls_observed == 0 else self._ewma(self._rtt, rtt_s)
+                self._rtt = rtt_s if not self._rtt_observed else self._ewma(self._rtt, rtt_s)
+                self._rtt_observed = True
             self.pulls_observed += 1
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:

@@ -265,13 +265,15 @@ class PullRunner:
     def _observe(self, job: PullJob) -> None:
         """Teach the cost guard this pull: the time that moved its bytes (a direct read's
         copy, a granted read's reads, else the transfer less its round trip) and the rest of
-        the pull, from its submission, as the fixed cost it adds to every pull."""
+        the pull, from its submission, as the fixed cost it adds to every pull (not learnt
+        from a pull that fetched its source's state: a first contact, connections made)."""
         phases = job.phases
         copy = phases.get("data", phases.get("read"))
         if copy is None:
             copy = phases["transfer"] - phases.get("rtt", 0.0)
         total = time.perf_counter() - job.t_submit
-        self.cost_guard.observe_pull(job.bytes, max(copy, 1e-9), max(total - copy, 0.0))
+        fixed = max(total - copy, 0.0) if job.state_cached else None
+        self.cost_guard.observe_pull(job.bytes, max(copy, 1e-9), fixed)
 
     def _into_detail(self, job: PullJob, keep: int, n_pairs: int) -> str:
         job.private = None
