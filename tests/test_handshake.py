@@ -269,6 +269,41 @@ def test_the_gate_counts_and_refuses_past_its_limit():
     assert quiet.enter() and not quiet.enter()
 
 
+def test_one_address_takes_at_most_its_share_of_the_gate():
+    gate = handshake.Gate(8, per_address=2)
+    assert gate.enter("10.0.0.1") and gate.enter("10.0.0.1") and not gate.enter("10.0.0.1")
+    assert gate.enter("10.0.0.2") and gate.enter("")  # (an unknown address: the limit only)
+    gate.leave("10.0.0.1")
+    assert gate.enter("10.0.0.1") and (gate.inside, gate.refused) == (4, 1)
+    gate.drop("handshake", "10.0.0.1")
+    gate.leave("10.0.0.1")
+    assert gate.enter("10.0.0.1") and gate.enter("10.0.0.1")
+    assert handshake.Gate(256).per_address == handshake.Gate.PER_ADDRESS
+    assert handshake.Gate(3).per_address == 3
+
+
+@aio
+async def test_the_gate_counts_an_accepted_connection_by_its_remote_address(monkeypatch):
+    """The listener learns each connection's remote IP from UCX (its sockaddr) and enters
+    the gate with it."""
+    seen: list[str] = []
+    real = handshake.Gate.enter
+
+    def enter(self, address: str = "") -> bool:
+        seen.append(address)
+        return real(self, address)
+
+    monkeypatch.setattr(handshake.Gate, "enter", enter)
+
+    async def handler(conn):
+        pass
+
+    async with Listener(handler, connect_timeout=5, credential=None) as lst, \
+            ConnectionPool(credential=None, connect_timeout=5) as pool:
+        assert (await pool.get(HOST, lst.port)).alive
+    assert seen == [HOST]
+
+
 @aio
 async def test_connections_not_yet_trusted_are_bounded():
     """A listener holds at most max_untrusted connections that have not authenticated:

@@ -20,6 +20,7 @@ on the same wire format, so either side may be stock ucxx.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -141,32 +142,48 @@ async def connect(host: str, port: int, timeout: float) -> Any:
 class Gate:
     """At most ``limit`` connections at once between their arrival and :meth:`leave`, which
     the listener's owner calls once it trusts the connection (after its authentication), or
-    :meth:`drop` when it turns it away; ``refused`` counts those turned away at once.
-    ``on_refuse(reason)`` hears of every connection refused (``untrusted_limit``) or dropped
-    (the reason given to :meth:`drop`)."""
+    :meth:`drop` when it turns it away, and at most ``per_address`` of them from one remote
+    address (default ``min(limit, PER_ADDRESS)``: one host cannot take every slot);
+    ``refused`` counts those turned away at once. ``on_refuse(reason)`` hears of every
+    connection refused (``untrusted_limit``) or dropped (the reason given to :meth:`drop`)."""
 
-    def __init__(self, limit: int, on_refuse: Callable[[str], None] | None = None) -> None:
+    PER_ADDRESS = 32
+
+    def __init__(self, limit: int, on_refuse: Callable[[str], None] | None = None, *,
+                 per_address: int | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
+        self.per_address = min(limit, self.PER_ADDRESS) if per_address is None else per_address
+        if self.per_address < 1:
+            raise ValueError(f"per_address must be >= 1, got {per_address}")
         self.inside = 0
         self.refused = 0
+        self._from: collections.Counter[str] = collections.Counter()
         self._on_refuse = on_refuse
 
-    def enter(self) -> bool:
-        if self.inside >= self.limit:
+    def enter(self, address: str = "") -> bool:
+        """Let a connection from ``address`` (the remote IP; "" where unknown, counted
+        against ``limit`` only) in, or refuse it."""
+        if self.inside >= self.limit or (address and self._from[address] >= self.per_address):
             self.refused += 1
             self._tell("untrusted_limit")
             return False
         self.inside += 1
+        if address:
+            self._from[address] += 1
         return True
 
-    def leave(self) -> None:
+    def leave(self, address: str = "") -> None:
         self.inside -= 1
+        if address:
+            self._from[address] -= 1
+            if self._from[address] <= 0:
+                del self._from[address]
 
-    def drop(self, reason: str) -> None:
+    def drop(self, reason: str, address: str = "") -> None:
         """:meth:`leave` for a connection turned away (``reason``)."""
-        self.leave()
+        self.leave(address)
         self._tell(reason)
 
     def _tell(self, reason: str) -> None:
@@ -204,21 +221,24 @@ async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
     if ctx is None:  # the context went first: nothing to hand the connection to
         _close(ucx_ep)
         return
-    if not gate.enter():
-        log.debug("refused a connection: %d not yet trusted (the limit)", gate.inside)
+    address = ucxcompat.endpoint_remote_ip(int(ucx_ep.handle)) or ""
+    if not gate.enter(address):
+        log.debug("refused a connection from %s: %d not yet trusted (the limit)",
+                  address or "an unknown address", gate.inside)
         _close(ucx_ep)
         return
     hs = Handshake(ucx_ep, accepting=True)
     try:
         peer = await hs.run(timeout)
     except BaseException as exc:
-        gate.drop("handshake")
+        gate.drop("handshake", address)
         if not isinstance(exc, Exception):
             raise
         log.debug("dropped a connection whose handshake failed: %s: %s",
                   type(exc).__name__, exc)
         return
     ep = ucxcompat.endpoint_with_tags(ucx_ep, ctx, send_tag=peer, recv_tag=hs.tag)
+    ep.kvkern_address = address  # (the callback leaves the gate with it)
     try:
         await callback(ep)
     except Exception:

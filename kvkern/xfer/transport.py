@@ -1032,16 +1032,17 @@ class Listener:
         """A connection past the handshake: authenticate it (it then leaves the gate of
         untrusted connections), then serve it until it ends."""
         untrusted = [True]
+        address = getattr(ep, "kvkern_address", "")
 
         def trusted() -> None:
             if untrusted[0]:
                 untrusted[0] = False
-                self._gate.leave()
+                self._gate.leave(address)
 
         def refused(reason: str) -> None:
             if untrusted[0]:
                 untrusted[0] = False
-                self._gate.drop(reason)
+                self._gate.drop(reason, address)
 
         try:
             await self._serve_accepted(ep, trusted, refused)

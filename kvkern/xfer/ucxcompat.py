@@ -39,6 +39,8 @@ import contextlib
 import ctypes
 import functools
 import os
+import socket
+import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -309,6 +311,7 @@ class EpAttr(ctypes.Structure):  # ucp_ep_attr_t (ucp/api/ucp.h)
     # (the sockaddr_storage fields are 8-byte aligned in C; both start at multiples of 8)
 
 
+EP_ATTR_FIELD_REMOTE_SOCKADDR = 1 << 2
 EP_ATTR_FIELD_TRANSPORTS = 1 << 3
 MAX_EP_TRANSPORTS = 32
 
@@ -428,6 +431,27 @@ def endpoint_transports(ep_handle: int) -> tuple[str, ...] | None:
     n = min(attr.transports.num_entries, MAX_EP_TRANSPORTS)
     return tuple((entries[i].transport_name or b"").decode("ascii", "replace")
                  for i in range(n))
+
+
+def endpoint_remote_ip(ep_handle: int) -> str | None:
+    """The remote IP address of an endpoint made from a listener's connection request
+    (``ucp_ep_query``'s remote sockaddr); None where libucp has none to give."""
+    attr = EpAttr(field_mask=EP_ATTR_FIELD_REMOTE_SOCKADDR)
+    try:
+        if libucp().ucp_ep_query(ep_handle, ctypes.byref(attr)) != UCS_OK:
+            return None
+    except (AttributeError, OSError):
+        return None
+    raw = bytes(attr.remote_sockaddr)
+    family = int.from_bytes(raw[:2], sys.byteorder)
+    try:
+        if family == socket.AF_INET:
+            return socket.inet_ntop(socket.AF_INET, raw[4:8])
+        if family == socket.AF_INET6:
+            return socket.inet_ntop(socket.AF_INET6, raw[8:24])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def destroy_rkey(handle: int) -> None:
