@@ -277,6 +277,31 @@ async def test_a_process_on_this_host_is_read_only_for_a_state_it_served(source,
 
 
 @aio
+async def test_a_read_cancelled_while_queued_behind_another_is_withdrawn_not_stuck(
+        source, lanes):
+    """The first lane runs one script at a time: a pull whose read waits behind another
+    pull's and is cancelled meanwhile ends as cancelled at once (nothing of it ran, so
+    nothing is quarantined), and its memory stays poison."""
+    src, region, address = source
+    rl = lanes(1)
+    busy = threading.Event()
+    rl._lanes[0].executor.submit(busy.wait, 10)  # another pull's script, still running
+    dst = poisoned(4 * 12288)
+    runs, _ = shuffled_blocks(src, region, dst, 2, 12288, seed=3)
+    task = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=20,
+                                         same_host=True))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    t0 = time.perf_counter()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert time.perf_counter() - t0 < 1.0 and rl.stuck_reads == 0
+    busy.set()
+    await asyncio.sleep(0.1)
+    assert torch.equal(dst, poisoned(4 * 12288))
+
+
+@aio
 async def test_one_big_run_is_cut_between_lanes(source, lanes):
     """Nearly the whole region as one run at odd offsets: cut at page multiples between two
     lanes of at least 4 MiB each, reassembled exactly."""

@@ -533,11 +533,16 @@ class ReadLanes:
         """``call()`` on the first lane's thread: its result, its error, and whether this
         wait was cancelled (the reads then finish within READ_CANCEL_GRACE_S or are
         stopped, and the call ends by its own bounds; ``until_done``: waited for until it
-        has, unless cancelled once more)."""
-        fut = loop.run_in_executor(self._lanes[0].executor, call)
+        has, unless cancelled once more). A call still queued behind another script is
+        withdrawn: nothing of it ran, so nothing is stuck."""
+        cf = self._lanes[0].executor.submit(call)
+        fut = asyncio.wrap_future(cf, loop=loop)
         try:
             return await asyncio.shield(fut), None, False
         except asyncio.CancelledError:
+            if cf.cancel():  # (queued: the lane is busy with another pull's script)
+                stop.set()
+                return None, None, True
             # The copies are local and short: let them finish, then stop what is left.
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(fut), transport.READ_CANCEL_GRACE_S)
