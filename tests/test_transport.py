@@ -305,6 +305,25 @@ async def test_peer_killed_mid_transfer(solo_peer):
 
 
 @aio
+async def test_a_dead_sources_connection_is_forgotten_at_the_next_connect(solo_peer, peer):
+    """A source that went away (or restarted on another port) is never asked for again:
+    its dead connection and lock go when the pool next connects anywhere."""
+    proc, port = solo_peer
+    async with ConnectionPool() as pool:
+        dead = await pool.get(HOST, port)
+        os.kill(proc.pid, signal.SIGKILL)
+        assert proc.wait(timeout=5) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while dead.alive:
+            assert time.monotonic() < deadline, "the peer's death was never seen"
+            await asyncio.sleep(0.05)
+        assert (HOST, port) in pool._conns
+        assert (await pool.get(HOST, peer[1])).alive
+        assert (HOST, port) not in pool._conns and (HOST, port) not in pool._locks
+        assert len(pool) == 1
+
+
+@aio
 async def test_frozen_peer_times_out(solo_peer):
     proc, port = solo_peer
     async with ConnectionPool() as pool:

@@ -1145,6 +1145,7 @@ class ConnectionPool:
         conn = self._conns.get(key)
         if conn is not None and conn.alive:
             return conn
+        self._sweep(key)
         lock = self._locks.setdefault(key, asyncio.Lock())
         async with lock:
             conn = self._conns.get(key)
@@ -1155,6 +1156,16 @@ class ConnectionPool:
             conn = await self._connect(key)
             self._conns[key] = conn
             return conn
+
+    def _sweep(self, but: tuple[str, int]) -> None:
+        """Abort and forget the dead connections of other sources (a source that went away,
+        or restarted on another port, is never asked for again), with their locks."""
+        for key, conn in list(self._conns.items()):
+            lock = self._locks.get(key)
+            if key != but and not conn.alive and not (lock is not None and lock.locked()):
+                conn.abort(conn.failure or "closed")
+                del self._conns[key]
+                self._locks.pop(key, None)
 
     async def _connect(self, key: tuple[str, int]) -> Connection:
         _check_config()
