@@ -259,11 +259,15 @@ class _Lane:
         self._worker_handle = 0
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
         self.stuck_batches: list[ReadBatch] = []  # never freed: UCX may still write their memory
+        self._closed = False
 
     # ---- on the lane's thread only
 
     def open(self) -> None:
-        """Create the lane's UCP context and worker, if not yet made."""
+        """Create the lane's UCP context and worker, if not yet made (never after
+        :meth:`close`: a script queued before it finds the lane closed)."""
+        if self._closed:
+            raise TransportError("closed", "read lane closed")
         if self._worker is None:
             # A UCP context of its own: ucxx creates its context without
             # mt_workers_shared, so workers of that context must not run on several threads
@@ -378,6 +382,7 @@ class _Lane:
             raise
 
     def close(self) -> None:
+        self._closed = True
         while self._peers:
             _, peer = self._peers.popitem(last=False)
             with contextlib.suppress(_Stuck):

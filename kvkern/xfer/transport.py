@@ -377,6 +377,9 @@ class Connection:
             ep, self._ep = self._ep, None
         if self.failure is None:
             self.failure = reason
+        # Idle keys go first: ucp.h wants a key destroyed before its endpoint. Keys still in
+        # use go with their last read (see read()).
+        self._rkeys.drop_idle()
         if ep is not None:
             from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
@@ -386,7 +389,6 @@ class Connection:
                 ep.abort()
             except Exception as exc:  # noqa: BLE001 (closing a broken endpoint may complain)
                 log.debug("abort of %r raised %r", self, exc)
-        self._rkeys.drop_idle()  # keys still in use go with their last read (see read())
 
     close = abort
 
