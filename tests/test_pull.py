@@ -1810,9 +1810,11 @@ def test_read_and_stream_commit_the_same_bytes(src, make_puller):
     assert rkinds == {"read": 1, "stream": 0} and ro.messages == 3, ro
     # one read per stretch of blocks consecutive in both pools
     assert ro.reads == len(coalesce(rids, remote, 1)), (ro, rids, remote)
-    # remote_read=False streams although the source offers reads: 24 KiB in 8 KiB chunks
+    # remote_read=False streams although the source offers reads: a request, its reply and
+    # the chunks (how many depends on where the shared source's pool put the blocks: runs of
+    # consecutive blocks leave unpacked, the rest in packed 8 KiB chunks)
     assert skinds == {"read": 0, "stream": 1}
-    assert so.reads == 0 and so.messages == 2 + 3, so
+    assert so.reads == 0 and 2 + 1 <= so.messages <= 2 + n, so
     src.wait_no_pins()
 
 

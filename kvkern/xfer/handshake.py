@@ -147,7 +147,7 @@ class Gate:
     ``refused`` counts those turned away at once. ``on_refuse(reason)`` hears of every
     connection refused (``untrusted_limit``) or dropped (the reason given to :meth:`drop`)."""
 
-    PER_ADDRESS = 32
+    PER_ADDRESS = 64  # a quarter of the default limit: four hosts to fill it
 
     def __init__(self, limit: int, on_refuse: Callable[[str], None] | None = None, *,
                  per_address: int | None = None) -> None:
