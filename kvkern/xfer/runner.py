@@ -67,6 +67,20 @@ def job_outcome(job: PullJob, reason: Reason, detail: str = "", **kw: Any) -> Pu
                        reason=reason, detail=detail[:2000], **fields)
 
 
+def observe_pull(cost_guard: CostGuard, job: PullJob) -> None:
+    """Teach ``cost_guard`` a finished pull: the time that moved its bytes (a direct read's
+    copy, a granted read's reads, else the transfer less its round trip) and the rest of the
+    pull, from its submission, as the fixed cost it adds to every pull (not learnt from a
+    pull that fetched its source's state: a first contact, connections made)."""
+    phases = job.phases
+    copy = phases.get("data", phases.get("read"))
+    if copy is None:
+        copy = phases["transfer"] - phases.get("rtt", 0.0)
+    total = time.perf_counter() - job.t_submit
+    fixed = max(total - copy, 0.0) if job.state_cached else None
+    cost_guard.observe_pull(job.bytes, max(copy, 1e-9), fixed)
+
+
 class PullRunner:
     """Runs admitted pulls for one DP group (see the module docstring)."""
 
@@ -233,7 +247,7 @@ class PullRunner:
         if keep < len(ids):
             group.manager.free_private(ids[keep:])
         job.phases["commit"] = time.perf_counter() - t
-        self._observe(job)
+        observe_pull(self.cost_guard, job)
         detail = (f"{keep} of {job.count} blocks from {len(pairs)} pair(s)"
                   + (f", {len(ids) - keep} skipped" if keep < len(ids) else ""))
         return lease, decision.reason, detail, {"blocks_transferred": keep,
@@ -262,22 +276,9 @@ class PullRunner:
         job.pairs = len(pairs)
         return pairs, addrs
 
-    def _observe(self, job: PullJob) -> None:
-        """Teach the cost guard this pull: the time that moved its bytes (a direct read's
-        copy, a granted read's reads, else the transfer less its round trip) and the rest of
-        the pull, from its submission, as the fixed cost it adds to every pull (not learnt
-        from a pull that fetched its source's state: a first contact, connections made)."""
-        phases = job.phases
-        copy = phases.get("data", phases.get("read"))
-        if copy is None:
-            copy = phases["transfer"] - phases.get("rtt", 0.0)
-        total = time.perf_counter() - job.t_submit
-        fixed = max(total - copy, 0.0) if job.state_cached else None
-        self.cost_guard.observe_pull(job.bytes, max(copy, 1e-9), fixed)
-
     def _into_detail(self, job: PullJob, keep: int, n_pairs: int) -> str:
         job.private = None
-        self._observe(job)
+        observe_pull(self.cost_guard, job)
         return f"{keep} of {job.count} blocks from {n_pairs} pair(s) into the engine's blocks"
 
     def _allocate(self, job: PullJob, pairs: list[PeerTransfer]) -> None:
