@@ -331,3 +331,59 @@ async def test_connections_not_yet_trusted_are_bounded():
             await asyncio.sleep(0.1)
         assert len(handled) == 1 and lst.untrusted_connections == 0
     assert sorted(told) == ["handshake"] * 3 + ["untrusted_limit"] * 2
+
+
+def test_a_close_watch_runs_each_hook_once_and_a_late_hook_at_once():
+    from kvkern.xfer.ucxcompat import CloseWatch
+
+    class Ep:
+        calls = 0
+
+        def set_close_callback(self, cb, cb_args=None, cb_kwargs=None) -> None:
+            self.calls += 1
+            self.cb = cb
+
+    ep = Ep()
+    watch = CloseWatch.install(ep)
+    heard: list[str] = []
+    watch.add(lambda: heard.append("a"))
+    gone = lambda: heard.append("removed")  # noqa: E731
+    watch.add(gone)
+    watch.remove(gone)
+    watch.remove(gone)  # (removing twice is harmless)
+
+    def broken() -> None:
+        raise RuntimeError("a hook that fails")
+
+    watch.add(broken)
+    watch.add(lambda: heard.append("b"))
+    ep.cb("status")  # UCX's call, with whatever arguments
+    ep.cb()  # a second close runs nothing twice
+    assert heard == ["a", "b"] and watch.closed
+    watch.add(lambda: heard.append("late"))
+    assert heard == ["a", "b", "late"] and ep.calls == 1
+
+
+@aio
+async def test_an_endpoint_keeps_the_one_close_callback_its_handshake_set():
+    """ucxx frees a replaced close callback while UCX may still call it, so each side's
+    endpoint has one callback for its life: the handshake's watch, where the connection adds
+    its hook once the handshake is over. The peer's abort still reaches the connection."""
+    accepted: list = []
+    done = asyncio.Event()
+
+    async def handler(conn):
+        accepted.append(conn)
+        await done.wait()  # (the listener closes a connection when its handler returns)
+
+    async with Listener(handler, connect_timeout=5, credential=None) as lst, \
+            ConnectionPool(credential=None, connect_timeout=5) as pool:
+        conn = await pool.get(HOST, lst.port)
+        await _until(lambda: accepted, 5)
+        for c in (conn, accepted[0]):
+            assert c._ep.kvkern_closing._hooks == [c._on_peer_close]  # the handshake's left
+        closing = conn._ep.kvkern_closing
+        accepted[0].abort()
+        await _until(lambda: not conn.alive, 5)
+        assert closing.closed
+        done.set()

@@ -12,7 +12,9 @@ after the timeout, before any credential is checked.
 :class:`Handshake` keeps the buffers and requests of one exchange. Whatever ends a wait early
 (a timeout, a cancellation, an error) closes the endpoint first, which cancels its requests,
 and the handshake object is kept until those requests have completed; one whose requests never
-complete stays for the life of the process (32 bytes and two request objects). :func:`connect`
+complete stays for the life of the process (32 bytes and two request objects). The handshake
+also installs the endpoint's only close callback (:class:`~kvkern.xfer.ucxcompat.CloseWatch`),
+which the connection built on it hears through. :func:`connect`
 and :func:`create_listener` are ucxx's ``create_endpoint`` and ``create_listener`` built on it,
 on the same wire format, so either side may be stock ucxx.
 """
@@ -73,6 +75,7 @@ class Handshake:
         self._arrays = (ucxcompat.stream_buffer(self._mine),
                         ucxcompat.stream_buffer(self._theirs))
         self._reqs: list[Any] = []
+        self.closing = ucxcompat.CloseWatch.install(ucx_ep)
 
     @property
     def settled(self) -> bool:
@@ -89,12 +92,12 @@ class Handshake:
         loop = asyncio.get_running_loop()
         failed = loop.create_future()
 
-        def on_failure(*_: object) -> None:  # UCX's progress thread
+        def on_failure() -> None:  # UCX's progress thread
             with contextlib.suppress(RuntimeError):  # (a loop already closed)
                 loop.call_soon_threadsafe(_settle, failed)
 
+        self.closing.add(on_failure)
         try:
-            self.ep.set_close_callback(on_failure)
             async with asyncio.timeout(timeout):
                 for sending, arr in steps:
                     req = self.ep.stream_send(arr) if sending else self.ep.stream_recv(arr)
@@ -113,6 +116,8 @@ class Handshake:
         except BaseException:
             self.abandon()
             raise
+        finally:
+            self.closing.remove(on_failure)
         tag, checksum = struct.unpack(_FORMAT, self._theirs)
         if ucxcompat.tags_checksum(tag) != checksum:
             self.abandon()
@@ -136,7 +141,8 @@ async def connect(host: str, port: int, timeout: float) -> Any:
     ucx_ep, ctx = ucxcompat.new_client_endpoint(host, port)
     hs = Handshake(ucx_ep, accepting=False)
     peer = await hs.run(timeout)
-    return ucxcompat.endpoint_with_tags(ucx_ep, ctx, send_tag=peer, recv_tag=hs.tag)
+    return ucxcompat.endpoint_with_tags(ucx_ep, ctx, send_tag=peer, recv_tag=hs.tag,
+                                       closing=hs.closing)
 
 
 class Gate:
@@ -237,7 +243,8 @@ async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
         log.debug("dropped a connection whose handshake failed: %s: %s",
                   type(exc).__name__, exc)
         return
-    ep = ucxcompat.endpoint_with_tags(ucx_ep, ctx, send_tag=peer, recv_tag=hs.tag)
+    ep = ucxcompat.endpoint_with_tags(ucx_ep, ctx, send_tag=peer, recv_tag=hs.tag,
+                                      closing=hs.closing)
     ep.kvkern_address = address  # (the callback leaves the gate with it)
     try:
         await callback(ep)

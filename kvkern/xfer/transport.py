@@ -357,7 +357,11 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._posting = threading.Lock()  # held while reads are posted on the endpoint
         self._rkeys = _RemoteKeys()
-        ep.set_close_callback(self._on_peer_close)
+        closing = getattr(ep, "kvkern_closing", None)  # (see ucxcompat.CloseWatch)
+        if closing is not None:
+            closing.add(self._on_peer_close)
+        else:  # an endpoint made by stock ucxx, with no callback yet
+            ep.set_close_callback(self._on_peer_close)
 
     def _on_peer_close(self, *_: object) -> None:
         self._peer_closed = True

@@ -12,7 +12,8 @@ lane workers (``_lib``)    :func:`new_rma_context`, :func:`new_worker`,
                            :func:`endpoint_to_address`
 connection handshake       :func:`new_client_endpoint`, :func:`new_listener`,
                            :func:`endpoint_with_tags`, :func:`stream_buffer`,
-                           :func:`tags_checksum` (:mod:`kvkern.xfer.handshake`)
+                           :func:`tags_checksum` (:mod:`kvkern.xfer.handshake`),
+                           :class:`CloseWatch`
 libucp (ctypes)            :func:`libucp`, :func:`map_for_remote_read`, :func:`pack_rkey`,
                            :func:`unmap`,
                            :func:`unpack_rkey`, :func:`destroy_rkey`, :func:`read_poster`,
@@ -250,11 +251,62 @@ def new_client_endpoint(host: str, port: int) -> tuple[Any, Any]:
     return ucx_ep, ctx
 
 
-def endpoint_with_tags(ucx_ep: Any, ctx: Any, *, send_tag: int, recv_tag: int) -> Any:
-    """ucxx's ``Endpoint`` over ``ucx_ep`` with the tags both sides exchanged."""
+class CloseWatch:
+    """The one close callback of a ``UCXEndpoint``, for the life of the endpoint; what wants
+    to hear of the endpoint's end adds a hook here.
+
+    ucxx keeps a close callback in a dict that the endpoint owns and hands UCX a bare pointer
+    to it. Setting a second callback frees the first dict before the new one is installed,
+    with the GIL released in between, so a close arriving at that moment on UCX's progress
+    thread calls through freed memory (seen: a segmentation fault in the process). So an
+    endpoint's callback is set once, by :meth:`install`, and never replaced.
+
+    Hooks run on UCX's progress thread (keep them to flags and ``call_soon_threadsafe``); a
+    hook added after the close runs at once, in the caller's thread."""
+
+    def __init__(self) -> None:
+        self.closed = False
+        self._hooks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def install(cls, ucx_ep: Any) -> CloseWatch:
+        watch = cls()
+        try:
+            ucx_ep.set_close_callback(watch)
+        except RuntimeError:  # ucxx: "Endpoint is closing or has already closed"
+            watch.closed = True
+        return watch
+
+    def __call__(self, *_: object) -> None:
+        with self._lock:
+            self.closed = True
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            with contextlib.suppress(Exception):  # (one hook's error never skips another)
+                hook()
+
+    def add(self, hook: Callable[[], None]) -> None:
+        with self._lock:
+            if not self.closed:
+                self._hooks.append(hook)
+                return
+        hook()
+
+    def remove(self, hook: Callable[[], None]) -> None:
+        with self._lock, contextlib.suppress(ValueError):
+            self._hooks.remove(hook)
+
+
+def endpoint_with_tags(ucx_ep: Any, ctx: Any, *, send_tag: int, recv_tag: int,
+                       closing: CloseWatch) -> Any:
+    """ucxx's ``Endpoint`` over ``ucx_ep`` with the tags both sides exchanged;
+    ``kvkern_closing`` on it is ``closing``, the endpoint's :class:`CloseWatch`."""
     from ucxx._lib_async.endpoint import Endpoint  # noqa: PLC0415
 
-    return Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": send_tag, "msg_recv": recv_tag})
+    ep = Endpoint(endpoint=ucx_ep, ctx=ctx, tags={"msg_send": send_tag, "msg_recv": recv_tag})
+    ep.kvkern_closing = closing
+    return ep
 
 
 def new_listener(port: int, on_request: Callable[..., None], args: tuple) -> Any:
