@@ -872,6 +872,34 @@ def test_a_stream_chunk_shorter_than_announced_is_not_used(src, make_puller):
     claim_check_release(p, group, src, "whole", hashes)
 
 
+def test_a_stream_cut_finer_than_the_protocol_allows_is_refused_before_any_receive(
+        src, make_puller):
+    """A source that announces more chunks than one per block (these blocks are smaller
+    than the protocol's smallest chunk, MIN_CHUNK_BYTES) is refused on its reply: every
+    chunk would cost a receive and a step of Python here. Nothing is committed or leaked,
+    and the next pull from a source cutting whole blocks is used."""
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    free = group.manager.num_free
+    p = make_puller(group, remote_read=False)
+    block = group.ranks[0].layout.bytes_per_block
+    src.faults(chunk_bytes=block // 2)  # each block in two slices
+    try:
+        o = pull(p, "fine", tokens, hint_for(src, tokens))
+    finally:
+        src.faults(chunk_bytes=16 << 20)
+    assert not o.used and o.reason is Reason.TRANSFER_FAILED, o
+    assert "12 chunks for 6 blocks, more than the 6" in o.detail, o
+    assert o.bytes_transferred == 0 and group.manager.longest_prefix(hashes) == 0
+    assert group.manager.num_free == free
+    assert_clean(group)
+    src.wait_no_pins()
+    o = pull(p, "whole", tokens, hint_for(src, tokens))
+    assert o.used and o.reason is Reason.OK, o
+    claim_check_release(p, group, src, "whole", hashes)
+
+
 @pytest.mark.parametrize("remote_read", [True, False], ids=["read", "stream"])
 def test_transfer_timeout_when_source_stops_responding(src, make_puller, remote_read):
     # read: the source replies, then never acks (the destination has read the blocks and

@@ -39,6 +39,7 @@ from kvkern.xfer.tuning import (
     HOLD_MARGIN_S,
     HOLD_RATE_SLACK,
     LANE_RETRY_S,
+    MIN_CHUNK_BYTES,
     SCATTER_MAX_BYTES,
     SCATTER_MAX_PIECES,
 )
@@ -205,6 +206,12 @@ class StreamReceiver:
         landed_direct = {} if direct is None or reply.total_bytes != nbytes else \
             _in_place(starts, unit, ids)
         limit = max(in_place, chunk)
+        most = max_chunks(pair, served, chunk)
+        if reply.n_chunks > most:
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} announces "
+                           f"{reply.n_chunks} chunks for {served} blocks, more than the "
+                           f"{most} of a stream cut no finer than "
+                           f"{min(chunk, MIN_CHUNK_BYTES)} B")
         if reply.total_bytes != nbytes or any(
                 not 0 < s <= (limit if i in landed_direct else chunk)
                 for i, s in enumerate(sizes)):
@@ -265,6 +272,16 @@ class StreamReceiver:
         if not unpacker.complete:
             raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
                            f"{pair.src_rank} ended at byte {unpacker.pos} of {nbytes}")
+
+
+def max_chunks(pair: PeerTransfer, served: int, chunk: int) -> int:
+    """The most chunks a source may cut a stream of ``served`` blocks of ``pair`` into, asked
+    for chunks of ``chunk`` bytes: one per block and piece, or a block's piece in slices of
+    ``min(chunk, MIN_CHUNK_BYTES)`` where it is larger (sources cut no finer). Every chunk
+    costs a receive and a step of Python here, so a source announcing more is refused
+    before any receive is posted."""
+    floor = max(1, min(chunk, MIN_CHUNK_BYTES))
+    return served * sum(-(-p.block_nbytes // floor) for p in pair.pieces)
 
 
 def _in_place(starts: Sequence[int], unit: int, ids: Sequence[int]) -> dict[int, int]:

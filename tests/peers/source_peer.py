@@ -69,18 +69,22 @@ Test-only HTTP routes (``extra_routes``)
                           default), or null when not cached
 ``POST /test/faults``     body ``{"slow_send_ms": 0, "freeze_after_reply": false,
                           "read_hold_s": 5, "read_reply_delay_ms": 0,
-                          "short_chunk_bytes": 0, "abort_before_replies": 0}``: change the
+                          "short_chunk_bytes": 0, "abort_before_replies": 0,
+                          "chunk_bytes": 16 MiB}``: change the
                           fault knobs at run time (``read_reply_delay_ms`` holds a read's
                           reply back, its blocks pinned; ``short_chunk_bytes`` sends each
                           stream's first chunk that many bytes short of what its reply
                           announced; ``abort_before_replies`` answers that many requests by
-                          aborting their connection instead)
+                          aborting their connection instead; ``chunk_bytes`` is the
+                          source's own chunk size, which may cut streams finer than
+                          destinations accept)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import faulthandler
 import hashlib
 import itertools
@@ -356,13 +360,17 @@ class Peer:
             self.service.short_chunk_bytes = int(body["short_chunk_bytes"])
         if "abort_before_replies" in body:
             self.service.abort_before_replies = int(body["abort_before_replies"])
+        if "chunk_bytes" in body:
+            self.service.config = dataclasses.replace(self.service.config,
+                                                      chunk_bytes=int(body["chunk_bytes"]))
         return web.json_response({"slow_send_ms": self.service.slow_send_ms,
                                   "freeze_after_reply": self.service.freeze_after_reply,
                                   "read_hold_s": self.service.read_hold_s,
                                   "read_reply_delay_ms": self.service.read_reply_delay_ms,
                                   "short_chunk_bytes": self.service.short_chunk_bytes,
                                   "abort_before_replies": self.service.abort_before_replies,
-                                  "requests_aborted": self.service.requests_aborted})
+                                  "requests_aborted": self.service.requests_aborted,
+                                  "chunk_bytes": self.service.config.chunk_bytes})
 
 
 def main() -> int:
