@@ -769,6 +769,45 @@ async def test_cancelled_read_that_finishes_in_the_grace_keeps_the_connection(
     assert torch.equal(out, src[4096:8192])
 
 
+@aio
+async def test_a_read_cancelled_while_queued_is_withdrawn_and_keeps_the_connection(
+        listener, pool, source, spy_batches, monkeypatch):
+    """Every read waiter is busy (other pulls' reads), so this read waits its turn; cancelled
+    then, it is withdrawn at once: nothing was posted, so the connection, which other pulls
+    share, stays up (no grace at all here) and serves the next read."""
+    import concurrent.futures
+
+    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.0)
+    shared = transport._read_waiters()
+    waiters = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    monkeypatch.setattr(transport, "_READ_WAITERS", waiters)
+    src, region = source
+    conn = await connect(pool, listener)
+    busy = threading.Event()
+    waiters.submit(busy.wait, 10)  # the only waiter, taken
+    try:
+        dst = poisoned(4096)
+        task = asyncio.ensure_future(
+            conn.read(region.rkey, [(dst.data_ptr(), region.address, 4096)], timeout=5))
+        await asyncio.sleep(0.05)
+        assert not task.done()
+        t0 = time.monotonic()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - t0 < 0.5
+        assert conn.alive and conn.failure is None
+        assert all(batch.posted == 0 for batch in spy_batches)
+    finally:
+        busy.set()
+        waiters.shutdown(wait=True)
+    monkeypatch.setattr(transport, "_READ_WAITERS", shared)
+    assert bool((dst == POISON).all())
+    out = poisoned(4096)
+    await conn.read(region.rkey, [(out.data_ptr(), region.address + 4096, 4096)], timeout=2)
+    assert torch.equal(out, src[4096:8192]) and conn.alive
+
+
 def spy_destroy(monkeypatch, destroyed: list) -> None:
     """Record the handle of every RemoteKey destroyed (connections cache their keys, so
     the key a read uses may predate the test)."""

@@ -683,8 +683,10 @@ class Connection:
         The reads are posted and waited for on a helper thread (posting can wait for UCX's
         worker lock while the progress thread copies), so the event loop stays free; the
         endpoint cannot be aborted while reads are being posted on it. ``timeout`` bounds
-        the whole read. A cancellation first lets the reads finish for up to
-        :data:`READ_CANCEL_GRACE_S` (the connection, shared by other pulls, stays up); any
+        the whole read. A read cancelled while it still waits for a helper thread is
+        withdrawn (nothing was posted); once posted, a cancellation first lets the reads
+        finish for up to :data:`READ_CANCEL_GRACE_S` (the connection, shared by other
+        pulls, stays up); any
         failure, timeout, or cancellation outlasting that aborts the connection, which
         cancels the reads still running, and then waits up to :data:`READ_DRAIN_S` for them
         to end before raising: after the raise, UCX writes to no local address of any run
@@ -704,12 +706,15 @@ class Connection:
             for rkey, runs in parts:
                 entries.append((rkey, self._rkeys.acquire(rkey, ep)))
                 batches.append(ucp_rma.ReadBatch(entries[-1][1][0], runs, worker_handle=worker))
-            wait = asyncio.get_running_loop().run_in_executor(
-                _read_waiters(), self._post_and_wait, ep, batches, timeout, stop)
+            posted = threading.Event()
+            job = _read_waiters().submit(self._post_and_wait, ep, batches, timeout, stop,
+                                         posted)
+            wait = asyncio.wrap_future(job)
             try:
                 return await asyncio.shield(wait)
             except asyncio.CancelledError:
-                finished = await _read_grace(wait, stop)
+                # still queued behind other pulls' reads: withdrawn, nothing was posted
+                finished = job.cancel() or await _read_grace(wait, stop, posted)
                 raise
         except asyncio.CancelledError:
             if not finished:
@@ -724,12 +729,16 @@ class Connection:
             await self._end_reads(batches, entries, n_runs)
 
     def _post_and_wait(self, ep: UcxEndpoint, batches: list[ReadBatch], timeout: float,
-                       stop: threading.Event) -> float | None:
-        """On a helper thread: post every batch (never while the endpoint is being aborted),
-        then wait for them; the time the first run was seen complete."""
+                       stop: threading.Event, posted: threading.Event) -> float | None:
+        """On a helper thread: post every batch (never while the endpoint is being aborted,
+        none once ``stop`` is set), then wait for them; the time the first run was seen
+        complete. ``posted`` is set once any batch may have been posted."""
         with self._posting:
             if self._ep is None:
                 raise TransportError("closed", f"connection closed ({self.failure})")
+            if stop.is_set():  # cancelled before its turn: nothing to wait for
+                return None
+            posted.set()
             for batch in batches:
                 batch.post(ep.ucp_endpoint)
         deadline = time.perf_counter() + timeout
@@ -807,11 +816,12 @@ def _worker_handle() -> int:
     return ucxcompat.worker_handle()
 
 
-async def _read_grace(wait: asyncio.Future, stop: threading.Event) -> bool:
+async def _read_grace(wait: asyncio.Future, stop: threading.Event,
+                      posted: threading.Event) -> bool:
     """A cancelled read: the copies are local and short, so let them finish rather than abort
     the connection, which every other pull from this source rank shares. Reads that outlast
     :data:`READ_CANCEL_GRACE_S` are told to stop (the caller then aborts). True when every
-    read completed within the grace."""
+    read completed within the grace, or none was posted (``posted``)."""
     finished = False
     with contextlib.suppress(BaseException):
         await asyncio.wait_for(asyncio.shield(wait), READ_CANCEL_GRACE_S)
@@ -820,6 +830,7 @@ async def _read_grace(wait: asyncio.Future, stop: threading.Event) -> bool:
         stop.set()
         with contextlib.suppress(BaseException):
             await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
+        finished = wait.done() and not posted.is_set()
     return finished
 
 
