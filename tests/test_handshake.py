@@ -128,6 +128,7 @@ async def test_a_client_that_never_answers_is_dropped_before_the_handler(monkeyp
 
     async def handler(conn):
         handled.append(conn)
+        await asyncio.sleep(30)  # (the listener closes a connection when its handler returns)
 
     async with Listener(handler, connect_timeout=0.3, credential=None) as lst:
         _, ucx_api, ctx = _ucx()
@@ -296,7 +297,7 @@ async def test_the_gate_counts_an_accepted_connection_by_its_remote_address(monk
     monkeypatch.setattr(handshake.Gate, "enter", enter)
 
     async def handler(conn):
-        pass
+        await asyncio.sleep(30)  # (the listener closes a connection when its handler returns)
 
     async with Listener(handler, connect_timeout=5, credential=None) as lst, \
             ConnectionPool(credential=None, connect_timeout=5) as pool:
@@ -313,6 +314,7 @@ async def test_connections_not_yet_trusted_are_bounded():
 
     async def handler(conn):
         handled.append(conn)
+        await asyncio.sleep(30)  # (the listener closes a connection when its handler returns)
 
     told: list[str] = []
     async with Listener(handler, connect_timeout=0.5, credential=None,
@@ -381,9 +383,33 @@ async def test_an_endpoint_keeps_the_one_close_callback_its_handshake_set():
         conn = await pool.get(HOST, lst.port)
         await _until(lambda: accepted, 5)
         for c in (conn, accepted[0]):
-            assert c._ep.kvkern_closing._hooks == [c._on_peer_close]  # the handshake's left
+            hooks = c._ep.kvkern_closing._hooks
+            assert len(hooks) == 1 and "Connection" in hooks[0].__qualname__  # handshake's left
         closing = conn._ep.kvkern_closing
         accepted[0].abort()
         await _until(lambda: not conn.alive, 5)
-        assert closing.closed
+        assert closing.closed and conn._peer_closed
         done.set()
+
+
+@aio
+async def test_a_dropped_connection_is_freed_by_reference_counting():
+    """The close callback holds its connection weakly: a connection dropped without a close
+    is freed at once, not left in a cycle through the dict ucxx hands UCX a bare pointer
+    to (the garbage collector could free that dict while UCX still holds the pointer)."""
+    import weakref
+
+    async def handler(conn):
+        await asyncio.sleep(0.2)
+
+    async with Listener(handler, connect_timeout=5, credential=None) as lst, \
+            ConnectionPool(credential=None, connect_timeout=5) as pool:
+        conn = await pool.get(HOST, lst.port)
+        pool.discard(conn)
+        ref = weakref.ref(conn)
+        gc.disable()
+        try:
+            del conn
+            assert ref() is None
+        finally:
+            gc.enable()

@@ -116,6 +116,7 @@ import secrets
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -357,11 +358,20 @@ class Connection:
         self._send_lock = asyncio.Lock()
         self._posting = threading.Lock()  # held while reads are posted on the endpoint
         self._rkeys = _RemoteKeys()
+        # UCX's close callback refers to this connection weakly: a cycle through the
+        # callback's dict, which C++ holds a bare pointer to, would leave the dict to the
+        # garbage collector, which may free it before the endpoint drops the pointer.
+        method = weakref.WeakMethod(self._on_peer_close)
+
+        def on_close(*_: object) -> None:
+            if (heard := method()) is not None:
+                heard()
+
         closing = getattr(ep, "kvkern_closing", None)  # (see ucxcompat.CloseWatch)
         if closing is not None:
-            closing.add(self._on_peer_close)
+            closing.add(on_close)
         else:  # an endpoint made by stock ucxx, with no callback yet
-            ep.set_close_callback(self._on_peer_close)
+            ep.set_close_callback(on_close)
 
     def _on_peer_close(self, *_: object) -> None:
         self._peer_closed = True
