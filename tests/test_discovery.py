@@ -36,3 +36,46 @@ def test_rank_addresses_checked_once_refusals_every_time(monkeypatch):
     with pytest.raises(Fallback) as info:
         d.rank_addresses(state, 0, [7])
     assert info.value.reason is Reason.METADATA_INVALID
+
+
+def test_pulls_of_a_source_not_yet_resolved_share_one_resolution():
+    """Concurrent pulls hinting one endpoint that is not resolved yet wait for one
+    resolution (each would hold a thread while the resolver answers); a failed one is not
+    kept, so the next pull resolves again."""
+    import asyncio
+    import threading
+    import time
+
+    calls: list[str] = []
+    answer = ["10.1.2.3"]
+    lock = threading.Lock()
+
+    def resolver(host: str, port: int) -> list[str]:
+        with lock:
+            calls.append(host)
+        time.sleep(0.05)
+        if not answer:
+            raise OSError("no such name")
+        return answer
+
+    d = SourceDiscovery(XferConfig(allowlist="10.0.0.0/8"), None, resolver=resolver)
+
+    def job(source: str) -> SimpleNamespace:
+        return SimpleNamespace(hint=SimpleNamespace(source=source, source_dp_rank=None),
+                               refreshes=[])
+
+    async def main() -> None:
+        got = await asyncio.gather(*(d.resolve(job("http://src.example:8600"), 5.0)
+                                     for _ in range(8)))
+        assert len(calls) == 1 and {g.ip for g in got} == {"10.1.2.3"}
+        answer.clear()
+        for _ in range(2):
+            results = await asyncio.gather(*(d.resolve(job("http://gone.example:8600"), 5.0)
+                                             for _ in range(4)), return_exceptions=True)
+            assert all(isinstance(r, Fallback) and r.reason is Reason.SOURCE_NOT_ALLOWED
+                       for r in results), results
+        assert calls == ["src.example", "gone.example", "gone.example"]
+        assert not d._resolving
+        await d.aclose()
+
+    asyncio.run(main())

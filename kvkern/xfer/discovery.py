@@ -91,6 +91,7 @@ class SourceDiscovery:
         self._state_cache: dict[tuple, tuple[SourceState, float]] = {}
         self._state_fetches: dict[tuple, asyncio.Future] = {}
         self._refreshes: dict[tuple, asyncio.Task] = {}  # verdicts resolved again meanwhile
+        self._resolving: dict[tuple, asyncio.Task] = {}  # first resolutions, shared by pulls
         # allowed endpoints, with the time of the verdict
         self._verdicts: dict[tuple, tuple[ResolvedEndpoint, float]] = {}
         # UCX addresses of source ranks the allowlist allowed: (host, port) as a state names
@@ -134,7 +135,19 @@ class SourceDiscovery:
             if refresh:
                 job.refreshes.append(lambda: self._resolve_again(key, hit, hint, md_t))
             return hit[0]
-        return await self._resolve(hint, md_t)
+        # one resolution per endpoint at a time: concurrent pulls of a source not yet
+        # resolved share it (each resolution holds a thread while the resolver answers)
+        task = self._resolving.get(key)
+        if task is None:
+            task = self._resolving[key] = asyncio.ensure_future(self._resolve(hint, md_t))
+            task.add_done_callback(lambda t, k=key: self._resolved(k, t))
+        return await asyncio.shield(task)
+
+    def _resolved(self, key: tuple, task: asyncio.Task) -> None:
+        if self._resolving.get(key) is task:
+            del self._resolving[key]
+        if not task.cancelled():
+            task.exception()  # (retrieved: a pull that gave up waiting may have left it)
 
     def _resolve_again(self, key: tuple, hit: tuple, hint: KvHint, md_t: float) -> None:
         if self._verdicts.get(key) is not hit or key in self._refreshes:
@@ -216,7 +229,8 @@ class SourceDiscovery:
         """Cancel the fetches and re-resolutions still running (a refresh no pull waits
         for would otherwise outlive the puller) and wait for them to end."""
         self._closed = True
-        tasks = [*self._state_fetches.values(), *self._refreshes.values()]
+        tasks = [*self._state_fetches.values(), *self._refreshes.values(),
+                 *self._resolving.values()]
         for task in tasks:
             task.cancel()
         if tasks:
