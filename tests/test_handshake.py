@@ -12,7 +12,7 @@ import struct
 
 import pytest
 
-from kvkern.xfer import handshake, transport
+from kvkern.xfer import handshake, transport, ucxcompat
 from kvkern.xfer.transport import CONTROL_TAG, ConnectionPool, Listener
 from kvkern.xfer.ucx_env import import_ucxx
 
@@ -88,7 +88,7 @@ async def test_stock_ucxx_on_either_side_interoperates():
     ours = handshake.create_listener(keep, port=0, timeout=5, gate=handshake.Gate(8))
     client = await ucxx.create_endpoint(HOST, ours.port)  # stock client, our listener
     await _round_trip(client, accepted)
-    ours.close()
+    ucxcompat.close_listener(ours)
 
     accepted = loop.create_future()
     stock = ucxx.create_listener(keep, port=0)
@@ -413,3 +413,33 @@ async def test_a_dropped_connection_is_freed_by_reference_counting():
             assert ref() is None
         finally:
             gc.enable()
+
+
+@aio
+async def test_a_connection_request_after_the_listener_closed_calls_into_no_freed_memory():
+    """An endpoint accepted from a listener keeps UCX's listener alive after the listener is
+    closed and freed (here the test holds one), and UCX goes on accepting through the
+    callback ucxx keeps in a dict it hands UCX a bare pointer to. That dict is kept: a
+    request arriving then is dropped (the client times out), and none of the objects that
+    would take the freed dict's place is called."""
+    kept: list = []
+
+    async def handler(conn):
+        kept.append(conn._ep._ep)  # its UCXEndpoint, beyond the connection's abort
+        await asyncio.sleep(30)
+
+    lst = await Listener(handler, connect_timeout=5, credential=None).start()
+    port = lst.port
+    async with ConnectionPool(credential=None, connect_timeout=5) as pool:
+        await pool.get(HOST, port)
+        await _until(lambda: kept, 5)
+        await lst.close()
+        called: list = []
+        squatters = [{"cb_func": (lambda *a, i=i: called.append(i)), "cb_args": (),
+                      "cb_kwargs": {}} for i in range(20000)]
+        del lst
+        gc.collect()
+        with pytest.raises(transport.TransportError):
+            await ConnectionPool(credential=None, connect_timeout=1).get(HOST, port)
+        assert not called and len(squatters) == 20000
+    kept.clear()

@@ -127,7 +127,7 @@ class Handshake:
     def abandon(self) -> None:
         """Close the endpoint (cancelling its requests); keep this object while any request
         is still open, so UCX never writes into freed memory."""
-        _close(self.ep)
+        ucxcompat.close_endpoint(self.ep, _CLOSE_PERIOD_NS)
         _sweep()
         if not self.settled:
             _abandoned.append(self)
@@ -215,23 +215,18 @@ def _on_request(ucx_ep: Any, loop: asyncio.AbstractEventLoop, ctx_ref: weakref.r
     tracker.submit(_accept(ucx_ep, ctx_ref, callback, timeout, gate), loop)
 
 
-def _close(ucx_ep: Any) -> None:
-    with contextlib.suppress(Exception):  # (an endpoint in error may refuse to close)
-        ucx_ep.close_blocking(period=_CLOSE_PERIOD_NS, max_attempts=1)
-
-
 async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
                   callback: Callable[[Any], Awaitable[None]], timeout: float,
                   gate: Gate) -> None:
     ctx = ctx_ref()
     if ctx is None:  # the context went first: nothing to hand the connection to
-        _close(ucx_ep)
+        ucxcompat.close_endpoint(ucx_ep, _CLOSE_PERIOD_NS)
         return
     address = ucxcompat.endpoint_remote_ip(int(ucx_ep.handle)) or ""
     if not gate.enter(address):
         log.debug("refused a connection from %s: %d not yet trusted (the limit)",
                   address or "an unknown address", gate.inside)
-        _close(ucx_ep)
+        ucxcompat.close_endpoint(ucx_ep, _CLOSE_PERIOD_NS)
         return
     hs = Handshake(ucx_ep, accepting=True)
     try:

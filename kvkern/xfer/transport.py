@@ -1123,7 +1123,7 @@ class Listener:
         self._closing = True
         listener, self._listener = self._listener, None
         if listener is not None:
-            listener.close()
+            ucxcompat.close_listener(listener)
         for conn in list(self._conns):
             conn.abort("closed")
         tasks = list(self._tasks)

@@ -11,6 +11,7 @@ notifier thread            :func:`install_notifier`, :func:`rebind_notifier`,
 lane workers (``_lib``)    :func:`new_rma_context`, :func:`new_worker`,
                            :func:`endpoint_to_address`
 connection handshake       :func:`new_client_endpoint`, :func:`new_listener`,
+                           :func:`close_listener`, :func:`close_endpoint`,
                            :func:`endpoint_with_tags`, :func:`stream_buffer`,
                            :func:`tags_checksum` (:mod:`kvkern.xfer.handshake`),
                            :class:`CloseWatch`
@@ -309,11 +310,58 @@ def endpoint_with_tags(ucx_ep: Any, ctx: Any, *, send_tag: int, recv_tag: int,
     return ep
 
 
+def close_endpoint(ucx_ep: Any, period_ns: int = 1_000_000_000) -> None:
+    """Close a ``UCXEndpoint``, waiting at most ``period_ns`` for each of its steps (an
+    endpoint in error may refuse to close: nothing is raised)."""
+    with contextlib.suppress(Exception):
+        ucx_ep.close_blocking(period=period_ns, max_attempts=1)
+
+
+_kept_listener_callbacks: list[Any] = []  # see ListenerRelay
+_orphans: list[Any] = []  # endpoints accepted after their loop closed (see ListenerRelay)
+
+
+class ListenerRelay:
+    """What a UCX listener calls for each connection request (on UCX's progress thread):
+    ``on_request(ucx_endpoint, *args)`` until :meth:`close`, after which each endpoint is
+    closed on ``loop``.
+
+    ucxx keeps a listener's callback in a dict that the Python listener owns and hands the
+    C++ listener a bare pointer to it. Every endpoint accepted from the listener keeps the
+    C++ listener alive, so it goes on accepting, and calling through that pointer, after
+    the Python listener and its dict are gone (seen: a connection request after a close
+    while an earlier connection was still in its handshake called into freed memory).
+    :func:`new_listener` therefore keeps the dict for the life of the process, holding only
+    this relay, which :meth:`close` empties."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_request: Callable[..., None],
+                 args: tuple) -> None:
+        import weakref  # noqa: PLC0415
+
+        self._loop = weakref.ref(loop)
+        self._target: tuple[Callable[..., None], tuple] | None = (on_request, args)
+
+    def __call__(self, ucx_ep: Any) -> None:
+        target = self._target
+        if target is not None:
+            target[0](ucx_ep, *target[1])
+            return
+        loop = self._loop()
+        try:
+            loop.call_soon_threadsafe(close_endpoint, ucx_ep)  # (not here: UCX's thread)
+        except (AttributeError, RuntimeError):  # the loop is gone or closed
+            _orphans.append(ucx_ep)
+
+    def close(self) -> None:
+        self._target = None
+
+
 def new_listener(port: int, on_request: Callable[..., None], args: tuple) -> Any:
     """ucxx's ``Listener`` on ``port``: every connection request calls
     ``on_request(ucx_endpoint, loop, ctx_ref, tracker, *args)`` on UCX's progress thread,
     where ``tracker.submit(coroutine, loop)`` runs a handler on the loop (tracked, as ucxx
-    tracks its own)."""
+    tracks its own), until :func:`close_listener`."""
+    import gc  # noqa: PLC0415
     import weakref  # noqa: PLC0415
 
     from ucxx._lib_async.listener import Listener, _ListenerHandlerTracker  # noqa: PLC0415
@@ -322,11 +370,29 @@ def new_listener(port: int, on_request: Callable[..., None], args: tuple) -> Any
     ctx.continuous_ucx_progress()
     tracker = _ListenerHandlerTracker()
     loop = asyncio.get_event_loop()
-    return Listener(
-        _libucxx().UCXListener.create(
-            worker=ctx.worker, port=port, cb_func=on_request,
-            cb_args=(loop, weakref.ref(ctx), tracker, *args), deliver_endpoint=True),
-        tracker, ctx)
+    relay = ListenerRelay(loop, on_request, (loop, weakref.ref(ctx), tracker, *args))
+    ucx_listener = _libucxx().UCXListener.create(
+        worker=ctx.worker, port=port, cb_func=relay, cb_args=(), deliver_endpoint=True)
+    # the dict ucxx handed the C++ listener a pointer to (its only dict), kept for good
+    kept = [r for r in gc.get_referents(ucx_listener)
+            if isinstance(r, dict) and r.get("cb_func") is relay]
+    _kept_listener_callbacks.extend(kept or [ucx_listener])  # (else the listener itself)
+    listener = Listener(ucx_listener, tracker, ctx)
+    listener.kvkern_relay, listener.kvkern_tracker = relay, tracker
+    return listener
+
+
+def close_listener(listener: Any) -> None:
+    """Stop a listener of :func:`new_listener`: requests arriving from now on are closed,
+    the handlers of connections not handed over yet (their handshakes) are cancelled, and
+    ucxx's listener is closed."""
+    listener.kvkern_relay.close()
+    tracker = listener.kvkern_tracker
+    with tracker._lock:
+        pending = list(tracker._futures)
+    for future in pending:
+        future.cancel()
+    listener.close()
 
 
 # ---------------------------------------------------------------- libucp (ctypes)
