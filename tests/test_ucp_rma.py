@@ -25,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import gc
 import random
 import re
 import shutil
@@ -1059,3 +1060,66 @@ async def test_a_source_rewriting_a_checked_read_costs_that_read_only(listener, 
         assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
         assert ucp_rma._iov_reads and len(ucp_rma._iov_verified) == 1
         conn.abort()  # the next round's endpoint is checked again
+
+
+@aio
+async def test_a_scattered_reads_check_is_not_posted_on_an_aborted_connection(
+        listener, pool, source, fresh_iov, monkeypatch):
+    """A connection's first scattered read is checked with a whole re-read, posted after
+    the batch's own reads ended and the posting lock was given up. Another pull may abort
+    the shared connection in between: the check is then not posted on the closed endpoint
+    (libucp would use freed memory) and the read fails ``closed``."""
+    src, region = source
+    conn = await connect(pool, listener)
+    dst = poisoned(4 << 20)
+    reads, *_ = _scatter_reads(region, dst, 1)
+    reached, aborted = threading.Event(), threading.Event()
+    real_verify, real_post = ucp_rma.ReadBatch._verify, ucp_rma.ReadBatch.post
+    late: list = []
+
+    def post(self, ep_handle):
+        if reached.is_set():
+            late.append(ep_handle)
+        return real_post(self, ep_handle)
+
+    def verify(self, *a):
+        reached.set()
+        aborted.wait(10)  # (widens the window between the batch's end and the check)
+        return (yield from real_verify(self, *a))
+
+    monkeypatch.setattr(ucp_rma.ReadBatch, "_verify", verify)
+    monkeypatch.setattr(ucp_rma.ReadBatch, "post", post)
+    task = asyncio.ensure_future(conn.read(region.rkey, reads, timeout=10))
+    while not reached.is_set():
+        await asyncio.sleep(0.001)
+    conn.abort("a sibling pull failed")
+    aborted.set()
+    with pytest.raises(TransportError) as info:
+        await task
+    assert info.value.reason == "closed" and not late
+
+
+@aio
+async def test_read_batches_that_outlive_the_drain_are_never_freed(listener, pool, source,
+                                                                   monkeypatch):
+    """Reads still running after the connection's abort and the drain: ReadsStuck, and their
+    batches (the iovs and check buffers UCX may still write through) are kept for good."""
+    import weakref
+
+    made: list = []
+
+    class Kept(NeverDone):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(weakref.ref(self))
+
+    _, region = source
+    monkeypatch.setattr(ucp_rma, "ReadBatch", Kept)
+    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+    monkeypatch.setattr(transport, "_stuck_batches", [])
+    conn = await connect(pool, listener)
+    with pytest.raises(ReadsStuck):
+        await conn.read(region.rkey, [(1, 2, 3)], timeout=0.01)
+    gc.collect()
+    assert len(made) == 1 and made[0]() is not None
+    assert transport._stuck_batches == [made[0]()]

@@ -117,7 +117,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -715,7 +715,8 @@ class Connection:
             worker = _worker_handle()
             for rkey, runs in parts:
                 entries.append((rkey, self._rkeys.acquire(rkey, ep)))
-                batches.append(ucp_rma.ReadBatch(entries[-1][1][0], runs, worker_handle=worker))
+                batches.append(ucp_rma.ReadBatch(entries[-1][1][0], runs, worker_handle=worker,
+                                                 guard=self._open_for_posts))
             posted = threading.Event()
             job = _read_waiters().submit(self._post_and_wait, ep, batches, timeout, stop,
                                          posted)
@@ -743,9 +744,7 @@ class Connection:
         """On a helper thread: post every batch (never while the endpoint is being aborted,
         none once ``stop`` is set), then wait for them; the time the first run was seen
         complete. ``posted`` is set once any batch may have been posted."""
-        with self._posting:
-            if self._ep is None:
-                raise TransportError("closed", f"connection closed ({self.failure})")
+        with self._open_for_posts():
             if stop.is_set():  # cancelled before its turn: nothing to wait for
                 return None
             posted.set()
@@ -756,10 +755,19 @@ class Connection:
                   for batch in batches]
         return min((f for f in firsts if f is not None), default=None)
 
+    @contextlib.contextmanager
+    def _open_for_posts(self) -> Iterator[None]:
+        """Hold off :meth:`abort` while reads are posted on the endpoint; raises when it is
+        already closed."""
+        with self._posting:
+            if self._ep is None:
+                raise TransportError("closed", f"connection closed ({self.failure})")
+            yield
+
     async def _end_reads(self, batches: list[ReadBatch], entries: list[tuple[bytes, list]],
                          n_runs: int) -> None:
         """Abort and drain reads still running; then release the keys, unless a read
-        outlived the drain (:class:`ReadsStuck`: the keys are leaked, not memory safety)."""
+        outlived the drain (:class:`ReadsStuck`: the keys and the batches are kept for good)."""
         stuck = [batch for batch in batches if batch.stuck]
         if stuck:
             self.abort(self.failure or "cancelled")  # cancels the reads still running
@@ -768,6 +776,8 @@ class Connection:
             except asyncio.CancelledError:  # cancelled again while draining: unknown
                 drained = False
             if not drained:
+                # UCX may still write where they say (their iovs, their checks' buffers)
+                _stuck_batches.extend(stuck)
                 raise ReadsStuck(f"{n_runs} reads still running after the endpoint "
                                  f"was aborted (waited up to {READ_DRAIN_S} s)")
         for rkey, entry in entries:
@@ -811,6 +821,11 @@ class ReadsStuck(TransportError):
 
     def __init__(self, detail: str) -> None:
         super().__init__("transfer_failed", detail)
+
+
+# Read batches still running after their connection was aborted and the drain ran out:
+# never freed, since UCX may still use their memory (their requests are never completed).
+_stuck_batches: list[ReadBatch] = []
 
 
 def _read_waiters() -> concurrent.futures.ThreadPoolExecutor:

@@ -44,6 +44,7 @@ transports (``memory_type`` below), but no GPU has run this code yet.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import itertools
 import logging
@@ -241,7 +242,8 @@ class ReadBatch:
     _POLL_MAX_S = 200e-6
 
     def __init__(self, key: RemoteKey, runs: Sequence[tuple[int, int, int]], *,
-                 memory_type: str = "host", worker_handle: int | None = None) -> None:
+                 memory_type: str = "host", worker_handle: int | None = None,
+                 guard: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
         self._post = ucxcompat.read_poster(MEMORY_TYPES[memory_type])
         self._post_iov = ucxcompat.read_poster(MEMORY_TYPES[memory_type], iov=True)
         self._host = memory_type == "host"  # (a scattered read is checked on the host)
@@ -257,6 +259,9 @@ class ReadBatch:
         self._check_batch: ReadBatch | None = None  # its whole re-read (see _verify)
         self._check_buffer: np.ndarray | None = None  # what that re-read writes
         self._iovs: list[np.ndarray] = []  # what the iov reads were posted with
+        # held while a read is posted after :meth:`post` (the check of a scattered read):
+        # an endpoint that other threads may abort is kept open meanwhile, or it raises
+        self._guard = guard or contextlib.nullcontext
         self.nbytes = 0
 
     def post(self, ep_handle: int) -> None:
@@ -397,7 +402,8 @@ class ReadBatch:
         # drained (and kept, if stuck) with this batch, and its buffer with it: a wait cut
         # short (a timeout, another lane's failure) leaves the read to the caller's drain
         self._check_batch, self._check_buffer = check, whole
-        check.post(self._ep)
+        with self._guard():
+            check.post(self._ep)
         yield from check.waiting(timeout, cancelled)
         pos = 0
         for address, n in run.local.tolist():
