@@ -1123,3 +1123,45 @@ async def test_read_batches_that_outlive_the_drain_are_never_freed(listener, poo
     gc.collect()
     assert len(made) == 1 and made[0]() is not None
     assert transport._stuck_batches == [made[0]()]
+
+
+@aio
+async def test_a_batch_is_never_polled_by_two_threads(listener, pool, source, monkeypatch):
+    """A cancelled read whose helper thread is still polling its batch when the drain's
+    wait runs out: the event loop does not poll the batch beside it (a batch is not safe
+    to poll from two threads: a request could be checked after it was freed); the reads
+    count as stuck and the batch is kept."""
+    from tests.rma_helpers import NeverDone
+
+    active, overlaps = [0], [0]
+    lock = threading.Lock()
+
+    class SlowToStop(NeverDone):
+        def poll(self):
+            with lock:
+                active[0] += 1
+                overlaps[0] += active[0] > 1
+            time.sleep(0.002)  # (gives the interpreter up, as ctypes calls do)
+            with lock:
+                active[0] -= 1
+            return False
+
+        def wait(self, timeout, cancelled=None):
+            end = time.monotonic() + 0.5  # polls on past the stop for a while
+            while time.monotonic() < end:
+                self.poll()
+            raise TimeoutError("read cancelled")
+
+    _, region = source
+    monkeypatch.setattr(ucp_rma, "ReadBatch", SlowToStop)
+    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.0)
+    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.1)
+    monkeypatch.setattr(transport, "_stuck_batches", [])
+    conn = await connect(pool, listener)
+    task = asyncio.ensure_future(conn.read(region.rkey, [(1, 2, 3)], timeout=5))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises((ReadsStuck, asyncio.CancelledError)):
+        await task
+    await asyncio.sleep(0.6)  # (the helper ends)
+    assert overlaps[0] == 0 and len(transport._stuck_batches) == 1

@@ -711,6 +711,7 @@ class Connection:
         n_runs = sum(len(runs) for _, runs in parts)
         stop = threading.Event()
         finished = False  # cancelled, but every read completed within the grace
+        job: concurrent.futures.Future | None = None
         try:
             worker = _worker_handle()
             for rkey, runs in parts:
@@ -720,7 +721,7 @@ class Connection:
             posted = threading.Event()
             job = _read_waiters().submit(self._post_and_wait, ep, batches, timeout, stop,
                                          posted)
-            wait = asyncio.wrap_future(job)
+            wait = _observed(asyncio.wrap_future(job))
             try:
                 return await asyncio.shield(wait)
             except asyncio.CancelledError:
@@ -737,7 +738,7 @@ class Connection:
                 err = TransportError("transfer_failed", f"one-sided read: {exc}")
             raise self._fail(err, f"read of {n_runs} runs") from exc
         finally:
-            await self._end_reads(batches, entries, n_runs)
+            await self._end_reads(batches, entries, n_runs, job, stop)
 
     def _post_and_wait(self, ep: UcxEndpoint, batches: list[ReadBatch], timeout: float,
                        stop: threading.Event, posted: threading.Event) -> float | None:
@@ -765,14 +766,18 @@ class Connection:
             yield
 
     async def _end_reads(self, batches: list[ReadBatch], entries: list[tuple[bytes, list]],
-                         n_runs: int) -> None:
+                         n_runs: int, job: concurrent.futures.Future | None,
+                         stop: threading.Event) -> None:
         """Abort and drain reads still running; then release the keys, unless a read
-        outlived the drain (:class:`ReadsStuck`: the keys and the batches are kept for good)."""
-        stuck = [batch for batch in batches if batch.stuck]
+        outlived the drain (:class:`ReadsStuck`: the keys and the batches are kept for good).
+        The batches are polled here only once the helper thread has let go of them (a
+        batch is not safe to poll from two threads)."""
+        helper_done = await _helper_done(job, stop)
+        stuck = [batch for batch in batches if not helper_done or batch.stuck]
         if stuck:
             self.abort(self.failure or "cancelled")  # cancels the reads still running
             try:
-                drained = all([await _drain(batch) for batch in stuck])
+                drained = helper_done and all([await _drain(batch) for batch in stuck])
             except asyncio.CancelledError:  # cancelled again while draining: unknown
                 drained = False
             if not drained:
@@ -857,6 +862,24 @@ async def _read_grace(wait: asyncio.Future, stop: threading.Event,
             await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
         finished = wait.done() and not posted.is_set()
     return finished
+
+
+async def _helper_done(job: concurrent.futures.Future | None, stop: threading.Event) -> bool:
+    """Whether the helper thread running ``job`` (if any) has ended, told to stop and waited
+    for up to :data:`READ_DRAIN_S` (a cancellation cut the waits before this one short)."""
+    if job is None or job.done():
+        return True
+    stop.set()
+    with contextlib.suppress(asyncio.CancelledError):  # (again: then it is not known)
+        await asyncio.wait([_observed(asyncio.wrap_future(job))], timeout=READ_DRAIN_S)
+    return job.done()
+
+
+def _observed(fut: asyncio.Future) -> asyncio.Future:
+    """``fut``, its exception retrieved when it ends (a helper's end may be awaited by no
+    one: a cancelled read)."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
 
 
 async def _drain(batch: ReadBatch) -> bool:
