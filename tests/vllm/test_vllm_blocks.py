@@ -216,3 +216,23 @@ def test_pins_wait_for_the_scheduler_call_in_progress(vllm_pool):
     busy.join()
     assert handle is not None and waited >= 0.2, waited
     blocks.unpin(handle)
+
+
+def test_a_prefix_cache_reset_or_eviction_withdraws_what_the_directory_named(vllm_pool):
+    """vLLM clears block hashes in place when its prefix cache is reset (after a weight
+    update, say) and when it evicts blocks whose KV it found invalid: the read directory
+    then names none of them, so no peer reads KV of the old weights (or invalid KV) under
+    a hash it still matches; blocks cached after the reset are served again."""
+    pool, _, blocks = vllm_pool
+    directory = blocks.read_directory()
+    req, got = cached_request(pool, list(range(800, 812)), "d", blocks)
+    hashes = [vllm_u64(h) for h in req.block_hashes]
+    assert found_at_home(directory, hashes) == [b.block_id for b in got]
+    assert pool.reset_prefix_cache()
+    assert found_at_home(directory, hashes) == [-1] * len(hashes)
+    assert directory.published == 0 and blocks.longest_prefix(hashes) == 0
+    req, got = cached_request(pool, list(range(800, 812)), "again", blocks)
+    assert found_at_home(directory, hashes) == [b.block_id for b in got]
+    assert blocks.longest_prefix(hashes) == len(hashes)
+    pool.evict_blocks({got[1].block_id})
+    assert found_at_home(directory, hashes) == [got[0].block_id, -1, got[2].block_id]

@@ -32,8 +32,9 @@ The index also keeps a read directory (:meth:`VllmBlocks.read_directory`, the op
 capability of :mod:`kvkern.cache.protocol`), so that peers read the blocks without a message
 (:mod:`kvkern.xfer.direct`): a block is published when it enters the index (placed by its
 position in its request, as :func:`kvkern.cache.holders.chain_records` places a chain), and
-withdrawn when vLLM hands it out again (``get_new_blocks``, before anything can write it) or
-its u64 turns ambiguous. A peer that read a block withdrawn meanwhile sees its slot changed
+withdrawn when vLLM hands it out again (``get_new_blocks``, before anything can write it),
+clears its hash in place (``evict_blocks``, ``reset_prefix_cache``) or its u64 turns
+ambiguous. A peer that read a block withdrawn meanwhile sees its slot changed
 and does not use it.
 """
 
@@ -110,6 +111,8 @@ class VllmBlocks:
             pool.cache_full_blocks = self._indexing(pool.cache_full_blocks,
                                                     getattr(pool, "hash_block_size", None))
             pool.get_new_blocks = self._withdrawing(pool.get_new_blocks)
+            pool.reset_prefix_cache = self._resetting(pool.reset_prefix_cache)
+            pool.evict_blocks = self._evicting(pool.evict_blocks)
             self._pool = pool
 
     def _locked(self, method: Any) -> Any:
@@ -156,6 +159,38 @@ class VllmBlocks:
                 out = get_new_blocks(*args, **kwargs)
                 for b in out:  # handed out: about to be written
                     self._withdraw(b)
+                return out
+        return call
+
+    def _resetting(self, reset_prefix_cache: Any) -> Any:
+        """``reset_prefix_cache`` (after a weight update, say), which clears every block's
+        hash at once: the index and the read directory forget every block with it, or
+        peers would go on reading blocks named by hashes of the old weights' KV."""
+        @functools.wraps(reset_prefix_cache)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                done = reset_prefix_cache(*args, **kwargs)
+                if done:
+                    self._index.clear()
+                    self._cached = []
+                    self._unwritten.clear()
+                    if self._directory is not None:
+                        for block_id in range(self._directory.num_blocks):
+                            self._directory.withdraw(block_id)
+                return done
+        return call
+
+    def _evicting(self, evict_blocks: Any) -> Any:
+        """``evict_blocks`` (blocks whose KV vLLM found invalid), which clears their hashes
+        in place: their read directory slots go with them."""
+        @functools.wraps(evict_blocks)
+        def call(block_ids: Any, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                out = evict_blocks(block_ids, *args, **kwargs)
+                d = self._directory
+                for block_id in block_ids:
+                    if d is not None and 0 <= block_id < d.num_blocks:
+                        d.withdraw(block_id)
                 return out
         return call
 
