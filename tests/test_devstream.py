@@ -356,8 +356,8 @@ async def test_host_source_sends_its_runs_from_the_pool_and_packs_the_rest():
 
 
 async def receive_all(device: str, log: list, private: list[int] = BLOCK_IDS,
-                      sizes: list[int] | None = None,
-                      in_place: int = 0) -> tuple[RankKV, StagingPool, list]:
+                      sizes: list[int] | None = None, in_place: int = 0,
+                      into: bool = False) -> tuple[RankKV, StagingPool, list]:
     """The destination's stream receiver: 6 blocks, by default in chunks that split blocks
     (the carry) into non-consecutive blocks (the ring)."""
     src = rank_kv("cpu", seed=2)
@@ -373,7 +373,8 @@ async def receive_all(device: str, log: list, private: list[int] = BLOCK_IDS,
     staging = StagingPool(1 << 20)
     cfg = XferConfig(chunks_in_flight=RING, chunk_bytes=1024)
     job = SimpleNamespace(private=list(private), t_first_byte=None, unpack_s=0.0,
-                          messages=0, bytes=0, open_transfers=["entry"])
+                          messages=0, bytes=0, open_transfers=["entry"],
+                          into=list(private) if into else None)
     # the fields of the source's stream reply that the receiver reads
     reply = SimpleNamespace(transfer_id=11, served_blocks=n, total_bytes=n * BLOCK_BYTES,
                             n_chunks=len(sizes), chunk_sizes=sizes)
@@ -407,6 +408,18 @@ async def test_destination_reuses_a_slot_only_after_its_unpack_event(no_device_s
     # the ring went back with the last event, not yet fired: no later pull may take it
     assert staging.pending == RING and staging.idle_bytes == 0
     assert not any(e[0] == "stream_sync" for e in log)
+
+
+async def test_a_pull_into_the_engines_blocks_ends_after_its_last_unpack(no_device_sync):
+    """Into the engine's own blocks, which the engine may read on a stream of its own (not
+    the one publish orders), the pair's receive returns only once the last unpack's event
+    has fired: the pull is reported finished with every block written."""
+    log: list = []
+    with devstream.installed("cpu", fake_cuda_stream(log)):
+        _, _, sizes = await receive_all("cpu", log, into=True)
+    last = f"ev{len(sizes)}"
+    assert at(log, ("wait_event", "compute", last)) < at(log, ("sync", last))
+    assert log[-1][:2] == ("sync", last) and not any(e[0] == "stream_sync" for e in log)
 
 
 async def test_chunks_landing_in_the_blocks_wait_for_the_fence_first(no_device_sync):

@@ -686,14 +686,16 @@ async def test_a_ucx_read_into_engine_memory_ends_only_after_its_reads(source, l
     assert read_lanes.reads_past_drain() == dict(past, **{memory: past[memory] + 1})
 
 
-@pytest.mark.parametrize("owned", [False, True], ids=["private", "engine"])
+@pytest.mark.parametrize("owned,cancels", [(False, 1), (True, 1), (True, 3)],
+                         ids=["private", "engine", "engine-cancelled-thrice"])
 @aio
 async def test_a_cancelled_read_into_engine_memory_ends_after_its_call(lanes, monkeypatch,
-                                                                      owned):
+                                                                      owned, cancels):
     """A same-host call that outlives the stop and the drain (a source whose memory stalls
     the call): a read into the puller's own blocks raises ReadsStuck at the drain's end (the
     blocks are quarantined); one into the engine's blocks (``owned``) is waited for
-    until its call has returned, so no byte lands after the cancelled read has ended."""
+    until its call has returned, cancelled again or not (a deadline, then the request's
+    abort), so no byte lands after the cancelled read has ended."""
     from kvkern.xfer import local_reads
     from kvkern.xfer.local_reads import LocalSource
 
@@ -716,6 +718,9 @@ async def test_a_cancelled_read_into_engine_memory_ends_after_its_call(lanes, mo
                                          owned=owned, same_host=True))
     await until(in_call.is_set)
     task.cancel()
+    for _ in range(cancels - 1):  # again, past the grace and the drain
+        await asyncio.sleep(0.4)
+        task.cancel()
     if owned:
         with pytest.raises(asyncio.CancelledError):
             await task

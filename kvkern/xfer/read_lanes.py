@@ -538,8 +538,9 @@ class ReadLanes:
         """``call()`` on the first lane's thread: its result, its error, and whether this
         wait was cancelled (the reads then finish within READ_CANCEL_GRACE_S or are
         stopped, and the call ends by its own bounds; ``until_done``: waited for until it
-        has, unless cancelled once more). A call still queued behind another script is
-        withdrawn: nothing of it ran, so nothing is stuck."""
+        has, through further cancellations, since its reads write into memory the engine
+        owns and may hand to another request once the pull has ended). A call still queued
+        behind another script is withdrawn: nothing of it ran, so nothing is stuck."""
         cf = self._lanes[0].executor.submit(call)
         fut = asyncio.wrap_future(cf, loop=loop)
         try:
@@ -558,8 +559,9 @@ class ReadLanes:
             if not fut.done() and until_done:
                 log.error("a read into the engine's blocks is still running %s s after its "
                           "stop; the pull ends when it does", transport.READ_DRAIN_S + 1.0)
-                with contextlib.suppress(BaseException):  # (cancelled again: ReadsStuck)
-                    await asyncio.shield(fut)
+                while not fut.done():
+                    with contextlib.suppress(asyncio.CancelledError):  # (cancelled again)
+                        await asyncio.wait([fut])
             return None, (fut.exception() if fut.done() and not fut.cancelled()
                           else _Stuck("lanes did not end")), True
         except BaseException as exc:  # noqa: BLE001 (mapped by the caller)

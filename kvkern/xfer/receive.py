@@ -268,10 +268,32 @@ class StreamReceiver:
                 # The engine's next kernels (the prefill; after a failure, whatever reuses
                 # the freed private blocks) run after every unpack of this pair.
                 ds.publish(last[0])
+                if job.into is not None:
+                    # The engine's own blocks, which it may read (or, after a failure,
+                    # hand to another request) on a stream of its own that publish does
+                    # not order: the pull ends only once every unpack into them is done.
+                    await _to_the_end(ds.wait(last[0], xfer_t))
         job.open_transfers.remove(entry)
         if not unpacker.complete:
             raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
                            f"{pair.src_rank} ended at byte {unpacker.pos} of {nbytes}")
+
+
+async def _to_the_end(awaitable: Coroutine[Any, Any, None]) -> None:
+    """Await ``awaitable`` to its end even when this task is cancelled meanwhile (the
+    cancellation is raised after it)."""
+    import asyncio  # noqa: PLC0415
+
+    task = asyncio.ensure_future(awaitable)
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    task.result()
 
 
 def max_chunks(pair: PeerTransfer, served: int, chunk: int) -> int:
