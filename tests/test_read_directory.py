@@ -134,6 +134,17 @@ def test_publish_find_withdraw():
         ReadDirectory(0)
 
 
+def test_withdraw_hash_clears_every_block_named_by_it():
+    d = ReadDirectory(16)
+    for bid, h in ((1, 9), (2, 9), (3, 4), (0, 9)):
+        assert d.publish(bid, h)
+    d.withdraw(0)
+    assert d.withdraw_hash(9) == [1, 2]
+    assert findable(d, [9, 4]) == {4: 3} and d.published == 1
+    assert d.withdraw_hash(9) == [] and d.withdraw_hash(U64) == []
+    d.check({4: 3})
+
+
 def test_full_bucket_refuses_and_counts():
     d = ReadDirectory(16)  # 16 buckets: hashes 16k all land in bucket 0
     for i in range(BUCKET_SLOTS):

@@ -210,6 +210,16 @@ class ReadDirectory:
         self._published += 1
         return True
 
+    def withdraw_hash(self, h: int) -> list[int]:
+        """Withdraw every block published under hash ``h`` (a hash that no longer names one
+        content); the block ids withdrawn."""
+        hashes = np.frombuffer(self._hash_of, dtype=np.uint64)
+        slots = np.frombuffer(self._slot_of, dtype=np.int64)
+        ids = np.flatnonzero((hashes == np.uint64(h)) & (slots >= 0)).tolist()
+        for bid in ids:
+            self.withdraw(bid)
+        return ids
+
     def withdraw(self, block_id: int) -> None:
         """Clear the slot naming ``block_id``, if it holds one."""
         bid = self._check_block(block_id)

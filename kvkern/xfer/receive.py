@@ -268,11 +268,10 @@ class StreamReceiver:
                 # The engine's next kernels (the prefill; after a failure, whatever reuses
                 # the freed private blocks) run after every unpack of this pair.
                 ds.publish(last[0])
-                if job.into is not None:
-                    # The engine's own blocks, which it may read (or, after a failure,
-                    # hand to another request) on a stream of its own that publish does
-                    # not order: the pull ends only once every unpack into them is done.
-                    await _to_the_end(ds.wait(last[0], xfer_t))
+                # Nor does the pull end before they are done: the engine may read its own
+                # blocks on a stream of its own, which publish does not order, and committed
+                # blocks enter the read directory, whose readers follow no stream at all.
+                await _to_the_end(ds.wait(last[0], xfer_t))
         job.open_transfers.remove(entry)
         if not unpacker.complete:
             raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "

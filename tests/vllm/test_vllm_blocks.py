@@ -236,3 +236,27 @@ def test_a_prefix_cache_reset_or_eviction_withdraws_what_the_directory_named(vll
     assert blocks.longest_prefix(hashes) == len(hashes)
     pool.evict_blocks({got[1].block_id})
     assert found_at_home(directory, hashes) == [got[0].block_id, -1, got[2].block_id]
+
+
+def test_a_u64_turned_ambiguous_leaves_the_directory_in_every_block_it_named():
+    """The same vLLM hash cached in two blocks names both in the read directory; once
+    another vLLM hash with the same low 64 bits arrives, neither may be read directly any
+    more, as neither is pinned."""
+    import numpy as np
+
+    from kvkern.cache.directory import bucket_of, find
+    from kvkern.integrations.vllm.blocks import _u64
+
+    blocks = VllmBlocks(block_size=BS, hash_scheme="vllm-sha256-v1")
+    blocks.tensor_blocks(16)
+    directory = blocks.read_directory()
+    key, other = b"A" * 24 + b"12345678" + bytes(4), b"B" * 24 + b"12345678" + bytes(4)
+    first, again = (SimpleNamespace(block_id=i, block_hash=key) for i in (5, 6))
+    clash = SimpleNamespace(block_id=7, block_hash=other)
+    blocks._add([(first, None)])
+    blocks._add([(again, None)])
+    assert directory.slot_of(5) >= 0 and directory.slot_of(6) >= 0
+    blocks._add([(clash, None)])
+    h = np.array([_u64(key)], np.uint64)
+    assert find(directory.table[bucket_of(h, directory.buckets)], h)[1].tolist() == [-1]
+    assert directory.published == 0 and blocks.longest_prefix([int(h[0])]) == 0

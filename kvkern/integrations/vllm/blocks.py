@@ -248,7 +248,8 @@ class VllmBlocks:
                     self._publish(block, h, chain)
             elif have.block_hash != key:  # same low 64 bits, another vLLM hash
                 index[h] = _AMBIGUOUS
-                self._withdraw(have)
+                if self._directory is not None:  # every block it named, not just the last
+                    self._directory.withdraw_hash(h)
                 log.warning("two vLLM block hashes share the u64 %d: never served", h)
             else:
                 index[h] = block  # the same prefix cached again in another block
