@@ -29,6 +29,7 @@ import functools
 import json
 import operator
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -259,15 +260,17 @@ def _launch_args(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Te
 
 
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+_EXECUTOR_LOCK = threading.Lock()  # (packing threads and the loop may ask at once)
 _SPLIT_BYTES = 8 << 20  # below this a second thread costs more than it brings
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
     global _EXECUTOR
-    if _EXECUTOR is None:
-        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(
-            max_workers=max(1, torch.get_num_threads()), thread_name_prefix="kvkern-copy")
-    return _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, torch.get_num_threads()), thread_name_prefix="kvkern-copy")
+        return _EXECUTOR
 
 
 def _take_rows(src: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> None:

@@ -72,7 +72,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvkern.cache.hashing import normalize_hashes, salt_key
@@ -219,28 +219,29 @@ class Puller:
         if block_hashes is not None:
             block_hashes = normalize_hashes(block_hashes)  # u64 (i64 bit-casts wrap)
         rec = self._register(request_id)
-        decoded = read_hint(hint, self._limits)
-        if self.metrics is not None and not (isinstance(decoded, Skip)
-                                             and decoded.reason is Reason.NO_HINT):
-            self.metrics.hint_received()
-        if isinstance(decoded, Skip):
-            self._finish(rec, PullOutcome(request_id=request_id, used=False,
-                                          reason=decoded.reason, detail=decoded.detail,
-                                          **decoded.fields), ignored=True)
-            return rec.state
-        hint = decoded
-        verdict = admit(token_ids, hint, worker=self._worker, config=self.config,
-                        cost_guard=self.cost_guard, salt=salt_key(cache_salt),
-                        engine_hashes=block_hashes)
-        if isinstance(verdict, Skip):
-            self._finish(rec, PullOutcome(request_id=request_id, used=False,
-                                          reason=verdict.reason, policy=hint.policy,
-                                          source=hint.source,
-                                          source_dp_rank=hint.source_dp_rank,
-                                          dialect=hint.dialect, detail=verdict.detail,
-                                          **verdict.fields), ignored=True)
-            return rec.state
-        return self._schedule(self._job(rec, hint, verdict, t_submit))
+        with self._admitting(rec):
+            decoded = read_hint(hint, self._limits)
+            if self.metrics is not None and not (isinstance(decoded, Skip)
+                                                 and decoded.reason is Reason.NO_HINT):
+                self.metrics.hint_received()
+            if isinstance(decoded, Skip):
+                self._finish(rec, PullOutcome(request_id=request_id, used=False,
+                                              reason=decoded.reason, detail=decoded.detail,
+                                              **decoded.fields), ignored=True)
+                return rec.state
+            hint = decoded
+            verdict = admit(token_ids, hint, worker=self._worker, config=self.config,
+                            cost_guard=self.cost_guard, salt=salt_key(cache_salt),
+                            engine_hashes=block_hashes)
+            if isinstance(verdict, Skip):
+                self._finish(rec, PullOutcome(request_id=request_id, used=False,
+                                              reason=verdict.reason, policy=hint.policy,
+                                              source=hint.source,
+                                              source_dp_rank=hint.source_dp_rank,
+                                              dialect=hint.dialect, detail=verdict.detail,
+                                              **verdict.fields), ignored=True)
+                return rec.state
+            return self._schedule(self._job(rec, hint, verdict, t_submit))
 
     def pull_into(self, request_id: str, hint: KvHint, admitted: Admitted,
                   block_ids: Sequence[int]) -> RequestState:
@@ -267,10 +268,11 @@ class Puller:
             raise ValueError(f"block ids must be distinct and in [0, {self.group.num_blocks}),"
                              f" got {list(ids)[:16]}")
         rec = self._register(request_id)
-        rec.into = True  # (the caller's admission counted the hint as received)
-        job = self._job(rec, hint, admitted, time.perf_counter())
-        job.into = ids
-        return self._schedule(job)
+        with self._admitting(rec):
+            rec.into = True  # (the caller's admission counted the hint as received)
+            job = self._job(rec, hint, admitted, time.perf_counter())
+            job.into = ids
+            return self._schedule(job)
 
     def take_finished(self) -> list[tuple[str, PullOutcome]]:
         """The (request id, outcome) of every :meth:`pull_into` pull that ended since the last
@@ -372,25 +374,30 @@ class Puller:
             if self._closed:
                 return
             self._closed = True
-            running = [r for r in self._records.values() if r.future is not None
-                       and not r.done.done()]
-        for r in running:
+            # (each with its future as it is now: a pull ending meanwhile clears the field)
+            running = [(r, r.future) for r in self._records.values()
+                       if r.future is not None and not r.done.done()]
+        for r, fut in running:
             r.cancel_requested = True
-            r.future.cancel()
+            fut.cancel()
         deadline = time.monotonic() + timeout
-        for r in running:
-            with contextlib.suppress(Exception):
-                r.done.result(max(0.0, deadline - time.monotonic()))
-        with self._lock:
-            for r in self._records.values():
-                if r.lease is not None:
-                    self._release_lease_locked(r)
-        if not self._loop.closed:
-            with contextlib.suppress(Exception):
-                self._loop.run(self._aclose(), max(1.0, deadline - time.monotonic()))
-        self._reads.close(max(1.0, deadline - time.monotonic()))
-        if self._own_loop:
-            self._loop.close()
+        try:
+            for r, _ in running:
+                with contextlib.suppress(Exception):
+                    r.done.result(max(0.0, deadline - time.monotonic()))
+            with self._lock:
+                for r in self._records.values():
+                    if r.lease is not None:
+                        self._release_lease_locked(r)
+        finally:
+            try:
+                if not self._loop.closed:
+                    with contextlib.suppress(Exception):
+                        self._loop.run(self._aclose(), max(1.0, deadline - time.monotonic()))
+                self._reads.close(max(1.0, deadline - time.monotonic()))
+            finally:
+                if self._own_loop:
+                    self._loop.close()
 
     async def _aclose(self) -> None:
         if self._bg:
@@ -411,15 +418,25 @@ class Puller:
         rec = PullRecord(request_id)
         with self._lock:
             old = self._records.get(request_id)
-            if old is not None and not old.state.schedulable:
-                raise ValueError(f"request {request_id!r} is already prefetching "
-                                 f"({old.state.value})")
+            if old is not None and (old.admitting or not old.state.schedulable):
+                state = "being admitted" if old.admitting else old.state.value
+                raise ValueError(f"request {request_id!r} is already prefetching ({state})")
             if old is not None and old.lease is not None:
                 self._release_lease_locked(old)
             self._records[request_id] = rec
             self._records.move_to_end(request_id)
             self._trim_locked()
         return rec
+
+    @contextlib.contextmanager
+    def _admitting(self, rec: PullRecord) -> Iterator[None]:
+        """While ``rec``'s hint is admitted (on the caller's thread), another submit of its
+        request id is refused; whatever ends the admission, even an error, ends that."""
+        try:
+            yield
+        finally:
+            with self._lock:
+                rec.admitting = False
 
     def _record(self, request_id: str) -> PullRecord:
         with self._lock:
@@ -486,7 +503,8 @@ class Puller:
             self._finish(rec, job_outcome(job, Reason.CLOSED, str(exc)))
             return rec.state
         with self._lock:
-            rec.future = fut
+            if rec.outcome is None:  # (a pull that ended already keeps no future)
+                rec.future = fut
             state = rec.state
         if self.metrics is not None:
             self.metrics.hint_accepted()
@@ -499,6 +517,9 @@ class Puller:
         with self._lock:
             rec.outcome = outcome
             rec.lease = lease
+            if lease is not None and (self._closed
+                                      or self._records.get(rec.request_id) is not rec):
+                self._release_lease_locked(rec)  # no claim can reach it any more
             rec.state = (RequestState.CONTEXT_PREFETCH_COMPLETE
                          if outcome.used and not rec.into else RequestState.CONTEXT_INIT)
             if rec.key is not None and self._keys.get(rec.key) is rec:

@@ -45,6 +45,8 @@ class PullRecord:
     leader: PullRecord | None = None  # set on dedup followers
     cancel_requested: bool = False
     into: bool = False  # a pull into the engine's own blocks (Puller.pull_into)
+    # registered, and neither scheduled nor finished yet (its hint is being admitted)
+    admitting: bool = True
 
 
 @dataclass(eq=False)
