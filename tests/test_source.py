@@ -1097,6 +1097,34 @@ def test_event_loop_thread_runs_times_out_and_closes():
     rt.close()  # idempotent
 
 
+def test_event_loop_thread_close_ends_the_tasks_cancelled_tasks_start():
+    """A task that, cancelled, starts another (a pull telling its source it gave up) and
+    awaits it: close() cancels and waits for that one too, and for one it starts without
+    awaiting it, instead of leaving them pending on a stopped loop."""
+    rt = EventLoopThread("test-rt-late")
+    late: list = []
+
+    async def tell_source():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            late.append("told")
+            raise
+
+    async def pull():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            asyncio.get_running_loop().create_task(tell_source())  # not awaited
+            await asyncio.sleep(0.05)
+            raise
+
+    fut = rt.submit(pull())
+    time.sleep(0.05)
+    rt.close(5)
+    assert fut.cancelled() and late == ["told"]
+
+
 @aio
 async def test_a_granted_read_hold_outlasts_a_lost_connection_and_close():
     """A read reply grants ``read_hold_ms`` (the service's read_hold_s, capped by the

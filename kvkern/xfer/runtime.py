@@ -121,12 +121,17 @@ class EventLoopThread:
             log.warning("event loop thread %r did not stop within %s s", self.name, timeout)
 
     async def _cancel_all(self, timeout: float) -> None:
+        """Cancel every task, and those the cancelled ones start as they end (a pull's
+        cancel message to its source), until none is left or ``timeout`` has passed."""
         me = asyncio.current_task()
-        tasks = [t for t in asyncio.all_tasks() if t is not me]
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout)
+        deadline = self._loop.time() + timeout
+        while tasks := [t for t in asyncio.all_tasks() if t is not me and not t.done()]:
+            left = deadline - self._loop.time()
+            if left <= 0:
+                break
+            for t in tasks:
+                t.cancel()
+            await asyncio.wait(tasks, timeout=left)
 
     def __enter__(self) -> EventLoopThread:
         return self
