@@ -443,3 +443,17 @@ async def test_a_connection_request_after_the_listener_closed_calls_into_no_free
             await ConnectionPool(credential=None, connect_timeout=1).get(HOST, port)
         assert not called and len(squatters) == 20000
     kept.clear()
+
+
+@aio
+async def test_the_listener_callback_dict_is_found_and_kept():
+    """ucxx's listener keeps its callback in a dict of its own: found and kept (a ucxx
+    release that stores it differently fails here, not by a crash after a close)."""
+    _ucx()
+    lst = await Listener(lambda conn: asyncio.sleep(0), credential=None).start()
+    try:
+        kept = ucxcompat._kept_listener_callbacks[-1]
+        assert isinstance(kept, dict) and isinstance(kept["cb_func"], ucxcompat.ListenerRelay)
+    finally:
+        await lst.close()
+    assert kept["cb_func"]._target is None  # emptied by the close

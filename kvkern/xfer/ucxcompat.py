@@ -26,7 +26,9 @@ The private pieces used: ucxx's application context (``ucxx.core._get_ctx()`` /
 notifier thread, its body ``_notifierThread`` (replaced by :func:`_notifier`) and the
 Python-future pool), the Cython binding ``ucxx._lib.libucxx``
 (``UCXContext``, ``UCXWorker``, ``UCXAddress``, ``Feature``, ``UCXEndpoint``,
-``UCXListener``), ucxx's asyncio ``Endpoint``, ``Listener`` and listener handler tracker,
+``UCXListener``; the dict a ``UCXListener`` keeps its callback in, found with
+:func:`gc.get_referents`), ucxx's asyncio ``Endpoint``, ``Listener`` and listener handler
+tracker (its futures, cancelled by :func:`close_listener`),
 ``Array`` and ``hash64bits`` (a connection's first exchange), and the libucp that ucxx loaded,
 bound with :mod:`ctypes` (ucxx 0.52's Python API has no RMA): the calls' signatures and the
 two parameter structs of ``ucp/api/ucp.h``.
