@@ -696,12 +696,11 @@ class Connection:
         the whole read. A read cancelled while it still waits for a helper thread is
         withdrawn (nothing was posted); once posted, a cancellation first lets the reads
         finish for up to :data:`READ_CANCEL_GRACE_S` (the connection, shared by other
-        pulls, stays up); any
-        failure, timeout, or cancellation outlasting that aborts the connection, which
-        cancels the reads still running, and then waits up to :data:`READ_DRAIN_S` for them
-        to end before raising: after the raise, UCX writes to no local address of any run
-        any more. Should a read outlive even that (never seen), the error is
-        :class:`ReadsStuck` and the caller must not reuse the local memory.
+        pulls, stays up); any failure, timeout, or cancellation outlasting that aborts the
+        connection, which cancels the reads still running, and then waits up to
+        :data:`READ_DRAIN_S` for them to end before raising: after the raise, UCX writes to
+        no local address of any run any more. Should a read outlive even that (never seen),
+        the error is :class:`ReadsStuck` and the caller must not reuse the local memory.
         """
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
