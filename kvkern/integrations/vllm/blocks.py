@@ -111,8 +111,10 @@ class VllmBlocks:
             pool.cache_full_blocks = self._indexing(pool.cache_full_blocks,
                                                     getattr(pool, "hash_block_size", None))
             pool.get_new_blocks = self._withdrawing(pool.get_new_blocks)
-            pool.reset_prefix_cache = self._resetting(pool.reset_prefix_cache)
-            pool.evict_blocks = self._evicting(pool.evict_blocks)
+            for name, wrap in (("reset_prefix_cache", self._resetting),
+                               ("evict_blocks", self._evicting)):  # (vLLM 0.32 has both)
+                if hasattr(pool, name):
+                    setattr(pool, name, wrap(getattr(pool, name)))
             self._pool = pool
 
     def _locked(self, method: Any) -> Any:
