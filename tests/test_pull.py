@@ -48,7 +48,7 @@ from kvkern.xfer import ucp_rma
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.metrics import XferMetrics
-from kvkern.xfer.outcome import Reason, RequestState
+from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.puller import Puller
 from kvkern.xfer.runtime import EventLoopThread
 from kvkern.xfer.ucp_rma import coalesce
@@ -847,29 +847,39 @@ def test_metadata_fetch_failures(make_puller, stub_server):
     assert_clean(group)
 
 
-def test_a_stream_chunk_shorter_than_announced_is_not_used(src, make_puller):
-    """The source sends the first chunk a block short of its reply's chunk size: UCX
-    completes the receive as if whole, the stream's trailer shows the difference, and the
-    pull falls back with nothing committed and no block leaked; the next pull is whole."""
+def _a_faulty_stream_is_not_used(src, make_puller, fault: dict, healed: dict,
+                                 detail: str) -> PullOutcome:
+    """A streamed pull of 6 blocks from ``src`` with ``fault`` set: it falls back
+    (``transfer_failed``, ``detail`` in its detail) with nothing committed and no block
+    leaked; with ``healed`` set again, the next pull is used."""
     tokens = fresh_tokens(6 * BS)
     hashes = src.commit(tokens)
     group = make_group()
     free = group.manager.num_free
     p = make_puller(group, remote_read=False)
-    src.faults(short_chunk_bytes=2048)
+    src.faults(**fault)
     try:
-        o = pull(p, "short", tokens, hint_for(src, tokens))
+        o = pull(p, "faulty", tokens, hint_for(src, tokens))
     finally:
-        src.faults(short_chunk_bytes=0)
+        src.faults(**healed)
     assert not o.used and o.reason is Reason.TRANSFER_FAILED, o
-    assert "chunk lengths differ" in o.detail, o
-    assert group.manager.longest_prefix(hashes) == 0 and p.claim("short") is None
+    assert detail in o.detail, o
+    assert group.manager.longest_prefix(hashes) == 0 and p.claim("faulty") is None
     assert group.manager.num_free == free
     assert_clean(group)
     src.wait_no_pins()
-    o = pull(p, "whole", tokens, hint_for(src, tokens))
-    assert o.used and o.reason is Reason.OK, o
+    whole = pull(p, "whole", tokens, hint_for(src, tokens))
+    assert whole.used and whole.reason is Reason.OK, whole
     claim_check_release(p, group, src, "whole", hashes)
+    return o
+
+
+def test_a_stream_chunk_shorter_than_announced_is_not_used(src, make_puller):
+    """The source sends the first chunk a block short of its reply's chunk size: UCX
+    completes the receive as if whole, the stream's trailer shows the difference, and the
+    pull falls back with nothing committed and no block leaked; the next pull is whole."""
+    _a_faulty_stream_is_not_used(src, make_puller, {"short_chunk_bytes": 2048},
+                                 {"short_chunk_bytes": 0}, "chunk lengths differ")
 
 
 def test_a_stream_cut_finer_than_the_protocol_allows_is_refused_before_any_receive(
@@ -878,26 +888,11 @@ def test_a_stream_cut_finer_than_the_protocol_allows_is_refused_before_any_recei
     than the protocol's smallest chunk, MIN_CHUNK_BYTES) is refused on its reply: every
     chunk would cost a receive and a step of Python here. Nothing is committed or leaked,
     and the next pull from a source cutting whole blocks is used."""
-    tokens = fresh_tokens(6 * BS)
-    hashes = src.commit(tokens)
-    group = make_group()
-    free = group.manager.num_free
-    p = make_puller(group, remote_read=False)
-    block = group.ranks[0].layout.bytes_per_block
-    src.faults(chunk_bytes=block // 2)  # each block in two slices
-    try:
-        o = pull(p, "fine", tokens, hint_for(src, tokens))
-    finally:
-        src.faults(chunk_bytes=16 << 20)
-    assert not o.used and o.reason is Reason.TRANSFER_FAILED, o
-    assert "12 chunks for 6 blocks, more than the 6" in o.detail, o
-    assert o.bytes_transferred == 0 and group.manager.longest_prefix(hashes) == 0
-    assert group.manager.num_free == free
-    assert_clean(group)
-    src.wait_no_pins()
-    o = pull(p, "whole", tokens, hint_for(src, tokens))
-    assert o.used and o.reason is Reason.OK, o
-    claim_check_release(p, group, src, "whole", hashes)
+    block = make_group().ranks[0].layout.bytes_per_block
+    o = _a_faulty_stream_is_not_used(src, make_puller, {"chunk_bytes": block // 2},
+                                     {"chunk_bytes": 16 << 20},
+                                     "12 chunks for 6 blocks, more than the 6")
+    assert o.bytes_transferred == 0
 
 
 @pytest.mark.parametrize("remote_read", [True, False], ids=["read", "stream"])
