@@ -737,7 +737,7 @@ class Connection:
                 err = TransportError("transfer_failed", f"one-sided read: {exc}")
             raise self._fail(err, f"read of {n_runs} runs") from exc
         finally:
-            await self._end_reads(batches, entries, n_runs, job, stop)
+            await _end_reads(self, batches, entries, n_runs, job, stop)
 
     def _post_and_wait(self, ep: UcxEndpoint, batches: list[ReadBatch], timeout: float,
                        stop: threading.Event, posted: threading.Event) -> float | None:
@@ -763,29 +763,6 @@ class Connection:
             if self._ep is None:
                 raise TransportError("closed", f"connection closed ({self.failure})")
             yield
-
-    async def _end_reads(self, batches: list[ReadBatch], entries: list[tuple[bytes, list]],
-                         n_runs: int, job: concurrent.futures.Future | None,
-                         stop: threading.Event) -> None:
-        """Abort and drain reads still running; then release the keys, unless a read
-        outlived the drain (:class:`ReadsStuck`: the keys and the batches are kept for good).
-        The batches are polled here only once the helper thread has let go of them (a
-        batch is not safe to poll from two threads)."""
-        helper_done = await _helper_done(job, stop)
-        stuck = [batch for batch in batches if not helper_done or batch.stuck]
-        if stuck:
-            self.abort(self.failure or "cancelled")  # cancels the reads still running
-            try:
-                drained = helper_done and all([await _drain(batch) for batch in stuck])
-            except asyncio.CancelledError:  # cancelled again while draining: unknown
-                drained = False
-            if not drained:
-                # UCX may still write where they say (their iovs, their checks' buffers)
-                _stuck_batches.extend(stuck)
-                raise ReadsStuck(f"{n_runs} reads still running after the endpoint "
-                                 f"was aborted (waited up to {READ_DRAIN_S} s)")
-        for rkey, entry in entries:
-            self._rkeys.release(rkey, entry, dead=self._ep is None)
 
     def _abort_streams(self, inflight: collections.deque, reason: str) -> None:
         # Abort first: only an endpoint abort makes UCX let go of posted buffers.
@@ -861,6 +838,30 @@ async def _read_grace(wait: asyncio.Future, stop: threading.Event,
             await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
         finished = wait.done() and not posted.is_set()
     return finished
+
+
+async def _end_reads(conn: Connection, batches: list[ReadBatch],
+                     entries: list[tuple[bytes, list]], n_runs: int,
+                     job: concurrent.futures.Future | None, stop: threading.Event) -> None:
+    """The end of :meth:`Connection.read_parts`: abort ``conn`` and drain reads still
+    running; then release the keys, unless a read outlived the drain (:class:`ReadsStuck`:
+    the keys and the batches are kept for good). The batches are polled here only once the
+    helper thread has let go of them (a batch is not safe to poll from two threads)."""
+    helper_done = await _helper_done(job, stop)
+    stuck = [batch for batch in batches if not helper_done or batch.stuck]
+    if stuck:
+        conn.abort(conn.failure or "cancelled")  # cancels the reads still running
+        try:
+            drained = helper_done and all([await _drain(batch) for batch in stuck])
+        except asyncio.CancelledError:  # cancelled again while draining: unknown
+            drained = False
+        if not drained:
+            # UCX may still write where they say (their iovs, their checks' buffers)
+            _stuck_batches.extend(stuck)
+            raise ReadsStuck(f"{n_runs} reads still running after the endpoint "
+                             f"was aborted (waited up to {READ_DRAIN_S} s)")
+    for rkey, entry in entries:
+        conn._rkeys.release(rkey, entry, dead=conn._ep is None)
 
 
 async def _helper_done(job: concurrent.futures.Future | None, stop: threading.Event) -> bool:
