@@ -271,7 +271,8 @@ class StreamReceiver:
                 # Nor does the pull end before they are done: the engine may read its own
                 # blocks on a stream of its own, which publish does not order, and committed
                 # blocks enter the read directory, whose readers follow no stream at all.
-                await _to_the_end(ds.wait(last[0], xfer_t))
+                if not last[0].query():
+                    await _to_the_end(ds.wait(last[0], xfer_t))
         job.open_transfers.remove(entry)
         if not unpacker.complete:
             raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
