@@ -205,11 +205,12 @@ def test_a_request_id_being_admitted_is_not_submitted_twice(fleet, monkeypatch):
     commit(src.group, a)
     commit(src.group, b, seed=1)
     p = make()
-    real, gate = puller_mod.read_hint, threading.Event()
+    real, gate, inside = puller_mod.read_hint, threading.Event(), threading.Event()
 
     def slow_read_hint(hint, limits):
         if threading.current_thread().name == "A":
-            gate.wait(2)  # (thread A descheduled inside its admission)
+            inside.set()
+            gate.wait(5)  # (thread A descheduled inside its admission)
         return real(hint, limits)
 
     monkeypatch.setattr(puller_mod, "read_hint", slow_read_hint)
@@ -223,7 +224,7 @@ def test_a_request_id_being_admitted_is_not_submitted_twice(fleet, monkeypatch):
 
     first = threading.Thread(target=submit, args=("A", a), name="A")
     first.start()
-    time.sleep(0.05)
+    assert inside.wait(5)
     submit("B", b)
     gate.set()
     first.join()

@@ -20,6 +20,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -1103,6 +1104,7 @@ def test_event_loop_thread_close_ends_the_tasks_cancelled_tasks_start():
     awaiting it, instead of leaving them pending on a stopped loop."""
     rt = EventLoopThread("test-rt-late")
     late: list = []
+    started = threading.Event()
 
     async def tell_source():
         try:
@@ -1112,6 +1114,7 @@ def test_event_loop_thread_close_ends_the_tasks_cancelled_tasks_start():
             raise
 
     async def pull():
+        started.set()
         try:
             await asyncio.sleep(60)
         except asyncio.CancelledError:
@@ -1120,7 +1123,7 @@ def test_event_loop_thread_close_ends_the_tasks_cancelled_tasks_start():
             raise
 
     fut = rt.submit(pull())
-    time.sleep(0.05)
+    assert started.wait(5)
     rt.close(5)
     assert fut.cancelled() and late == ["told"]
 

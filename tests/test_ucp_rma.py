@@ -796,7 +796,7 @@ async def test_a_read_cancelled_while_queued_is_withdrawn_and_keeps_the_connecti
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert time.monotonic() - t0 < 0.5
+        assert time.monotonic() - t0 < 2  # (not READ_DRAIN_S, 5 s)
         assert conn.alive and conn.failure is None
         assert all(batch.posted == 0 for batch in spy_batches)
     finally:
@@ -1134,7 +1134,7 @@ async def test_a_batch_is_never_polled_by_two_threads(listener, pool, source, mo
     from tests.rma_helpers import NeverDone
 
     active, overlaps = [0], [0]
-    lock = threading.Lock()
+    lock, polling = threading.Lock(), threading.Event()
 
     class SlowToStop(NeverDone):
         def poll(self):
@@ -1147,6 +1147,7 @@ async def test_a_batch_is_never_polled_by_two_threads(listener, pool, source, mo
             return False
 
         def wait(self, timeout, cancelled=None):
+            polling.set()
             end = time.monotonic() + 0.5  # polls on past the stop for a while
             while time.monotonic() < end:
                 self.poll()
@@ -1159,7 +1160,8 @@ async def test_a_batch_is_never_polled_by_two_threads(listener, pool, source, mo
     monkeypatch.setattr(transport, "_stuck_batches", [])
     conn = await connect(pool, listener)
     task = asyncio.ensure_future(conn.read(region.rkey, [(1, 2, 3)], timeout=5))
-    await asyncio.sleep(0.05)
+    while not polling.is_set():
+        await asyncio.sleep(0.005)
     task.cancel()
     with pytest.raises((ReadsStuck, asyncio.CancelledError)):
         await task
