@@ -210,12 +210,13 @@ class ReadDirectory:
         self._published += 1
         return True
 
-    def withdraw_hash(self, h: int) -> list[int]:
+    def withdraw_hash(self, h: int | None) -> list[int]:
         """Withdraw every block published under hash ``h`` (a hash that no longer names one
-        content); the block ids withdrawn."""
-        hashes = np.frombuffer(self._hash_of, dtype=np.uint64)
-        slots = np.frombuffer(self._slot_of, dtype=np.int64)
-        ids = np.flatnonzero((hashes == np.uint64(h)) & (slots >= 0)).tolist()
+        content; None: every block); the block ids withdrawn."""
+        published = np.frombuffer(self._slot_of, dtype=np.int64) >= 0
+        if h is not None:
+            published &= np.frombuffer(self._hash_of, dtype=np.uint64) == np.uint64(h)
+        ids = np.flatnonzero(published).tolist()
         for bid in ids:
             self.withdraw(bid)
         return ids

@@ -38,8 +38,6 @@ __all__ = ["Gate", "Handshake", "HandshakeError", "abandoned", "connect", "creat
 log = logging.getLogger("kvkern.xfer")
 
 _FORMAT = "QQ"  # (the sender's message tag, its checksum), as ucxx's exchange_peer_info
-# Closing an endpoint waits at most this long (ns) for each of its internal steps.
-_CLOSE_PERIOD_NS = 1_000_000_000
 _abandoned: list[Handshake] = []  # ended early, some request still open (see abandon)
 
 
@@ -127,7 +125,7 @@ class Handshake:
     def abandon(self) -> None:
         """Close the endpoint (cancelling its requests); keep this object while any request
         is still open, so UCX never writes into freed memory."""
-        ucxcompat.close_endpoint(self.ep, _CLOSE_PERIOD_NS)
+        ucxcompat.close_endpoint(self.ep)
         _sweep()
         if not self.settled:
             _abandoned.append(self)
@@ -220,13 +218,13 @@ async def _accept(ucx_ep: Any, ctx_ref: weakref.ref,
                   gate: Gate) -> None:
     ctx = ctx_ref()
     if ctx is None:  # the context went first: nothing to hand the connection to
-        ucxcompat.close_endpoint(ucx_ep, _CLOSE_PERIOD_NS)
+        ucxcompat.close_endpoint(ucx_ep)
         return
     address = ucxcompat.endpoint_remote_ip(int(ucx_ep.handle)) or ""
     if not gate.enter(address):
         log.debug("refused a connection from %s: %d not yet trusted (the limit)",
                   address or "an unknown address", gate.inside)
-        ucxcompat.close_endpoint(ucx_ep, _CLOSE_PERIOD_NS)
+        ucxcompat.close_endpoint(ucx_ep)
         return
     hs = Handshake(ucx_ep, accepting=True)
     try:

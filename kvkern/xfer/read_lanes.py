@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvkern.checks import check_non_negative_int, check_positive_int
 from kvkern.xfer import local_reads, transport, ucxcompat
 from kvkern.xfer.pauses import Steps, run_blocking
+from kvkern.xfer.runtime import through_cancels
 from kvkern.xfer.transport import ReadsStuck, TransportError
 from kvkern.xfer.tuning import (
     LANE_DRAIN_POLL_S,
@@ -559,9 +560,7 @@ class ReadLanes:
             if not fut.done() and until_done:
                 log.error("a read into the engine's blocks is still running %s s after its "
                           "stop; the pull ends when it does", transport.READ_DRAIN_S + 1.0)
-                while not fut.done():
-                    with contextlib.suppress(asyncio.CancelledError):  # (cancelled again)
-                        await asyncio.wait([fut])
+                await through_cancels(fut)
             return None, (fut.exception() if fut.done() and not fut.cancelled()
                           else _Stuck("lanes did not end")), True
         except BaseException as exc:  # noqa: BLE001 (mapped by the caller)

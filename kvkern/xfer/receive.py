@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import itertools
@@ -34,6 +35,7 @@ from kvkern.xfer.kvgroup import RankKV
 from kvkern.xfer.messages import READ_CAPABILITY, ReadGrant, StreamReply
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
+from kvkern.xfer.runtime import through_cancels
 from kvkern.xfer.seam import TransferConnection
 from kvkern.xfer.tuning import (
     HOLD_MARGIN_S,
@@ -45,7 +47,6 @@ from kvkern.xfer.tuning import (
 )
 
 if TYPE_CHECKING:
-    import asyncio
     import concurrent.futures
 
     import torch
@@ -272,28 +273,14 @@ class StreamReceiver:
                 # blocks on a stream of its own, which publish does not order, and committed
                 # blocks enter the read directory, whose readers follow no stream at all.
                 if not last[0].query():
-                    await _to_the_end(ds.wait(last[0], xfer_t))
+                    waited = asyncio.ensure_future(ds.wait(last[0], xfer_t))
+                    if await through_cancels(waited):
+                        raise asyncio.CancelledError
+                    waited.result()
         job.open_transfers.remove(entry)
         if not unpacker.complete:
             raise Fallback(Reason.TRANSFER_FAILED, f"stream from source rank "
                            f"{pair.src_rank} ended at byte {unpacker.pos} of {nbytes}")
-
-
-async def _to_the_end(awaitable: Coroutine[Any, Any, None]) -> None:
-    """Await ``awaitable`` to its end even when this task is cancelled meanwhile (the
-    cancellation is raised after it)."""
-    import asyncio  # noqa: PLC0415
-
-    task = asyncio.ensure_future(awaitable)
-    cancelled = False
-    while not task.done():
-        try:
-            await asyncio.wait([task])
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-    task.result()
 
 
 def max_chunks(pair: PeerTransfer, served: int, chunk: int) -> int:

@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["EventLoopThread", "spawn"]
+__all__ = ["EventLoopThread", "spawn", "through_cancels"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -138,6 +138,18 @@ class EventLoopThread:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+async def through_cancels(fut: asyncio.Future) -> bool:
+    """Wait until ``fut`` is done, however often the waiting task is cancelled meanwhile
+    (``fut`` itself is never cancelled from here); whether it was."""
+    cancelled = False
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            cancelled = True
+    return cancelled
 
 
 def spawn(tasks: set[asyncio.Task], coro: Coroutine[Any, Any, Any]) -> asyncio.Task:

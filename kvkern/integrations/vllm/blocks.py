@@ -177,8 +177,7 @@ class VllmBlocks:
                     self._cached = []
                     self._unwritten.clear()
                     if self._directory is not None:
-                        for block_id in range(self._directory.num_blocks):
-                            self._directory.withdraw(block_id)
+                        self._directory.withdraw_hash(None)
                 return done
         return call
 
