@@ -98,7 +98,8 @@ def test_a_puller_opens_its_read_lanes_before_the_first_pull(src, make_puller, m
         fut.result(10)
     n = lanes.n
     assert len(made) == n + 1 and len(set(made)) == n + 1, made  # one per lane, each its own
-    assert all(lane.opened for lane in lanes._all)
+    assert all(lane.opened for lane in [*lanes._lanes, lanes._on_loop])  # (set 0: the others
+    assert not any(lane.opened for lane in lanes._all[n:-1])  # open once a source stalls)
     tokens = fresh_tokens(n_blocks * BS + 1)
     hashes = src.commit(tokens)
     o = pull(p, "first", tokens, hint_for(src, tokens))

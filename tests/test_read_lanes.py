@@ -301,6 +301,109 @@ async def test_a_read_cancelled_while_queued_behind_another_is_withdrawn_not_stu
     assert torch.equal(dst, poisoned(4 * 12288))
 
 
+def stall_reads_from(monkeypatch, stalled: bytes) -> threading.Event:
+    """Reads from the source worker at ``stalled`` make no progress until the returned event
+    is set (or their own bound or stop ends them): a source whose memory stops answering."""
+    release = threading.Event()
+    reading = read_lanes._Lane.reading
+
+    def maybe_stalled(self, address, parts, timeout, stop, *args):
+        if address == stalled:
+            deadline = time.perf_counter() + timeout
+            while not release.is_set():
+                if stop.is_set() or time.perf_counter() >= deadline:
+                    raise TimeoutError("stalled source")
+                yield 0.001
+        return (yield from reading(self, address, parts, timeout, stop, *args))
+
+    monkeypatch.setattr(read_lanes._Lane, "reading", maybe_stalled)
+    return release
+
+
+@pytest.mark.parametrize("sets", [1, 3])
+@aio
+async def test_a_stalled_source_holds_one_lane_set_not_every_pull(source, second_worker,
+                                                                  lanes, monkeypatch, sets):
+    """A pull whose reads stall keeps its lane set; a pull from another source that waits
+    behind it runs on the next set once the stalled one is past its due time, long before
+    the stalled pull's own bound, bit for bit. With one set it waits for that bound."""
+    src, region, address = source
+    monkeypatch.setattr(read_lanes, "LANE_DUE_S", 0.05)
+    release = stall_reads_from(monkeypatch, second_worker)
+    rl = lanes(2, min_bytes=1, sets=sets)
+    stalled_dst = poisoned(2 * 8 * 4096)
+    stalled_runs, _ = shuffled_blocks(src, region, stalled_dst, 8, 4096, seed=41)
+    stalled = asyncio.ensure_future(rl.read(second_worker, [(region.rkey, stalled_runs)],
+                                            timeout=3, same_host=True))
+    await until(lambda: rl._dispatch.sets[0].busy)
+    dst = poisoned(2 * 64 * 4096)
+    runs, want = shuffled_blocks(src, region, dst, 64, 4096, seed=42)
+    t0 = time.perf_counter()
+    healthy = asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=1.5,
+                                            same_host=True))
+    try:
+        if sets == 1:
+            with pytest.raises(TransportError) as info:
+                await healthy
+            assert info.value.reason == "transfer_timeout"
+            assert torch.equal(dst, poisoned(2 * 64 * 4096))
+        else:
+            await healthy
+            assert time.perf_counter() - t0 < 1.0 and not stalled.done()
+            assert torch.equal(dst, want)
+            assert rl._dispatch.sets[0].busy and not rl._dispatch.sets[1].busy
+            assert lane_peers(rl, 0) == {} or second_worker in lane_peers(rl, 0)
+            assert rl._dispatch.sets[1].lanes[0].peers == 1  # (its endpoint to the source)
+    finally:
+        release.set()
+    await stalled  # released: it reads whole
+    assert rl.stuck_reads == 0
+
+
+@aio
+async def test_a_pull_waiting_for_a_lane_set_is_withdrawn_when_cancelled(
+        source, second_worker, lanes, monkeypatch):
+    """Every set busy with a stalled pull: a pull waiting for one and cancelled ends at once,
+    nothing of it ran (its memory stays poison) and the next waiting pull keeps its place."""
+    src, region, address = source
+    monkeypatch.setattr(read_lanes, "LANE_DUE_S", 0.01)
+    release = stall_reads_from(monkeypatch, second_worker)
+    rl = lanes(1, sets=2)
+    held = [poisoned(4096) for _ in range(2)]  # (alive until the reads end)
+    stalled = [asyncio.ensure_future(rl.read(second_worker, [(region.rkey, [
+        (buf.data_ptr(), region.address, 4096)])], timeout=5, same_host=True)) for buf in held]
+    await until(lambda: all(st.busy for st in rl._dispatch.sets))
+    dsts = [poisoned(2 * 4 * 4096) for _ in range(2)]
+    plans = [shuffled_blocks(src, region, d, 4, 4096, seed=50 + i) for i, d in enumerate(dsts)]
+    waiting = [asyncio.ensure_future(rl.read(address, [(region.rkey, runs)], timeout=5,
+                                             same_host=True)) for runs, _ in plans]
+    await asyncio.sleep(0.1)
+    waiting[0].cancel()
+    t0 = time.perf_counter()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting[0]
+    assert time.perf_counter() - t0 < 0.5 and not waiting[1].done()
+    release.set()
+    await asyncio.gather(waiting[1], *stalled)
+    assert torch.equal(dsts[0], poisoned(2 * 4 * 4096)) and torch.equal(dsts[1], plans[1][1])
+    assert rl.stuck_reads == 0 and not any(st.busy for st in rl._dispatch.sets)
+    assert all(torch.equal(buf, src[:4096]) for buf in held)
+
+
+@aio
+async def test_pulls_from_healthy_sources_run_in_turn_on_the_first_set(source, lanes):
+    """No source stalls: concurrent pulls run one after another on set 0 (the others' lanes
+    never open), each bit for bit."""
+    src, region, address = source
+    rl = lanes(2, min_bytes=1, sets=3)
+    dsts = [poisoned(2 * 32 * 4096) for _ in range(6)]
+    plans = [shuffled_blocks(src, region, d, 32, 4096, seed=60 + i) for i, d in enumerate(dsts)]
+    await asyncio.gather(*(rl.read(address, [(region.rkey, runs)], timeout=10, same_host=True)
+                           for runs, _ in plans))
+    assert all(torch.equal(d, want) for d, (_, want) in zip(dsts, plans, strict=True))
+    assert not any(lane.opened for st in rl._dispatch.sets[1:] for lane in st.lanes)
+
+
 @aio
 async def test_one_big_run_is_cut_between_lanes(source, lanes):
     """Nearly the whole region as one run at odd offsets: cut at page multiples between two

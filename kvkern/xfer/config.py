@@ -39,7 +39,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvkern.checks import check_non_negative_int
+from kvkern.checks import check_non_negative_int, check_positive_int
 
 if TYPE_CHECKING:
     from kvkern.xfer.endpoint import Allowlist, EndpointConfig
@@ -113,6 +113,10 @@ class XferConfig:
     # copy thread moves 5.8-6.3 GB/s on a 2-vCPU VM, two 10.9-11.7 (bench/RESULTS.md).
     read_lanes: int = 2
     read_lane_min_bytes: int = 4 << 20
+    # sets of read_lanes lanes that read for pulls: set 0 runs every pull's reads in turn,
+    # and a pull waiting behind one whose reads run past their due time (a stalled source,
+    # kvkern.xfer.tuning.LANE_DUE_S) goes to the next set, opened on its first read
+    read_lane_sets: int = 3
     # a pull that reads at most this many bytes of blocks reads them on the event loop's own
     # UCX worker (the loop lane), with no hand-off to a lane's thread and back (two thread
     # wakes per pull: 2 MiB pulls in 0.89-0.99 ms against 1.48-1.91); a CMA copy then runs on
@@ -194,6 +198,7 @@ class XferConfig:
         for name in ("read_min_run_bytes", "local_read_min_run_bytes", "read_lanes",
                      "read_lane_min_bytes", "loop_read_bytes"):
             check_non_negative_int(f"XferConfig.{name}", getattr(self, name))
+        check_positive_int("XferConfig.read_lane_sets", self.read_lane_sets)
         for flag in ("dedup", "cost_guard", "remote_read", "direct_reads", "local_reads"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")

@@ -32,6 +32,14 @@ loop between polls (:mod:`kvkern.xfer.pauses`), one script at a time (a second s
 meanwhile takes the lanes' threads). A CMA copy then runs on the loop thread, which bounds
 ``loop_bytes``; an RDMA read does not copy on the host at all.
 
+Larger pulls' scripts run one at a time on a *lane set* (:class:`_Dispatch`): set 0 runs
+them in turn while every source answers, since copies that share a host's memory finish
+soonest one after another. A script still running past its due time (``LANE_DUE_S`` plus
+its bytes at ``LANE_DUE_BYTES_PER_S``: a source whose reads stall, until the pull's own
+bound) sends the scripts waiting behind it to the next set (``sets``, opened on its first
+read), so one stalled source holds one set, not every pull of the process. A script that
+waits past its pull's bound for a set fails as a timeout with nothing read.
+
 Failures never cost the control connection: a failed, timed-out or stopped lane closes its
 endpoint to that source (a forced close: UCX cancels the reads still running), drains its
 requests for up to ``READ_DRAIN_S`` and raises; the next read opens a new endpoint. A
@@ -77,6 +85,8 @@ from kvkern.xfer.runtime import through_cancels
 from kvkern.xfer.transport import ReadsStuck, TransportError
 from kvkern.xfer.tuning import (
     LANE_DRAIN_POLL_S,
+    LANE_DUE_BYTES_PER_S,
+    LANE_DUE_S,
     LANE_UCX_CONFIG,
     LOOP_SPIN_S,
     MAX_CACHED_RKEYS,
@@ -251,10 +261,10 @@ class _Lane:
     its own (``thread=True``), or the event loop's (the loop lane: :meth:`ReadLanes.run_script`
     drives its :meth:`reading` in the pulling task, one script at a time)."""
 
-    def __init__(self, index: int, *, thread: bool = True) -> None:
+    def __init__(self, index: int, *, thread: bool = True, name: str = "") -> None:
         self.index = index
         self.executor = (concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix=f"kvkern-lane{index}") if thread else None)
+            1, thread_name_prefix=name or f"kvkern-lane{index}") if thread else None)
         self._context: UCXContext | None = None
         self._worker: UCXWorker | None = None
         self._worker_handle = 0
@@ -405,13 +415,16 @@ class ReadLanes:
     :meth:`read` and :meth:`run_script` are called on the event loop; :meth:`close` from any
     thread but the lanes'."""
 
-    def __init__(self, n: int, *, min_bytes: int = 4 << 20, loop_bytes: int = 0) -> None:
+    def __init__(self, n: int, *, min_bytes: int = 4 << 20, loop_bytes: int = 0,
+                 sets: int = 1) -> None:
         check_positive_int("read lanes", n)
         check_non_negative_int("loop_bytes", loop_bytes)
+        check_positive_int("lane sets", sets)
         self.n = n
         self.min_bytes = min_bytes
         self.loop_bytes = loop_bytes
-        self._lanes = [_Lane(i) for i in range(n)]
+        self._dispatch = _Dispatch(sets, n)
+        self._lanes = self._dispatch.sets[0].lanes  # the set that runs scripts while none stalls
         self._on_loop = _Lane(-1, thread=False)
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop lane's thread's
         self._loop_busy = False
@@ -419,7 +432,7 @@ class ReadLanes:
 
     @property
     def _all(self) -> list[_Lane]:
-        return [*self._lanes, self._on_loop]
+        return [*(lane for st in self._dispatch.sets for lane in st.lanes), self._on_loop]
 
     def open(self, loop: asyncio.AbstractEventLoop) -> list[concurrent.futures.Future]:
         """Create every lane's UCP context and worker now, each on its own thread (the loop
@@ -512,11 +525,12 @@ class ReadLanes:
                 if self._closed:  # closed meanwhile: the close left the lane to this script
                     self._on_loop.close()
         else:
-            result, error, cancelled = await self._on_first_lane(
-                loop, lambda: run_blocking(script(
-                    lambda parts: self._reading_all(address, parts, deadline, stop, local,
-                                                    owned, same_host))),
-                stop, until_done=owned)
+            result, error, cancelled = await self._on_a_set(
+                loop, lambda lanes: run_blocking(script(
+                    lambda parts: self._reading_all(lanes, address, parts, deadline, stop,
+                                                    local, owned, same_host))),
+                stop, wait=left(), due=LANE_DUE_S + (nbytes or 0) / LANE_DUE_BYTES_PER_S,
+                until_done=owned)
         if isinstance(error, _Stuck):
             raise ReadsStuck(str(error))
         if cancelled:
@@ -533,17 +547,33 @@ class ReadLanes:
         raise TransportError("transfer_failed",
                              f"read lane: {type(error).__name__}: {error}") from error
 
-    async def _on_first_lane(self, loop: asyncio.AbstractEventLoop, call: Callable[[], T],
-                             stop: threading.Event, *, until_done: bool = False,
-                             ) -> tuple[T | None, BaseException | None, bool]:
-        """``call()`` on the first lane's thread: its result, its error, and whether this
-        wait was cancelled (the reads then finish within READ_CANCEL_GRACE_S or are
-        stopped, and the call ends by its own bounds; ``until_done``: waited for until it
-        has, through further cancellations, since its reads write into memory the engine
-        owns and may hand to another request once the pull has ended). A call still queued
-        behind another script is withdrawn: nothing of it ran, so nothing is stuck."""
-        cf = self._lanes[0].executor.submit(call)
+    async def _on_a_set(self, loop: asyncio.AbstractEventLoop,
+                        call: Callable[[list[_Lane]], T], stop: threading.Event, *,
+                        wait: float, due: float, until_done: bool = False,
+                        ) -> tuple[T | None, BaseException | None, bool]:
+        """``call(lanes)`` on the first lane's thread of a lane set (:class:`_Dispatch`; the
+        set is held until the call has returned, expected within ``due`` seconds; waited
+        for at most ``wait`` seconds, then a TimeoutError with nothing run): its
+        result, its error, and whether this wait was cancelled (the reads then finish within
+        READ_CANCEL_GRACE_S or are stopped, and the call ends by its own bounds;
+        ``until_done``: waited for until it has, through further cancellations, since its
+        reads write into memory the engine owns and may hand to another request once the
+        pull has ended). A call still waiting for a set, or queued on the lane's thread, is
+        withdrawn: nothing of it ran, so nothing is stuck."""
+        try:
+            lane_set = await self._dispatch.acquire(due, wait)
+        except asyncio.CancelledError:
+            stop.set()
+            return None, None, True
+        except TimeoutError as exc:
+            return None, exc, False
+        try:
+            cf = lane_set.lanes[0].executor.submit(call, lane_set.lanes)
+        except BaseException:
+            self._dispatch.release(lane_set)
+            raise
         fut = asyncio.wrap_future(cf, loop=loop)
+        fut.add_done_callback(lambda _: self._dispatch.release(lane_set))
         try:
             return await asyncio.shield(fut), None, False
         except asyncio.CancelledError:
@@ -566,29 +596,29 @@ class ReadLanes:
         except BaseException as exc:  # noqa: BLE001 (mapped by the caller)
             return None, exc, False
 
-    def _reading_all(self, address: bytes, parts: Sequence[Part], deadline: float,
-                     stop: threading.Event, local: LocalSource | None = None,
+    def _reading_all(self, lanes: list[_Lane], address: bytes, parts: Sequence[Part],
+                     deadline: float, stop: threading.Event, local: LocalSource | None = None,
                      owned: bool = False, same_host: bool = False) -> Steps[float | None]:
-        """On the first lane's thread: its share here, the others' on their threads (which
-        never wait on another lane, so no wait cycle); one failing stops the rest. Raises
-        the first error that is not a timeout caused by the stop (_Stuck first). Steps for
-        the script's driver on this thread, which alone runs them (the other lanes'
-        results are waited for by blocking)."""
-        shares = split_parts(parts, self.n, min_bytes=self.min_bytes)
+        """On the first of ``lanes``' threads (a lane set's): its share here, the others'
+        on their threads (which never wait on another lane, so no wait cycle); one failing
+        stops the rest. Raises the first error that is not a timeout caused by the stop
+        (_Stuck first). Steps for the script's driver on this thread, which alone runs them
+        (the other lanes' results are waited for by blocking)."""
+        shares = split_parts(parts, len(lanes), min_bytes=self.min_bytes)
         if not shares:
             return None
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
         futs = [lane.executor.submit(lane.run, address, share, left(), stop, local, owned,
                                      same_host)
-                for lane, share in zip(self._lanes[1:], shares[1:], strict=False)]
+                for lane, share in zip(lanes[1:], shares[1:], strict=False)]
         for fut in futs:  # one lane failing stops the others at once
             fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
                                   or stop.set())
         firsts: list[float | None] = []
         errors: list[BaseException] = []
         try:
-            firsts.append((yield from self._lanes[0].reading(address, shares[0], left(),
-                                                             stop, local, owned, same_host)))
+            firsts.append((yield from lanes[0].reading(address, shares[0], left(), stop, local,
+                                                       owned, same_host)))
         except GeneratorExit:
             stop.set()
             raise
@@ -614,13 +644,14 @@ class ReadLanes:
             return
         self._closed = True
         deadline = time.monotonic() + timeout
-        futs = [lane.executor.submit(lane.close) for lane in self._lanes]
+        lanes = [lane for st in self._dispatch.sets for lane in st.lanes]
+        futs = [lane.executor.submit(lane.close) for lane in lanes]
         if self._on_loop.opened or self._loop is not None:  # (opened, or an open() queued)
             futs.append(_on_loop_thread(self._loop, self._close_loop_lane))
         for fut in futs:
             with contextlib.suppress(Exception):
                 fut.result(max(0.0, deadline - time.monotonic()))
-        for lane in self._lanes:
+        for lane in lanes:
             lane.executor.shutdown(wait=False)
 
     def _close_loop_lane(self) -> None:
@@ -629,6 +660,105 @@ class ReadLanes:
         lane after the script it is running)."""
         if not self._loop_busy:
             self._on_loop.close()
+
+
+class _LaneSet:
+    """``n`` lanes that run one script at a time, on the first lane's thread, each read split
+    over all ``n``; while ``busy``, the script it runs started at ``since`` (``perf_counter``)
+    and is expected to end within ``due`` seconds."""
+
+    __slots__ = ("lanes", "busy", "since", "due")
+
+    def __init__(self, index: int, n: int) -> None:
+        prefix = "kvkern-lane" if index == 0 else f"kvkern-set{index}-lane"
+        self.lanes = [_Lane(i, name=f"{prefix}{i}") for i in range(n)]
+        self.busy = False
+        self.since = self.due = 0.0
+
+    def overdue(self, now: float) -> bool:
+        return self.busy and now - self.since > self.due
+
+
+class _Dispatch:
+    """Which lane set runs each script, on the event loop's thread. Scripts wait in one
+    queue, in order; the first goes to the first set that is free once every set before it
+    is *overdue* (running a script past its due time: a source whose reads stall). So while
+    no source stalls, set 0 runs every script, one after another (copies that share a host's
+    memory finish soonest in turn, and its endpoints are warm), and a stalled source holds
+    one set, not every pull of the process. A set's lanes open on their first read."""
+
+    def __init__(self, sets: int, n: int) -> None:
+        self.sets = [_LaneSet(i, n) for i in range(sets)]
+        self._waiting: collections.deque[tuple[asyncio.Future[_LaneSet], float]] = \
+            collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def acquire(self, due: float, wait: float) -> _LaneSet:
+        """A set for a script expected to run ``due`` seconds, held until :meth:`release`;
+        TimeoutError after ``wait`` seconds. A wait that times out or is cancelled holds
+        none."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_LaneSet] = loop.create_future()
+        self._waiting.append((fut, due))
+        self._dispatch()
+        timer = None if fut.done() else loop.call_later(wait, _expire, fut, wait)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # (handed a set as the task was cancelled)
+                self.release(fut.result())
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def release(self, lane_set: _LaneSet) -> None:
+        lane_set.busy = False
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        now = time.perf_counter()
+        while self._waiting:
+            fut, due = self._waiting[0]
+            if fut.done():  # (its wait was cancelled)
+                self._waiting.popleft()
+                continue
+            lane_set = self._free(now)
+            if lane_set is None:
+                break
+            self._waiting.popleft()
+            lane_set.busy, lane_set.since, lane_set.due = True, now, due
+            fut.set_result(lane_set)
+        self._arm(now)
+
+    def _free(self, now: float) -> _LaneSet | None:
+        for lane_set in self.sets:
+            if not lane_set.busy:
+                return lane_set
+            if not lane_set.overdue(now):
+                return None
+        return None
+
+    def _arm(self, now: float) -> None:
+        """While a script waits behind a set that is not yet overdue, with a free set after
+        it: dispatch again when that set becomes overdue."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._waiting:
+            return
+        for i, lane_set in enumerate(self.sets):
+            if not lane_set.overdue(now):  # (busy: a free set would have taken the script)
+                if any(not later.busy for later in self.sets[i + 1:]):
+                    self._timer = asyncio.get_running_loop().call_later(
+                        lane_set.since + lane_set.due - now + 1e-4, self._dispatch)
+                return
+
+
+def _expire(fut: asyncio.Future, wait: float) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError(f"no lane set free within {wait:.3g} s"))
+
 
 
 async def _drive_here(steps: Steps[T], stop: threading.Event) -> tuple[

@@ -574,7 +574,8 @@ class ReadReceiver:
         if self.lanes is None:  # (lanes beyond this process's CPUs could not copy at once)
             self.lanes = ReadLanes(min(self.config.read_lanes, _usable_cpus()),
                                    min_bytes=self.config.read_lane_min_bytes,
-                                   loop_bytes=self.config.loop_read_bytes)
+                                   loop_bytes=self.config.loop_read_bytes,
+                                   sets=self.config.read_lane_sets)
         return self.lanes
 
     def open_lanes(self, loop: asyncio.AbstractEventLoop,

@@ -66,6 +66,11 @@ READ_WAITER_THREADS = 8
 # source rank is a worker (a TP 8 source node is 8), and a read that must open its endpoint
 # again took 0.7 ms against 0.2 ms (one lane, in one process).
 MAX_LANE_PEERS = 64
+# A lane set's script is overdue past LANE_DUE_S plus its bytes at LANE_DUE_BYTES_PER_S; the
+# scripts behind it then go to the next set (XferConfig.read_lane_sets). A 64 MiB pull is due
+# in 117 ms, where it reads in 6-8 ms idle and 12-25 ms beside an engine's Python thread.
+LANE_DUE_S = 0.05
+LANE_DUE_BYTES_PER_S = 1e9
 # Lane shares are cut at page multiples of a run, so no page is split between two lanes.
 SPLIT_ALIGN = 4096
 # A lane draining an aborted endpoint's reads polls at this interval when UCX made no
