@@ -331,6 +331,7 @@ async def test_a_stalled_source_holds_one_lane_set_not_every_pull(source, second
     monkeypatch.setattr(read_lanes, "LANE_DUE_S", 0.05)
     release = stall_reads_from(monkeypatch, second_worker)
     rl = lanes(2, min_bytes=1, sets=sets)
+    spills = read_lanes.lane_set_spills()
     stalled_dst = poisoned(2 * 8 * 4096)
     stalled_runs, _ = shuffled_blocks(src, region, stalled_dst, 8, 4096, seed=41)
     stalled = asyncio.ensure_future(rl.read(second_worker, [(region.rkey, stalled_runs)],
@@ -354,6 +355,7 @@ async def test_a_stalled_source_holds_one_lane_set_not_every_pull(source, second
             assert rl._dispatch.sets[0].busy and not rl._dispatch.sets[1].busy
             assert lane_peers(rl, 0) == {} or second_worker in lane_peers(rl, 0)
             assert rl._dispatch.sets[1].lanes[0].peers == 1  # (its endpoint to the source)
+            assert read_lanes.lane_set_spills() == spills + 1
     finally:
         release.set()
     await stalled  # released: it reads whole
@@ -398,10 +400,12 @@ async def test_pulls_from_healthy_sources_run_in_turn_on_the_first_set(source, l
     rl = lanes(2, min_bytes=1, sets=3)
     dsts = [poisoned(2 * 32 * 4096) for _ in range(6)]
     plans = [shuffled_blocks(src, region, d, 32, 4096, seed=60 + i) for i, d in enumerate(dsts)]
+    spills = read_lanes.lane_set_spills()
     await asyncio.gather(*(rl.read(address, [(region.rkey, runs)], timeout=10, same_host=True)
                            for runs, _ in plans))
     assert all(torch.equal(d, want) for d, (_, want) in zip(dsts, plans, strict=True))
     assert not any(lane.opened for st in rl._dispatch.sets[1:] for lane in st.lanes)
+    assert read_lanes.lane_set_spills() == spills
 
 
 @aio

@@ -141,6 +141,24 @@ class _ReadsPastDrain:
         yield CounterMetricFamily(self.NAME, self.DOC, labels=("memory",))
 
 
+class _LaneSetSpills:
+    """``kvkern_read_lane_spills_total``: read scripts that ran on a spare lane set because
+    every set before it was running reads past their due time
+    (:func:`kvkern.xfer.read_lanes.lane_set_spills`), counted process-wide."""
+
+    NAME = PREFIX + "read_lane_spills"
+    DOC = ("Pulls whose reads ran on a spare read lane set, the sets before it each busy past "
+           "its due time (process-wide).")
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        from kvkern.xfer import read_lanes  # noqa: PLC0415
+
+        yield CounterMetricFamily(self.NAME, self.DOC, value=read_lanes.lane_set_spills())
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, self.DOC)
+
+
 class XferMetrics:
     """Every ``kvkern_`` metric, registered in ``registry`` (a fresh
     :class:`~prometheus_client.CollectorRegistry` by default, so tests can create many).
@@ -181,6 +199,7 @@ class XferMetrics:
                                     ("path",))
         r.register(_LocalReadRefusals())
         r.register(_ReadsPastDrain())
+        r.register(_LaneSetSpills())
         self.blocks_quarantined = counter("blocks_quarantined", "Private blocks never "
                                           "reused: one-sided reads into them outlived their "
                                           "abort.")

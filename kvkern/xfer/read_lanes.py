@@ -102,7 +102,8 @@ if TYPE_CHECKING:
     from kvkern.xfer.local_reads import LocalSource
     from kvkern.xfer.ucp_rma import ReadBatch, RemoteKey
 
-__all__ = ["ReadLanes", "split_parts", "address_usable", "reads_past_drain", "MAX_PEERS",
+__all__ = ["ReadLanes", "split_parts", "address_usable", "lane_set_spills", "reads_past_drain",
+           "MAX_PEERS",
            "MAX_WORKER_ADDRESS_BYTES", "NEAR_TRANSPORTS"]
 
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
@@ -121,6 +122,17 @@ log = logging.getLogger("kvkern.xfer")
 # this process, by the memory they write: the puller's own or the engine's.
 _past_drain = {"private": 0, "engine": 0}
 _past_drain_lock = threading.Lock()
+
+
+# Scripts run on a lane set other than the first, in this process: the sets before it were
+# each running a script past its due time (a source whose reads stall).
+_spills = [0]
+
+
+def lane_set_spills() -> int:
+    """How many read scripts in this process ran on a spare lane set (:class:`_Dispatch`)."""
+    with _past_drain_lock:
+        return _spills[0]
 
 
 def reads_past_drain() -> dict[str, int]:
@@ -728,6 +740,9 @@ class _Dispatch:
                 break
             self._waiting.popleft()
             lane_set.busy, lane_set.since, lane_set.due = True, now, due
+            if lane_set is not self.sets[0]:
+                with _past_drain_lock:
+                    _spills[0] += 1
             fut.set_result(lane_set)
         self._arm(now)
 
