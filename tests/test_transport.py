@@ -275,6 +275,35 @@ async def test_receive_timeout_then_pool_reconnects(peer, pool):
 
 
 @aio
+async def test_a_receive_cancelled_mid_chunk_writes_nothing_after_it_returns(peer, pool):
+    """A stream's receive cancelled while its chunk is landing aborts the connection, and
+    once the cancellation has returned not one byte more lands in the buffer: what the
+    destination hands back (staging, private blocks) is no longer UCX's. Through CMA the
+    abort waits for the copy UCX is running; the rest of the chunk is dropped."""
+    conn = await pool.get(HOST, peer[1])
+    total = 128 << 20
+    req = request("ok", total, total)
+    await conn.send_msg(req, timeout=5)
+    reply = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY), timeout=5)
+    assert reply.chunk_sizes == [total]
+    buf = np.full(total, 0xA5, dtype=np.uint8)
+    probes = np.arange(0, total, 1 << 20)
+    task = asyncio.ensure_future(conn.recv_chunks(req.transfer_id, [buf], timeout=10))
+    while not task.done() and int((buf[probes] != 0xA5).sum()) < 2:
+        await asyncio.sleep(0)
+    assert not task.done(), "the chunk landed whole before it could be cancelled"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not conn.alive and conn.failure == "cancelled"
+    snapshot = buf.copy()
+    await asyncio.sleep(0.3)
+    assert np.array_equal(buf, snapshot)
+    landed = buf != 0xA5
+    assert np.array_equal(buf[landed], pattern(req.transfer_id, total)[landed])
+
+
+@aio
 async def test_control_reply_timeout(peer, pool):
     conn = await pool.get(HOST, peer[1])
     req = request("noreply", 10, 10)
