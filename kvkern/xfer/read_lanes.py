@@ -121,7 +121,7 @@ log = logging.getLogger("kvkern.xfer")
 # Drains whose reads were still running READ_DRAIN_S after their endpoint's forced close, in
 # this process, by the memory they write: the puller's own or the engine's.
 _past_drain = {"private": 0, "engine": 0}
-_past_drain_lock = threading.Lock()
+_counts_lock = threading.Lock()
 
 
 # Scripts run on a lane set other than the first, in this process: the sets before it were
@@ -131,7 +131,7 @@ _spills = [0]
 
 def lane_set_spills() -> int:
     """How many read scripts in this process ran on a spare lane set (:class:`_Dispatch`)."""
-    with _past_drain_lock:
+    with _counts_lock:
         return _spills[0]
 
 
@@ -139,7 +139,7 @@ def reads_past_drain() -> dict[str, int]:
     """How many lane drains in this process had reads still running ``READ_DRAIN_S`` after
     their endpoint's forced close, by memory: ``private`` (the puller's own blocks, then
     quarantined) and ``engine`` (an engine's blocks: the pull waited until they ended)."""
-    with _past_drain_lock:
+    with _counts_lock:
         return dict(_past_drain)
 
 
@@ -333,7 +333,7 @@ class _Lane:
         while not all(b.poll() for b in batches):
             if not past and time.monotonic() >= deadline:
                 past, running = True, sum(b.posted for b in batches)
-                with _past_drain_lock:
+                with _counts_lock:
                     _past_drain["engine" if owned else "private"] += 1
                 if not owned:
                     self.stuck_batches.extend(b for b in batches if b.stuck)
@@ -580,6 +580,8 @@ class ReadLanes:
         except TimeoutError as exc:
             return None, exc, False
         try:
+            if self._closed:  # (closed while this script waited for a set)
+                raise TransportError("closed", "read lanes closed")
             cf = lane_set.lanes[0].executor.submit(call, lane_set.lanes)
         except BaseException:
             self._dispatch.release(lane_set)
@@ -704,12 +706,13 @@ class _Dispatch:
         self._waiting: collections.deque[tuple[asyncio.Future[_LaneSet], float]] = \
             collections.deque()
         self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the waiting scripts' loop
 
     async def acquire(self, due: float, wait: float) -> _LaneSet:
         """A set for a script expected to run ``due`` seconds, held until :meth:`release`;
         TimeoutError after ``wait`` seconds. A wait that times out or is cancelled holds
         none."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[_LaneSet] = loop.create_future()
         self._waiting.append((fut, due))
         self._dispatch()
@@ -741,7 +744,7 @@ class _Dispatch:
             self._waiting.popleft()
             lane_set.busy, lane_set.since, lane_set.due = True, now, due
             if lane_set is not self.sets[0]:
-                with _past_drain_lock:
+                with _counts_lock:
                     _spills[0] += 1
             fut.set_result(lane_set)
         self._arm(now)
@@ -765,7 +768,7 @@ class _Dispatch:
         for i, lane_set in enumerate(self.sets):
             if not lane_set.overdue(now):  # (busy: a free set would have taken the script)
                 if any(not later.busy for later in self.sets[i + 1:]):
-                    self._timer = asyncio.get_running_loop().call_later(
+                    self._timer = self._loop.call_later(
                         lane_set.since + lane_set.due - now + 1e-4, self._dispatch)
                 return
 
