@@ -103,8 +103,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.ucp_rma import ReadBatch, RemoteKey
 
 __all__ = ["ReadLanes", "split_parts", "address_usable", "lane_set_spills", "reads_past_drain",
-           "MAX_PEERS",
-           "MAX_WORKER_ADDRESS_BYTES", "NEAR_TRANSPORTS"]
+           "MAX_PEERS", "MAX_WORKER_ADDRESS_BYTES", "NEAR_TRANSPORTS"]
 
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
 Part = tuple[bytes, Sequence[Run]]  # (packed rkey, runs)
@@ -423,7 +422,9 @@ class _Lane:
 
 
 class ReadLanes:
-    """``n`` read lanes (see the module docstring), and the loop lane for small reads.
+    """``sets`` lane sets of ``n`` read lanes each (see the module docstring; the first set
+    opens with :meth:`open`, the others on their first read), and the loop lane for small
+    reads.
     :meth:`read` and :meth:`run_script` are called on the event loop; :meth:`close` from any
     thread but the lanes'."""
 
