@@ -424,9 +424,8 @@ class _Lane:
 class ReadLanes:
     """``sets`` lane sets of ``n`` read lanes each (see the module docstring; the first set
     opens with :meth:`open`, the others on their first read), and the loop lane for small
-    reads.
-    :meth:`read` and :meth:`run_script` are called on the event loop; :meth:`close` from any
-    thread but the lanes'."""
+    reads. :meth:`read` and :meth:`run_script` are called on the event loop; :meth:`close`
+    from any thread but the lanes'."""
 
     def __init__(self, n: int, *, min_bytes: int = 4 << 20, loop_bytes: int = 0,
                  sets: int = 1) -> None:
