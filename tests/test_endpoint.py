@@ -9,10 +9,12 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from kvkern.xfer import endpoint as endpoint_mod
 from kvkern.xfer.endpoint import (
     REASONS,
     Allowlist,
@@ -346,6 +348,54 @@ def test_bad_dp_rank_raises():
 async def test_async_resolution():
     v = await resolve_endpoint_async("pod.ns.svc.cluster.local:8000", ALLOW, resolver=FakeDNS())
     assert v.allowed
+
+
+class StuckDNS(FakeDNS):
+    """A resolver whose every lookup waits until ``release`` is set (a name server down)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release = threading.Event()
+        self.waiting = 0
+
+    def __call__(self, host, port):
+        self.waiting += 1
+        self.release.wait(10)
+        return super().__call__(host, port)
+
+
+async def test_stuck_lookups_hold_neither_addresses_nor_the_loops_executor(monkeypatch):
+    """Host name lookups that hang (a name server down) hold the lookup threads only: an
+    endpoint that names an address is resolved at once, work on the event loop's default
+    executor still runs, lookups past MAX_PENDING_LOOKUPS are refused at once instead of
+    queueing, and one whose caller gave up counts until its thread returns."""
+    monkeypatch.setattr(endpoint_mod, "MAX_PENDING_LOOKUPS", endpoint_mod.LOOKUP_THREADS + 2)
+    dns = StuckDNS()
+    base = endpoint_mod.pending_lookups()
+    held = [asyncio.ensure_future(resolve_endpoint_async(
+        "pod.ns.svc.cluster.local:8000", ALLOW, resolver=dns))
+        for _ in range(endpoint_mod.LOOKUP_THREADS + 2)]
+    try:
+        while dns.waiting < endpoint_mod.LOOKUP_THREADS:
+            await asyncio.sleep(0.01)
+        assert endpoint_mod.pending_lookups() == base + len(held)
+        ip = await asyncio.wait_for(resolve_endpoint_async("10.0.0.5:8000", ALLOW,
+                                                           resolver=dns), 1)
+        assert ip.allowed and ip.endpoint.ip == "10.0.0.5"
+        assert await asyncio.wait_for(asyncio.to_thread(lambda: 7), 1) == 7
+        refused = await asyncio.wait_for(resolve_endpoint_async(
+            "worker-1.example:8000", ALLOW, resolver=dns), 1)
+        assert not refused.allowed and refused.reason == "resolve_failed"
+        assert "lookups pending" in refused.detail
+        with pytest.raises(asyncio.TimeoutError):  # its caller gives up; its thread waits on
+            await asyncio.wait_for(held[0], 0.05)
+        assert endpoint_mod.pending_lookups() == base + len(held)
+    finally:
+        dns.release.set()
+    done = await asyncio.gather(*held[1:])
+    assert all(v.allowed for v in done)
+    while endpoint_mod.pending_lookups() != base:
+        await asyncio.sleep(0.01)
 
 
 # ------------------------------------------------------------------------------------- CLI

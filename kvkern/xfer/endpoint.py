@@ -63,12 +63,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import ipaddress
 import json
 import os
 import re
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal
@@ -94,6 +96,7 @@ __all__ = [
     "normalize_host",
     "resolve_endpoint",
     "resolve_endpoint_async",
+    "pending_lookups",
     "system_resolver",
 ]
 
@@ -607,6 +610,23 @@ def _resolve(host: str, port: int, resolver: Resolver, config: EndpointConfig) -
     return out
 
 
+# Host names are looked up on threads of their own, never on the event loop's default
+# executor: getaddrinfo blocks for as long as the system's resolver retries (seconds when a
+# name server is down), and lookups that hold every thread of a shared executor would stall
+# whatever else waits there. At most MAX_PENDING_LOOKUPS wait or run at once; a hint whose
+# name would be one more is refused at once (``resolve_failed``).
+LOOKUP_THREADS = 4
+MAX_PENDING_LOOKUPS = 64
+_lookups: concurrent.futures.ThreadPoolExecutor | None = None
+_lookups_lock = threading.Lock()
+_pending_lookups = 0
+
+
+def pending_lookups() -> int:
+    """Host name lookups waiting for or running on the lookup threads, in this process."""
+    return _pending_lookups
+
+
 async def resolve_endpoint_async(
     endpoint: str,
     allowlist: Allowlist | Iterable[str],
@@ -615,10 +635,40 @@ async def resolve_endpoint_async(
     config: EndpointConfig = DEFAULT_CONFIG,
     resolver: Resolver | None = None,
 ) -> EndpointVerdict:
-    """:func:`resolve_endpoint` on a worker thread (``getaddrinfo`` blocks)."""
-    return await asyncio.to_thread(
-        resolve_endpoint, endpoint, allowlist, dp_rank=dp_rank, config=config, resolver=resolver
-    )
+    """:func:`resolve_endpoint`: here when the endpoint names an address (or is refused
+    before any lookup), else on the lookup threads (module comment above)."""
+    global _lookups, _pending_lookups
+    try:
+        needs_lookup = isinstance(_parse(endpoint, dp_rank, config).host, str)
+    except (_Refuse, ValueError):
+        needs_lookup = False
+    if not needs_lookup:
+        return resolve_endpoint(endpoint, allowlist, dp_rank=dp_rank, config=config,
+                                resolver=resolver)
+    with _lookups_lock:
+        if _pending_lookups >= MAX_PENDING_LOOKUPS:
+            return EndpointVerdict(endpoint_spec=endpoint, allowed=False,
+                                   reason="resolve_failed",
+                                   detail=f"{_pending_lookups} host name lookups pending "
+                                          f"(at most {MAX_PENDING_LOOKUPS})")
+        if _lookups is None:
+            _lookups = concurrent.futures.ThreadPoolExecutor(
+                LOOKUP_THREADS, thread_name_prefix="kvkern-lookup")
+        _pending_lookups += 1
+    try:
+        fut = _lookups.submit(resolve_endpoint, endpoint, allowlist, dp_rank=dp_rank,
+                              config=config, resolver=resolver)
+    except BaseException:
+        _lookup_done(None)
+        raise
+    fut.add_done_callback(_lookup_done)
+    return await asyncio.wrap_future(fut)
+
+
+def _lookup_done(_: object) -> None:
+    global _pending_lookups
+    with _lookups_lock:
+        _pending_lookups -= 1
 
 
 # ----------------------------------------------------------------------------- state fetch
