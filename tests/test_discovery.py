@@ -79,3 +79,36 @@ def test_pulls_of_a_source_not_yet_resolved_share_one_resolution():
         await d.aclose()
 
     asyncio.run(main())
+
+
+def test_a_worker_out_of_lookups_falls_back_busy_and_keeps_its_verdicts(monkeypatch):
+    """A hint whose host name finds every lookup slot taken ends as this worker's ``busy``
+    (not the source's refusal), and a background refresh refused that way keeps the cached
+    verdict, which an unreachable name server did not make wrong."""
+    import asyncio
+
+    d = SourceDiscovery(XferConfig(allowlist="10.0.0.0/8", state_cache_ttl_s=0.01), None,
+                        resolver=lambda host, port: ["10.1.2.3"])
+
+    def job(source: str) -> SimpleNamespace:
+        return SimpleNamespace(hint=SimpleNamespace(source=source, source_dp_rank=None),
+                               refreshes=[])
+
+    async def main() -> None:
+        first = job("http://src.example:8600")
+        assert (await d.resolve(first, 5.0)).ip == "10.1.2.3"
+        monkeypatch.setattr(endpoint, "MAX_PENDING_LOOKUPS", 0)
+        with pytest.raises(Fallback) as info:
+            await d.resolve(job("http://other.example:8600"), 5.0)
+        assert info.value.reason is Reason.BUSY and "lookups pending" in info.value.detail
+        await asyncio.sleep(0.02)  # past the time to live: used, and refreshed after the pull
+        again = job("http://src.example:8600")
+        assert (await d.resolve(again, 5.0)).ip == "10.1.2.3" and again.refreshes
+        d.after_pull(again)
+        while d._refreshes:
+            await asyncio.sleep(0.005)
+        assert (await d.resolve(job("http://src.example:8600"), 5.0)).ip == "10.1.2.3"
+        assert d._verdicts  # kept
+        await d.aclose()
+
+    asyncio.run(main())

@@ -4,6 +4,7 @@ fetch_state against a real aiohttp server on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import socket
@@ -356,46 +357,88 @@ class StuckDNS(FakeDNS):
     def __init__(self):
         super().__init__()
         self.release = threading.Event()
+        self.lock = threading.Lock()
         self.waiting = 0
 
     def __call__(self, host, port):
-        self.waiting += 1
+        with self.lock:
+            self.waiting += 1
         self.release.wait(10)
         return super().__call__(host, port)
 
 
+async def until_true(pred, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not pred():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
 async def test_stuck_lookups_hold_neither_addresses_nor_the_loops_executor(monkeypatch):
     """Host name lookups that hang (a name server down) hold the lookup threads only: an
-    endpoint that names an address is resolved at once, work on the event loop's default
-    executor still runs, lookups past MAX_PENDING_LOOKUPS are refused at once instead of
-    queueing, and one whose caller gave up counts until its thread returns."""
+    endpoint that names an address, or a name refused before any lookup, is answered at
+    once; work on the event loop's default executor (one thread here) still runs; lookups
+    past MAX_PENDING_LOOKUPS are refused at once (``resolve_busy``) instead of queueing; one
+    whose caller gave up counts until its thread returns."""
+    await until_true(lambda: endpoint_mod.pending_lookups() == 0)  # (no earlier test's)
     monkeypatch.setattr(endpoint_mod, "MAX_PENDING_LOOKUPS", endpoint_mod.LOOKUP_THREADS + 2)
+    loop = asyncio.get_running_loop()
+    default = concurrent.futures.ThreadPoolExecutor(1)
+    loop.set_default_executor(default)
     dns = StuckDNS()
-    base = endpoint_mod.pending_lookups()
     held = [asyncio.ensure_future(resolve_endpoint_async(
         "pod.ns.svc.cluster.local:8000", ALLOW, resolver=dns))
         for _ in range(endpoint_mod.LOOKUP_THREADS + 2)]
     try:
-        while dns.waiting < endpoint_mod.LOOKUP_THREADS:
-            await asyncio.sleep(0.01)
-        assert endpoint_mod.pending_lookups() == base + len(held)
+        await until_true(lambda: dns.waiting == endpoint_mod.LOOKUP_THREADS)
+        assert endpoint_mod.pending_lookups() == len(held)
         ip = await asyncio.wait_for(resolve_endpoint_async("10.0.0.5:8000", ALLOW,
                                                            resolver=dns), 1)
         assert ip.allowed and ip.endpoint.ip == "10.0.0.5"
+        names = Allowlist.parse(["worker-1.example:8000"])
+        for spec, allow, reason in (("evil.example:8000", names, "not_allowed"),
+                                    ("metadata.google.internal", ALLOW, "metadata_address"),
+                                    ("worker-1.example:8000", [], "empty_allowlist")):
+            v = await asyncio.wait_for(resolve_endpoint_async(spec, allow, resolver=dns), 1)
+            assert not v.allowed and v.reason == reason
         assert await asyncio.wait_for(asyncio.to_thread(lambda: 7), 1) == 7
         refused = await asyncio.wait_for(resolve_endpoint_async(
             "worker-1.example:8000", ALLOW, resolver=dns), 1)
-        assert not refused.allowed and refused.reason == "resolve_failed"
+        assert not refused.allowed and refused.reason == "resolve_busy"
         assert "lookups pending" in refused.detail
+        assert dns.waiting == endpoint_mod.LOOKUP_THREADS
         with pytest.raises(asyncio.TimeoutError):  # its caller gives up; its thread waits on
             await asyncio.wait_for(held[0], 0.05)
-        assert endpoint_mod.pending_lookups() == base + len(held)
+        assert endpoint_mod.pending_lookups() == len(held)
     finally:
         dns.release.set()
     done = await asyncio.gather(*held[1:])
     assert all(v.allowed for v in done)
-    while endpoint_mod.pending_lookups() != base:
-        await asyncio.sleep(0.01)
+    await until_true(lambda: endpoint_mod.pending_lookups() == 0)
+    default.shutdown(wait=False)
+
+
+def test_a_forked_child_looks_up_on_threads_of_its_own(tmp_path):
+    """The lookup threads of a parent do not exist in a forked child: the child makes its
+    own, and its count starts at zero."""
+    script = tmp_path / "fork.py"
+    script.write_text(
+        "import asyncio, os, sys\n"
+        "from kvkern.xfer import endpoint\n"
+        "def dns(host, port):\n"
+        "    return ['10.1.2.3']\n"
+        "def look():\n"
+        "    return asyncio.run(asyncio.wait_for(endpoint.resolve_endpoint_async(\n"
+        "        'a.example:8000', ['10.0.0.0/8'], resolver=dns), 5)).allowed\n"
+        "assert look()\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0 if look() and endpoint.pending_lookups() == 0 else 3)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # ------------------------------------------------------------------------------------- CLI

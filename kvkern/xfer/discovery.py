@@ -13,7 +13,8 @@ pulled from rarely costs no fetch per pull either: a state changes only with its
 incarnation, and a pull on the state of a source that restarted fails its connection or its
 direct read, which drops the entry and asks again (:meth:`SourceDiscovery.connect_failed`).
 None older than both is used, and a refresh that fails drops the entry (the next pull asks
-again and meets the failure itself).
+again and meets the failure itself), but for one refused for want of a lookup thread
+(``busy``), which looked nothing up.
 
 Everything here happens before a block is allocated; every refusal is a
 :class:`~kvkern.xfer.pulljob.Fallback` with a named reason.
@@ -175,6 +176,8 @@ class SourceDiscovery:
         except (asyncio.TimeoutError, TimeoutError):
             raise Fallback(Reason.METADATA_TIMEOUT, f"resolving {hint.source!r} took over "
                            f"{md_t} s") from None
+        if verdict.reason == "resolve_busy":  # (this worker's lookups, not the source)
+            raise Fallback(Reason.BUSY, f"{hint.source!r}: {verdict.detail}")
         if not verdict.allowed:
             raise Fallback(Reason.SOURCE_NOT_ALLOWED, f"{hint.source!r}: {verdict.reason}: "
                            f"{verdict.detail}")
@@ -188,8 +191,11 @@ class SourceDiscovery:
         if self._refreshes.get(key) is task:
             del self._refreshes[key]
         if task.cancelled() or task.exception() is not None:
-            if not task.cancelled():
-                log.debug("source %s: re-resolving failed: %s", key[0], task.exception())
+            exc = None if task.cancelled() else task.exception()
+            if isinstance(exc, Fallback) and exc.reason == Reason.BUSY:
+                return  # not looked up at all: the verdict stands until the next refresh
+            if exc is not None:
+                log.debug("source %s: re-resolving failed: %s", key[0], exc)
             self._verdicts.pop(key, None)
 
     @staticmethod

@@ -27,6 +27,7 @@ Checks, in order (each refusal carries a reason name, :data:`REASONS`)::
     allowlist    empty_allowlist (fails closed: an empty allowlist allows nothing)
     host name    metadata_address (metadata.google.internal and friends)
     resolve      resolve_failed (once; injectable resolver, default socket.getaddrinfo)
+                 resolve_busy (resolve_endpoint_async: too many lookups pending)
     every addr   unspecified multicast reserved          never allowed
                  metadata_address link_local loopback    only if explicitly listed (below)
                  not_allowed  port_not_allowed
@@ -104,8 +105,8 @@ DEFAULT_STATE_PATH = "/kvkern/v1/state"
 ALLOWED = "allowed"
 REASONS = (
     ALLOWED, "bad_url", "bad_scheme", "userinfo", "bad_host", "bad_port", "no_state_mapping",
-    "empty_allowlist", "metadata_address", "resolve_failed", "unspecified", "multicast",
-    "reserved", "link_local", "loopback", "not_allowed", "port_not_allowed",
+    "empty_allowlist", "metadata_address", "resolve_failed", "resolve_busy", "unspecified",
+    "multicast", "reserved", "link_local", "loopback", "not_allowed", "port_not_allowed",
 )
 FETCH_REASONS = ("metadata_fetch_failed", "metadata_timeout", "response_too_large", "redirect",
                  "unauthenticated")
@@ -549,25 +550,57 @@ def resolve_endpoint(
     """Parse ``endpoint``, resolve its host once and check every address against
     ``allowlist``. Never raises for a hostile endpoint (the verdict names the reason); raises
     ValueError for a bad allowlist entry or a negative ``dp_rank`` (configuration errors)."""
+    allow = _allowlist(allowlist, dp_rank)
+    screened = _screen(endpoint, allow, dp_rank, config)
+    if isinstance(screened, EndpointVerdict):
+        return screened
+    return _look_up(endpoint, allow, screened, resolver or system_resolver, config, dp_rank)
+
+
+def _allowlist(allowlist: Allowlist | Iterable[str], dp_rank: int | None) -> Allowlist:
     if dp_rank is not None:
         check_non_negative_int("dp_rank", dp_rank)
-    allow = allowlist if isinstance(allowlist, Allowlist) else Allowlist.parse(allowlist)
-    addresses: tuple[str, ...] = ()
+    return allowlist if isinstance(allowlist, Allowlist) else Allowlist.parse(allowlist)
+
+
+def _refused(endpoint: str, exc: _Refuse, addresses: tuple[str, ...] = (),
+             state_url: str | None = None) -> EndpointVerdict:
+    return EndpointVerdict(endpoint_spec=endpoint, allowed=False, reason=exc.reason,
+                           detail=exc.detail, addresses=addresses, state_url=state_url)
+
+
+def _screen(endpoint: str, allow: Allowlist, dp_rank: int | None,
+            config: EndpointConfig) -> _Parsed | EndpointVerdict:
+    """The endpoint parsed and every check that needs no lookup: the parsed endpoint, or
+    the refusal."""
     state_url = None
     try:
         p = _parse(endpoint, dp_rank, config)
-        host_name = p.host if isinstance(p.host, str) else None
         state_url = f"{p.scheme}://{_fmt_host(str(p.host))}:{p.port}{p.path}"
         if not allow:
             raise _Refuse("empty_allowlist", "no allowlist configured: outbound fetches are off")
-        if host_name is not None:
-            if host_name in METADATA_HOSTS and not any(e.name == host_name for e in allow.entries):
-                raise _Refuse("metadata_address", f"host {host_name!r} is a cloud metadata "
+        if isinstance(p.host, str):
+            if p.host in METADATA_HOSTS and not any(e.name == p.host for e in allow.entries):
+                raise _Refuse("metadata_address", f"host {p.host!r} is a cloud metadata "
                               "service name")
-            if not any(e.matches_name(host_name) or e.network is not None
+            if not any(e.matches_name(p.host) or e.network is not None
                        for e in allow.entries):
-                raise _Refuse("not_allowed", f"host {host_name!r} matches no entry")
-            ips = _resolve(host_name, p.port, resolver or system_resolver, config)
+                raise _Refuse("not_allowed", f"host {p.host!r} matches no entry")
+    except _Refuse as exc:
+        return _refused(endpoint, exc, state_url=state_url)
+    return p
+
+
+def _look_up(endpoint: str, allow: Allowlist, p: _Parsed, resolver: Resolver,
+             config: EndpointConfig, dp_rank: int | None) -> EndpointVerdict:
+    """A screened endpoint's host resolved (a name: through ``resolver``, once) and every
+    address checked."""
+    host_name = p.host if isinstance(p.host, str) else None
+    state_url = f"{p.scheme}://{_fmt_host(str(p.host))}:{p.port}{p.path}"
+    addresses: tuple[str, ...] = ()
+    try:
+        if host_name is not None:
+            ips = _resolve(host_name, p.port, resolver, config)
         else:
             assert not isinstance(p.host, str)
             ips = [p.host]
@@ -577,8 +610,7 @@ def resolve_endpoint(
             if reason != ALLOWED:
                 raise _Refuse(reason, detail)
     except _Refuse as exc:
-        return EndpointVerdict(endpoint_spec=endpoint, allowed=False, reason=exc.reason,
-                               detail=exc.detail, addresses=addresses, state_url=state_url)
+        return _refused(endpoint, exc, addresses, state_url)
     resolved = ResolvedEndpoint(
         scheme=p.scheme, host=host_name or str(ips[0]), ip=str(ips[0]), port=p.port,
         path=p.path, addresses=addresses, dp_rank=dp_rank, control=p.control,
@@ -614,7 +646,7 @@ def _resolve(host: str, port: int, resolver: Resolver, config: EndpointConfig) -
 # executor: getaddrinfo blocks for as long as the system's resolver retries (seconds when a
 # name server is down), and lookups that hold every thread of a shared executor would stall
 # whatever else waits there. At most MAX_PENDING_LOOKUPS wait or run at once; a hint whose
-# name would be one more is refused at once (``resolve_failed``).
+# name would be one more is refused at once (``resolve_busy``).
 LOOKUP_THREADS = 4
 MAX_PENDING_LOOKUPS = 64
 _lookups: concurrent.futures.ThreadPoolExecutor | None = None
@@ -635,29 +667,31 @@ async def resolve_endpoint_async(
     config: EndpointConfig = DEFAULT_CONFIG,
     resolver: Resolver | None = None,
 ) -> EndpointVerdict:
-    """:func:`resolve_endpoint`: here when the endpoint names an address (or is refused
-    before any lookup), else on the lookup threads (module comment above)."""
+    """:func:`resolve_endpoint`, its lookup of a host name on the lookup threads (module
+    comment above); an endpoint that names an address, or is refused before any lookup, on
+    this thread. A name past :data:`MAX_PENDING_LOOKUPS` is refused as ``resolve_busy``."""
     global _lookups, _pending_lookups
-    try:
-        needs_lookup = isinstance(_parse(endpoint, dp_rank, config).host, str)
-    except (_Refuse, ValueError):
-        needs_lookup = False
-    if not needs_lookup:
-        return resolve_endpoint(endpoint, allowlist, dp_rank=dp_rank, config=config,
-                                resolver=resolver)
+    allow = _allowlist(allowlist, dp_rank)
+    screened = _screen(endpoint, allow, dp_rank, config)
+    if isinstance(screened, EndpointVerdict):
+        return screened
+    resolver = resolver or system_resolver
+    if not isinstance(screened.host, str):
+        return _look_up(endpoint, allow, screened, resolver, config, dp_rank)
     with _lookups_lock:
         if _pending_lookups >= MAX_PENDING_LOOKUPS:
-            return EndpointVerdict(endpoint_spec=endpoint, allowed=False,
-                                   reason="resolve_failed",
-                                   detail=f"{_pending_lookups} host name lookups pending "
-                                          f"(at most {MAX_PENDING_LOOKUPS})")
+            return _refused(endpoint, _Refuse(
+                "resolve_busy", f"{_pending_lookups} host name lookups pending (at most "
+                f"{MAX_PENDING_LOOKUPS})"))
         if _lookups is None:
             _lookups = concurrent.futures.ThreadPoolExecutor(
                 LOOKUP_THREADS, thread_name_prefix="kvkern-lookup")
         _pending_lookups += 1
     try:
-        fut = _lookups.submit(resolve_endpoint, endpoint, allowlist, dp_rank=dp_rank,
-                              config=config, resolver=resolver)
+        fut = _lookups.submit(_look_up, endpoint, allow, screened, resolver, config, dp_rank)
+    except RuntimeError as exc:  # (the interpreter is shutting down)
+        _lookup_done(None)
+        return _refused(endpoint, _Refuse("resolve_busy", f"no lookup thread: {exc}"))
     except BaseException:
         _lookup_done(None)
         raise
@@ -669,6 +703,15 @@ def _lookup_done(_: object) -> None:
     global _pending_lookups
     with _lookups_lock:
         _pending_lookups -= 1
+
+
+def _forget_lookups() -> None:
+    """In a forked child: the parent's lookup threads do not exist there."""
+    global _lookups, _lookups_lock, _pending_lookups
+    _lookups, _lookups_lock, _pending_lookups = None, threading.Lock(), 0
+
+
+os.register_at_fork(after_in_child=_forget_lookups)
 
 
 # ----------------------------------------------------------------------------- state fetch

@@ -98,7 +98,8 @@ REASON_DOCS: dict[Reason, str] = {
                             "protocol error, source error)",
     Reason.TRANSFER_TIMEOUT: "no progress on the data stream for transfer_timeout_s",
     Reason.DEADLINE_EXCEEDED: "the whole pull did not finish within deadline_s",
-    Reason.BUSY: "max_inflight_pulls pulls were already running",
+    Reason.BUSY: "max_inflight_pulls pulls were already running, or as many host name "
+                 "lookups (kvkern.xfer.endpoint.MAX_PENDING_LOOKUPS)",
     Reason.DUPLICATE: "an identical pull (same source, same hash range) was in flight; this "
                       "request waited for it and uses its committed blocks through the prefix "
                       "index (blocks_local counts them)",
