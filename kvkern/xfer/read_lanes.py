@@ -87,6 +87,7 @@ from kvkern.xfer.tuning import (
     LANE_DRAIN_POLL_S,
     LANE_DUE_BYTES_PER_S,
     LANE_DUE_S,
+    LANE_OPEN_S,
     LANE_UCX_CONFIG,
     LOOP_SPIN_S,
     MAX_CACHED_RKEYS,
@@ -541,8 +542,8 @@ class ReadLanes:
                 loop, lambda lanes: run_blocking(script(
                     lambda parts: self._reading_all(lanes, address, parts, deadline, stop,
                                                     local, owned, same_host))),
-                stop, wait=left(), due=LANE_DUE_S + (nbytes or 0) / LANE_DUE_BYTES_PER_S,
-                until_done=owned)
+                stop, source=address, wait=left(),
+                due=LANE_DUE_S + (nbytes or 0) / LANE_DUE_BYTES_PER_S, until_done=owned)
         if isinstance(error, _Stuck):
             raise ReadsStuck(str(error))
         if cancelled:
@@ -561,11 +562,12 @@ class ReadLanes:
 
     async def _on_a_set(self, loop: asyncio.AbstractEventLoop,
                         call: Callable[[list[_Lane]], T], stop: threading.Event, *,
-                        wait: float, due: float, until_done: bool = False,
+                        source: bytes, wait: float, due: float, until_done: bool = False,
                         ) -> tuple[T | None, BaseException | None, bool]:
-        """``call(lanes)`` on the first lane's thread of a lane set (:class:`_Dispatch`; the
-        set is held until the call has returned, expected within ``due`` seconds; waited
-        for at most ``wait`` seconds, then a TimeoutError with nothing run): its
+        """``call(lanes)``, which reads ``source``, on the first lane's thread of a lane set
+        (:class:`_Dispatch`; the set is held until the call has returned, expected within
+        ``due`` seconds; waited for at most ``wait`` seconds, then a TimeoutError with
+        nothing run): its
         result, its error, and whether this wait was cancelled (the reads then finish within
         READ_CANCEL_GRACE_S or are stopped, and the call ends by its own bounds;
         ``until_done``: waited for until it has, through further cancellations, since its
@@ -573,7 +575,7 @@ class ReadLanes:
         pull has ended). A call still waiting for a set, or queued on the lane's thread, is
         withdrawn: nothing of it ran, so nothing is stuck."""
         try:
-            lane_set = await self._dispatch.acquire(due, wait)
+            lane_set = await self._dispatch.acquire(source, due, wait)
         except asyncio.CancelledError:
             stop.set()
             return None, None, True
@@ -583,6 +585,9 @@ class ReadLanes:
             if self._closed:  # (closed while this script waited for a set)
                 raise TransportError("closed", "read lanes closed")
             cf = lane_set.lanes[0].executor.submit(call, lane_set.lanes)
+        except RuntimeError as exc:  # (the lanes' executors shut down meanwhile)
+            self._dispatch.release(lane_set)
+            raise TransportError("closed", "read lanes closed") from exc
         except BaseException:
             self._dispatch.release(lane_set)
             raise
@@ -658,6 +663,7 @@ class ReadLanes:
             return
         self._closed = True
         deadline = time.monotonic() + timeout
+        self._dispatch.close_soon()
         lanes = [lane for st in self._dispatch.sets for lane in st.lanes]
         futs = [lane.executor.submit(lane.close) for lane in lanes]
         if self._on_loop.opened or self._loop is not None:  # (opened, or an open() queued)
@@ -678,19 +684,32 @@ class ReadLanes:
 
 class _LaneSet:
     """``n`` lanes that run one script at a time, on the first lane's thread, each read split
-    over all ``n``; while ``busy``, the script it runs started at ``since`` (``perf_counter``)
-    and is expected to end within ``due`` seconds."""
+    over all ``n``; while ``busy``, the script it runs reads from ``source`` (a worker
+    address), started at ``since`` (``perf_counter``) and is expected to end within ``due``
+    seconds."""
 
-    __slots__ = ("lanes", "busy", "since", "due")
+    __slots__ = ("lanes", "busy", "source", "since", "due")
 
     def __init__(self, index: int, n: int) -> None:
         prefix = "kvkern-lane" if index == 0 else f"kvkern-set{index}-lane"
         self.lanes = [_Lane(i, name=f"{prefix}{i}") for i in range(n)]
         self.busy = False
+        self.source = b""
         self.since = self.due = 0.0
 
     def overdue(self, now: float) -> bool:
         return self.busy and now - self.since > self.due
+
+    @property
+    def opened(self) -> bool:
+        return all(lane.opened for lane in self.lanes)
+
+
+class _Waiter:
+    __slots__ = ("fut", "source", "due")
+
+    def __init__(self, fut: asyncio.Future[_LaneSet], source: bytes, due: float) -> None:
+        self.fut, self.source, self.due = fut, source, due
 
 
 class _Dispatch:
@@ -698,30 +717,31 @@ class _Dispatch:
     queue, in order; the first goes to the first set that is free once every set before it
     is *overdue* (running a script past its due time: a source whose reads stall). So while
     no source stalls, set 0 runs every script, one after another (copies that share a host's
-    memory finish soonest in turn, and its endpoints are warm), and a stalled source holds
-    one set, not every pull of the process. A set's lanes open on their first read."""
+    memory finish soonest in turn, and its endpoints are warm). A script whose source holds
+    an overdue set waits, and the scripts behind it from other sources go first: a stalled
+    source holds one set, not every pull of the process. A set's lanes open on their first
+    read, which the set's first script is given ``LANE_OPEN_S`` more for."""
 
     def __init__(self, sets: int, n: int) -> None:
         self.sets = [_LaneSet(i, n) for i in range(sets)]
-        self._waiting: collections.deque[tuple[asyncio.Future[_LaneSet], float]] = \
-            collections.deque()
+        self._waiting: list[_Waiter] = []
         self._timer: asyncio.TimerHandle | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the waiting scripts' loop
 
-    async def acquire(self, due: float, wait: float) -> _LaneSet:
-        """A set for a script expected to run ``due`` seconds, held until :meth:`release`;
-        TimeoutError after ``wait`` seconds. A wait that times out or is cancelled holds
-        none."""
+    async def acquire(self, source: bytes, due: float, wait: float) -> _LaneSet:
+        """A set for a script that reads ``source`` and is expected to run ``due`` seconds,
+        held until :meth:`release`; TimeoutError after ``wait`` seconds, TransportError
+        ``closed`` on :meth:`close`. A wait that ends so, or is cancelled, holds none."""
         loop = self._loop = asyncio.get_running_loop()
         fut: asyncio.Future[_LaneSet] = loop.create_future()
-        self._waiting.append((fut, due))
+        self._waiting.append(_Waiter(fut, source, due))
         self._dispatch()
         timer = None if fut.done() else loop.call_later(wait, _expire, fut, wait)
         try:
             return await fut
         except asyncio.CancelledError:
-            if fut.done() and not fut.cancelled():  # (handed a set as the task was cancelled)
-                self.release(fut.result())
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self.release(fut.result())  # (handed a set as the task was cancelled)
             raise
         finally:
             if timer is not None:
@@ -731,22 +751,36 @@ class _Dispatch:
         lane_set.busy = False
         self._dispatch()
 
+    def close_soon(self) -> None:
+        """From any thread: :meth:`close` on the waiting scripts' loop."""
+        if self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # (that loop has ended)
+                self._loop.call_soon_threadsafe(self.close)
+
+    def close(self) -> None:
+        """On the loop's thread: every waiting script fails as closed."""
+        waiting, self._waiting = self._waiting, []
+        for w in waiting:
+            if not w.fut.done():
+                w.fut.set_exception(TransportError("closed", "read lanes closed"))
+
     def _dispatch(self) -> None:
         now = time.perf_counter()
-        while self._waiting:
-            fut, due = self._waiting[0]
-            if fut.done():  # (its wait was cancelled)
-                self._waiting.popleft()
-                continue
+        stalled = {st.source for st in self.sets if st.overdue(now)}
+        self._waiting = [w for w in self._waiting if not w.fut.done()]
+        for w in list(self._waiting):
+            if w.source in stalled:
+                continue  # (waits for its source's set, or its own bound)
             lane_set = self._free(now)
             if lane_set is None:
                 break
-            self._waiting.popleft()
-            lane_set.busy, lane_set.since, lane_set.due = True, now, due
+            self._waiting.remove(w)
+            lane_set.busy, lane_set.source, lane_set.since = True, w.source, now
+            lane_set.due = w.due + (0.0 if lane_set.opened else LANE_OPEN_S)
             if lane_set is not self.sets[0]:
                 with _counts_lock:
                     _spills[0] += 1
-            fut.set_result(lane_set)
+            w.fut.set_result(lane_set)
         self._arm(now)
 
     def _free(self, now: float) -> _LaneSet | None:
@@ -763,10 +797,10 @@ class _Dispatch:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self._waiting:
+        if not self._waiting or self._loop is None:
             return
         for i, lane_set in enumerate(self.sets):
-            if not lane_set.overdue(now):  # (busy: a free set would have taken the script)
+            if not lane_set.overdue(now):  # (busy: a free set would have taken a script)
                 if any(not later.busy for later in self.sets[i + 1:]):
                     self._timer = self._loop.call_later(
                         lane_set.since + lane_set.due - now + 1e-4, self._dispatch)

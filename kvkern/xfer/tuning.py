@@ -71,6 +71,9 @@ MAX_LANE_PEERS = 64
 # in 117 ms, where it reads in 6-8 ms idle and 12-25 ms beside an engine's Python thread.
 LANE_DUE_S = 0.05
 LANE_DUE_BYTES_PER_S = 1e9
+# ... and a set's first script, which opens its lanes' UCX workers (127 ms on 2 cores), this
+# much more.
+LANE_OPEN_S = 1.0
 # Lane shares are cut at page multiples of a run, so no page is split between two lanes.
 SPLIT_ALIGN = 4096
 # A lane draining an aborted endpoint's reads polls at this interval when UCX made no
