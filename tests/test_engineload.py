@@ -47,6 +47,21 @@ def test_load_keeps_the_interpreter_for_its_fraction():
     assert not load._thread.is_alive()
 
 
+def test_the_loads_cpu_is_counted_apart_from_the_process():
+    """``engine_cpu_s`` is the CPU of the running loads' threads (what a bench subtracts from
+    its process's to count a pull's own), and nothing once they stopped."""
+    assert engineload.engine_cpu_s() == 0.0
+    load = EngineLoad(0.5, period_s=0.01).start()
+    try:
+        c0, p0 = engineload.engine_cpu_s(), time.process_time()
+        time.sleep(0.4)
+        used, process = engineload.engine_cpu_s() - c0, time.process_time() - p0
+        assert 0.08 <= used <= process + 0.01, (used, process)  # (asked 0.2 s of 0.4)
+    finally:
+        load.stop()
+    assert engineload.engine_cpu_s() == 0.0
+
+
 def test_a_thread_waits_for_the_lock_under_load():
     """What the load stands for: a thread that wakes (here from a 1 ms sleep) needs the
     interpreter, which the engine's thread holds until the interpreter forces a switch."""

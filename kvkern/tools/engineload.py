@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Mapping
 
-__all__ = ["ENV", "PERIOD_S", "EngineLoad", "from_env", "parse_fraction"]
+__all__ = ["ENV", "PERIOD_S", "EngineLoad", "engine_cpu_s", "from_env", "parse_fraction"]
 
 ENV = "KVKERN_BENCH_ENGINE_LOAD"
 PERIOD_S = 0.01  # one engine step: its Python, then its wait
@@ -59,13 +59,28 @@ class EngineLoad:
             self._thread = threading.Thread(target=self._run, name="kvkern-engine-load",
                                             daemon=True)
             self._thread.start()
+            with _started_lock:
+                _started.append(self)
         return self
+
+    def cpu_s(self) -> float:
+        """The CPU time its thread has used so far (0 before it started or once it ended)."""
+        thread = self._thread
+        if thread is None or thread.ident is None or not thread.is_alive():
+            return 0.0
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        except (OSError, AttributeError):  # (ended meanwhile; a platform without the call)
+            return 0.0
 
     def stop(self) -> float:
         """Stop the thread; the fraction of the wall time it spent computing."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=1.0)
+        with _started_lock:
+            if self in _started:
+                _started.remove(self)
         return self.busy_fraction()
 
     def busy_fraction(self) -> float:
@@ -87,6 +102,18 @@ class EngineLoad:
             self._busy_s += now - t
             self._stop.wait(max(0.0, self.period_s - (now - t)))
         self._t1 = clock()
+
+
+_started: list[EngineLoad] = []  # this process's loads, started and not stopped
+_started_lock = threading.Lock()
+
+
+def engine_cpu_s() -> float:
+    """The CPU time this process's running loads' threads have used: what a benchmark
+    subtracts from the process's own to count the transfers' CPU alone."""
+    with _started_lock:
+        loads = list(_started)
+    return sum(load.cpu_s() for load in loads)
 
 
 def from_env(env: Mapping[str, str] = os.environ) -> EngineLoad | None:
