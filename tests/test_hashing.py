@@ -168,25 +168,33 @@ def test_chain_accepts_i64_spelling():
 
 
 def _ref_trtllm_block(tokens, parent, salt=None, lora=None):
-    """Straight transcription of REFERENCE.md's formula (with C++ uint32 promotion)."""
-    m64 = (1 << 64) - 1
-    seed = (len(tokens) ^ (parent * 0xBF58476D1CE4E5B9)) % (1 << 64)
-    for t in tokens:
-        a = t % (1 << 32)
-        a = (((a >> 16) ^ a) * 0x45D9F3B) % (1 << 32)
-        a = (((a >> 16) ^ a) * 0x45D9F3B) % (1 << 32)
-        a = (a >> 16) ^ a
-        seed = seed ^ ((((a + 0x9E3779B9) % (1 << 32)) + (seed << 6) + (seed >> 2)) & m64)
+    """A line-by-line transcription of TRT-LLM's own C++ (``hash32Mix``, ``hash64Mix`` and
+    ``EventManager::hashV1BlockKey``, the same as ``BlockKeyHasher::hash`` of a block with
+    a cache salt id): C++ unsigned arithmetic as explicit masks."""
+    u32, u64 = (1 << 32) - 1, (1 << 64) - 1
 
-    def sm(x):
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & m64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & m64
-        return x ^ (x >> 31)
+    def hash32_mix(value, seed):
+        value &= u32
+        value = (((value >> 16) ^ value) * 0x045D9F3B) & u32
+        value = (((value >> 16) ^ value) * 0x045D9F3B) & u32
+        value = (value >> 16) ^ value
+        value = (value + 0x9E3779B9) & u32
+        return seed ^ ((value + ((seed << 6) & u64) + (seed >> 2)) & u64)
 
+    def hash64_mix(value, seed):
+        value &= u64
+        value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & u64
+        value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & u64
+        value ^= value >> 31
+        return seed ^ ((value + 0x9E3779B9 + ((seed << 6) & u64) + (seed >> 2)) & u64)
+
+    seed = (len(tokens) ^ ((parent * 0xBF58476D1CE4E5B9) & u64)) & u64
+    if parent == 0 and salt is not None:
+        seed = hash64_mix(salt, seed)
+    for token in tokens:
+        seed = hash32_mix(token, seed)
     if lora is not None:
-        seed = seed ^ ((sm(lora) + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & m64)
-    if salt is not None and parent == 0:
-        seed = seed ^ ((sm(salt) + 0x9E3779B9 + (seed << 6) + (seed >> 2)) & m64)
+        seed = hash64_mix(lora, seed)
     return seed
 
 
@@ -221,6 +229,17 @@ def test_trtllm_lora_changes_every_key():
     lora = sequence_hashes(tokens, 16, "trtllm-v1", lora_id=7)
     assert all(a != b for a, b in zip(plain, lora, strict=True))
     assert lora[1] == _ref_trtllm_block(tokens[16:], lora[0], lora=7)
+
+
+def test_trtllm_salt_enters_before_the_tokens_and_lora_after():
+    """TRT-LLM mixes a root block's cache salt id into the seed before its tokens and the
+    LoRA id after them; a salt of 0 and a LoRA id of 0 count (C++ optionals that hold 0)."""
+    tokens = [5, 2**31 + 7, 0, 65535]
+    for salt, lora in ((42, None), (42, 9), (0, None), (None, 0), (2**64 - 1, 2**64 - 1)):
+        got = sequence_hashes(tokens, 4, "trtllm-v1", cache_salt=salt, lora_id=lora)
+        assert got == [_ref_trtllm_block(tokens, 0, salt=salt, lora=lora)], (salt, lora)
+    assert sequence_hashes(tokens, 4, "trtllm-v1", cache_salt=0) != \
+        sequence_hashes(tokens, 4, "trtllm-v1")
 
 
 def test_public_scheme_refuses_salt_and_lora():

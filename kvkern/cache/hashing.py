@@ -66,13 +66,20 @@ chained hash, so neither a prefix-index hit nor a pull crosses between them.
     tokens and parent hash ``p`` (0 at the root), all arithmetic mod 2**64::
 
         seed = n ^ (p * 0xbf58476d1ce4e5b9)
+        root block only, if given: seed = mix64(cache salt id, seed)
         for t in tokens:                      # t as uint32
             a = ((t >> 16) ^ t) * 0x45d9f3b    (mod 2**32)
             a = ((a >> 16) ^ a) * 0x45d9f3b    (mod 2**32)
             a = (a >> 16) ^ a
             seed ^= ((a + 0x9e3779b9) mod 2**32) + (seed << 6) + (seed >> 2)
-        then, if given, the LoRA id and (root block only) the cache salt, each through the
-        splitmix64 finaliser m(x) and folded as seed ^= m(x) + 0x9e3779b9 + (seed << 6) + (seed >> 2)
+        if given: seed = mix64(LoRA task id, seed)
+
+    where ``mix64(x, seed)`` is ``seed ^ (m(x) + 0x9e3779b9 + (seed << 6) + (seed >> 2))`` with
+    ``m`` the splitmix64 finaliser, as TRT-LLM's ``hash64Mix``: the salt enters before the
+    tokens, the LoRA id after them. ``cache_salt`` is the u64 mixed as TRT-LLM's cache salt
+    id: callers pass :func:`salt_key` of the request's salt, where TRT-LLM derives its id
+    from the salt string with BLAKE3 (and some builds mix ``std::hash`` of the string), so
+    a salted request's keys match a TRT-LLM engine's only where both sides use one id.
 
     ``a + 0x9e3779b9`` wraps at 32 bits because in the C++ source both operands are 32-bit
     unsigned; the sum is widened only when added to the 64-bit ``seed << 6``. LoRA and salt
@@ -255,6 +262,8 @@ def trtllm_block_key(
 ) -> int:
     """One TRT-LLM V1 block key (see the module docstring for the formula)."""
     seed = (len(tokens) ^ (parent * 0xBF58476D1CE4E5B9)) & U64_MASK
+    if cache_salt is not None and parent == 0:
+        seed = _fold64(seed, _splitmix64_final(cache_salt))
     for t in tokens:
         a = t & _U32_MASK
         a = (((a >> 16) ^ a) * 0x45D9F3B) & _U32_MASK
@@ -263,8 +272,6 @@ def trtllm_block_key(
         seed ^= (((a + 0x9E3779B9) & _U32_MASK) + (seed << 6) + (seed >> 2)) & U64_MASK
     if lora_id is not None:
         seed = _fold64(seed, _splitmix64_final(lora_id))
-    if cache_salt is not None and parent == 0:
-        seed = _fold64(seed, _splitmix64_final(cache_salt))
     return seed
 
 
