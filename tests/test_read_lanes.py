@@ -430,6 +430,29 @@ async def test_a_stalled_sources_later_pulls_wait_for_its_set_not_the_spares(
 
 
 @aio
+async def test_a_stalled_sources_waiting_pull_arms_no_timer_beside_a_free_set(lanes,
+                                                                             monkeypatch):
+    """Set 1 overdue on a stalled source, set 0 free: a pull from that source waits for its
+    set without the dispatcher re-running itself meanwhile (no timer: the release wakes it),
+    then takes the set that frees first."""
+    rl = lanes(1, sets=3)
+    d = rl._dispatch
+    runs = []
+    real = d._dispatch
+    monkeypatch.setattr(d, "_dispatch", lambda: runs.append(1) or real())
+    stalled = d.sets[1]
+    stalled.busy, stalled.source = True, b"S"
+    stalled.since, stalled.due = time.perf_counter() - 1.0, 0.01
+    task = asyncio.ensure_future(d.acquire(b"S", 0.05, 5.0))
+    await asyncio.sleep(0.1)
+    assert not task.done() and d._timer is None and len(runs) == 1
+    d.release(stalled)
+    got = await asyncio.wait_for(task, 1)
+    assert got is d.sets[0] and got.source == b"S"
+    d.release(got)
+
+
+@aio
 async def test_a_wait_for_a_set_cancelled_as_it_times_out_ends_cancelled(lanes):
     """A pull cancelled in the loop step in which its wait for a set times out ends
     cancelled (its caller asked for that), not as a timeout."""

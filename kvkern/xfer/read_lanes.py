@@ -567,9 +567,9 @@ class ReadLanes:
         """``call(lanes)``, which reads ``source``, on the first lane's thread of a lane set
         (:class:`_Dispatch`; the set is held until the call has returned, expected within
         ``due`` seconds; waited for at most ``wait`` seconds, then a TimeoutError with
-        nothing run): its
-        result, its error, and whether this wait was cancelled (the reads then finish within
-        READ_CANCEL_GRACE_S or are stopped, and the call ends by its own bounds;
+        nothing run): its result, its error, and whether this wait was cancelled (the reads
+        then finish within READ_CANCEL_GRACE_S or are stopped, and the call ends by its own
+        bounds;
         ``until_done``: waited for until it has, through further cancellations, since its
         reads write into memory the engine owns and may hand to another request once the
         pull has ended). A call still waiting for a set, or queued on the lane's thread, is
@@ -800,7 +800,9 @@ class _Dispatch:
         if not self._waiting or self._loop is None:
             return
         for i, lane_set in enumerate(self.sets):
-            if not lane_set.overdue(now):  # (busy: a free set would have taken a script)
+            if not lane_set.busy:  # (only scripts of stalled sources wait: a release wakes them)
+                return
+            if not lane_set.overdue(now):
                 if any(not later.busy for later in self.sets[i + 1:]):
                     self._timer = self._loop.call_later(
                         lane_set.since + lane_set.due - now + 1e-4, self._dispatch)
@@ -810,7 +812,6 @@ class _Dispatch:
 def _expire(fut: asyncio.Future, wait: float) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError(f"no lane set free within {wait:.3g} s"))
-
 
 
 async def _drive_here(steps: Steps[T], stop: threading.Event) -> tuple[
