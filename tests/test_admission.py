@@ -4,6 +4,7 @@ prefix and configuration in, a pull or a named skip out. No network, no pool, no
 from __future__ import annotations
 
 import pytest
+from blake3 import blake3
 
 from kvkern.cache.hashing import (
     DEFAULT_SCHEME,
@@ -38,7 +39,7 @@ def hint(**kw) -> KvHint:
 def run(h: KvHint, *, local: int = 0, config: XferConfig = CONFIG, salt: str = "",
         tokens=TOKENS) -> Admitted | Skip:
     return admit(tokens, h, worker=worker(local), config=config,
-                 cost_guard=CostGuard(config), salt=salt_key(salt))
+                 cost_guard=CostGuard(config), cache_salt=salt)
 
 
 def test_a_hint_without_hashes_covers_every_full_block():
@@ -173,8 +174,15 @@ def test_a_hint_in_another_scheme_is_checked_on_the_tokens_and_the_engine_hashes
     assert "hint hash 1" in wrong.detail
     unknown = _engine(hint(block_hashes=(11,), hash_scheme="no-such-scheme"), engine)
     assert isinstance(unknown, Skip) and unknown.reason is Reason.HASH_SCHEME_MISMATCH
-    salted = sequence_hashes(TOKENS[:2 * BS], BS, "trtllm-v1", cache_salt=salt_key("t"))
+    # a TRT-LLM router salts with TRT-LLM's own id of the salt string (BLAKE3), not kvkern's
+    trt_id = int.from_bytes(blake3(b"t").digest(length=8), "little")
+    salted = sequence_hashes(TOKENS[:2 * BS], BS, "trtllm-v1", cache_salt=trt_id)
     got = admit(TOKENS, hint(block_hashes=tuple(salted), hash_scheme="trtllm-v1"),
                 worker=worker(scheme="vllm-sha256-v1"), config=CONFIG,
-                cost_guard=CostGuard(CONFIG), salt=salt_key("t"), engine_hashes=engine)
+                cost_guard=CostGuard(CONFIG), cache_salt="t", engine_hashes=engine)
     assert isinstance(got, Admitted) and got.chained == [11, 22]
+    ours = sequence_hashes(TOKENS[:2 * BS], BS, "trtllm-v1", cache_salt=salt_key("t"))
+    other = admit(TOKENS, hint(block_hashes=tuple(ours), hash_scheme="trtllm-v1"),
+                  worker=worker(scheme="vllm-sha256-v1"), config=CONFIG,
+                  cost_guard=CostGuard(CONFIG), cache_salt="t", engine_hashes=engine)
+    assert isinstance(other, Skip) and other.reason is Reason.HASH_MISMATCH

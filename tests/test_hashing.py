@@ -231,6 +231,19 @@ def test_trtllm_lora_changes_every_key():
     assert lora[1] == _ref_trtllm_block(tokens[16:], lora[0], lora=7)
 
 
+def test_trtllm_salt_id_is_trtllms_own():
+    """trtllm-v1 derives a salt string's id as TRT-LLM's request handling does (the first 8
+    bytes of its BLAKE3 digest, little-endian); kvkern's own schemes keep salt_key; no salt
+    and the empty string are no salt in both."""
+    from blake3 import blake3
+
+    trt = get_scheme("trtllm-v1")
+    assert trt.salt_id("tenant-a") == int.from_bytes(blake3(b"tenant-a").digest()[:8], "little")
+    assert trt.salt_id("") is None and trt.salt_id(None) is None
+    assert get_scheme("public-xxh3-v1").salt_id("tenant-a") == salt_key("tenant-a")
+    assert get_scheme("kvkern-blake2b-v1").salt_id("tenant-a") == salt_key("tenant-a")
+
+
 def test_trtllm_salt_enters_before_the_tokens_and_lora_after():
     """TRT-LLM mixes a root block's cache salt id into the seed before its tokens and the
     LoRA id after them; a salt of 0 and a LoRA id of 0 count (C++ optionals that hold 0)."""

@@ -76,10 +76,10 @@ chained hash, so neither a prefix-index hit nor a pull crosses between them.
 
     where ``mix64(x, seed)`` is ``seed ^ (m(x) + 0x9e3779b9 + (seed << 6) + (seed >> 2))`` with
     ``m`` the splitmix64 finaliser, as TRT-LLM's ``hash64Mix``: the salt enters before the
-    tokens, the LoRA id after them. ``cache_salt`` is the u64 mixed as TRT-LLM's cache salt
-    id: callers pass :func:`salt_key` of the request's salt, where TRT-LLM derives its id
-    from the salt string with BLAKE3 (and some builds mix ``std::hash`` of the string), so
-    a salted request's keys match a TRT-LLM engine's only where both sides use one id.
+    tokens, the LoRA id after them. ``cache_salt`` is TRT-LLM's cache salt id, which the
+    scheme derives from a request's salt string as TRT-LLM does (``salt_id``:
+    :func:`trtllm_salt_id`, BLAKE3); builds of TRT-LLM that mix ``std::hash`` of the string
+    instead match only unsalted requests.
 
     ``a + 0x9e3779b9`` wraps at 32 bits because in the C++ source both operands are 32-bit
     unsigned; the sum is widened only when added to the 64-bit ``seed << 6``. LoRA and salt
@@ -108,6 +108,7 @@ __all__ = [
     "U64_MASK",
     "get_scheme",
     "salt_key",
+    "trtllm_salt_id",
     "known_schemes",
     "local_block_hashes",
     "normalize_hash",
@@ -275,6 +276,17 @@ def trtllm_block_key(
     return seed
 
 
+def trtllm_salt_id(cache_salt: str | None) -> int | None:
+    """TRT-LLM's cache salt id of a request's salt string, as its request handling derives
+    it: the first 8 bytes of the string's BLAKE3 digest, little-endian (None for no salt or
+    the empty string, as :func:`salt_key`)."""
+    if not cache_salt:
+        return None
+    from blake3 import blake3  # noqa: PLC0415
+
+    return int.from_bytes(blake3(cache_salt.encode("utf-8")).digest(length=8), "little")
+
+
 def _check_u64_opt(name: str, value: int | None) -> None:
     if value is None:
         return
@@ -398,6 +410,13 @@ class HashScheme:
     supports_lora: bool
     _block_hashes: Callable[..., list[int]]
     _chain: Callable[[Sequence[int], int | None], list[int]]
+    _salt_id: Callable[[str | None], int | None] | None = None
+
+    def salt_id(self, cache_salt: str | None) -> int | None:
+        """The u64 this scheme mixes for a request's salt string (``cache_salt`` of
+        :meth:`block_hashes`): :func:`salt_key`, or the engine's own derivation where the
+        scheme is an engine's (``trtllm-v1``: :func:`trtllm_salt_id`)."""
+        return (self._salt_id or salt_key)(cache_salt)
 
     def block_hashes(
         self,
@@ -449,6 +468,7 @@ _SCHEMES: dict[str, HashScheme] = {
             supports_lora=True,
             _block_hashes=_trtllm_block_hashes,
             _chain=_identity_chain,
+            _salt_id=trtllm_salt_id,
         ),
         *(HashScheme(name=name, chained=True, supports_salt=False, supports_lora=False,
                      _block_hashes=_vllm_scheme_hashes(algo), _chain=_vllm_chain)
@@ -458,8 +478,9 @@ _SCHEMES: dict[str, HashScheme] = {
 
 
 def salt_key(cache_salt: str | None) -> int | None:
-    """The u64 a request's cache salt string stands for in every scheme (None for no salt or
-    the empty string, so unsalted requests keep the schemes' published values): BLAKE2b, so
+    """The u64 a request's cache salt string stands for in kvkern's own schemes
+    (:meth:`HashScheme.salt_id`; None for no salt or the empty string, so unsalted requests
+    keep the schemes' published values): BLAKE2b, so
     no one finds another salt string that stands for the same u64 (and shares that tenant's
     hashes) short of about 2**64 tries."""
     if not cache_salt:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from kvkern.cache.hashing import DEFAULT_SCHEME, local_block_hashes, salt_key, sequence_hashes
+from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, local_block_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.serve.model import ModelConfig, PagedTransformer
 from kvkern.serve.router import ROUTER_SCHEME
@@ -113,8 +113,9 @@ class Engine:
 
     def pool_hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[int]:
         """Chained pool-scheme hashes of the full blocks, under the request's cache salt."""
-        return sequence_hashes(token_ids, self.block_size, self.pool.hash_scheme,
-                               cache_salt=salt_key(cache_salt))
+        scheme = get_scheme(self.pool.hash_scheme)
+        return scheme.sequence_hashes(token_ids, self.block_size,
+                                      cache_salt=scheme.salt_id(cache_salt))
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], cache_salt: str = "", *,
                              hashes: Sequence[int] | None = None) -> int:
@@ -211,8 +212,9 @@ class Engine:
         if self.pool.hash_scheme == ROUTER_SCHEME:
             chained = pool_hashes
         else:
-            chained = sequence_hashes(prompt, self.block_size, ROUTER_SCHEME,
-                                      cache_salt=salt_key(cache_salt))
+            router = get_scheme(ROUTER_SCHEME)
+            chained = router.sequence_hashes(prompt, self.block_size,
+                                             cache_salt=router.salt_id(cache_salt))
         with self._map_lock:
             for i, ph in enumerate(pool_hashes):
                 self._router_map[ph] = (chained[i], chained[i - 1] if i else None, local[i])

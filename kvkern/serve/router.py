@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvkern.cache.hashing import get_scheme, normalize_hashes, salt_key
+from kvkern.cache.hashing import get_scheme, normalize_hashes
 from kvkern.checks import check_positive_int
 from kvkern.serve.cliargs import (
     BIND_ERRNOS,
@@ -98,8 +98,8 @@ MAX_REQUEST_ID_CHARS = 256
 def router_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
     """Chained ``public-xxh3-v1`` hashes of the full blocks of ``token_ids`` under the
     request's ``cache_salt``: element ``i`` names ``token_ids[:(i + 1) * block_size]``."""
-    return get_scheme(ROUTER_SCHEME).sequence_hashes(token_ids, block_size,
-                                                     cache_salt=salt_key(cache_salt))
+    scheme = get_scheme(ROUTER_SCHEME)
+    return scheme.sequence_hashes(token_ids, block_size, cache_salt=scheme.salt_id(cache_salt))
 
 
 #: Dialects whose ``block_hashes`` are the engine's own hashes (Dynamo's): the router sends

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvkern.cache.hashing import HINT_SCHEME, get_scheme, sequence_hashes
+from kvkern.cache.hashing import HINT_SCHEME, get_scheme
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.hints import ENGINE_SCHEME, HintLimits, HintRejected, KvHint, decode_hint
 from kvkern.xfer.outcome import Reason
@@ -83,14 +83,16 @@ def read_hint(hint: KvHint | HintRejected | dict | None, limits: HintLimits) -> 
 
 
 def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config: XferConfig,
-          cost_guard: CostGuard, salt: int | None = None,
+          cost_guard: CostGuard, cache_salt: str | None = None,
           engine_hashes: Sequence[int] | None = None,
           max_blocks: int | None = None) -> Admitted | Skip:
     """Decide whether ``hint`` is worth a pull for a prompt of ``token_ids`` (CPU only).
 
-    ``engine_hashes``: the engine's own chained hashes of the prompt's full blocks in the
-    worker's scheme (salted as the engine salts them); ``max_blocks`` caps the blocks a pull
-    may cover (an engine that must compute at least one prompt token)."""
+    ``cache_salt``: the request's salt string (each scheme derives its own id of it,
+    :meth:`~kvkern.cache.hashing.HashScheme.salt_id`); ``engine_hashes``: the engine's own
+    chained hashes of the prompt's full blocks in the worker's scheme (salted as the engine
+    salts them); ``max_blocks`` caps the blocks a pull may cover (an engine that must
+    compute at least one prompt token)."""
     bs = worker.block_size
     n_full = len(token_ids) // bs
     tokens = list(token_ids[:n_full * bs])
@@ -101,11 +103,12 @@ def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config
                         f"for a prompt of {n_full} full blocks")
         checked = _check_engine_hashes(engine_hashes[:n_full], hint, worker.hash_scheme)
         if checked is None or isinstance(checked, Skip):  # checked on the tokens instead
-            on_tokens = _check_hint_hashes(tokens, hint, bs, n_full, salt, worker.hash_scheme)
+            on_tokens = _check_hint_hashes(tokens, hint, bs, n_full, cache_salt,
+                                           worker.hash_scheme)
             if checked is None or not isinstance(on_tokens, Skip):
                 checked = on_tokens  # (else the engine's mismatch, which says more)
     else:
-        checked = _check_hint_hashes(tokens, hint, bs, n_full, salt, worker.hash_scheme)
+        checked = _check_hint_hashes(tokens, hint, bs, n_full, cache_salt, worker.hash_scheme)
     if isinstance(checked, Skip):
         return checked
     hinted, scheme_name, mine = checked
@@ -117,11 +120,13 @@ def admit(token_ids: Sequence[int], hint: KvHint, *, worker: WorkerFacts, config
                     f"prompt of {len(token_ids)} tokens has no full block of {bs} to pull")
     if engine_hashes is not None:
         chained = engine_hashes[:hinted]
-    elif mine is not None and scheme_name == worker.hash_scheme:
-        chained = get_scheme(scheme_name).salted_chain(mine, salt)  # tokens hashed once
     else:
-        chained = sequence_hashes(tokens[:hinted * bs], bs, worker.hash_scheme,
-                                  cache_salt=salt)
+        scheme = get_scheme(worker.hash_scheme)
+        salt = scheme.salt_id(cache_salt)
+        if mine is not None and scheme_name == worker.hash_scheme:
+            chained = scheme.salted_chain(mine, salt)  # tokens hashed once
+        else:
+            chained = scheme.sequence_hashes(tokens[:hinted * bs], bs, cache_salt=salt)
     local = worker.longest_prefix(chained)
     counts = dict(blocks_hinted=hinted, blocks_local=local)
     if local >= hinted:
@@ -166,7 +171,7 @@ def _check_engine_hashes(engine: list[int], hint: KvHint, worker_scheme: str
 
 
 def _check_hint_hashes(tokens: list[int], hint: KvHint, bs: int, n_full: int,
-                       salt: int | None, worker_scheme: str
+                       cache_salt: str | None, worker_scheme: str
                        ) -> tuple[int, str, list[int] | None] | Skip:
     """(hinted blocks, the hint's scheme, the prompt's hashes in it) when the hint's hashes
     name this prompt; a hint without hashes covers every full block."""
@@ -190,6 +195,7 @@ def _check_hint_hashes(tokens: list[int], hint: KvHint, bs: int, n_full: int,
             scheme = get_scheme(name)
         except ValueError as exc:
             return Skip(Reason.HASH_SCHEME_MISMATCH, str(exc))
+        salt = scheme.salt_id(cache_salt)
         mine = scheme.block_hashes(tokens[:hinted * bs], bs,
                                    cache_salt=salt if scheme.chained else None)
         if mine == want or scheme.salted_chain(mine, salt) == want:

@@ -75,7 +75,7 @@ import time
 from collections.abc import Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvkern.cache.hashing import normalize_hashes, salt_key
+from kvkern.cache.hashing import normalize_hashes
 from kvkern.xfer.admission import Admitted, Skip, WorkerFacts, admit, read_hint
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.discovery import SourceDiscovery, bounded_put
@@ -231,7 +231,7 @@ class Puller:
                 return rec.state
             hint = decoded
             verdict = admit(token_ids, hint, worker=self._worker, config=self.config,
-                            cost_guard=self.cost_guard, salt=salt_key(cache_salt),
+                            cost_guard=self.cost_guard, cache_salt=cache_salt,
                             engine_hashes=block_hashes)
             if isinstance(verdict, Skip):
                 self._finish(rec, PullOutcome(request_id=request_id, used=False,

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from kvkern.cache.hashing import salt_key, vllm_u64
+from kvkern.cache.hashing import vllm_u64
 from kvkern.integrations.vllm.runtime import EngineRuntime
 from kvkern.xfer.admission import Admitted, Skip, WorkerFacts, admit, read_hint
 from kvkern.xfer.auth import check_hint
@@ -208,7 +208,7 @@ class SchedulerSide:
                              bytes_per_block=self._bytes_per_block(),
                              longest_prefix=lambda _hashes: local)
         verdict = admit(tokens, decoded, worker=worker, config=self.config,
-                        cost_guard=self.cost_guard, salt=salt_key(request.cache_salt or ""),
+                        cost_guard=self.cost_guard, cache_salt=request.cache_salt or "",
                         engine_hashes=[vllm_u64(h) for h in request.block_hashes],
                         max_blocks=max(0, len(tokens) - 1) // facts.block_size)
         if isinstance(verdict, Skip):
