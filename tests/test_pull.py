@@ -734,8 +734,7 @@ def test_the_engines_own_hashes_are_pulled_without_hashing_the_prompt(src, make_
     def no_hashing(*args, **kwargs):
         raise AssertionError("the prompt was hashed again")
 
-    monkeypatch.setattr(admission, "sequence_hashes", no_hashing)
-    monkeypatch.setattr(admission, "get_scheme", no_hashing)
+    monkeypatch.setattr(admission, "get_scheme", no_hashing)  # (its every hashing)
     p.submit("own", tokens, {"kv_hint": {"source": src.endpoint}}, block_hashes=hashes)
     o = p.result("own", 30)
     assert o.used and o.blocks_transferred == 6, o
