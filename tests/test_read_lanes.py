@@ -1126,3 +1126,83 @@ def _assert_tiles(pieces, runs):
             assert (plo, pre) == (lo + off, re + off) and pnb <= nb - off
             off += pnb
     assert next(it, None) is None
+
+
+# ------------------------------------------------------------------- the dispatcher
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def perf_counter(self):
+        return self.now
+
+
+ops_st = st.lists(st.one_of(
+    st.tuples(st.just("acquire"), st.sampled_from([b"A", b"B", b"C"]),
+              st.sampled_from([0.01, 0.05, 1.0])),
+    st.tuples(st.just("release"), st.integers(0, 5)),
+    st.tuples(st.just("cancel"), st.integers(0, 5)),
+    st.tuples(st.just("advance"), st.sampled_from([0.005, 0.02, 0.1, 2.0]))), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=ops_st, n_sets=st.integers(1, 3))
+def test_the_dispatcher_never_shares_a_set_nor_leaves_a_pull_waiting_for_a_set_it_may_take(
+        ops, n_sets):
+    """Random pulls, releases, cancellations and the passing of time against the lane-set
+    dispatcher alone (no lanes run): no set is ever held twice, every busy set has exactly
+    one holder, and after each step no pull waits while a set it may take is free, unless a
+    dispatch is due (the timer armed for when the set it waits behind becomes overdue)."""
+    clock = _Clock()
+
+    async def main() -> None:
+        d = read_lanes._Dispatch(n_sets, 1)
+        held: list[read_lanes._LaneSet] = []
+        waiting: list[asyncio.Task] = []
+
+        async def settle() -> None:
+            for _ in range(5):
+                await asyncio.sleep(0)
+            for t in list(waiting):
+                if t.done():
+                    waiting.remove(t)
+                    if not t.cancelled() and t.exception() is None:
+                        held.append(t.result())
+                        got = t.result()
+                        k = d.sets.index(got)  # handed out past overdue sets only ...
+                        assert all(p.overdue(clock.now) for p in d.sets[:k]), k
+                        assert got.source not in {  # ... never to a stalled source's pull
+                            p.source for p in d.sets if p is not got and p.overdue(clock.now)}
+
+        for op in ops:
+            if op[0] == "acquire":
+                waiting.append(asyncio.ensure_future(d.acquire(op[1], op[2], 1e6)))
+            elif op[0] == "release" and held:
+                d.release(held.pop(op[1] % len(held)))
+            elif op[0] == "cancel" and waiting:
+                waiting[op[1] % len(waiting)].cancel()
+            elif op[0] == "advance":
+                clock.now += op[1]
+                if d._timer is not None:  # a timer due by the fake clock fires
+                    d._dispatch()
+            await settle()
+            assert len({id(s) for s in held}) == len(held)
+            assert sorted(id(s) for s in held) == sorted(id(s) for s in d.sets if s.busy)
+            stalled = {s.source for s in d.sets if s.overdue(clock.now)}
+            eligible = [w for w in d._waiting if not w.fut.done() and w.source not in stalled]
+            takeable = next((s for i, s in enumerate(d.sets) if not s.busy and all(
+                clock.now - p.since > p.due for p in d.sets[:i])), None)
+            if eligible and takeable is not None:
+                raise AssertionError("a pull waits while a set it may take is free")
+            if eligible and d._timer is None:
+                assert not any(not s.busy for s in d.sets), "no dispatch is due"
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(read_lanes, "time", clock)
+        mp.setattr(read_lanes, "LANE_OPEN_S", 0.0)
+        asyncio.run(main())
