@@ -40,7 +40,7 @@ import torch
 from kvkern.cache.hashing import DEFAULT_SCHEME, get_scheme, local_block_hashes
 from kvkern.cache.pool import BlockPool
 from kvkern.serve.model import ModelConfig, PagedTransformer
-from kvkern.serve.router import ROUTER_SCHEME
+from kvkern.serve.router import ROUTER_SCHEME, router_hashes
 
 __all__ = ["Engine", "GenerateResult", "MODELS", "encode_logits", "decode_logits"]
 
@@ -212,9 +212,7 @@ class Engine:
         if self.pool.hash_scheme == ROUTER_SCHEME:
             chained = pool_hashes
         else:
-            router = get_scheme(ROUTER_SCHEME)
-            chained = router.sequence_hashes(prompt, self.block_size,
-                                             cache_salt=router.salt_id(cache_salt))
+            chained = router_hashes(prompt, self.block_size, cache_salt)
         with self._map_lock:
             for i, ph in enumerate(pool_hashes):
                 self._router_map[ph] = (chained[i], chained[i - 1] if i else None, local[i])

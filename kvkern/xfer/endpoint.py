@@ -446,6 +446,11 @@ class _Parsed:
     control: str | None = None
     bracketed: bool = field(default=False)
 
+    @property
+    def state_url(self) -> str:
+        """The state URL with the host as written (for display)."""
+        return f"{self.scheme}://{_fmt_host(str(self.host))}:{self.port}{self.path}"
+
 
 def _split_authority(authority: str, spec: str) -> tuple[str, str | None, bool]:
     if "@" in authority:
@@ -576,7 +581,7 @@ def _screen(endpoint: str, allow: Allowlist, dp_rank: int | None,
     state_url = None
     try:
         p = _parse(endpoint, dp_rank, config)
-        state_url = f"{p.scheme}://{_fmt_host(str(p.host))}:{p.port}{p.path}"
+        state_url = p.state_url
         if not allow:
             raise _Refuse("empty_allowlist", "no allowlist configured: outbound fetches are off")
         if isinstance(p.host, str):
@@ -596,7 +601,7 @@ def _look_up(endpoint: str, allow: Allowlist, p: _Parsed, resolver: Resolver,
     """A screened endpoint's host resolved (a name: through ``resolver``, once) and every
     address checked."""
     host_name = p.host if isinstance(p.host, str) else None
-    state_url = f"{p.scheme}://{_fmt_host(str(p.host))}:{p.port}{p.path}"
+    state_url = p.state_url
     addresses: tuple[str, ...] = ()
     try:
         if host_name is not None:
