@@ -995,6 +995,52 @@ async def test_closed_lanes_refuse(source, lanes):
 
 
 @aio
+async def test_closing_starts_no_thread_for_a_spare_set_never_used(source, lanes,
+                                                                    monkeypatch):
+    """Spare lane sets open on their first read: closing the lanes closes every lane that
+    never ran anything where the close runs, starting none of their threads; a script
+    handed to such a lane after the close is refused (and its pull fails as ``closed``)."""
+    src, region, address = source
+    rl = lanes(2, sets=3)
+    dst = poisoned(2 * 4 * 4096)
+    runs, _ = shuffled_blocks(src, region, dst, 4, 4096, seed=81)
+    await rl.read(address, [(region.rkey, runs)], timeout=10, same_host=True)
+    started = []
+    start = threading.Thread.start
+
+    def recording(thread):
+        started.append(thread.name)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", recording)
+    rl.close()
+    assert not [name for name in started if "-set" in name], started
+    spare = rl._dispatch.sets[1]
+    assert not any(lane.started for lane in spare.lanes)
+    assert rl._dispatch.sets[0].lanes[0].started  # (the read ran there: closed there)
+    with pytest.raises(RuntimeError):  # (as a lane set's script meets it: mapped to closed)
+        spare.lanes[0].submit(print)
+
+
+def test_a_script_whose_other_lane_closed_reads_nothing_and_fails_closed(source, lanes):
+    """A lane set's script that finds one of its other lanes closed unstarted (the lanes
+    closing meanwhile) reads nothing, not even its own share, and fails as ``closed``."""
+    src, region, address = source
+    rl = lanes(2, min_bytes=4096)
+    dst = poisoned(2 * 4 * 4096)
+    runs, _ = shuffled_blocks(src, region, dst, 4, 4096, seed=82)
+    lane_set = rl._dispatch.sets[0]
+    assert lane_set.lanes[1].retire_unstarted()
+    stop = threading.Event()
+    with pytest.raises(TransportError) as info:
+        read_lanes.run_blocking(rl._reading_all(
+            lane_set.lanes, address, [(region.rkey, runs)], time.perf_counter() + 5, stop,
+            same_host=True))
+    assert info.value.reason == "closed" and stop.is_set()
+    assert torch.equal(dst, poisoned(2 * 4 * 4096))
+
+
+@aio
 async def test_addresses_are_checked_before_ucx_sees_them(source, lanes, on):
     """libucp aborts the process on an address of an unknown version: such an address is
     refused before UCX sees it (the puller then reads on the connection); an address of
@@ -1206,3 +1252,24 @@ def test_the_dispatcher_never_shares_a_set_nor_leaves_a_pull_waiting_for_a_set_i
         mp.setattr(read_lanes, "time", clock)
         mp.setattr(read_lanes, "LANE_OPEN_S", 0.0)
         asyncio.run(main())
+
+
+@aio
+async def test_a_spill_counts_a_script_that_holds_the_spare_set_not_one_cancelled_first():
+    """``lane_set_spills`` counts scripts that ran on a spare set: a wait handed a spare set
+    and cancelled in the same loop step gives it back uncounted."""
+    d = read_lanes._Dispatch(2, 1)
+    first = await d.acquire(b"a", 0.0, 1.0)  # due at once: overdue from the next instant
+    await asyncio.sleep(0.002)
+    spills = read_lanes.lane_set_spills()
+    spare = await d.acquire(b"b", 10.0, 1.0)
+    assert spare is d.sets[1] and read_lanes.lane_set_spills() == spills + 1
+    waiting = asyncio.ensure_future(d.acquire(b"c", 10.0, 1.0))
+    await until(lambda: d._waiting)
+    d.release(spare)  # handed to the waiting script's future ...
+    assert d._waiting == [] and d.sets[1].busy
+    waiting.cancel()  # ... which is cancelled before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert not d.sets[1].busy and read_lanes.lane_set_spills() == spills + 1
+    d.release(first)

@@ -277,12 +277,34 @@ class _Lane:
         self.index = index
         self.executor = (concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix=name or f"kvkern-lane{index}") if thread else None)
+        self._handing = threading.Lock()  # (submit against retire_unstarted)
+        self.started = False  # whether anything was handed to its thread (which it then has)
+        self._retired = False
         self._context: UCXContext | None = None
         self._worker: UCXWorker | None = None
         self._worker_handle = 0
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
         self.stuck_batches: list[ReadBatch] = []  # never freed: UCX may still write their memory
         self._closed = False
+
+    def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
+        """``fn(*args)`` on the lane's thread (started by the first call); RuntimeError once
+        the lane is closed without one (:meth:`retire_unstarted`) or its executor shut down."""
+        with self._handing:
+            if self._retired:
+                raise RuntimeError("read lane closed")
+            self.started = True
+            return self.executor.submit(fn, *args)
+
+    def retire_unstarted(self) -> bool:
+        """Close the lane here if nothing was ever handed to its thread (a spare set's lane
+        never used): no thread is started to close it. False if it has one."""
+        with self._handing:
+            if self.started:
+                return False
+            self._retired = True
+        self.close()
+        return True
 
     # ---- on the lane's thread only
 
@@ -455,7 +477,7 @@ class ReadLanes:
         fails stays closed and opens on its first read instead."""
         if self._closed:
             return []
-        futs = [lane.executor.submit(lane.open) for lane in self._lanes]
+        futs = [lane.submit(lane.open) for lane in self._lanes]
         if self.loop_bytes and self._loop in (None, loop):
             self._loop = loop  # (close() now closes the loop lane on this loop, after this)
 
@@ -584,8 +606,8 @@ class ReadLanes:
         try:
             if self._closed:  # (closed while this script waited for a set)
                 raise TransportError("closed", "read lanes closed")
-            cf = lane_set.lanes[0].executor.submit(call, lane_set.lanes)
-        except RuntimeError as exc:  # (the lanes' executors shut down meanwhile)
+            cf = lane_set.lanes[0].submit(call, lane_set.lanes)
+        except RuntimeError as exc:  # (the lanes closed meanwhile)
             self._dispatch.release(lane_set)
             raise TransportError("closed", "read lanes closed") from exc
         except BaseException:
@@ -627,17 +649,24 @@ class ReadLanes:
         if not shares:
             return None
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
-        futs = [lane.executor.submit(lane.run, address, share, left(), stop, local, owned,
-                                     same_host)
-                for lane, share in zip(lanes[1:], shares[1:], strict=False)]
-        for fut in futs:  # one lane failing stops the others at once
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
-                                  or stop.set())
+        futs = []
         firsts: list[float | None] = []
         errors: list[BaseException] = []
+        for lane, share in zip(lanes[1:], shares[1:], strict=False):
+            try:
+                fut = lane.submit(lane.run, address, share, left(), stop, local, owned,
+                                  same_host)
+            except RuntimeError:  # (the lanes closed meanwhile)
+                stop.set()
+                errors.append(TransportError("closed", "read lanes closed"))
+                break
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is None
+                                  or stop.set())  # one lane failing stops the others at once
+            futs.append(fut)
         try:
-            firsts.append((yield from lanes[0].reading(address, shares[0], left(), stop, local,
-                                                       owned, same_host)))
+            if not errors:
+                firsts.append((yield from lanes[0].reading(address, shares[0], left(), stop,
+                                                           local, owned, same_host)))
         except GeneratorExit:
             stop.set()
             raise
@@ -665,7 +694,8 @@ class ReadLanes:
         deadline = time.monotonic() + timeout
         self._dispatch.close_soon()
         lanes = [lane for st in self._dispatch.sets for lane in st.lanes]
-        futs = [lane.executor.submit(lane.close) for lane in lanes]
+        # (a spare set's lanes that never ran anything close here: no thread to start)
+        futs = [lane.submit(lane.close) for lane in lanes if not lane.retire_unstarted()]
         if self._on_loop.opened or self._loop is not None:  # (opened, or an open() queued)
             futs.append(_on_loop_thread(self._loop, self._close_loop_lane))
         for fut in futs:
@@ -738,7 +768,7 @@ class _Dispatch:
         self._dispatch()
         timer = None if fut.done() else loop.call_later(wait, _expire, fut, wait)
         try:
-            return await fut
+            lane_set = await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled() and fut.exception() is None:
                 self.release(fut.result())  # (handed a set as the task was cancelled)
@@ -746,6 +776,10 @@ class _Dispatch:
         finally:
             if timer is not None:
                 timer.cancel()
+        if lane_set is not self.sets[0]:  # (counted once the script holds it)
+            with _counts_lock:
+                _spills[0] += 1
+        return lane_set
 
     def release(self, lane_set: _LaneSet) -> None:
         lane_set.busy = False
@@ -777,9 +811,6 @@ class _Dispatch:
             self._waiting.remove(w)
             lane_set.busy, lane_set.source, lane_set.since = True, w.source, now
             lane_set.due = w.due + (0.0 if lane_set.opened else LANE_OPEN_S)
-            if lane_set is not self.sets[0]:
-                with _counts_lock:
-                    _spills[0] += 1
             w.fut.set_result(lane_set)
         self._arm(now)
 
