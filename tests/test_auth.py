@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -127,7 +128,11 @@ def test_signed_request_verifies_once_and_the_answer_is_bound_to_it():
     (lambda h: h + " extra=1", "malformed credentials"),
     (lambda h: h.replace("ts=", "ts=x"), "malformed credentials"),
     (lambda h: h * 10, "malformed credentials"),
-], ids=["valid", "mac", "version", "peer", "field", "ts", "long"])
+    (lambda h: re.sub(r"ts=\d+", "ts=" + "9" * 350, h), "malformed credentials"),
+    (lambda h: re.sub(r"ts=(\d+)", lambda m: "ts=+" + m[1], h), "malformed credentials"),
+    (lambda h: re.sub(r"ts=\d", "ts=\u0663", h), "malformed credentials"),
+], ids=["valid", "mac", "version", "peer", "field", "ts", "long", "huge-ts", "signed-ts",
+        "unicode-digit-ts"])
 def test_tampered_headers_are_refused(change, why):
     headers, _ = CRED.sign_request("GET", "/kvkern/v1/state")
     got = HttpVerifier(CRED).check("GET", "/kvkern/v1/state", change(headers[AUTH_HEADER]))
@@ -148,6 +153,23 @@ def test_method_path_key_and_clock_are_covered():
     assert v.check("GET", "/kvkern/v1/state", h, now=early).why == "stale or future timestamp"
     assert v.check("GET", "/kvkern/v1/state", h, now=1000.0).ok
     assert v.check("GET", "/kvkern/v1/state", None).why == "no credentials"
+
+
+def test_a_nonce_is_refused_for_as_long_as_its_timestamp_is_accepted():
+    """A request stamped ahead of the server's clock (within the allowed skew) stays
+    refused as a replay until its stamp leaves the window, not for a window from its first
+    use."""
+    v = HttpVerifier(CRED)
+    ahead = 1000.0 + HTTP_SKEW_S - 1
+    headers, _ = CRED.sign_request("GET", "/kvkern/v1/state", now=ahead)
+    h = headers[AUTH_HEADER]
+    assert v.check("GET", "/kvkern/v1/state", h, now=1000.0).ok
+    for later in (1000.0 + HTTP_SKEW_S + 1, ahead + HTTP_SKEW_S - 0.5):
+        other, _ = CRED.sign_request("GET", "/kvkern/v1/state", now=later)
+        assert v.check("GET", "/kvkern/v1/state", other[AUTH_HEADER], now=later).ok
+        assert v.check("GET", "/kvkern/v1/state", h, now=later).why == "replayed request"
+    assert v.check("GET", "/kvkern/v1/state", h,
+                   now=ahead + HTTP_SKEW_S + 1).why == "stale or future timestamp"
 
 
 @settings(max_examples=300, deadline=None)
@@ -183,6 +205,8 @@ def test_a_router_signature_covers_its_request_in_every_dialect(dialect):
     ("far future", "too far in the future"),
     ("unsigned", "not signed"),
     ("malformed", "malformed"),
+    ("huge expiry", "malformed"),
+    ("negative expiry", "malformed"),
     ("no credential", "no fleet credential"),
 ], ids=lambda x: x.replace(" ", "-"))
 def test_hint_signatures_refuse_anything_else(what, expect):
@@ -201,11 +225,15 @@ def test_hint_signatures_refuse_anything_else(what, expect):
     elif what == "key":
         cred = OTHER
     elif what == "far future":
-        body[HINT_AUTH_FIELD] = {**body[HINT_AUTH_FIELD], "exp": 2 ** 62}
+        body[HINT_AUTH_FIELD] = {**body[HINT_AUTH_FIELD],
+                                 "exp": body[HINT_AUTH_FIELD]["exp"] + 10 ** 10}  # ~4 months
     elif what == "unsigned":
         del body[HINT_AUTH_FIELD]
     elif what == "malformed":
         body[HINT_AUTH_FIELD] = {"v": 1, "exp": "soon", "by": "a", "mac": "00"}
+    elif what in ("huge expiry", "negative expiry"):  # (past a float's range: no arithmetic)
+        body[HINT_AUTH_FIELD] = {**body[HINT_AUTH_FIELD],
+                                 "exp": 10 ** 400 * (1 if what == "huge expiry" else -1)}
     elif what == "no credential":
         cred = None
     why = check_hint(cred, body, decode_hint(body), tokens, cache_salt=salt)

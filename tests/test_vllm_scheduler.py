@@ -101,6 +101,30 @@ def test_unsigned_wrong_and_missing_hints_load_nothing():
         request("t", sign=False), 0) == (5 * BS, True)
 
 
+def test_a_hint_that_makes_admission_raise_leaves_the_request_unhinted(monkeypatch):
+    """The scheduler half runs inside vLLM's ``schedule()``, where an exception ends the
+    engine: whatever a request's hint makes admission raise is logged, counted as
+    ``internal_error`` and the request runs as if unhinted."""
+    from kvkern.integrations.vllm import scheduler
+
+    s = side()
+    huge = {"kv_hint": {"source": "127.0.0.1:9"},
+            "kvkern_hint_auth": {"v": 1, "exp": 10 ** 400, "by": "x", "mac": "00"}}
+    assert s.get_num_new_matched_tokens(request("huge", sign=False, params=huge), 0) == (
+        0, False)
+
+    def broken(*_a, **_k):
+        raise OverflowError("integer division result too large for a float")
+
+    monkeypatch.setattr(scheduler, "check_hint", broken)
+    assert s.get_num_new_matched_tokens(request("raises"), 0) == (0, False)
+    assert counter(s, "kvkern_fallbacks_total") == 2
+    assert sum(x.value for m in s.rt.metrics.registry.collect() for x in m.samples
+               if x.labels.get("reason") == "internal_error") >= 1
+    monkeypatch.undo()
+    assert s.get_num_new_matched_tokens(request("fine"), 0) == (5 * BS, True)
+
+
 def test_a_salted_router_hint_in_another_scheme_is_checked_under_the_requests_salt():
     """A router that hashes in its own scheme salts a tenant's hashes; the scheduler checks
     them under the request's cache salt and pulls vLLM's own (salted) block hashes."""

@@ -81,6 +81,7 @@ MAX_SECRET_BYTES = 4096
 NONCE_BYTES = 32
 MAC_BYTES = 32
 MAX_PEER_ID = 128
+MAX_HINT_EXP_MS = 1 << 53  # a hint's expiry, Unix ms: exactly representable as a float
 AUTH_HEADER = "X-Kvkern-Auth"
 AUTH_RESPONSE_HEADER = "X-Kvkern-Auth-Response"
 _HTTP_NONCE_BYTES = 16
@@ -267,10 +268,10 @@ class HttpVerifier:
         fields = dict(kv.split("=", 1) for kv in header.split()[1:] if "=" in kv)
         if not header.startswith("v1 ") or set(fields) != {"id", "ts", "nonce", "mac"}:
             return HttpAuthResult(False, why="malformed credentials")
-        try:
-            ts = int(fields["ts"])
-        except ValueError:
+        stamp = fields["ts"]
+        if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 15):  # (Unix ms)
             return HttpAuthResult(False, why="malformed credentials")
+        ts = int(stamp)
         now = time.time() if now is None else now
         if abs(now - ts / 1000) > self.skew_s:
             return HttpAuthResult(False, why="stale or future timestamp")
@@ -279,13 +280,14 @@ class HttpVerifier:
                                       ts, nonce, peer):
             return HttpAuthResult(False, why="bad signature")
         with self._lock:
-            horizon = now - self.skew_s
-            while self._seen and (next(iter(self._seen.values())) < horizon
+            # a nonce is kept until its timestamp leaves the window (then the clock check
+            # alone refuses it), not for a window from its first use
+            while self._seen and (next(iter(self._seen.values())) < now
                                   or len(self._seen) >= _MAX_SEEN_NONCES):
                 self._seen.popitem(last=False)
             if nonce in self._seen:
                 return HttpAuthResult(False, why="replayed request")
-            self._seen[nonce] = now
+            self._seen[nonce] = ts / 1000 + self.skew_s
         return HttpAuthResult(True, peer_id=peer, nonce=nonce)
 
 
@@ -334,8 +336,10 @@ def check_hint(credential: Credential | None, body: Mapping, hint, token_ids: Se
     if not isinstance(auth, Mapping) or auth.get("v") != 1:
         return "the hint signature is malformed"
     exp, by, mac = auth.get("exp"), auth.get("by"), auth.get("mac")
-    if (isinstance(exp, bool) or not isinstance(exp, int) or not isinstance(by, str)
-            or not isinstance(mac, str) or len(by) > MAX_PEER_ID or len(mac) > 2 * MAC_BYTES):
+    # (exp bounded before any arithmetic: a JSON integer may have hundreds of digits)
+    if (isinstance(exp, bool) or not isinstance(exp, int) or not 0 < exp < MAX_HINT_EXP_MS
+            or not isinstance(by, str) or not isinstance(mac, str) or len(by) > MAX_PEER_ID
+            or len(mac) > 2 * MAC_BYTES):
         return "the hint signature is malformed"
     now = time.time() if now is None else now
     if exp / 1000 < now:

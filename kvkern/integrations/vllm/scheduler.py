@@ -183,6 +183,19 @@ class SchedulerSide:
 
     def _admit(self, request: Any, num_computed_tokens: int
                ) -> tuple[int, KvHint, Admitted] | None:
+        """The request's admitted pull, or None. Runs inside vLLM's ``schedule()``, where an
+        exception would end the engine: whatever a request body makes it raise is logged and
+        the request runs unhinted (``internal_error``)."""
+        try:
+            return self._admitting(request, num_computed_tokens)
+        except Exception as exc:  # noqa: BLE001 (the engine outlives any hint)
+            log.exception("request %s: hint admission failed", request.request_id)
+            self._ignored(request.request_id, Reason.INTERNAL_ERROR,
+                          f"{type(exc).__name__}: {exc}", None)
+            return None
+
+    def _admitting(self, request: Any, num_computed_tokens: int
+                   ) -> tuple[int, KvHint, Admitted] | None:
         body = hint_body(request)
         if body is None:
             return None
