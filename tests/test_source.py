@@ -790,6 +790,38 @@ async def test_busy_then_close_leaves_nothing_running(http):
 
 
 @aio
+async def test_a_peers_pin_quota_counts_the_groups_pool_across_its_ranks(monkeypatch):
+    """The ranks of a TP group share one block manager: a peer that asks each rank for
+    distinct blocks is held to one share of that pool (25% by default), while its ranks'
+    parts of the same blocks count once."""
+    from kvkern.xfer import send
+
+    monkeypatch.setattr(send, "QUOTA_WAIT_S", 0.05)
+    group, hs = _group(tp=2)
+    svc = _Frozen([group], worker_id="tp-quota")
+    await svc.start()
+    heads = HEADS // 2
+
+    def piece(rank: int) -> list[PlanPiece]:
+        return [PlanPiece(src_rank=rank, layer_start=0, layer_stop=LAYERS, head_start=0,
+                          head_stop=heads, offset=0, length=unit(LAYERS, heads))]
+
+    try:
+        assert len(hs) >= 8 and group.manager.num_blocks == 16  # (a peer: 4 blocks)
+        async with ConnectionPool(connect_timeout=10) as own:
+            first = await own.get(HOST, svc.ucx_ports[0])
+            second = await own.get(HOST, svc.ucx_ports[1])
+            assert (await ask(first, request(hs[:4], pieces=piece(0)))).status == Status.OK
+            other = await ask(second, request(hs[4:8], pieces=piece(1)))
+            assert other.status == Status.BUSY and "peer quota" in other.reason, other
+            same = await ask(second, request(hs[:4], pieces=piece(1)))
+            assert same.status == Status.OK  # the same 4 blocks, through the other rank
+            assert group.manager.num_pinned == 4
+    finally:
+        await svc.close()
+
+
+@aio
 async def test_sigterm_closes_a_real_source_with_a_frozen_send(frozen_peer):
     """close() in the peer process: a send frozen after its reply holds 16 pins; SIGTERM makes
     the peer close its service (cancelling the send) and report what was left."""
@@ -1190,29 +1222,30 @@ async def test_a_granted_read_hold_outlasts_a_lost_connection_and_close():
                     max_size=40))
 def test_pin_quotas_count_distinct_blocks(ops):
     """Against a reference over the live pin handles: a peer's share and all peers' share of
-    a rank are the distinct blocks pinned, so the same blocks pinned again (each narrower
-    destination rank asking for its part) hold nothing more; every unpin restores it."""
+    a DP group's pool are the distinct blocks pinned, so the same blocks pinned again (each
+    narrower destination rank asking for its part) hold nothing more; every unpin restores
+    it."""
     from kvkern.xfer.send import PeerLedger
 
     pool = 16
     ledger = PeerLedger(PeerQuotas(peer_pin_fraction=0.5, total_pin_fraction=0.75), 8)
     live: list[tuple[str, int, list[int]]] = []
-    for op, peer, rank, hs in ops:
+    for op, peer, group, hs in ops:
         if op == "unpin" and live:
             ledger.unpinned(*live.pop(len(hs) % len(live)))
             continue
-        mine = {h for p, r, held in live if (p, r) == (peer, rank) for h in held}
-        every = {h for _, r, held in live if r == rank for h in held}
-        verdict = ledger.over_pin_quota(peer, rank, hs, pool)
+        mine = {h for p, g, held in live if (p, g) == (peer, group) for h in held}
+        every = {h for _, g, held in live if g == group for h in held}
+        verdict = ledger.over_pin_quota(peer, group, hs, pool)
         if len(mine | set(hs)) > pool * 0.5:
             assert verdict is not None and verdict.startswith("peer quota"), verdict
         elif len(every | set(hs)) > pool * 0.75:
             assert verdict is not None and verdict.startswith("pin quota"), verdict
         else:
             assert verdict is None, verdict
-            ledger.pinned(peer, rank, hs)
-            live.append((peer, rank, hs))
+            ledger.pinned(peer, group, hs)
+            live.append((peer, group, hs))
     for args in live:
         ledger.unpinned(*args)
     assert ledger.pins == ledger.pinned_blocks == 0
-    assert ledger.peer_pins == {} and ledger.rank_pins == {}
+    assert ledger.peer_pins == {} and ledger.group_pins == {}

@@ -199,9 +199,11 @@ def _check_piece(ctx: RankCtx, layout: KVLayout, p: PlanPiece, end: int) -> None
 
 class PeerLedger:
     """Admitted sends and pinned blocks, in all and per authenticated peer, held to
-    :class:`PeerQuotas` (loop thread only). The quotas count distinct blocks: destination
-    ranks that each ask for their part of the same blocks (a TP reshard into narrower
-    ranks) hold them once."""
+    :class:`PeerQuotas` (loop thread only). Pins count per DP group, whose ranks share one
+    block manager (block id b is the same request block on every rank), and by distinct
+    blocks: the group's ranks pinning their parts of the same blocks (a TP reshard, or a
+    destination rank per source rank) hold them once, and distinct blocks asked for through
+    different ranks add up."""
 
     def __init__(self, quotas: PeerQuotas, max_concurrent_sends: int) -> None:
         self.quotas = quotas
@@ -210,9 +212,9 @@ class PeerLedger:
         self.pins = 0  # pin handles held
         self.pinned_blocks = 0  # blocks of every pin handle (a block pinned twice: twice)
         self.peer_sends: dict[str, int] = {}  # authenticated peer -> admitted sends
-        # (peer, rank) / rank -> pinned block hash -> pin handles holding it
+        # (peer, DP group) / DP group -> pinned block hash -> pin handles holding it
         self.peer_pins: dict[tuple[str, int], collections.Counter[int]] = {}
-        self.rank_pins: dict[int, collections.Counter[int]] = {}
+        self.group_pins: dict[int, collections.Counter[int]] = {}
 
     def may_admit(self, peer: str) -> bool:
         return (self.active < self.max_concurrent_sends
@@ -230,16 +232,16 @@ class PeerLedger:
         else:
             self.peer_sends.pop(peer, None)
 
-    def pinned(self, peer: str, rank: int, hashes: Sequence[int]) -> None:
+    def pinned(self, peer: str, group: int, hashes: Sequence[int]) -> None:
         self.pins += 1
         self.pinned_blocks += len(hashes)
-        self.peer_pins.setdefault((peer, rank), collections.Counter()).update(hashes)
-        self.rank_pins.setdefault(rank, collections.Counter()).update(hashes)
+        self.peer_pins.setdefault((peer, group), collections.Counter()).update(hashes)
+        self.group_pins.setdefault(group, collections.Counter()).update(hashes)
 
-    def unpinned(self, peer: str, rank: int, hashes: Sequence[int]) -> None:
+    def unpinned(self, peer: str, group: int, hashes: Sequence[int]) -> None:
         self.pins -= 1
         self.pinned_blocks -= len(hashes)
-        for table, key in ((self.peer_pins, (peer, rank)), (self.rank_pins, rank)):
+        for table, key in ((self.peer_pins, (peer, group)), (self.group_pins, group)):
             held = table.get(key)
             if held is None:
                 continue
@@ -256,18 +258,19 @@ class PeerLedger:
             if not held:
                 del table[key]
 
-    def over_pin_quota(self, peer: str, rank: int, want: Sequence[int],
+    def over_pin_quota(self, peer: str, group: int, want: Sequence[int],
                        pool: int) -> str | None:
-        """Why pinning the blocks of hashes ``want`` on ``rank``'s ``pool``-block pool would
-        exceed a :class:`PeerQuotas` share, or None. Blocks already pinned count once."""
+        """Why pinning the blocks of hashes ``want`` in DP group ``group``'s ``pool``-block
+        pool would exceed a :class:`PeerQuotas` share, or None. Blocks already pinned count
+        once."""
         q = self.quotas
         wanted = set(want)
-        mine = self.peer_pins.get((peer, rank), {})
+        mine = self.peer_pins.get((peer, group), {})
         new = len(wanted) - len(mine.keys() & wanted)  # (set operations in C)
         if len(mine) + new > q.peer_pin_fraction * pool:
             return (f"peer quota: {len(mine)} blocks pinned + {new} requested > "
                     f"{q.peer_pin_fraction:g} of the {pool}-block pool")
-        held = self.rank_pins.get(rank, {})
+        held = self.group_pins.get(group, {})
         new = len(wanted) - len(held.keys() & wanted)
         if len(held) + new > q.total_pin_fraction * pool:
             return (f"pin quota: {len(held)} blocks pinned by peers + {new} requested > "
@@ -358,12 +361,13 @@ class Sender:
 
     async def _quota_verdict(self, s: SendSession) -> str | None:
         ledger, pool = self.svc.ledger, s.ctx.rkv.layout.num_blocks
-        busy = ledger.over_pin_quota(s.peer, s.ctx.rank, s.req.requested_hashes, pool)
+        group = s.ctx.group.dp_rank  # (its ranks share the block manager: one quota)
+        busy = ledger.over_pin_quota(s.peer, group, s.req.requested_hashes, pool)
         waited = 0.0
         while busy is not None and waited < QUOTA_WAIT_S:  # a send of the peer finishing
             await asyncio.sleep(QUOTA_POLL_S)
             waited += QUOTA_POLL_S
-            busy = ledger.over_pin_quota(s.peer, s.ctx.rank, s.req.requested_hashes, pool)
+            busy = ledger.over_pin_quota(s.peer, group, s.req.requested_hashes, pool)
         return busy
 
     async def _pin(self, s: SendSession) -> PinHandle | None:
@@ -372,7 +376,7 @@ class Sender:
         handle = ctx.group.manager.pin(req.requested_hashes, require_all=req.require_all)
         if handle is not None:
             s.handle = handle
-            svc.ledger.pinned(s.peer, ctx.rank, handle.hashes)
+            svc.ledger.pinned(s.peer, ctx.group.dp_rank, handle.hashes)
             svc.metrics.source_pins_changed(len(handle.block_ids))
             return handle
         if req.require_all:  # how many there are, for the destination's log line

@@ -608,7 +608,7 @@ class SourceService:
         s.released = True
         handle, s.handle = s.handle, None
         n = len(handle.block_ids)
-        self.ledger.unpinned(s.peer, s.ctx.rank, handle.hashes)
+        self.ledger.unpinned(s.peer, s.ctx.group.dp_rank, handle.hashes)
         self.metrics.source_pins_changed(-n)
         try:
             s.ctx.group.manager.unpin(handle)
