@@ -39,6 +39,11 @@ def vllm_pool():
     return pool, manager, blocks
 
 
+def index_written(blocks: VllmBlocks, block) -> None:
+    """Index ``block`` as written under its hash now (as its step's write would)."""
+    blocks._add([(block, None, blocks._handouts.get(block.block_id, 0))])
+
+
 def vllm_request(tokens: list[int], rid: str):
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
@@ -131,6 +136,54 @@ def test_a_block_cached_again_waits_for_its_new_step(vllm_pool):
     pool.free_blocks(held)
 
 
+def test_a_block_reused_and_cached_again_under_its_old_hash_waits_for_its_new_step(vllm_pool):
+    """vLLM evicts a served block, writes another request's KV into it, and later caches it
+    under the same hash again for a request whose step has not run: no peer gets it (its
+    bytes are still the other request's) until that step is written."""
+    pool, _, blocks = vllm_pool
+    tokens = list(range(800, 804))
+    first, got = cached_request(pool, tokens, "first", blocks)
+    h = vllm_u64(first.block_hashes[0])
+    directory = blocks.read_directory()
+    assert blocks.longest_prefix([h]) == 1 and found_at_home(directory, [h]) == [
+        got[0].block_id]  # (served; its request done: cached, evictable)
+    other = pool.get_new_blocks(pool.get_num_free_blocks())  # evicts it: another's KV
+    assert got[0] in other and got[0].block_hash is None
+    blocks.written(blocks.seal())
+    pool.free_blocks(reversed(other))  # (no hash: back at the head of the free queue)
+    again = vllm_request(tokens, "again")
+    (b,) = pool.get_new_blocks(1)
+    assert b is got[0]
+    pool.cache_full_blocks(again, [b], 0, 1, BS, 0)  # the old hash, before its forward pass
+    step = blocks.seal()
+    assert blocks.longest_prefix([h]) == 0 and blocks.pin([h]) is None
+    assert found_at_home(directory, [h]) == [-1]
+    blocks.written(step)
+    assert blocks.longest_prefix([h]) == 1
+    assert found_at_home(directory, [h]) == [b.block_id]
+
+
+def test_a_step_written_late_does_not_serve_a_block_reused_since(vllm_pool):
+    """A block cached under a hash in a step not yet written, then evicted, reused and cached
+    under the same hash in a later step, is served once the later step is written, not when
+    the earlier one is."""
+    pool, _, blocks = vllm_pool
+    tokens = list(range(900, 904))
+    first, got = cached_request(pool, tokens, "first", blocks, written=False)
+    early = blocks.seal()
+    other = pool.get_new_blocks(pool.get_num_free_blocks())
+    pool.free_blocks(reversed(other))
+    (b,) = pool.get_new_blocks(1)
+    assert b is got[0]
+    pool.cache_full_blocks(vllm_request(tokens, "again"), [b], 0, 1, BS, 0)
+    late = blocks.seal()
+    h = vllm_u64(first.block_hashes[0])
+    blocks.written(early)
+    assert blocks.longest_prefix([h]) == 0 and blocks.pin([h]) is None
+    blocks.written(late)
+    assert blocks.longest_prefix([h]) == 1
+
+
 def test_steps_never_reported_written_are_bounded(vllm_pool, monkeypatch):
     """Without a worker half reporting its steps, at most MAX_UNWRITTEN_STEPS steps' cached
     blocks wait: older ones are dropped, never served."""
@@ -178,9 +231,9 @@ def test_the_read_directory_names_written_blocks_until_vllm_hands_them_out(vllm_
     pool.free_blocks(held)
     one = SimpleNamespace(block_id=5, block_hash=b"A" * 24 + b"12345678" + b"\0\0\0\0")
     two = SimpleNamespace(block_id=6, block_hash=b"B" * 24 + b"12345678" + b"\0\0\0\0")
-    blocks._add([(one, None)])
+    index_written(blocks, one)
     assert directory.slot_of(5) >= 0
-    blocks._add([(two, None)])  # the u64 turns ambiguous: neither block is named
+    index_written(blocks, two)  # the u64 turns ambiguous: neither block is named
     assert directory.slot_of(5) == directory.slot_of(6) == -1
 
 
@@ -196,10 +249,10 @@ def test_two_vllm_hashes_with_one_u64_are_never_served(vllm_pool):
     _, _, blocks = vllm_pool
     one = SimpleNamespace(block_id=5, block_hash=b"A" * 24 + b"12345678" + b"\0\0\0\0")
     two = SimpleNamespace(block_id=6, block_hash=b"B" * 24 + b"12345678" + b"\0\0\0\0")
-    blocks._add([(one, None)])
+    index_written(blocks, one)
     h = vllm_u64(one.block_hash[:-4])
     assert blocks.longest_prefix([h]) == 1
-    blocks._add([(two, None)])
+    index_written(blocks, two)
     assert blocks.longest_prefix([h]) == 0 and blocks.pin([h]) is None
 
 
@@ -253,10 +306,10 @@ def test_a_u64_turned_ambiguous_leaves_the_directory_in_every_block_it_named():
     key, other = b"A" * 24 + b"12345678" + bytes(4), b"B" * 24 + b"12345678" + bytes(4)
     first, again = (SimpleNamespace(block_id=i, block_hash=key) for i in (5, 6))
     clash = SimpleNamespace(block_id=7, block_hash=other)
-    blocks._add([(first, None)])
-    blocks._add([(again, None)])
+    index_written(blocks, first)
+    index_written(blocks, again)
     assert directory.slot_of(5) >= 0 and directory.slot_of(6) >= 0
-    blocks._add([(clash, None)])
+    index_written(blocks, clash)
     h = np.array([_u64(key)], np.uint64)
     assert find(directory.table[bucket_of(h, directory.buckets)], h)[1].tolist() == [-1]
     assert directory.published == 0 and blocks.longest_prefix([int(h[0])]) == 0

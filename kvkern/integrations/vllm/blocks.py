@@ -9,9 +9,11 @@ calls, never inside one: ``allocate_slots`` checks the free blocks and takes the
 same lock a pin holds while it takes cached free blocks out of the free queue.
 
 The u64 index (low 64 bits -> the cached block) is filled with the full blocks vLLM caches
-(``cache_full_blocks``) once their bytes are written, and checked on every use (the block must
-still carry that hash); two different vLLM hashes with the same low 64 bits make that u64
-ambiguous, and an ambiguous u64 is never served.
+(``cache_full_blocks``) once their bytes are written, and checked on every use: the block must
+still carry that hash and must not have been handed out since (``get_new_blocks``: vLLM may
+evict a block, write other KV into it and cache it under the same hash again, in a step whose
+forward pass has not run yet); two different vLLM hashes with the same low 64 bits make that
+u64 ambiguous, and an ambiguous u64 is never served.
 
 vLLM caches a block when it schedules the step that computes its last tokens, before that
 step's forward pass writes them (vLLM's own requests cannot read it sooner). A peer could, so
@@ -58,7 +60,8 @@ __all__ = ["VllmBlocks"]
 log = logging.getLogger("kvkern.integrations.vllm")
 
 _AMBIGUOUS = object()
-_Cached = tuple[Any, bytes, "tuple[int, int] | None"]  # (block, its hash then, chain record)
+# (block, its hash then, chain record, its hand-out count then: see VllmBlocks._handouts)
+_Cached = tuple[Any, bytes, "tuple[int, int] | None", int]
 #: Steps whose cached blocks may wait for their forward pass: beyond it the oldest step's
 #: blocks are dropped unserved (a worker half that never reports its steps written).
 MAX_UNWRITTEN_STEPS = 1024
@@ -80,7 +83,13 @@ class VllmBlocks:
         self._group_id = group_id
         self._lock = threading.RLock()
         self._pool: Any = None
-        self._index: dict[int, Any] = {}  # u64 -> cached KVCacheBlock, or _AMBIGUOUS
+        # u64 -> (cached KVCacheBlock, its hand-out count when indexed), or _AMBIGUOUS
+        self._index: dict[int, Any] = {}
+        # block id -> how often vLLM handed the block out (get_new_blocks): a block indexed
+        # or cached under a hash is that hash's bytes only while this count is unchanged,
+        # since vLLM may evict it, write other KV into it and cache it under the same hash
+        # again before that step's forward pass
+        self._handouts: dict[int, int] = {}
         self._pins: dict[int, list[Any]] = {}
         self._ids = itertools.count(1)
         # blocks cached in the step being scheduled (each with its hash then and its chain
@@ -150,7 +159,8 @@ class VllmBlocks:
                         anchor = pos - pos % DIRECTORY_GROUP
                         chain = (pos, vllm_u64(hashes[anchor])) if per_block and \
                             anchor < len(hashes) else None
-                        self._cached.append((b, b.block_hash, chain))
+                        self._cached.append((b, b.block_hash, chain,
+                                             self._handouts.get(b.block_id, 0)))
                 return out
         return call
 
@@ -159,7 +169,9 @@ class VllmBlocks:
         def call(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 out = get_new_blocks(*args, **kwargs)
+                handouts = self._handouts
                 for b in out:  # handed out: about to be written
+                    handouts[b.block_id] = handouts.get(b.block_id, 0) + 1
                     self._withdraw(b)
                 return out
         return call
@@ -231,29 +243,41 @@ class VllmBlocks:
             self._writes.popleft()
             while self._unwritten and self._unwritten[0][0] <= step:
                 _, batch = self._unwritten.popleft()
-                self._add([(b, chain) for b, key, chain in batch if b.block_hash == key])
+                self._add([(b, chain, n) for b, key, chain, n in batch
+                           if b.block_hash == key and self._handouts.get(b.block_id, 0) == n])
 
-    def _add(self, blocks: Sequence[tuple[Any, tuple[int, int] | None]]) -> None:
-        """Index (and publish) written ``(block, chain record)`` pairs."""
+    def _live(self, entry: Any, h: int) -> Any:
+        """The block of index ``entry`` if it still holds what it was indexed for under
+        ``h``: it carries that u64 and vLLM has not handed it out since; else None."""
+        if entry is None or entry is _AMBIGUOUS:
+            return None
+        block, n = entry
+        key = block.block_hash
+        if key is None or _u64(key) != h or self._handouts.get(block.block_id, 0) != n:
+            return None
+        return block
+
+    def _add(self, blocks: Sequence[tuple[Any, tuple[int, int] | None, int]]) -> None:
+        """Index (and publish) written ``(block, chain record, hand-out count)``."""
         index = self._index
-        for block, chain in blocks:
+        for block, chain, n in blocks:
             key = block.block_hash
             if key is None:
                 continue
             h = _u64(key)
             have = index.get(h)
-            if have is None or have is _AMBIGUOUS or have.block_hash is None \
-                    or _u64(have.block_hash) != h:
+            live = self._live(have, h)
+            if live is None:
                 if have is not _AMBIGUOUS:
-                    index[h] = block
+                    index[h] = (block, n)
                     self._publish(block, h, chain)
-            elif have.block_hash != key:  # same low 64 bits, another vLLM hash
+            elif live.block_hash != key:  # same low 64 bits, another vLLM hash
                 index[h] = _AMBIGUOUS
                 if self._directory is not None:  # every block it named, not just the last
                     self._directory.withdraw_hash(h)
                 log.warning("two vLLM block hashes share the u64 %d: never served", h)
             else:
-                index[h] = block  # the same prefix cached again in another block
+                index[h] = (block, n)  # the same prefix cached again in another block
                 self._publish(block, h, chain)
         if len(index) > 2 * max(self._pool.num_gpu_blocks if self._pool is not None else 0,
                                 1024):
@@ -291,26 +315,23 @@ class VllmBlocks:
                 if not n:
                     raise ValueError("no read directory before the number of blocks is known")
                 self._directory = ReadDirectory(n, DIRECTORY_GROUP)
-                for h, block in self._index.items():
-                    if block is not _AMBIGUOUS and block.block_hash is not None \
-                            and _u64(block.block_hash) == h:
+                for h, entry in self._index.items():
+                    block = self._live(entry, h)
+                    if block is not None:
                         self._publish(block, h, None)
             return self._directory
 
     def _prune(self) -> None:
-        stale = [h for h, b in self._index.items()
-                 if b is not _AMBIGUOUS and (b.block_hash is None or _u64(b.block_hash) != h)]
+        stale = [h for h, entry in self._index.items()
+                 if entry is not _AMBIGUOUS and self._live(entry, h) is None]
         for h in stale:
             del self._index[h]
 
     def _lookup(self, h: int) -> Any:
-        block = self._index.get(h)
-        if block is None or block is _AMBIGUOUS:
-            return None
-        key = block.block_hash
-        if key is None or _u64(key) != h:  # evicted (and maybe reused) since it was indexed
-            del self._index[h]
-            return None
+        entry = self._index.get(h)
+        block = self._live(entry, h)
+        if block is None and entry is not None and entry is not _AMBIGUOUS:
+            del self._index[h]  # evicted, or handed out (and maybe cached again), since
         return block
 
     # ------------------------------------------------------- kvkern's manager contract
