@@ -43,6 +43,12 @@ class KvkernConnector(KVConnectorBase_V1):
             else None
         self._worker = WorkerSide(self._rt) if role == KVConnectorRole.WORKER else None
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Nothing is handed off when a request finishes (peers pull from the prefix cache
+        itself), so a preempted request keeps its sampled tokens."""
+        return False
+
     # ------------------------------------------------------------------ scheduler side
 
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:

@@ -28,6 +28,8 @@ __all__ = ["EngineRuntime", "engine_facts", "runtime_for"]
 log = logging.getLogger("kvkern.integrations.vllm")
 
 _RUNTIMES: dict[str, EngineRuntime] = {}
+# vLLM executors that run the single worker in the engine core's process
+SAME_PROCESS_EXECUTORS = ("uni", "external_launcher")
 _RUNTIMES_LOCK = threading.Lock()
 
 
@@ -53,6 +55,13 @@ def engine_facts(vllm_config: Any, config: ConnectorConfig) -> EngineFacts:
     if par.tensor_parallel_size * par.pipeline_parallel_size != 1:
         raise ValueError("the kvkern connector serves engines with one worker "
                          "(tensor_parallel_size=1, pipeline_parallel_size=1)")
+    backend = getattr(par, "distributed_executor_backend", "uni")
+    if backend not in SAME_PROCESS_EXECUTORS:
+        # (the worker half in another process would have a runtime of its own, whose
+        # blocks the scheduler half never binds: the engine would serve no peer)
+        raise ValueError(f"the kvkern connector needs its worker in the scheduler's process "
+                         f"(distributed_executor_backend {'/'.join(SAME_PROCESS_EXECUTORS)}, "
+                         f"got {backend!r})")
     if getattr(kvt, "kv_load_failure_policy", "recompute") != "recompute":
         raise ValueError("the kvkern connector needs kv_load_failure_policy='recompute': a "
                          "pull that cannot be used must leave the request to recompute")
@@ -68,7 +77,10 @@ def engine_facts(vllm_config: Any, config: ConnectorConfig) -> EngineFacts:
     model_id = config.model_id or hashlib.sha256(json.dumps([
         model.model, getattr(model, "revision", None), str(model.dtype),
         str(cache.cache_dtype), cache.block_size, head_dim, scheme,
-    ], default=str).encode()).hexdigest()
+        # what else changes the KV of the same tokens: a quantization applied at load, and
+        # overrides of the checkpoint's config (rope scaling, say)
+        getattr(model, "quantization", None), getattr(model, "hf_overrides", None),
+    ], default=str, sort_keys=True).encode()).hexdigest()
     return EngineFacts(engine_id=kvt.engine_id, block_size=cache.block_size,
                        hash_scheme=scheme, model_id=model_id, head_dim=head_dim)
 
