@@ -25,6 +25,7 @@ from kvkern.xfer.httpguard import (
     guard_stats,
     read_json_body,
     read_json_object,
+    reads_own_body,
     require_object,
     start_guarded,
 )
@@ -103,11 +104,21 @@ async def _big(request: web.Request) -> web.Response:
     return web.Response(body=b"x" * BIG)
 
 
+_OWN_STARTED = asyncio.Event()  # (set by /own's handler before it reads its body)
+
+
+@reads_own_body
+async def _own(request: web.Request) -> web.Response:
+    _OWN_STARTED.set()
+    body = await read_json_body(request, max_bytes=100, timeout_s=2.0)
+    return web.json_response(body)
+
+
 def _app() -> web.Application:
     app = web.Application()
     app.add_routes([web.post("/json", _json), web.post("/obj", _obj),
                     web.post("/small", _small), web.get("/ok", _ok), web.get("/slow", _slow),
-                    web.get("/big", _big)])
+                    web.get("/big", _big), web.post("/own", _own)])
     return app
 
 
@@ -265,6 +276,46 @@ async def test_lying_content_length_is_408_and_others_are_served(guarded):
         if guarded:
             assert guard_stats(app).body_timeouts == 1
         assert (await request(port, "GET", "/ok"))[0] == 200
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/ok"), ("POST", "/nowhere"),
+                                          ("PUT", "/json")],
+                         ids=["get-with-a-body", "no-such-path", "no-such-method"])
+async def test_a_body_nothing_reads_is_refused_unread(method, path):
+    """A body that no handler takes (a GET's, or one sent to a path or method no route
+    serves) is refused at once, before any of it is read or buffered, and the connection
+    closed: nothing holds up to ``max_body_bytes`` of it for the body timeout."""
+    async with serve() as (_, port, app):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        t0 = time.monotonic()
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n"
+                     "\r\n".encode())  # and not one byte of the body
+        await writer.drain()
+        status, headers, body = await read_response(reader, timeout=3.0)
+        assert status == 413 and "takes no request body" in error_of(body)
+        assert time.monotonic() - t0 < LIMITS.body_timeout_s
+        assert headers.get("connection", "").lower() == "close"
+        assert guard_stats(app).body_timeouts == 0
+        assert await closed_by_peer(reader, 1.0)
+        writer.close()
+
+
+async def test_a_handler_that_reads_its_own_body_gets_the_request_unread():
+    """A handler marked ``reads_own_body`` runs before its body has arrived (and reads it
+    itself, bounded), so requests waiting in it for a limit hold no body."""
+    _OWN_STARTED.clear()
+    async with serve() as (_, port, _app):
+        reader, writer = await asyncio.open_connection(HOST, port)
+        body = b'{"a": 1}'
+        writer.write(b"POST /own HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        await writer.drain()
+        await asyncio.wait_for(_OWN_STARTED.wait(), 2.0)  # before one byte of the body
+        writer.write(body)
+        await writer.drain()
+        status, _, got = await read_response(reader)
+        assert status == 200 and json.loads(got) == {"a": 1}
+        writer.close()
 
 
 # ---------------------------------------------------------------------------- connections

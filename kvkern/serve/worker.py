@@ -319,7 +319,7 @@ class Worker:
     def start(self, timeout: float = 60.0) -> Worker:
         from aiohttp import web  # noqa: PLC0415
 
-        from kvkern.xfer.httpguard import HttpLimits  # noqa: PLC0415
+        from kvkern.xfer.httpguard import HttpLimits, reads_own_body  # noqa: PLC0415
         from kvkern.xfer.metrics import XferMetrics  # noqa: PLC0415
         from kvkern.xfer.runtime import EventLoopThread  # noqa: PLC0415
         from kvkern.xfer.source import BLOCKS_PATH, SourceService  # noqa: PLC0415
@@ -338,7 +338,7 @@ class Worker:
             log.warning("no fleet credential (--fleet-secret-file, KVKERN_FLEET_SECRET_FILE, "
                         "KVKERN_FLEET_SECRET): this worker serves no peers and pulls from "
                         "none; make a secret with `kvkern secret`")
-        routes = [web.post("/v1/generate", self._http_generate),
+        routes = [web.post("/v1/generate", reads_own_body(self._http_generate)),
                   web.get(BLOCKS_PATH, self._http_blocks),  # fleet members only
                   web.get("/v1/info", self._http_info)]
         source_cls = SourceService
@@ -509,10 +509,14 @@ class Worker:
         from kvkern.xfer.httpguard import read_json_object  # noqa: PLC0415
 
         arrival = time.perf_counter()
+        if request.content_length is not None and \
+                request.content_length > self.generate_body_bytes:  # (before any wait)
+            return web.json_response({"error": f"body larger than {self.generate_body_bytes} "
+                                      "bytes"}, status=413, headers={"Connection": "close"})
         if self._generating is None:  # (made on the loop that serves HTTP)
             self._generating = asyncio.Semaphore(2 * max(1, self.opts.max_inflight_pulls))
         loop = asyncio.get_running_loop()
-        async with self._generating:
+        async with self._generating:  # (waiting requests wait with their bodies unread)
             body = await read_json_object(request, max_bytes=self.generate_body_bytes,
                                           timeout_s=self.source.http_limits.body_timeout_s)
             try:

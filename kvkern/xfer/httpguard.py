@@ -55,7 +55,7 @@ else:  # aiohttp depends on async-timeout below 3.11
 
 __all__ = ["GuardStats", "GuardedSite", "HttpLimits", "decode_json", "guard_app",
            "guard_stats", "json_error", "read_json_body", "read_json_object",
-           "require_object", "run_guarded", "start_guarded"]
+           "reads_own_body", "require_object", "run_guarded", "start_guarded"]
 
 
 @dataclass(frozen=True)
@@ -125,6 +125,20 @@ def _too_large(max_bytes: int) -> web.HTTPException:
 
 def _unreadable(exc: BaseException) -> web.HTTPException:
     return json_error(web.HTTPBadRequest, f"body could not be read: {exc}", close=True)
+
+
+def _no_body(method: str) -> web.HTTPException:
+    return json_error(web.HTTPRequestEntityTooLarge, f"this {method} takes no request body",
+                      close=True, max_size=0)
+
+
+def reads_own_body(handler: _Handler) -> _Handler:
+    """Mark an aiohttp handler that reads its own body with :func:`read_json_body` (bounded
+    in size and time), when it is ready to (after a concurrency limit, say): :func:`guard_app`
+    passes its requests on unread instead of reading every body up front."""
+    target = getattr(handler, "__func__", handler)  # (a bound method's function)
+    target._kvkern_reads_own_body = True
+    return handler
 
 
 def _body_timeout(timeout_s: float) -> web.HTTPException:
@@ -338,6 +352,9 @@ _STATS: web.AppKey[GuardStats] = web.AppKey("kvkern_httpguard_stats", GuardStats
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+_NO_BODY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
 def guard_app(app: web.Application, limits: HttpLimits) -> web.Application:
     """Install the guard middleware (outermost) and ``client_max_size = max_body_bytes`` on
     ``app``, which must not be frozen yet (call before ``runner.setup()``). Returns ``app``.
@@ -346,8 +363,11 @@ def guard_app(app: web.Application, limits: HttpLimits) -> web.Application:
     ``body_timeout_s`` (else 408) and at most ``max_body_bytes`` (else 413, from Content-Length
     first; the decoded size while reading), 400 if it cannot be decoded (Content-Encoding);
     each closes the connection. Handlers then get the bytes from ``request.read()``,
-    ``request.json()`` or :func:`read_json_body` at once. A request without a body costs two
-    attribute writes and a clock read."""
+    ``request.json()`` or :func:`read_json_body` at once. A body sent with a GET, HEAD or
+    OPTIONS, or to a path or method no route serves, is refused (413) unread, and so is
+    nothing of it buffered before the handler that would answer it runs (an authentication
+    middleware, say); a handler marked :func:`reads_own_body` gets its request unread. A
+    request without a body costs two attribute writes and a clock read."""
     if app.frozen:
         raise RuntimeError("guard_app: the application is frozen (call before runner.setup())")
     if _REGISTRY in app:
@@ -366,7 +386,12 @@ def guard_app(app: web.Application, limits: HttpLimits) -> web.Application:
         if conn is not None:
             conn.busy += 1
         try:
-            if request.body_exists:
+            if request.body_exists and (
+                    request.method in _NO_BODY_METHODS
+                    or request.match_info.http_exception is not None):
+                raise _no_body(request.method)  # (404, 405, a GET: nothing reads it)
+            if request.body_exists and not getattr(request.match_info.handler,
+                                                   "_kvkern_reads_own_body", False):
                 length = request.content_length
                 if length is not None and length > max_bytes:
                     stats.too_large += 1
