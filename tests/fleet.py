@@ -4,26 +4,34 @@ signed requests to a worker's peer endpoints and router-signed hints."""
 from __future__ import annotations
 
 import json
+import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 
-from kvkern.xfer.auth import Credential, HttpVerifier, sign_hint
+from kvkern.xfer.auth import Credential, HttpVerifier, addressed_to, authority, sign_hint
 from kvkern.xfer.hints import KvHint, decode_hint
 
 CREDENTIAL = Credential.from_env(peer_id="test-suite")
 _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def peer_headers(method: str, path: str) -> dict[str, str]:
-    """Headers that authenticate one request to a path under ``/kvkern/``."""
-    headers, _ = CREDENTIAL.sign_request(method, path)
+def to_of(base_url: str) -> str:
+    """The ``host:port`` a signed request to ``base_url`` names its server with."""
+    u = urllib.parse.urlsplit(base_url if "//" in base_url else f"http://{base_url}")
+    return authority(u.hostname, u.port or 80)
+
+
+def peer_headers(method: str, path: str, base_url: str) -> dict[str, str]:
+    """Headers that authenticate one request to a path under ``/kvkern/`` of the server at
+    ``base_url``."""
+    headers, _ = CREDENTIAL.sign_request(method, path, to=to_of(base_url))
     return headers
 
 
 def peer_get(base_url: str, path: str, *, timeout: float = 10.0) -> dict:
     """GET a peer endpoint of a worker as a fleet member would; checks the answer's
     signature too."""
-    headers, nonce = CREDENTIAL.sign_request("GET", path)
+    headers, nonce = CREDENTIAL.sign_request("GET", path, to=to_of(base_url))
     req = urllib.request.Request(f"{base_url}{path}", headers=headers)
     with _OPENER.open(req, timeout=timeout) as r:
         body = r.read()
@@ -46,8 +54,10 @@ def signed_listing(request, body: dict):
     is signed with the test fleet's secret, else ``body`` with the answer's signature."""
     from aiohttp import web  # noqa: PLC0415
 
+    local = request.transport.get_extra_info("sockname") if request.transport else None
     verdict = HttpVerifier(CREDENTIAL).check("GET", request.raw_path,
-                                             request.headers.get("X-Kvkern-Auth"))
+                                             request.headers.get("X-Kvkern-Auth"),
+                                             serves=lambda to: addressed_to(to, local))
     if not verdict.ok:
         return web.json_response({"error": "unauthorized"}, status=401)
     resp = web.json_response(body)

@@ -20,6 +20,7 @@ from kvkern.xfer.auth import (
     Credential,
     CredentialError,
     HttpVerifier,
+    addressed_to,
     check_hint,
     generate_secret,
     sign_hint,
@@ -28,6 +29,12 @@ from kvkern.xfer.hints import KvHint, decode_hint, strip_hints
 
 SECRET = "ab" * 32
 CRED = Credential(SECRET, peer_id="a")
+TO = "10.0.0.5:8600"  # the server the test requests are sent to
+
+
+def HERE(to: str) -> bool:  # noqa: N802 (the test server: the one at TO)
+    return to == TO
+
 OTHER = Credential("cd" * 32, peer_id="a")
 TOKENS = list(range(40))
 
@@ -107,10 +114,11 @@ def test_control_proofs_bind_both_nonces_and_ids():
 
 def test_signed_request_verifies_once_and_the_answer_is_bound_to_it():
     v = HttpVerifier(CRED)
-    headers, nonce = CRED.sign_request("GET", "/kvkern/v1/state")
-    ok = v.check("GET", "/kvkern/v1/state", headers[AUTH_HEADER])
+    headers, nonce = CRED.sign_request("GET", "/kvkern/v1/state", to=TO)
+    ok = v.check("GET", "/kvkern/v1/state", headers[AUTH_HEADER], serves=HERE)
     assert ok.ok and ok.peer_id == "a" and ok.nonce == nonce
-    assert v.check("GET", "/kvkern/v1/state", headers[AUTH_HEADER]).why == "replayed request"
+    assert v.check("GET", "/kvkern/v1/state", headers[AUTH_HEADER],
+                   serves=HERE).why == "replayed request"
     body = b'{"x": 1}'
     mac = CRED.response_mac(nonce, body)
     assert CRED.verify_response(nonce, body, mac)
@@ -123,7 +131,9 @@ def test_signed_request_verifies_once_and_the_answer_is_bound_to_it():
 @pytest.mark.parametrize("change, why", [
     (lambda h: h, None),
     (lambda h: h.replace("mac=", "mac=00"), "bad signature"),
-    (lambda h: "v2" + h[2:], "malformed credentials"),
+    (lambda h: "v1" + h[2:], "malformed credentials"),
+    (lambda h: h.replace(f"to={TO}", "to=10.0.0.6:8600"), "bad signature"),
+    (lambda h: h.replace(f"to={TO}", "to=no port"), "malformed credentials"),
     (lambda h: h.replace(" id=a", " id=b"), "bad signature"),
     (lambda h: h + " extra=1", "malformed credentials"),
     (lambda h: h.replace("ts=", "ts=x"), "malformed credentials"),
@@ -131,28 +141,62 @@ def test_signed_request_verifies_once_and_the_answer_is_bound_to_it():
     (lambda h: re.sub(r"ts=\d+", "ts=" + "9" * 350, h), "malformed credentials"),
     (lambda h: re.sub(r"ts=(\d+)", lambda m: "ts=+" + m[1], h), "malformed credentials"),
     (lambda h: re.sub(r"ts=\d", "ts=\u0663", h), "malformed credentials"),
-], ids=["valid", "mac", "version", "peer", "field", "ts", "long", "huge-ts", "signed-ts",
-        "unicode-digit-ts"])
+], ids=["valid", "mac", "version", "to", "to-malformed", "peer", "field", "ts", "long",
+        "huge-ts", "signed-ts", "unicode-digit-ts"])
 def test_tampered_headers_are_refused(change, why):
-    headers, _ = CRED.sign_request("GET", "/kvkern/v1/state")
-    got = HttpVerifier(CRED).check("GET", "/kvkern/v1/state", change(headers[AUTH_HEADER]))
+    headers, _ = CRED.sign_request("GET", "/kvkern/v1/state", to=TO)
+    got = HttpVerifier(CRED).check("GET", "/kvkern/v1/state", change(headers[AUTH_HEADER]),
+                                   serves=HERE)
     assert got.ok is (why is None) and got.why == (why or "")
 
 
 def test_method_path_key_and_clock_are_covered():
-    headers, _ = CRED.sign_request("GET", "/kvkern/v1/state", now=1000.0)
+    headers, _ = CRED.sign_request("GET", "/kvkern/v1/state", to=TO, now=1000.0)
     h = headers[AUTH_HEADER]
     v = HttpVerifier(CRED)
-    assert v.check("GET", "/kvkern/v1/blocks", h, now=1000.0).why == "bad signature"
-    assert v.check("POST", "/kvkern/v1/state", h, now=1000.0).why == "bad signature"
-    assert HttpVerifier(OTHER).check("GET", "/kvkern/v1/state", h, now=1000.0).why == \
+    assert v.check("GET", "/kvkern/v1/blocks", h, now=1000.0, serves=HERE).why == "bad signature"
+    assert v.check("POST", "/kvkern/v1/state", h, now=1000.0, serves=HERE).why == "bad signature"
+    assert HttpVerifier(OTHER).check("GET", "/kvkern/v1/state", h, now=1000.0,
+                                     serves=HERE).why == \
         "bad signature"
     late = 1000.0 + HTTP_SKEW_S + 1
-    assert v.check("GET", "/kvkern/v1/state", h, now=late).why == "stale or future timestamp"
+    assert v.check("GET", "/kvkern/v1/state", h, now=late,
+                   serves=HERE).why == "stale or future timestamp"
     early = 1000.0 - HTTP_SKEW_S - 1
-    assert v.check("GET", "/kvkern/v1/state", h, now=early).why == "stale or future timestamp"
-    assert v.check("GET", "/kvkern/v1/state", h, now=1000.0).ok
-    assert v.check("GET", "/kvkern/v1/state", None).why == "no credentials"
+    assert v.check("GET", "/kvkern/v1/state", h, now=early,
+                   serves=HERE).why == "stale or future timestamp"
+    assert v.check("GET", "/kvkern/v1/state", h, now=1000.0, serves=HERE).ok
+    assert v.check("GET", "/kvkern/v1/state", None, serves=HERE).why == "no credentials"
+
+
+def test_a_request_signed_for_one_server_is_refused_by_another():
+    """A signed request names the server it is sent to: a host that sees it (a non-member
+    a destination asked for a state, say) cannot replay it to another fleet member."""
+    headers, _ = CRED.sign_request("GET", "/kvkern/v1/state", to=TO)
+    other = HttpVerifier(CRED).check("GET", "/kvkern/v1/state", headers[AUTH_HEADER],
+                                     serves=lambda to: to == "10.0.0.6:8600")
+    assert not other.ok and other.why == f"signed for another server ({TO})"
+    assert HttpVerifier(CRED).check("GET", "/kvkern/v1/state", headers[AUTH_HEADER],
+                                    serves=HERE).ok
+    with pytest.raises(ValueError, match="host:port"):
+        CRED.sign_request("GET", "/kvkern/v1/state", to="10.0.0.5")
+
+
+@pytest.mark.parametrize("to, local, names, ok", [
+    ("10.0.0.5:8600", ("10.0.0.5", 8600), (), True),
+    ("10.0.0.5:8601", ("10.0.0.5", 8600), (), False),  # another port
+    ("10.0.0.6:8600", ("10.0.0.5", 8600), (), False),  # another address
+    ("worker-3.fleet:8600", ("10.0.0.5", 8600), ("0.0.0.0", "Worker-3.fleet."), True),
+    ("worker-4.fleet:8600", ("10.0.0.5", 8600), ("worker-3.fleet",), False),
+    ("localhost:8600", ("127.0.0.1", 8600), (), True),
+    ("localhost:8600", ("10.0.0.5", 8600), (), False),
+    ("[fd00::5]:8600", ("fd00::5", 8600, 0, 0), (), True),
+    ("[FD00:0::5]:8600", ("fd00::5", 8600, 0, 0), (), True),
+    ("10.0.0.5:8600", None, (), False),
+    ("10.0.0.5", ("10.0.0.5", 8600), (), False),
+], ids=lambda x: str(x))
+def test_addressed_to_names_this_server_by_its_address_or_names(to, local, names, ok):
+    assert addressed_to(to, local, names) is ok
 
 
 def test_a_nonce_is_refused_for_as_long_as_its_timestamp_is_accepted():
@@ -161,21 +205,23 @@ def test_a_nonce_is_refused_for_as_long_as_its_timestamp_is_accepted():
     use."""
     v = HttpVerifier(CRED)
     ahead = 1000.0 + HTTP_SKEW_S - 1
-    headers, _ = CRED.sign_request("GET", "/kvkern/v1/state", now=ahead)
+    headers, _ = CRED.sign_request("GET", "/kvkern/v1/state", to=TO, now=ahead)
     h = headers[AUTH_HEADER]
-    assert v.check("GET", "/kvkern/v1/state", h, now=1000.0).ok
+    assert v.check("GET", "/kvkern/v1/state", h, now=1000.0, serves=HERE).ok
     for later in (1000.0 + HTTP_SKEW_S + 1, ahead + HTTP_SKEW_S - 0.5):
-        other, _ = CRED.sign_request("GET", "/kvkern/v1/state", now=later)
-        assert v.check("GET", "/kvkern/v1/state", other[AUTH_HEADER], now=later).ok
-        assert v.check("GET", "/kvkern/v1/state", h, now=later).why == "replayed request"
-    assert v.check("GET", "/kvkern/v1/state", h,
-                   now=ahead + HTTP_SKEW_S + 1).why == "stale or future timestamp"
+        other, _ = CRED.sign_request("GET", "/kvkern/v1/state", to=TO, now=later)
+        assert v.check("GET", "/kvkern/v1/state", other[AUTH_HEADER], now=later,
+                       serves=HERE).ok
+        assert v.check("GET", "/kvkern/v1/state", h, now=later,
+                       serves=HERE).why == "replayed request"
+    assert v.check("GET", "/kvkern/v1/state", h, now=ahead + HTTP_SKEW_S + 1,
+                   serves=HERE).why == "stale or future timestamp"
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.text(max_size=600))
 def test_random_headers_never_raise(header):
-    assert not HttpVerifier(CRED).check("GET", "/kvkern/v1/state", header).ok
+    assert not HttpVerifier(CRED).check("GET", "/kvkern/v1/state", header, serves=HERE).ok
 
 
 # ----------------------------------------------------------------------------- hints

@@ -112,7 +112,7 @@ class Source:
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(f"http://{self.endpoint}{path}", data=data, method=method,
                                      headers={"Content-Type": "application/json",
-                                              **peer_headers(method, path)})
+                                              **peer_headers(method, path, self.endpoint)})
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return json.loads(resp.read())

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvkern.serve.router import KVRouter, build_app
 from kvkern.xfer.hints import decode_hint
-from tests.fleet import CREDENTIAL, signed_listing
+from tests.fleet import CREDENTIAL, signed_listing, to_of
 
 T = 4
 
@@ -102,7 +102,7 @@ async def test_metrics_request_ids_and_health_changes(caplog):
             c.listing_fails = False
             async with s.post(f"{router_url}/v1/refresh") as r:
                 assert r.status == 401  # fleet members only
-            headers, _ = CREDENTIAL.sign_request("POST", "/v1/refresh")
+            headers, _ = CREDENTIAL.sign_request("POST", "/v1/refresh", to=to_of(router_url))
             async with s.post(f"{router_url}/v1/refresh", headers=headers) as r:
                 assert r.status == 200
             async with s.post(f"{router_url}/v1/refresh", headers=headers) as r:

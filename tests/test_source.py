@@ -178,8 +178,8 @@ _tids = iter(range(1, MAX_TRANSFER_ID))
 
 
 async def get_json(http, ready: dict, path: str):
-    async with http.get(f"http://{HOST}:{ready['http_port']}{path}",
-                        headers=peer_headers("GET", path)) as r:
+    base = f"http://{HOST}:{ready['http_port']}"
+    async with http.get(f"{base}{path}", headers=peer_headers("GET", path, base)) as r:
         assert r.status == 200, await r.text()
         return await r.json()
 

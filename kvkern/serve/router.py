@@ -451,12 +451,16 @@ class _RouterService:
 
     async def _listing(self, url: str) -> dict[str, Any]:
         """A worker's signed block listing; raises naming what is wrong."""
+        import yarl  # noqa: PLC0415
         from aiohttp import ClientTimeout  # noqa: PLC0415
+
+        from kvkern.xfer.auth import authority  # noqa: PLC0415
 
         cred = self.cred
         if cred is None:
             raise RuntimeError("no fleet credential")
-        headers, nonce = cred.sign_request("GET", BLOCKS_PATH)
+        u = yarl.URL(url)
+        headers, nonce = cred.sign_request("GET", BLOCKS_PATH, to=authority(u.host, u.port))
         async with self.session.get(f"{url}{BLOCKS_PATH}", headers=headers,
                                     timeout=ClientTimeout(total=self.report_timeout_s)) as r:
             r.raise_for_status()
@@ -640,7 +644,7 @@ class _RouterService:
         while one runs share it."""
         from aiohttp import web  # noqa: PLC0415
 
-        from kvkern.xfer.auth import AUTH_HEADER, HttpVerifier  # noqa: PLC0415
+        from kvkern.xfer.auth import AUTH_HEADER, HttpVerifier, addressed_to  # noqa: PLC0415
         from kvkern.xfer.httpguard import json_error  # noqa: PLC0415
 
         if self.cred is None:
@@ -648,8 +652,10 @@ class _RouterService:
                              "check a refresh's")
         if self._verifier is None:
             self._verifier = HttpVerifier(self.cred)
+        local = request.transport.get_extra_info("sockname") if request.transport else None
         auth = self._verifier.check(request.method, request.path_qs,
-                                    request.headers.get(AUTH_HEADER))
+                                    request.headers.get(AUTH_HEADER),
+                                    serves=lambda to: addressed_to(to, local))
         if not auth.ok:
             raise json_error(web.HTTPUnauthorized, f"refresh refused: {auth.why}")
         if self._refreshing is None or self._refreshing.done():

@@ -25,9 +25,11 @@ Three uses:
          before the peer is authenticated.
 
 ``http`` Peer HTTP endpoints (state document, block listing): each request carries
-         ``X-Kvkern-Auth: v1 id=<peer> ts=<unix ms> nonce=<hex> mac=<hex>`` over the method,
-         the path and query, the time and the nonce; the server accepts it within
-         :data:`HTTP_SKEW_S` of its clock and once per nonce, and signs its answer
+         ``X-Kvkern-Auth: v2 id=<peer> to=<host:port> ts=<unix ms> nonce=<hex> mac=<hex>``
+         over the method, the path and query, the server it is sent to (the host and port
+         dialed), the time and the nonce; the server accepts it only when ``to`` names it
+         (:func:`addressed_to`), within :data:`HTTP_SKEW_S` of its clock and once per
+         nonce, so a request seen by one host is no key to another; and signs its answer
          (``X-Kvkern-Auth-Response``: a MAC over the request's nonce and the body's SHA-256),
          so a destination also knows the state came from a fleet member.
 
@@ -44,13 +46,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import os
+import re
 import secrets
 import struct
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvkern.xfer.tuning import DEFAULT_HINT_TTL_S, HTTP_SKEW_S, MAX_HINT_TTL_S
@@ -60,6 +64,8 @@ __all__ = [
     "AUTH_HEADER",
     "FROM_ENV",
     "AUTH_RESPONSE_HEADER",
+    "addressed_to",
+    "authority",
     "Credential",
     "CredentialError",
     "HINT_AUTH_FIELD",
@@ -221,14 +227,17 @@ class Credential:
 
     # ---- HTTP
 
-    def sign_request(self, method: str, path_qs: str, *, now: float | None = None
+    def sign_request(self, method: str, path_qs: str, *, to: str, now: float | None = None
                      ) -> tuple[dict[str, str], str]:
-        """The header that authenticates one request, and its nonce (to check the answer
-        with :meth:`verify_response`)."""
+        """The header that authenticates one request sent to the server ``to`` (the
+        ``host:port`` dialed, :func:`authority`), and its nonce (to check the answer with
+        :meth:`verify_response`)."""
+        if not _AUTHORITY.fullmatch(to):
+            raise ValueError(f"to must be a host:port, got {to!r}")
         ts = int((time.time() if now is None else now) * 1000)
         nonce = secrets.token_hex(_HTTP_NONCE_BYTES)
-        mac = self.mac("http-request", method.upper(), path_qs, ts, nonce, self.peer_id)
-        value = f"v1 id={self.peer_id} ts={ts} nonce={nonce} mac={mac.hex()}"
+        mac = self.mac("http-request", method.upper(), path_qs, to, ts, nonce, self.peer_id)
+        value = f"v2 id={self.peer_id} to={to} ts={ts} nonce={nonce} mac={mac.hex()}"
         return {AUTH_HEADER: value}, nonce
 
     def response_mac(self, nonce: str, body: bytes) -> str:
@@ -237,6 +246,41 @@ class Credential:
     def verify_response(self, nonce: str, body: bytes, header: str | None) -> bool:
         return header is not None and self.verify("http-response", header.strip(), nonce,
                                                   hashlib.sha256(body).digest())
+
+
+# host:port as a request names its server: a DNS name or IPv4 address, or [IPv6]
+_AUTHORITY = re.compile(r"(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}")
+
+
+def authority(host: str, port: int) -> str:
+    """The ``host:port`` a request to ``host`` (a name, or an IPv4 or IPv6 address) on
+    ``port`` names its server with: lower case, an IPv6 address in brackets."""
+    host = host.strip("[]").lower().rstrip(".")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def addressed_to(to: str, local: tuple | None, names: Iterable[str] = ()) -> bool:
+    """Whether ``to`` (a signed request's ``host:port``) names the server that took the
+    request on a socket bound at ``local`` (its ``sockname``: address, port, ...): the same
+    port, and as host that address or one of ``names`` (the names peers dial it by, such as
+    its advertised host)."""
+    if not local or not _AUTHORITY.fullmatch(to):
+        return False
+    host, _, port = to.rpartition(":")
+    if int(port) != local[1]:
+        return False
+    host = host.strip("[]")
+    try:
+        here = ipaddress.ip_address(local[0].split("%")[0])
+    except (ValueError, AttributeError):
+        return False
+    try:
+        return ipaddress.ip_address(host) == here
+    except ValueError:
+        pass
+    if host.lower() == "localhost":
+        return here.is_loopback
+    return any(authority(n, 0) == authority(host, 0) for n in names if n)
 
 
 @dataclass(frozen=True)
@@ -260,13 +304,16 @@ class HttpVerifier:
         self._lock = threading.Lock()
 
     def check(self, method: str, path_qs: str, header: str | None, *,
-              now: float | None = None) -> HttpAuthResult:
+              serves: Callable[[str], bool], now: float | None = None) -> HttpAuthResult:
+        """``serves(to)``: whether the server checking is the one the request names (see
+        :func:`addressed_to`)."""
         if not header:
             return HttpAuthResult(False, why="no credentials")
-        if len(header) > 512:
+        if len(header) > 1024:
             return HttpAuthResult(False, why="malformed credentials")
         fields = dict(kv.split("=", 1) for kv in header.split()[1:] if "=" in kv)
-        if not header.startswith("v1 ") or set(fields) != {"id", "ts", "nonce", "mac"}:
+        if not header.startswith("v2 ") or set(fields) != {"id", "to", "ts", "nonce", "mac"} \
+                or not _AUTHORITY.fullmatch(fields["to"]):
             return HttpAuthResult(False, why="malformed credentials")
         stamp = fields["ts"]
         if not (stamp.isascii() and stamp.isdigit() and len(stamp) <= 15):  # (Unix ms)
@@ -275,10 +322,12 @@ class HttpVerifier:
         now = time.time() if now is None else now
         if abs(now - ts / 1000) > self.skew_s:
             return HttpAuthResult(False, why="stale or future timestamp")
-        peer, nonce = fields["id"], fields["nonce"]
+        peer, nonce, to = fields["id"], fields["nonce"], fields["to"]
         if not self.credential.verify("http-request", fields["mac"], method.upper(), path_qs,
-                                      ts, nonce, peer):
+                                      to, ts, nonce, peer):
             return HttpAuthResult(False, why="bad signature")
+        if not serves(to):
+            return HttpAuthResult(False, why=f"signed for another server ({to})")
         with self._lock:
             # a nonce is kept until its timestamp leaves the window (then the clock check
             # alone refuses it), not for a window from its first use

@@ -757,7 +757,10 @@ async def fetch_state(
                     "Host": resolved.host_header}
     nonce = None
     if credential is not None:
-        signed, nonce = credential.sign_request("GET", url.raw_path_qs)
+        from kvkern.xfer.auth import authority  # noqa: PLC0415
+
+        signed, nonce = credential.sign_request(
+            "GET", url.raw_path_qs, to=authority(resolved.host, resolved.port))
         send_headers.update(signed)
     extra = {"server_hostname": resolved.host} if resolved.scheme == "https" else {}
 

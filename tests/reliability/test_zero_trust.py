@@ -60,7 +60,7 @@ from kvkern.xfer.transport import (
     TransportError,
     tag_for,
 )
-from tests.fleet import CREDENTIAL, peer_get, signed
+from tests.fleet import CREDENTIAL, peer_get, signed, to_of
 from tests.reliability.harness import LEAK_FIELDS, T, stop_hard, toks
 from tests.reliability.zero_trust_helpers import (
     BLOCK_BYTES,
@@ -242,16 +242,20 @@ def test_unauthenticated_http(fleet, record, rng):
         statuses: dict[str, dict[str, int]] = {}
         for path in (STATE_PATH, BLOCKS_PATH):
             other_path = BLOCKS_PATH if path == STATE_PATH else STATE_PATH
-            replay, _ = CREDENTIAL.sign_request("GET", path)
+            to = to_of(S.url)
+            replay, _ = CREDENTIAL.sign_request("GET", path, to=to)
             variants = {
                 "none": {},
                 "garbage": {AUTH_HEADER: "v1 id=x ts=1 nonce=00 mac=zz"},
                 "not_v1": {AUTH_HEADER: "Bearer " + "a" * 64},
                 "oversized": {AUTH_HEADER: "v1 " + "x" * 4000},
-                "other_secret": OTHER.sign_request("GET", path)[0],
-                "other_path": CREDENTIAL.sign_request("GET", other_path)[0],
-                "stale": CREDENTIAL.sign_request("GET", path, now=time.time() - 120)[0],
-                "future": CREDENTIAL.sign_request("GET", path, now=time.time() + 120)[0],
+                "other_secret": OTHER.sign_request("GET", path, to=to)[0],
+                "other_path": CREDENTIAL.sign_request("GET", other_path, to=to)[0],
+                "other_server": CREDENTIAL.sign_request("GET", path, to=to_of(D.url))[0],
+                "stale": CREDENTIAL.sign_request("GET", path, to=to,
+                                                 now=time.time() - 120)[0],
+                "future": CREDENTIAL.sign_request("GET", path, to=to,
+                                                  now=time.time() + 120)[0],
                 "replay_first": replay,
                 "replay_again": replay,
             }
@@ -429,7 +433,7 @@ def test_no_credential_worker(fleet, record, rng):
         rec["ucx_ports"] = NC.info["ucx_ports"]
         assert NC.info["ucx_ports"] == {}
         for path in (STATE_PATH, BLOCKS_PATH):
-            hdr, _ = CREDENTIAL.sign_request("GET", path)
+            hdr, _ = CREDENTIAL.sign_request("GET", path, to=to_of(NC.url))
             status, _, body = http_request(NC.url, "GET", path, headers=hdr)
             rec[f"status_{path.rsplit('/', 1)[1]}"] = status
             assert status == 503, (path, status, body)
@@ -798,10 +802,11 @@ def test_unsigned_and_forged_hints(fleet, record, rng):
 
 def test_cache_poisoning(fleet, record, client, rng):
     """A rogue holding another fleet secret, named by a hint the router did sign, serves
-    nothing D accepts: its own state (401 to D's signature), S's genuine state relayed with
-    the UCX port rewritten to the rogue's (S's answer signature no longer matches), and S's
-    state replayed without a signature all end ``unauthenticated``; D's UCX handshake with
-    the rogue fails its proof. Nothing is pulled (D computes each prompt itself, as cold).
+    nothing D accepts: its own state (401 to D's signature); D's request relayed to S (S
+    refuses it: it was signed for the relay); S's genuine state with the UCX port rewritten
+    to the rogue's, under S's answer signature for another request or under none, all end
+    ``unauthenticated``; D's UCX handshake with the rogue fails its proof. Nothing is pulled
+    (D computes each prompt itself, as cold).
 
     A fallback request still caches what D computed itself, so a later request for the
     prompt on D does hit D's cache: its blocks equal the honest source's bit for bit and it
@@ -819,12 +824,20 @@ def test_cache_poisoning(fleet, record, client, rng):
 
         relay = FakeSource(relay_state(S.url, to_rogue))
         fakes.append(relay)
-        replay_body = json.dumps(to_rogue(peer_get(S.url, STATE_PATH))).encode()
+        signed_get, _ = CREDENTIAL.sign_request("GET", STATE_PATH, to=to_of(S.url))
+        status, genuine_headers, genuine = http_request(S.url, "GET", STATE_PATH,
+                                                        headers=signed_get)
+        assert status == 200
+        replay_body = json.dumps(to_rogue(json.loads(genuine))).encode()
         replay = FakeSource(lambda path, headers: (200, {}, replay_body))
         fakes.append(replay)
+        stale_mac = {AUTH_RESPONSE_HEADER: genuine_headers[AUTH_RESPONSE_HEADER.lower()]}
+        resigned = FakeSource(lambda path, headers: (200, stale_mac, replay_body))
+        fakes.append(resigned)
         outs = {}
-        for name, url in (("rogue_state", R.url), ("relayed_rewritten", relay.url),
-                          ("replayed_unsigned", replay.url)):
+        for name, url in (("rogue_state", R.url), ("relayed", relay.url),
+                          ("replayed_unsigned", replay.url),
+                          ("replayed_other_signature", resigned.url)):
             prefix, tail = toks(8 * T, rng), toks(2, rng)  # fresh: D caches what it computes
             prompt = prefix + tail
             gen(R, {"token_ids": prefix, "max_new_tokens": 0})
@@ -837,7 +850,7 @@ def test_cache_poisoning(fleet, record, client, rng):
             assert out["prefill_tokens"] == len(prompt) and same_as(out, ref), (name, out)
         rec["fallbacks"] = outs
         rec["relay_requests"], rec["replay_requests"] = len(relay.requests), len(replay.requests)
-        assert relay.requests and replay.requests  # they were asked, and not believed
+        assert relay.requests and replay.requests and resigned.requests  # asked, not believed
 
         async def handshake():
             try:

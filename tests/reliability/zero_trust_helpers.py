@@ -234,14 +234,14 @@ class FakeSource:
 
 def relay_state(src_url: str, rewrite: Callable[[dict], dict] | None) -> Callable:
     """A FakeSource handler that forwards the (signed) request to the real source and
-    returns its answer, with the body rewritten by ``rewrite`` (None: replayed without the
-    source's response signature)."""
+    returns its answer, a state with the body rewritten by ``rewrite`` (None: replayed
+    without the source's response signature)."""
 
     def handler(path: str, headers: dict[str, str]) -> tuple[int, dict, bytes]:
         fwd = {k: v for k, v in headers.items() if k.lower() == AUTH_HEADER.lower()}
         status, hdrs, body = http_request(src_url, "GET", path, headers=fwd)
         extra = {}
-        if rewrite is not None:
+        if rewrite is not None and status == 200:
             body = json.dumps(rewrite(json.loads(body))).encode()
             if AUTH_RESPONSE_HEADER.lower() in hdrs:  # the source's MAC, over another body
                 extra[AUTH_RESPONSE_HEADER] = hdrs[AUTH_RESPONSE_HEADER.lower()]
