@@ -822,6 +822,39 @@ async def test_a_peers_pin_quota_counts_the_groups_pool_across_its_ranks(monkeyp
 
 
 @aio
+async def test_a_connection_with_too_many_requests_open_is_closed(monkeypatch):
+    """Each request a connection sends is a task that holds its decoded request until it
+    ends: one past MAX_OPEN_REQUESTS_PER_CONNECTION open on one connection closes that
+    connection, which ends its requests and releases their pins; other connections go on."""
+    from kvkern.xfer import source as source_mod
+
+    monkeypatch.setattr(source_mod, "MAX_OPEN_REQUESTS_PER_CONNECTION", 3)
+    group, hs = _group()
+    svc = _Frozen([group], worker_id="open-requests", quotas=OPEN)
+    await svc.start()
+    try:
+        async with ConnectionPool(connect_timeout=10) as own, \
+                ConnectionPool(connect_timeout=10) as other:
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            for i in range(3):  # served and frozen after their replies: open
+                assert (await ask(conn, request(hs[i:i + 1]))).status == Status.OK
+            assert svc.pins_outstanding == 3
+            await conn.send_msg(request(hs[3:4]), CONTROL_TAG, timeout=5)
+            with pytest.raises(TransportError):
+                await conn.recv_msg(tag_for(1 << 20, Lane.REPLY), timeout=5)
+            deadline = time.monotonic() + 5
+            while svc.pins_outstanding or svc.active_sends:
+                assert time.monotonic() < deadline, "the closed connection's sends live on"
+                await asyncio.sleep(0.02)
+            assert group.manager.num_pinned == 0
+            assert svc.metrics.value("kvkern_source_requests_total", status="rejected") == 1
+            fresh = await other.get(HOST, svc.ucx_ports[0])
+            assert (await ask(fresh, request(hs[:1]))).status == Status.OK
+    finally:
+        await svc.close()
+
+
+@aio
 async def test_sigterm_closes_a_real_source_with_a_frozen_send(frozen_peer):
     """close() in the peer process: a send frozen after its reply holds 16 pins; SIGTERM makes
     the peer close its service (cancelling the send) and report what was left."""

@@ -227,6 +227,7 @@ from kvkern.xfer.state import (
     StateDoc,
 )
 from kvkern.xfer.transport import CONTROL_TAG, Connection, Lane, Listener, TransportError, tag_for
+from kvkern.xfer.tuning import MAX_OPEN_REQUESTS_PER_CONNECTION
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler
@@ -292,6 +293,7 @@ class SourceService:
         self._site: GuardedSite | None = None
         self._http_port: int | None = None
         self._sends: set[SendSession] = set()  # every request task not finished yet
+        self._open_requests: dict[Connection, int] = {}  # of those, per connection
         self._bg: set[asyncio.Task] = set()  # fire-and-forget replies
         self._started = False
 
@@ -528,6 +530,14 @@ class SourceService:
         try:
             while True:
                 msg = await conn.recv_msg(CONTROL_TAG, timeout=None)
+                if isinstance(msg, PullRequest) and self._open_requests.get(
+                        conn, 0) >= MAX_OPEN_REQUESTS_PER_CONNECTION:
+                    log.warning("rank %d: peer %r has %d requests open on one connection: "
+                                "closing it", ctx.rank, conn.peer_id,
+                                MAX_OPEN_REQUESTS_PER_CONNECTION)
+                    self.metrics.source_request("rejected")
+                    conn.abort("too_many_requests")  # (the loop ends with the connection)
+                    continue
                 if isinstance(msg, Cancel):
                     s = conn_sends.get(msg.transfer_id)
                     if s is not None and s.task is not None and not s.task.done():
@@ -588,12 +598,18 @@ class SourceService:
         if not duplicate:
             conn_sends[req.transfer_id] = s
         self._sends.add(s)
+        self._open_requests[conn] = self._open_requests.get(conn, 0) + 1
         s.task = asyncio.ensure_future(self._sender.serve(s, duplicate=duplicate))
         s.task.add_done_callback(lambda t, s=s: self._finished(s, t))
 
     def _finished(self, s: SendSession, task: asyncio.Task) -> None:
         self._release(s)  # backstop; normally done when the send ends
         self._sends.discard(s)
+        left = self._open_requests.get(s.conn, 1) - 1
+        if left > 0:
+            self._open_requests[s.conn] = left
+        else:
+            self._open_requests.pop(s.conn, None)
         if s.conn_sends.get(s.req.transfer_id) is s:
             del s.conn_sends[s.req.transfer_id]
         if s.admitted:

@@ -143,6 +143,10 @@ CANCEL_SEND_TIMEOUT_S = 1.0
 
 # A send may take this long at most: TRT-LLM's kv_transfer_timeout_ms default.
 DEFAULT_MAX_SEND_S = 60.0
+# Requests of one connection answered or served at once, at most; one more aborts the
+# connection. A destination shares a connection between its concurrent pulls (one request
+# each), and each task here holds its decoded request (up to a megabyte) until it ends.
+MAX_OPEN_REQUESTS_PER_CONNECTION = 64
 # The smallest chunks a source cuts a stream into for a request (or one block's bytes,
 # where a block is smaller): each chunk costs a message and a step of Python on both
 # sides, so a request for 1-byte chunks of 64 cached blocks planned 2**20 chunks for 2.2 s.
