@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,3 +100,53 @@ def test_segment_runs_move_exactly_each_ranks_layers_and_heads(case):
         untouched = [b for b in range(n_pool) if b not in set(dst_ids)]
         rest = reference_pack(dst.pool, dst.layout, untouched).view(torch.uint8)
         assert bool((rest == 0xA5).all())
+
+
+@pytest.mark.parametrize("change", [None, "key", "more_key", "base", "stride", "segment",
+                                    "block"])
+def test_a_grant_must_name_the_registered_pool_the_state_announces(change):
+    """A source whose state announces its registered pool (``read_index``) may grant reads of
+    that pool only: a grant naming another key, address, stride or segment size, or a block
+    beyond the pool, is refused before UCX unpacks any key."""
+    from types import SimpleNamespace
+
+    from kvkern.xfer.messages import ReadGrant, Status
+    from kvkern.xfer.pulljob import Fallback
+    from kvkern.xfer.receive import ReadReceiver
+    from kvkern.xfer.state import ReadIndex
+
+    model = ModelKVSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=2,
+                        dtype="float16")
+    topo = Topology(model=model, parallel=Parallelism(tp_size=1, pp_size=1))
+    n_pool = 8
+    src, dst = _pool(topo, 0, n_pool, "vllm_hnd"), _pool(topo, 0, n_pool, "vllm_hnd")
+    segs = src.read_segments
+    keys = tuple(b"key%d" % j for j in range(len(segs.bases)))
+    idx = ReadIndex(keys=keys, bases=segs.bases, stride=segs.stride,
+                    segment_bytes=segs.nbytes, blocks=n_pool, dir_key=b"d", dir_base=0,
+                    dir_buckets=8)
+    job = SimpleNamespace(source_dp=0, state=SimpleNamespace(
+        read_indexes={(0, 0): idx}, reads={(0, 0): "canonical"}, layouts={}, topology=topo))
+    (pair,) = plan_transfer(topo, 0, topo, 0).for_destination(0)
+    fields = dict(read_rkey=keys[0], read_more_rkeys=list(keys[1:]), read_base=segs.bases[0],
+                  read_more_bases=list(segs.bases[1:]), read_stride=segs.stride,
+                  read_segment_bytes=segs.nbytes, read_blocks=[1, 5])
+    if change == "key":
+        fields["read_rkey"] = b"other"
+    elif change == "more_key":
+        fields["read_more_rkeys"] = [b"other", *keys[2:]]
+    elif change == "base":
+        fields["read_base"] += 64
+    elif change == "stride":
+        fields["read_stride"] *= 2
+    elif change == "segment":
+        fields["read_segment_bytes"] //= 2
+    elif change == "block":
+        fields["read_blocks"] = [1, n_pool]
+    grant = ReadGrant(transfer_id=1, status=Status.OK, served_blocks=2, block_hashes=[1, 2],
+                      total_bytes=2 * pair.block_nbytes, **fields)
+    if change is None:
+        assert ReadReceiver.check_offer(None, job, pair, grant, dst) is dst.read_segments
+        return
+    with pytest.raises(Fallback, match="outside the registered pool"):
+        ReadReceiver.check_offer(None, job, pair, grant, dst)

@@ -420,6 +420,17 @@ class ReadReceiver:
                            f"its blocks {'in its own order' if reply.read_native else 'canonical'}"
                            f", its state says {state.reads.get(key)!r} (layout "
                            f"{state.layouts.get(key)})")
+        idx = state.read_indexes.get(key)
+        if idx is not None and (
+                (reply.read_rkey, *reply.read_more_rkeys) != idx.keys
+                or (reply.read_base, *reply.read_more_bases) != idx.bases
+                or reply.read_stride != idx.stride
+                or reply.read_segment_bytes != idx.segment_bytes
+                or max(reply.read_blocks, default=0) >= idx.blocks):
+            # (its registered pool is the one its state announces: a grant naming other
+            # keys or addresses is refused before UCX unpacks a key)
+            raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} offers a "
+                           "read outside the registered pool its state announces")
         segs = rank_kv.native_segments if reply.read_native else rank_kv.read_segments
         served, unit = reply.served_blocks, pair.block_nbytes
         n_keys = 1 + len(reply.read_more_rkeys)
