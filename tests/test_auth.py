@@ -192,6 +192,8 @@ def test_a_request_signed_for_one_server_is_refused_by_another():
     ("localhost:8600", ("10.0.0.5", 8600), (), False),
     ("[fd00::5]:8600", ("fd00::5", 8600, 0, 0), (), True),
     ("[FD00:0::5]:8600", ("fd00::5", 8600, 0, 0), (), True),
+    ("10.0.0.5:8600", ("::ffff:10.0.0.5", 8600, 0, 0), (), True),  # (a dual-stack socket)
+    ("[::ffff:10.0.0.5]:8600", ("10.0.0.5", 8600), (), True),
     ("10.0.0.5:8600", None, (), False),
     ("10.0.0.5", ("10.0.0.5", 8600), (), False),
 ], ids=lambda x: str(x))

@@ -271,16 +271,22 @@ def addressed_to(to: str, local: tuple | None, names: Iterable[str] = ()) -> boo
         return False
     host = host.strip("[]")
     try:
-        here = ipaddress.ip_address(local[0].split("%")[0])
+        here = _unmapped(ipaddress.ip_address(local[0].split("%")[0]))
     except (ValueError, AttributeError):
         return False
     try:
-        return ipaddress.ip_address(host) == here
+        return _unmapped(ipaddress.ip_address(host)) == here
     except ValueError:
         pass
     if host.lower() == "localhost":
         return here.is_loopback
     return any(authority(n, 0) == authority(host, 0) for n in names if n)
+
+
+def _unmapped(ip: ipaddress.IPv4Address | ipaddress.IPv6Address
+              ) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An IPv4 address seen through a dual-stack socket (``::ffff:a.b.c.d``) as itself."""
+    return getattr(ip, "ipv4_mapped", None) or ip
 
 
 @dataclass(frozen=True)
