@@ -21,6 +21,7 @@ from kvkern.xfer.auth import (
     CredentialError,
     HttpVerifier,
     addressed_to,
+    authority,
     check_hint,
     generate_secret,
     sign_hint,
@@ -199,6 +200,15 @@ def test_a_request_signed_for_one_server_is_refused_by_another():
 ], ids=lambda x: str(x))
 def test_addressed_to_names_this_server_by_its_address_or_names(to, local, names, ok):
     assert addressed_to(to, local, names) is ok
+
+
+@pytest.mark.parametrize("host, port, want", [
+    ("10.0.0.5", 8600, "10.0.0.5:8600"), ("Worker-3.Fleet.", 80, "worker-3.fleet:80"),
+    ("fd00::5", 8600, "[fd00::5]:8600"), ("[FD00::5]", 1, "[fd00::5]:1"),
+    ("fe80::1%eth0", 8600, "[fe80::1]:8600")])
+def test_authority_is_what_a_request_can_be_signed_for(host, port, want):
+    assert authority(host, port) == want
+    CRED.sign_request("GET", "/kvkern/v1/state", to=authority(host, port))
 
 
 def test_a_nonce_is_refused_for_as_long_as_its_timestamp_is_accepted():

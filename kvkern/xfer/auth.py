@@ -255,7 +255,7 @@ _AUTHORITY = re.compile(r"(?:[A-Za-z0-9._-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9
 def authority(host: str, port: int) -> str:
     """The ``host:port`` a request to ``host`` (a name, or an IPv4 or IPv6 address) on
     ``port`` names its server with: lower case, an IPv6 address in brackets."""
-    host = host.strip("[]").lower().rstrip(".")
+    host = host.strip("[]").split("%")[0].lower().rstrip(".")  # (no IPv6 zone)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
