@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import socket
 
 from aiohttp import ClientSession, ClientTimeout, web
 from prometheus_client.parser import text_string_to_metric_families
@@ -59,6 +60,7 @@ class FakeWorker:
 async def test_metrics_request_ids_and_health_changes(caplog):
     caplog.set_level(logging.INFO, logger="kvkern.serve.router")
     runners: list[web.AppRunner] = []
+    blocker = socket.socket()
 
     async def serve(app) -> str:
         runner = web.AppRunner(app)
@@ -72,8 +74,10 @@ async def test_metrics_request_ids_and_health_changes(caplog):
         a, b, c = FakeWorker(), FakeWorker(), FakeWorker()
         c.listing_fails = True
         urls = [await serve(w.app) for w in (a, b, c)]
-        dead = await serve(web.Application())
-        await runners[-1].cleanup()  # nothing listens there any more
+        # bound and never listening, for the whole test: a connection there is refused, and
+        # no server of this test can take the port over (a port freed at once may be reused)
+        blocker.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{blocker.getsockname()[1]}"
         router = KVRouter(T)
         for wid, url in zip("abc", urls, strict=True):
             router.add_worker(wid, url)
@@ -142,6 +146,7 @@ async def test_metrics_request_ids_and_health_changes(caplog):
                    for lvl, msg in changes), changes
         assert any(lvl == "WARNING" and "worker d " in msg for lvl, msg in changes), changes
     finally:
+        blocker.close()
         for runner in runners:
             await asyncio.wait_for(runner.cleanup(), 10)
 
