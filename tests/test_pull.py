@@ -823,9 +823,8 @@ def test_metadata_fetch_failures(make_puller, stub_server):
     import socket
 
     s = socket.socket()
-    s.bind((HOST, 0))
+    s.bind((HOST, 0))  # bound, never listening, until the end: connection refused
     closed_port = s.getsockname()[1]
-    s.close()  # nothing listens there: connection refused
     tokens = fresh_tokens(4 * BS)
     hs = local_block_hashes(tokens, BS)
     group = make_group()
@@ -841,6 +840,7 @@ def test_metadata_fetch_failures(make_puller, stub_server):
         assert o.reason is reason, (source, o)
         assert time.monotonic() - t0 < 1.4  # bounded by metadata_timeout_s, not the server
         assert not o.used and p.state(f"md{i}") is RequestState.CONTEXT_INIT
+    s.close()
     assert p.metrics.value("kvkern_metadata_fetch_failures_total",
                            reason="metadata_timeout") == 1
     assert_clean(group)
