@@ -8,7 +8,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 
-from kvkern.xfer.auth import Credential, HttpVerifier, addressed_to, authority, sign_hint
+from kvkern.xfer.auth import Credential, HttpVerifier, authority, serves_request, sign_hint
 from kvkern.xfer.hints import KvHint, decode_hint
 
 CREDENTIAL = Credential.from_env(peer_id="test-suite")
@@ -54,10 +54,9 @@ def signed_listing(request, body: dict):
     is signed with the test fleet's secret, else ``body`` with the answer's signature."""
     from aiohttp import web  # noqa: PLC0415
 
-    local = request.transport.get_extra_info("sockname") if request.transport else None
     verdict = HttpVerifier(CREDENTIAL).check("GET", request.raw_path,
                                              request.headers.get("X-Kvkern-Auth"),
-                                             serves=lambda to: addressed_to(to, local))
+                                             serves=serves_request(request))
     if not verdict.ok:
         return web.json_response({"error": "unauthorized"}, status=401)
     resp = web.json_response(body)

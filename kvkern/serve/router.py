@@ -644,7 +644,7 @@ class _RouterService:
         while one runs share it."""
         from aiohttp import web  # noqa: PLC0415
 
-        from kvkern.xfer.auth import AUTH_HEADER, HttpVerifier, addressed_to  # noqa: PLC0415
+        from kvkern.xfer.auth import AUTH_HEADER, HttpVerifier, serves_request  # noqa: PLC0415
         from kvkern.xfer.httpguard import json_error  # noqa: PLC0415
 
         if self.cred is None:
@@ -652,10 +652,9 @@ class _RouterService:
                              "check a refresh's")
         if self._verifier is None:
             self._verifier = HttpVerifier(self.cred)
-        local = request.transport.get_extra_info("sockname") if request.transport else None
         auth = self._verifier.check(request.method, request.path_qs,
                                     request.headers.get(AUTH_HEADER),
-                                    serves=lambda to: addressed_to(to, local))
+                                    serves=serves_request(request))
         if not auth.ok:
             raise json_error(web.HTTPUnauthorized, f"refresh refused: {auth.why}")
         if self._refreshing is None or self._refreshing.done():

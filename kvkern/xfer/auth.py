@@ -66,6 +66,7 @@ __all__ = [
     "AUTH_RESPONSE_HEADER",
     "addressed_to",
     "authority",
+    "serves_request",
     "Credential",
     "CredentialError",
     "HINT_AUTH_FIELD",
@@ -281,6 +282,14 @@ def addressed_to(to: str, local: tuple | None, names: Iterable[str] = ()) -> boo
     if host.lower() == "localhost":
         return here.is_loopback
     return any(authority(n, 0) == authority(host, 0) for n in names if n)
+
+
+def serves_request(request, names: Iterable[str] = ()) -> Callable[[str], bool]:
+    """:meth:`HttpVerifier.check`'s ``serves`` for an aiohttp ``request``: whether a signed
+    ``to`` names the server that took it (:func:`addressed_to` on its socket's address)."""
+    transport = request.transport
+    local = transport.get_extra_info("sockname") if transport is not None else None
+    return lambda to: addressed_to(to, local, names)
 
 
 def _unmapped(ip: ipaddress.IPv4Address | ipaddress.IPv6Address

@@ -185,7 +185,7 @@ from kvkern.xfer.auth import (
     FROM_ENV,
     Credential,
     HttpVerifier,
-    addressed_to,
+    serves_request,
 )
 from kvkern.xfer.auth import resolve as resolve_credential
 from kvkern.xfer.httpguard import GuardedSite, guard_app, start_guarded
@@ -488,11 +488,9 @@ class SourceService:
         if self._http_auth is None:
             return web.json_response({"error": "this worker serves no peers (no fleet "
                                       "credential)"}, status=503)
-        local = request.transport.get_extra_info("sockname") if request.transport else None
-        names = (self.config.host, self.advertise_host)
-        verdict = self._http_auth.check(request.method, request.raw_path,
-                                        request.headers.get(AUTH_HEADER),
-                                        serves=lambda to: addressed_to(to, local, names))
+        verdict = self._http_auth.check(
+            request.method, request.raw_path, request.headers.get(AUTH_HEADER),
+            serves=serves_request(request, (self.config.host, self.advertise_host)))
         if not verdict.ok:
             self.auth_refusals += 1
             log.warning("refused %s %s from %s: %s", request.method, request.path,
