@@ -37,6 +37,7 @@ from kvkern.cache.pool import BlockPool
 from kvkern.kernels.pack import pack
 from kvkern.layout.chunks import count_chunks, plan_chunks
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+from kvkern.xfer.auth import Credential
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.messages import (
     READ_CAPABILITY,
@@ -57,6 +58,7 @@ from kvkern.xfer.runtime import EventLoopThread
 from kvkern.xfer.source import (
     STATE_PATH,
     PeerQuotas,
+    SourceConfig,
     SourceService,
     StagingPool,
 )
@@ -850,6 +852,81 @@ async def test_a_connection_with_too_many_requests_open_is_closed(monkeypatch):
             assert svc.metrics.value("kvkern_source_requests_total", status="rejected") == 1
             fresh = await other.get(HOST, svc.ucx_ports[0])
             assert (await ask(fresh, request(hs[:1]))).status == Status.OK
+    finally:
+        await svc.close()
+
+
+@aio
+@pytest.mark.parametrize("quotas,one_peer", [
+    (PeerQuotas(max_sends_per_peer=64, max_connections_per_peer=2), True),
+    (PeerQuotas(max_sends_per_peer=64, max_connections=2), False)], ids=["per-peer", "in-all"])
+async def test_connections_over_the_quota_are_closed_before_they_are_served(quotas, one_peer):
+    """Authenticated connections past ``max_connections_per_peer`` (of one peer) or
+    ``max_connections`` (of four peers) are closed before their first request is read; one
+    that ends frees its place."""
+    group, hs = _group()
+    svc = SourceService([group], config=SourceConfig(worker_id="conn-quota", quotas=quotas))
+    await svc.start()
+    pools = [ConnectionPool(connect_timeout=10, credential=Credential.from_env(
+        peer_id="dest" if one_peer else f"dest-{i}")) for i in range(4)]
+    try:
+        conns = [await pool.get(HOST, svc.ucx_ports[0]) for pool in pools[:2]]
+        for conn in conns:
+            assert (await ask(conn, request(hs[:1]))).status == Status.OK
+        third = await pools[2].get(HOST, svc.ucx_ports[0])  # (authenticated, then closed)
+        with pytest.raises(TransportError):
+            await ask(third, request(hs[:1]))
+        assert svc.metrics.value("kvkern_source_connections_refused_total",
+                                 reason="connection_limit") == 1
+        assert svc.metrics.value("kvkern_source_connections") == 2
+        assert (await ask(conns[0], request(hs[:1]))).status == Status.OK  # the others go on
+        await pools[0].close()
+        deadline = time.monotonic() + 5
+        while svc.metrics.value("kvkern_source_connections") != 1:
+            assert time.monotonic() < deadline, "a closed connection still counts"
+            await asyncio.sleep(0.02)
+        fresh = await pools[3].get(HOST, svc.ucx_ports[0])
+        assert (await ask(fresh, request(hs[:1]))).status == Status.OK
+        assert svc.ledger.connections == 2 and svc.ledger.peer_connections
+    finally:
+        for pool in pools:
+            await pool.close()
+        await svc.close()
+    assert svc.ledger.connections == 0 and not svc.ledger.peer_connections
+
+
+@aio
+async def test_an_idle_connection_is_closed_but_not_one_with_a_request_open():
+    """A connection with no request open and no message for ``idle_connection_s`` is closed
+    (the pool then connects anew); one whose request is still open (a send frozen after its
+    reply) is kept however long it lasts."""
+    group, hs = _group()
+    cfg = SourceConfig(worker_id="idle", quotas=OPEN, idle_connection_s=0.3)
+    svc = _Frozen([group], config=cfg)
+    await svc.start()
+    try:
+        async with ConnectionPool(connect_timeout=10) as idle, \
+                ConnectionPool(connect_timeout=10) as busy:
+            quiet = await idle.get(HOST, svc.ucx_ports[0])
+            held = await busy.get(HOST, svc.ucx_ports[0])
+            assert (await ask(held, request(hs[:1]))).status == Status.OK  # open: frozen
+            deadline = time.monotonic() + 10
+            while svc.metrics.value("kvkern_source_connections_closed_total",
+                                    reason="idle") < 1:
+                assert time.monotonic() < deadline, "the idle connection was not closed"
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.6)  # two more periods: the busy one stays
+            assert svc.metrics.value("kvkern_source_connections_closed_total",
+                                     reason="idle") == 1
+            assert svc.metrics.value("kvkern_source_connections") == 1
+            assert held.alive and svc.pins_outstanding == 1
+            deadline = time.monotonic() + 5
+            while quiet.alive:  # the destination learns of the close
+                assert time.monotonic() < deadline, "the closed connection looks alive"
+                await asyncio.sleep(0.02)
+            again = await idle.get(HOST, svc.ucx_ports[0])
+            assert again is not quiet and idle.connects == 2
+            assert (await ask(again, request(hs[1:2]))).status == Status.OK
     finally:
         await svc.close()
 

@@ -35,6 +35,7 @@ def test_keywords_and_config_build_the_same_service():
     ({"remote_read": "yes"}, "remote_read must be one of"),
     ({"read_hold_s": 120.0}, "read_hold_s must be a finite number in"),
     ({"max_send_s": float("inf")}, "max_send_s must be a finite number > 0"),
+    ({"idle_connection_s": 0}, "idle_connection_s must be a finite number > 0"),
     ({"host": "0.0.0.0"}, "advertise_host"),
 ])
 def test_bad_values_are_named(kw, match):
@@ -45,6 +46,9 @@ def test_bad_values_are_named(kw, match):
 def test_quotas_are_checked():
     with pytest.raises(ValueError, match="max_sends_per_peer must be a positive int"):
         PeerQuotas(max_sends_per_peer=0)
+    for name in ("max_connections_per_peer", "max_connections"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int"):
+            PeerQuotas(**{name: 0})
     with pytest.raises(ValueError, match=r"peer_pin_fraction must be in \(0, 1\]"):
         PeerQuotas(peer_pin_fraction=1.5)
     assert SourceConfig(worker_id="w", host="0.0.0.0", advertise_host="10.0.0.1").peer_host \

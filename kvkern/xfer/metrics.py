@@ -43,9 +43,15 @@ Source side (:class:`kvkern.xfer.source.SourceService`)::
                                                                run of a host row pool)
     kvkern_source_packed_bytes_total                 counter   bytes packed into staging
     kvkern_source_connections_refused_total{reason}  counter   UCX connections turned away
-                                                               before they were trusted
+                                                               before they were served
                                                                (handshake unauthenticated
-                                                               untrusted_limit)
+                                                               untrusted_limit
+                                                               connection_limit)
+    kvkern_source_connections                        gauge     authenticated connections
+                                                               being served
+    kvkern_source_connections_closed_total{reason}   counter   served connections the source
+                                                               closed (idle
+                                                               too_many_requests)
 
 Histogram buckets run from 100 us to 60 s. Label values (reasons, outcomes) must be short
 identifiers (``[a-z0-9_]``, at most 64 characters) so an exception text can never explode the
@@ -83,7 +89,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 SOURCE_STATUSES: tuple[str, ...] = ("ok", "partial", "miss", "rejected", "busy", "error")
 DIRECT_READ_RESULTS: tuple[str, ...] = ("used", "missing", "changed", "failed")
 PAIR_PATHS: tuple[str, ...] = ("direct", "read", "stream")
-CONNECTION_REFUSALS: tuple[str, ...] = ("handshake", "unauthenticated", "untrusted_limit")
+CONNECTION_REFUSALS: tuple[str, ...] = ("handshake", "unauthenticated", "untrusted_limit",
+                                        "connection_limit")
+CONNECTION_CLOSES: tuple[str, ...] = ("idle", "too_many_requests")
 _LABEL_RE = re.compile(r"[a-z0-9_]{1,64}")
 
 
@@ -223,7 +231,12 @@ class XferMetrics:
                                             "Source sends in progress.", registry=r)
         self.source_connections_refused = counter(
             "source_connections_refused", "UCX connections turned away before they were "
-            "trusted, by reason.", ("reason",))
+            "served, by reason.", ("reason",))
+        self.source_connections = Gauge(p + "source_connections", "Authenticated "
+                                        "connections being served.", registry=r)
+        self.source_connections_closed = counter(
+            "source_connections_closed", "Served connections the source closed, by reason.",
+            ("reason",))
         self.source_send_seconds = Histogram(p + "source_send_seconds",
                                              "Source send latency (pin to last chunk).",
                                              buckets=LATENCY_BUCKETS, registry=r)
@@ -242,6 +255,8 @@ class XferMetrics:
             self.pairs_pulled.labels(path=path)
         for reason in CONNECTION_REFUSALS:
             self.source_connections_refused.labels(reason=reason)
+        for reason in CONNECTION_CLOSES:
+            self.source_connections_closed.labels(reason=reason)
 
     # ------------------------------------------------------------------- destination side
 
@@ -331,8 +346,12 @@ class XferMetrics:
         self.source_send_failures.labels(reason=_label("reason", reason)).inc()
 
     def source_connection_refused(self, reason: str) -> None:
-        """A UCX connection turned away before it was trusted (:data:`CONNECTION_REFUSALS`)."""
+        """A UCX connection turned away before it was served (:data:`CONNECTION_REFUSALS`)."""
         self.source_connections_refused.labels(reason=_label("reason", reason)).inc()
+
+    def source_connection_closed(self, reason: str) -> None:
+        """A served connection closed by the source (:data:`CONNECTION_CLOSES`)."""
+        self.source_connections_closed.labels(reason=_label("reason", reason)).inc()
 
     def source_pins_changed(self, delta_blocks: int) -> None:
         self.source_pinned_blocks.inc(delta_blocks)

@@ -198,12 +198,12 @@ def _check_piece(ctx: RankCtx, layout: KVLayout, p: PlanPiece, end: int) -> None
 
 
 class PeerLedger:
-    """Admitted sends and pinned blocks, in all and per authenticated peer, held to
-    :class:`PeerQuotas` (loop thread only). Pins count per DP group, whose ranks share one
-    block manager (block id b is the same request block on every rank), and by distinct
-    blocks: the group's ranks pinning their parts of the same blocks (a TP reshard, or a
-    destination rank per source rank) hold them once, and distinct blocks asked for through
-    different ranks add up."""
+    """Connections, admitted sends and pinned blocks, in all and per authenticated peer,
+    held to :class:`PeerQuotas` (loop thread only). Pins count per DP group, whose ranks
+    share one block manager (block id b is the same request block on every rank), and by
+    distinct blocks: the group's ranks pinning their parts of the same blocks (a TP reshard,
+    or a destination rank per source rank) hold them once, and distinct blocks asked for
+    through different ranks add up."""
 
     def __init__(self, quotas: PeerQuotas, max_concurrent_sends: int) -> None:
         self.quotas = quotas
@@ -212,9 +212,28 @@ class PeerLedger:
         self.pins = 0  # pin handles held
         self.pinned_blocks = 0  # blocks of every pin handle (a block pinned twice: twice)
         self.peer_sends: dict[str, int] = {}  # authenticated peer -> admitted sends
+        self.connections = 0  # authenticated connections being served
+        self.peer_connections: dict[str, int] = {}  # of those, per peer
         # (peer, DP group) / DP group -> pinned block hash -> pin handles holding it
         self.peer_pins: dict[tuple[str, int], collections.Counter[int]] = {}
         self.group_pins: dict[int, collections.Counter[int]] = {}
+
+    def may_connect(self, peer: str) -> bool:
+        """Whether ``peer`` may hold one more authenticated connection."""
+        return (self.connections < self.quotas.max_connections
+                and self.peer_connections.get(peer, 0) < self.quotas.max_connections_per_peer)
+
+    def connected(self, peer: str) -> None:
+        self.connections += 1
+        self.peer_connections[peer] = self.peer_connections.get(peer, 0) + 1
+
+    def disconnected(self, peer: str) -> None:
+        self.connections -= 1
+        left = self.peer_connections.get(peer, 1) - 1
+        if left > 0:
+            self.peer_connections[peer] = left
+        else:
+            self.peer_connections.pop(peer, None)
 
     def may_admit(self, peer: str) -> bool:
         return (self.active < self.max_concurrent_sends

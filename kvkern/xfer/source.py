@@ -12,7 +12,9 @@ state document, a worker's block listing) needs a signed request and signs its a
 (``401`` otherwise). Without a credential the service starts no listener and those paths
 answer ``503``. Each authenticated peer is held to :class:`PeerQuotas`: admitted sends, and
 the share of a rank's pool it (and all peers together) may have pinned; over a quota the
-answer is BUSY before anything is pinned. The HTTP server is bounded by
+answer is BUSY before anything is pinned. Its open connections are capped too (one over the
+cap is closed before it is served), and a connection with nothing open and no message for
+``SourceConfig.idle_connection_s`` is closed. The HTTP server is bounded by
 :class:`kvkern.xfer.httpguard.HttpLimits` (head and body read time, body size, connections).
 
 HTTP
@@ -227,7 +229,7 @@ from kvkern.xfer.state import (
     StateDoc,
 )
 from kvkern.xfer.transport import CONTROL_TAG, Connection, Lane, Listener, TransportError, tag_for
-from kvkern.xfer.tuning import MAX_OPEN_REQUESTS_PER_CONNECTION
+from kvkern.xfer.tuning import IDLE_SWEEP_MAX_S, MAX_OPEN_REQUESTS_PER_CONNECTION
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler
@@ -294,7 +296,10 @@ class SourceService:
         self._http_port: int | None = None
         self._sends: set[SendSession] = set()  # every request task not finished yet
         self._open_requests: dict[Connection, int] = {}  # of those, per connection
-        self._bg: set[asyncio.Task] = set()  # fire-and-forget replies
+        self._bg: set[asyncio.Task] = set()  # fire-and-forget replies, the idle sweep
+        # served connections -> when each last had a message or a request end (monotonic)
+        self._seen: dict[Connection, float] = {}
+        self._idle_sweep: asyncio.Task | None = None
         self._started = False
 
     # ----------------------------------------------------------------------- properties
@@ -524,16 +529,33 @@ class SourceService:
         return handler
 
     async def _serve_connection(self, conn: Connection, ctx: RankCtx) -> None:
+        peer = conn.peer_id or ""
+        ledger = self.ledger
+        if not ledger.may_connect(peer):
+            log.warning("rank %d: closed a connection of peer %r: it holds %d, all peers %d "
+                        "(max_connections_per_peer %d, max_connections %d)", ctx.rank, peer,
+                        ledger.peer_connections.get(peer, 0), ledger.connections,
+                        ledger.quotas.max_connections_per_peer, ledger.quotas.max_connections)
+            self.metrics.source_connection_refused("connection_limit")
+            conn.abort("connection_limit")
+            return
+        ledger.connected(peer)
+        self.metrics.source_connections.inc()
+        self._seen[conn] = time.monotonic()
+        if self._idle_sweep is None or self._idle_sweep.done():
+            self._idle_sweep = spawn(self._bg, self._close_idle())
         conn_sends: dict[int, SendSession] = {}
         try:
             while True:
                 msg = await conn.recv_msg(CONTROL_TAG, timeout=None)
+                self._seen[conn] = time.monotonic()
                 if isinstance(msg, PullRequest) and self._open_requests.get(
                         conn, 0) >= MAX_OPEN_REQUESTS_PER_CONNECTION:
                     log.warning("rank %d: peer %r has %d requests open on one connection: "
                                 "closing it", ctx.rank, conn.peer_id,
                                 MAX_OPEN_REQUESTS_PER_CONNECTION)
                     self.metrics.source_request("rejected")
+                    self.metrics.source_connection_closed("too_many_requests")
                     conn.abort("too_many_requests")  # (the loop ends with the connection)
                     continue
                 if isinstance(msg, Cancel):
@@ -554,9 +576,28 @@ class SourceService:
         except TransportError as exc:
             log.debug("rank %d connection ended: %s", ctx.rank, exc)
         finally:
+            self._seen.pop(conn, None)
+            ledger.disconnected(peer)
+            self.metrics.source_connections.dec()
             for s in list(conn_sends.values()):
                 if s.task is not None:
                     s.task.cancel()
+
+    async def _close_idle(self) -> None:
+        """While connections are served: close each one that has had no request open and no
+        message for ``idle_connection_s`` (the destination connects again when it next
+        asks: a request on a connection closed under it is asked once more on a new one)."""
+        idle = self.config.idle_connection_s
+        while self._seen and not self.closing:
+            await asyncio.sleep(min(idle / 4, IDLE_SWEEP_MAX_S))
+            now = time.monotonic()
+            for conn, seen in list(self._seen.items()):
+                if now - seen >= idle and not self._open_requests.get(conn):
+                    log.info("closing a connection of peer %r idle for %.0f s",
+                             conn.peer_id, now - seen)
+                    self._seen.pop(conn, None)
+                    self.metrics.source_connection_closed("idle")
+                    conn.abort("idle")
 
     def _read_done(self, conn: Connection, conn_sends: dict[int, SendSession],
                    msg: ReadDone) -> None:
@@ -608,6 +649,8 @@ class SourceService:
             self._open_requests[s.conn] = left
         else:
             self._open_requests.pop(s.conn, None)
+        if s.conn in self._seen:  # (an idle connection's time runs from its last request)
+            self._seen[s.conn] = time.monotonic()
         if s.conn_sends.get(s.req.transfer_id) is s:
             del s.conn_sends[s.req.transfer_id]
         if s.admitted:

@@ -16,13 +16,15 @@ from kvkern.checks import (
 )
 from kvkern.xfer.httpguard import HttpLimits
 from kvkern.xfer.tuning import (
+    DEFAULT_IDLE_CONNECTION_S,
     DEFAULT_MAX_SEND_S,
     DEFAULT_PROGRESS_TIMEOUT_S,
     DEFAULT_READ_HOLD_S,
     MIN_CHUNK_BYTES,
 )
 
-__all__ = ["DEFAULT_MAX_SEND_S", "DEFAULT_PROGRESS_TIMEOUT_S", "DEFAULT_READ_HOLD_S",
+__all__ = ["DEFAULT_IDLE_CONNECTION_S", "DEFAULT_MAX_SEND_S", "DEFAULT_PROGRESS_TIMEOUT_S",
+           "DEFAULT_READ_HOLD_S",
            "REMOTE_READ_MODES", "PeerQuotas", "SourceConfig"]
 
 REMOTE_READ_MODES = ("off", "host", "all")
@@ -37,14 +39,24 @@ class PeerQuotas:
     the share of a rank's pool one peer may have pinned; ``total_pin_fraction``: the share
     all peers together may have pinned, so the rest always stays evictable for the source's
     own requests. A request over a quota gets BUSY (``source_busy`` at the destination)
-    before anything is pinned."""
+    before anything is pinned.
+
+    ``max_connections_per_peer``: authenticated control connections one peer may hold open
+    to the service (all its ranks' listeners together; a destination process holds one per
+    source rank it pulls from); ``max_connections``: those of all peers together. A
+    connection over either is closed once it has authenticated, before it is served
+    (``connection_limit``); peer ids are claimed by peers that hold the fleet secret, so
+    ``max_connections`` is the bound that holds against one of them too."""
 
     max_sends_per_peer: int = 4
     peer_pin_fraction: float = 0.25
     total_pin_fraction: float = 0.5
+    max_connections_per_peer: int = 64
+    max_connections: int = 1024
 
     def __post_init__(self) -> None:
-        check_positive_int("max_sends_per_peer", self.max_sends_per_peer)
+        for name in ("max_sends_per_peer", "max_connections_per_peer", "max_connections"):
+            check_positive_int(name, getattr(self, name))
         for name in ("peer_pin_fraction", "total_pin_fraction"):
             check_fraction(name, getattr(self, name))
 
@@ -61,6 +73,8 @@ class SourceConfig:
     ``chunks_in_flight`` caps the chunks packed ahead, ``max_concurrent_sends`` the admitted
     requests of all peers; ``max_send_s`` caps one request's time and
     ``progress_timeout_s`` a stream without progress.
+    ``idle_connection_s``: an authenticated connection with no request open and no message
+    for this long is closed (the destination opens a new one when it next asks).
     ``staging_cache_bytes`` of staging buffers are kept idle for reuse. ``remote_read``
     (``off``/``host``/``all``) registers pools for one-sided reads (an opt-in, see
     SECURITY.md), whose pins are held ``read_hold_s`` at most; with ``read_directory`` (the
@@ -77,6 +91,7 @@ class SourceConfig:
     max_concurrent_sends: int = 8
     max_send_s: float = DEFAULT_MAX_SEND_S
     progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S
+    idle_connection_s: float = DEFAULT_IDLE_CONNECTION_S
     pack_threads: int = 2
     staging_cache_bytes: int = 256 << 20
     remote_read: str = "off"
@@ -98,7 +113,7 @@ class SourceConfig:
                 and 0 <= self.read_hold_s <= self.max_send_s):
             raise ValueError(f"read_hold_s must be a finite number in [0, max_send_s], got "
                              f"{self.read_hold_s!r}")
-        for name in ("max_send_s", "progress_timeout_s"):
+        for name in ("max_send_s", "progress_timeout_s", "idle_connection_s"):
             check_finite_positive(name, getattr(self, name))
         if self.peer_host in _WILDCARD_HOSTS:
             raise ValueError(f"host {self.host!r} binds every interface; pass the address "
@@ -106,6 +121,7 @@ class SourceConfig:
                              f"{self.advertise_host!r})")
         object.__setattr__(self, "max_send_s", float(self.max_send_s))
         object.__setattr__(self, "progress_timeout_s", float(self.progress_timeout_s))
+        object.__setattr__(self, "idle_connection_s", float(self.idle_connection_s))
         object.__setattr__(self, "read_hold_s", float(self.read_hold_s))
 
     @property

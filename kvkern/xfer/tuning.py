@@ -17,11 +17,13 @@ from __future__ import annotations
 
 __all__ = [
     "BODY_TIMEOUT_S", "CANCEL_SEND_TIMEOUT_S", "DEFAULT_AUTH_TIMEOUT_S",
-    "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_HINT_TTL_S", "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_HINT_TTL_S", "DEFAULT_IDLE_CONNECTION_S",
+    "DEFAULT_MAX_IN_FLIGHT",
     "DEFAULT_MAX_SEND_S", "DEFAULT_PROGRAM_FRACTION", "DEFAULT_PROGRESS_TIMEOUT_S",
     "DEFAULT_READ_HOLD_S",
     "DEFAULT_TIMEOUT_S", "HOLD_MARGIN_S", "HOLD_RATE_SLACK", "HTTP_SKEW_S", "LANE_DRAIN_POLL_S",
-    "DIRECTORY_READ_COST_BYTES", "LANE_RETRY_S", "LANE_UCX_CONFIG", "MAX_CACHED_RKEYS",
+    "DIRECTORY_READ_COST_BYTES", "IDLE_SWEEP_MAX_S", "LANE_RETRY_S", "LANE_UCX_CONFIG",
+    "MAX_CACHED_RKEYS",
     "MAX_CACHED_SOURCES", "REFRESH_AHEAD",
     "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "MAX_UNTRUSTED_CONNECTIONS",
     "OWNED_DRAIN_POLL_S",
@@ -147,6 +149,11 @@ DEFAULT_MAX_SEND_S = 60.0
 # connection. A destination shares a connection between its concurrent pulls (one request
 # each), and each task here holds its decoded request (up to a megabyte) until it ends.
 MAX_OPEN_REQUESTS_PER_CONNECTION = 64
+# A source closes an authenticated connection that has had no request open and no message
+# for this long (SourceConfig.idle_connection_s); it looks for such connections a few times
+# per period, and at least every IDLE_SWEEP_MAX_S.
+DEFAULT_IDLE_CONNECTION_S = 600.0
+IDLE_SWEEP_MAX_S = 30.0
 # The smallest chunks a source cuts a stream into for a request (or one block's bytes,
 # where a block is smaller): each chunk costs a message and a step of Python on both
 # sides, so a request for 1-byte chunks of 64 cached blocks planned 2**20 chunks for 2.2 s.
