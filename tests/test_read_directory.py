@@ -335,6 +335,54 @@ def test_pool_directory_created_once_with_what_is_cached():
         pool.check_invariants()
 
 
+def test_the_writer_fences_before_a_slot_counts_and_after_it_is_withdrawn(monkeypatch):
+    """The store fence sits where a weakly ordered processor needs one: a publish's slot
+    holds its hash and block id, still changing, at the fence before its cached tag; a
+    withdrawal's slot is final (not cached, zeroed, a new tag) at the fence that precedes
+    the block's next writer."""
+    d = ReadDirectory(16)
+    seen: list[np.ndarray] = []
+    monkeypatch.setattr(directory, "store_fence", lambda: seen.append(d.table.copy()))
+    assert d.publish(3, 0xABC)
+    flat = d.slot_of(3)
+    at_fence = seen[-1].reshape(-1, SLOT_WORDS)[flat]
+    assert at_fence.tolist()[:3] == [0xABC, 3, (1 << 2) | TAG_CHANGING]
+    assert d.table.reshape(-1, SLOT_WORDS)[flat, 2] == (1 << 2) | TAG_CACHED
+    d.withdraw(3)
+    assert len(seen) == 2
+    assert seen[-1].reshape(-1, SLOT_WORDS)[flat].tolist()[:3] == [0, 0, 2 << 2]
+    assert np.array_equal(seen[-1], d.table)  # (nothing stored after it)
+
+
+@pytest.mark.parametrize("machine,fenced", [("x86_64", False), ("AMD64", False),
+                                            ("aarch64", True), ("arm64", True),
+                                            ("ppc64le", True)])
+def test_the_fence_is_nothing_only_where_stores_keep_their_order(machine, fenced):
+    assert (directory.fence_for(machine) is directory._lock_fence) == fenced
+
+
+def test_the_lock_fence_runs_on_many_threads_at_once():
+    """Each thread releases and takes back a lock of its own: fences on several threads at
+    once never release another's lock."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            for _ in range(20_000):
+                directory._lock_fence()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
 def test_allocation_withdraws_before_handing_out():
     pool = BlockPool(4, block_size=4)
     ids = cache(pool, [1, 2, 3, 4])

@@ -37,9 +37,11 @@ Writer (the pool, under its lock; ``s`` is the slot's current seq)
   ``tag = (s+1) << 2``. The pool withdraws a block before it can hand it to a writer
   (allocation's eviction, :meth:`~kvkern.cache.pool.BlockPool.evict`).
 
-Each word is written by one aligned 8-byte store, and the stores are issued in the order
-above; no fence is issued, so they become visible in that order on hosts that keep store
-order (x86-64).
+Each word is written by one aligned 8-byte store, in the order above, and a publish's last
+store and the block's next writer are each behind a store fence (:func:`store_fence`): a
+reader never sees a cached tag before the slot's hash and block id, nor a withdrawn block's
+new bytes before its slot's new tag. x86-64 keeps store order by itself (the fence is then
+nothing); weakly ordered processors (Arm, POWER) get one.
 
 Reader
 ------
@@ -55,13 +57,14 @@ that block holds the final bytes of its hash and is given to no writer. Both rea
 tag puts the block read inside that interval. A read of a slot need not see it at one moment,
 only each 8-byte word whole: a change that ran between the first read's hash (or block) word
 and its tag word shows in the second read, taken after the block, which must then equal the
-first word for word. Sources publish a directory only on hosts that keep store order
-(:mod:`kvkern.xfer.regions`).
+first word for word.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import platform
+import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -70,7 +73,8 @@ from kvkern.checks import check_non_negative_int, check_positive_int
 
 __all__ = ["BUCKET_BYTES", "BUCKET_SLOTS", "DIRECTORY_GROUP", "MAX_GROUP", "SLOT_BYTES",
            "SLOT_WORDS", "TAG_CACHED", "TAG_CHANGING", "ReadDirectory", "bucket_of", "entries",
-           "find", "home_buckets", "home_runs", "slot_offsets", "stable"]
+           "fence_for", "find", "home_buckets", "home_runs", "slot_offsets", "stable",
+           "store_fence"]
 
 BUCKET_SLOTS = 8
 SLOT_WORDS = 4  # hash, block_id, tag, reserved (0)
@@ -88,6 +92,34 @@ SMALL = 32
 _STATE = TAG_CACHED | TAG_CHANGING
 _FULL = (1 << BUCKET_SLOTS) - 1
 _U64 = (1 << 64) - 1
+# Processors whose stores become visible to other processors and devices in program order.
+STORE_ORDERED_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
+_held = threading.local()  # each thread's own lock, held between fences
+
+
+def _no_fence() -> None:
+    """Nothing: the processor keeps store order."""
+
+
+def _lock_fence() -> None:
+    """Release then acquire a lock this thread holds: a release followed by an acquire is a
+    full fence on Arm (RCsc) and POWER, and Python offers no other."""
+    lock = getattr(_held, "lock", None)
+    if lock is None:
+        lock = _held.lock = threading.Lock()
+        lock.acquire()
+    lock.release()
+    lock.acquire()
+
+
+def fence_for(machine: str) -> Callable[[], None]:
+    """The store fence for a processor named as :func:`platform.machine` names it."""
+    return _no_fence if machine.lower() in STORE_ORDERED_MACHINES else _lock_fence
+
+
+# Every store issued before it becomes visible before every store issued after it (to other
+# processes and to devices, whatever reads this memory).
+store_fence = fence_for(platform.machine())
 
 
 class ReadDirectory:
@@ -202,6 +234,7 @@ class ReadDirectory:
         w[base + _TAG] = seq << 2 | TAG_CHANGING
         w[base + _HASH] = h
         w[base + _BLOCK] = bid
+        store_fence()  # (the slot's hash and block before its cached tag)
         w[base + _TAG] = seq << 2 | TAG_CACHED
         self._used[bucket] = used | 1 << j
         self._slot_of[bid] = flat
@@ -234,6 +267,7 @@ class ReadDirectory:
         w[base + _HASH] = 0
         w[base + _BLOCK] = 0
         w[base + _TAG] = seq << 2
+        store_fence()  # (the new tag before anything the block's next writer stores)
         bucket, j = divmod(flat, BUCKET_SLOTS)
         self._used[bucket] &= ~(1 << j)
         self._slot_of[bid] = -1

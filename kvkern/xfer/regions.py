@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import platform
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,10 +25,6 @@ if TYPE_CHECKING:
 __all__ = ["RegionRegistry", "RegisteredDirectory", "RegisteredPool", "worker_address_hex"]
 
 log = logging.getLogger("kvkern.xfer.source")
-
-# Hosts whose stores become visible in program order (kvkern.cache.directory's writer needs it)
-STORE_ORDERED_MACHINES = ("x86_64", "amd64")
-
 
 @dataclass(frozen=True)
 class RegisteredDirectory:
@@ -130,11 +125,6 @@ class RegionRegistry:
         its ranks read by grant only (logged)."""
         from kvkern.xfer import ucp_rma  # noqa: PLC0415
 
-        if platform.machine().lower() not in STORE_ORDERED_MACHINES:
-            log.info("no read directory on %s: its stores are published without a fence, "
-                     "which keeps their order on x86-64 only; reads ask for grants",
-                     platform.machine())
-            return
         for g in groups:
             ranks = [r for r in g.ranks if r in self._pools]
             make = getattr(g.manager, "read_directory", None)
