@@ -1064,6 +1064,32 @@ def test_source_killed_mid_transfer(make_puller):
         s.kill()
 
 
+@pytest.mark.parametrize("remote_read", [True, False], ids=["granted", "stream"])
+def test_a_connection_the_source_closed_for_idleness_is_opened_again(make_puller,
+                                                                      remote_read):
+    """The source closes a connection idle for ``idle_connection_s``; the destination's next
+    pull connects again and is used, with nothing left behind on either side."""
+    tokens = list(range(9, 9 + 4 * BS))
+    s = Source("source_peer.py", "--seq", f"9:{9 + 4 * BS}",
+               "--idle-connection-s", "0.3").wait_ready()
+    try:
+        group = make_group()
+        p = make_puller(group, remote_read=remote_read)
+        hashes = sequence_hashes(tokens, BS)
+        for i in range(2):
+            o = pull(p, f"idle-{i}", tokens, hint_for(s, tokens))
+            assert o.used and o.blocks_transferred == 4, o
+            claim_check_release(p, group, s, f"idle-{i}", hashes)
+            group.manager.evict(hashes)  # (so that the next pull asks the source again)
+            if i == 0:
+                time.sleep(1.0)  # (idle past its bound: the source closes it)
+        assert p._pool.connects == 2  # (the first connection was closed, not reused)
+        s.wait_no_pins()
+        assert_clean(group)
+    finally:
+        s.kill()
+
+
 # A reshard reads only when each read is big enough (read_min_run_bytes, default 64 KiB:
 # smaller ones read slower than the stream); this tiny model's are 256 B - 1 KiB, so the
 # "read" variants lower the threshold to exercise the read path, and "auto" checks the

@@ -33,6 +33,7 @@ Flags
                               (default 4 MiB, more than a test pool holds: every chunk packed)
 ``--read-hold-s S``           SourceService read_hold_s (default 5; 0: every read waits for the
                               ReadAck)
+``--idle-connection-s S``     SourceService idle_connection_s (default 600)
 ``--remote-read MODE``        SourceService remote_read: host (default; offer one-sided reads
                               of CPU pools of whole block rows, capability "read/1") | off
                               (stream only) | all
@@ -210,6 +211,7 @@ class Peer:
             max_concurrent_sends=args.max_concurrent_sends, max_send_s=args.max_send_s,
             slow_send_ms=args.slow_send_ms, freeze_after_reply=args.freeze_after_reply,
             remote_read=args.remote_read, read_hold_s=args.read_hold_s,
+            idle_connection_s=args.idle_connection_s,
             quotas=PeerQuotas(max_sends_per_peer=args.max_sends_per_peer,
                               peer_pin_fraction=args.peer_pin_fraction,
                               total_pin_fraction=args.total_pin_fraction),
@@ -395,6 +397,7 @@ def main() -> int:
     ap.add_argument("--max-send-s", type=float, default=60.0)
     ap.add_argument("--remote-read", choices=REMOTE_READ_MODES, default="host")
     ap.add_argument("--read-hold-s", type=float, default=5.0)
+    ap.add_argument("--idle-connection-s", type=float, default=600.0)
     # quotas off by default (tiny pools); the quota tests set them
     ap.add_argument("--max-sends-per-peer", type=int, default=8)
     ap.add_argument("--peer-pin-fraction", type=float, default=1.0)
