@@ -423,20 +423,17 @@ def pull_into(p: Puller, rid: str, tokens: list[int], hint: dict, block_ids: lis
     return finished(p, rid, timeout)
 
 
-@pytest.mark.parametrize("how", ["granted", "direct", "ucx", "ucx_direct", "refused",
-                                 "no_lanes"])
+@pytest.mark.parametrize("how", ["granted", "direct", "ucx", "ucx_direct", "no_lanes"])
 def test_a_pull_into_the_engines_blocks_reads_them_on_the_lanes(src, make_puller, how,
                                                                 monkeypatch):
     """Into the engine's own blocks (``Puller.pull_into``) the source is read one-sided on
     the read lanes, asking for a grant or directly (kvkern.xfer.direct): with kvkern's own
     calls (a source process on this host), or through UCX (``local_reads`` off, as for a
-    source on another host, or calls refused). A puller without read lanes streams.
+    source on another host). A puller without read lanes streams.
     Bit-exact in the engine's blocks (scattered, in reverse order), every other block
     untouched, nothing committed or freed."""
     from kvkern.xfer import local_reads
 
-    if how == "refused":
-        monkeypatch.setattr(local_reads, "usable", lambda source: False)
     calls = []
     real_call = local_reads._call_once
     monkeypatch.setattr(local_reads, "_call_once", lambda *a: (calls.append(a),
@@ -466,6 +463,34 @@ def test_a_pull_into_the_engines_blocks_reads_them_on_the_lanes(src, make_puller
                                                        for k in ("direct", "read", "stream")}
     assert_only_changed(group, before, set(ids))
     assert group.manager.longest_prefix(sequence_hashes(tokens, BS)) == 0  # not committed
+    group.manager.release(engine)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+def test_a_source_on_this_host_whose_own_reads_fail_is_never_read_through_ucx(src,
+                                                                            make_puller,
+                                                                            monkeypatch):
+    """Same-host reads are on, but the source process's own reads are refused (its token
+    does not check out: it may have announced one on purpose). UCX's same-host transports
+    read any address of any process, so the lanes never read it through them for lack of
+    kvkern's own calls: the pull into the engine's blocks falls back (the engine
+    recomputes), and the next one streams while those lanes rest."""
+    from kvkern.xfer import local_reads
+
+    monkeypatch.setattr(local_reads, "usable", lambda source: False)
+    n = 4
+    tokens = fresh_tokens(n * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    engine = group.manager.allocate(n)
+    p = make_puller(group)
+    o = pull_into(p, "refused", tokens, hint_for(src, tokens), engine)
+    assert not o.used and o.reason is Reason.TRANSFER_FAILED, o
+    assert "this host" in o.detail, o
+    again = pull_into(p, "streamed", tokens, hint_for(src, tokens), engine)
+    assert again.used and again.reads == 0, again
+    check_bytes(src, group, hashes, engine)
     group.manager.release(engine)
     assert_clean(group)
     src.wait_no_pins()

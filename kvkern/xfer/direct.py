@@ -475,7 +475,8 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
         first = await lanes.run_script(worker, direct, timeout=xfer_t, nbytes=direct.nbytes,
                                        local=receiver.local_source(job.state, keys[0]),
                                        owned=job.into is not None,
-                                       same_host=job.state.served_here)
+                                       same_host=all(receiver.near_reads(job.state, k)
+                                                     for k in keys))
     except ReadsStuck:
         job.quarantined = True
         # UCX may still write the directory buffers: never reuse (or free) them

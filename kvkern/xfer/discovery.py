@@ -54,7 +54,8 @@ def _served_state(state: SourceState, resolved: ResolvedEndpoint) -> SourceState
     """``state`` without the same-host announcements (``read_local``) of processes other
     than the one that served it (:func:`kvkern.xfer.local_reads.serves`): any peer can copy
     another process's announcement into its own state. Those ranks are read through UCX,
-    which reads a process on this host only where ``served_here``."""
+    which reads a process on this host only for a rank kept here
+    (:meth:`~kvkern.xfer.receive.ReadReceiver.near_reads`)."""
     from kvkern.xfer import local_reads  # noqa: PLC0415
 
     verdicts: dict[int, str | None] = {}
@@ -69,7 +70,7 @@ def _served_state(state: SourceState, resolved: ResolvedEndpoint) -> SourceState
             log.warning("source %s announces process %d on this host for same-host reads, "
                         "which did not serve its state (%s): read through UCX",
                         resolved.display_url, src.pid, why)
-    return dataclasses.replace(state, read_locals=kept, served_here=bool(kept))
+    return dataclasses.replace(state, read_locals=kept)
 
 
 def bounded_put(cache: dict[K, V], key: K, value: V, limit: int = MAX_CACHED_SOURCES) -> None:

@@ -58,10 +58,11 @@ Trust: the worker address and the addresses read come from the state (and grants
 source the allowlist admitted, but any peer can publish another process's worker address. On
 one host UCX reads through transports that take any address of the process at the other end,
 whatever the key (CMA, KNEM, XPMEM: :data:`NEAR_TRANSPORTS`), so a lane reads through them
-only for a state served by a process of this host that this process may inspect
-(``same_host``: :func:`kvkern.xfer.local_reads.serves`, which such a state's reads usually
-take instead); elsewhere the read fails, and the puller reads on the control connection, to
-the process that answers it. Across hosts a registered key bounds every read.
+only where its caller allows it for that source rank (``same_host``:
+:meth:`kvkern.xfer.receive.ReadReceiver.near_reads`: only with kvkern's own same-host
+reads turned off, and for ranks whose announcement :func:`kvkern.xfer.local_reads.serves`
+checked); elsewhere the read fails, and the puller reads on the control connection, to the
+process that answers it. Across hosts a registered key bounds every read.
 """
 
 from __future__ import annotations

@@ -398,7 +398,7 @@ class ReadReceiver:
         key = (job.source_dp, pair.src_rank)
         keys = [reply.read_rkey, *reply.read_more_rkeys]
         keyed = [(keys[j], runs) for j, runs in parts.items()]
-        first = await self._copy(job, conn, job.state.read_workers.get(key), keyed, xfer_t,
+        first = await self._copy(job, key, conn, job.state.read_workers.get(key), keyed, xfer_t,
                                  self.local_source(job.state, key))
         if job.t_first_byte is None:
             job.t_first_byte = first or time.perf_counter()
@@ -499,7 +499,8 @@ class ReadReceiver:
                 max_pieces=SCATTER_MAX_PIECES, max_bytes=SCATTER_MAX_BYTES))
         return parts
 
-    async def _copy(self, job: PullJob, conn: TransferConnection, worker: bytes | None,
+    async def _copy(self, job: PullJob, key: tuple[int, int], conn: TransferConnection,
+                    worker: bytes | None,
                     keyed: list[tuple[bytes, list]], xfer_t: float,
                     local: LocalSource | None = None) -> float | None:
         """Run the reads, on the lanes when there are, else on the connection; returns when
@@ -513,7 +514,8 @@ class ReadReceiver:
             if lanes is not None:
                 try:
                     return await lanes.read(worker, keyed, timeout=xfer_t, local=local,
-                                            owned=into, same_host=job.state.served_here)
+                                            owned=into,
+                                            same_host=self.near_reads(job.state, key))
                 except TransportError as exc:
                     if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck):
                         raise
@@ -557,6 +559,15 @@ class ReadReceiver:
             raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} did not "
                            f"confirm it held the blocks during the read: "
                            f"{getattr(ack, 'reason', type(ack).__name__)}")
+
+    def near_reads(self, state: SourceState, key: tuple[int, int]) -> bool:
+        """Whether the lanes may read rank ``key`` through UCX's transports that take any
+        address of a process on this host (:data:`~kvkern.xfer.read_lanes.NEAR_TRANSPORTS`):
+        only where this puller reads through UCX by choice (``XferConfig.local_reads``
+        off) and the process that served the state announced that rank itself. Its worker
+        address is still the state's word, so with same-host reads on (the default) a rank
+        they cannot read goes to the connection, never to such a transport."""
+        return not self.config.local_reads and key in state.read_locals
 
     def local_source(self, state: SourceState, key: tuple[int, int]) -> LocalSource | None:
         """The source process of rank ``key`` where it runs on this host and this puller

@@ -117,9 +117,6 @@ class SourceState:
     # (dp, rank) -> its process, where it runs on this host (kvkern.xfer.local_reads)
     read_locals: dict[tuple[int, int], LocalSource] = field(default_factory=dict)
     model: str = ""  # the source's model fingerprint (KVGroup.model_id)
-    # served by a process of this host that this one may inspect (local_reads.serves): UCX
-    # may then read it through transports that take any address (read_lanes.NEAR_TRANSPORTS)
-    served_here: bool = False
 
 
 def decode_state(body: bytes | str | dict) -> StateDoc:
