@@ -150,3 +150,36 @@ def test_a_grant_must_name_the_registered_pool_the_state_announces(change):
         return
     with pytest.raises(Fallback, match="outside the registered pool"):
         ReadReceiver.check_offer(None, job, pair, grant, dst)
+
+
+@pytest.mark.parametrize("layout", ["trtllm", "vllm_hnd"])
+@pytest.mark.parametrize("keys", [1, 2, 4, 16])
+def test_an_offer_in_more_segments_than_a_block_has_layers_is_refused(layout, keys):
+    """A canonical offer's segments are a block's whole bytes or one per layer: an offer in
+    more (each smaller) would multiply the reads the destination plans and posts, so it is
+    refused, whatever its sizes add up to. The source's state announces no read index here
+    (a grant alone)."""
+    from types import SimpleNamespace
+
+    from kvkern.xfer.messages import ReadGrant, Status
+    from kvkern.xfer.pulljob import Fallback
+    from kvkern.xfer.receive import ReadReceiver
+
+    model = ModelKVSpec(num_layers=2, num_kv_heads=4, head_dim=16, block_size=4,
+                        dtype="float16")
+    topo = Topology(model=model, parallel=Parallelism(tp_size=1, pp_size=1))
+    dst = _pool(topo, 0, 8, layout)
+    job = SimpleNamespace(source_dp=0, state=SimpleNamespace(
+        read_indexes={}, reads={(0, 0): "canonical"}, layouts={}, topology=topo))
+    (pair,) = plan_transfer(topo, 0, topo, 0).for_destination(0)
+    seg = pair.block_nbytes // keys
+    grant = ReadGrant(transfer_id=1, status=Status.OK, served_blocks=2, block_hashes=[1, 2],
+                      total_bytes=2 * pair.block_nbytes, read_rkey=b"k0",
+                      read_more_rkeys=[b"k%d" % j for j in range(1, keys)], read_base=4096,
+                      read_more_bases=[4096 + j * (1 << 20) for j in range(1, keys)],
+                      read_stride=seg, read_segment_bytes=seg, read_blocks=[1, 5])
+    if keys in (1, model.num_layers):
+        assert ReadReceiver.check_offer(None, job, pair, grant, dst) is dst.read_segments
+        return
+    with pytest.raises(Fallback, match=f"as {keys} segments"):
+        ReadReceiver.check_offer(None, job, pair, grant, dst)

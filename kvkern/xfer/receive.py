@@ -438,8 +438,11 @@ class ReadReceiver:
         src_lay = source_layout(state.topology, pair.src_rank)
         seg, stride = reply.read_segment_bytes or unit, reply.read_stride
         top = max(reply.read_blocks) * stride + seg
+        # (canonical segments are a block's whole canonical bytes, or one per layer: more
+        # keys would only multiply the reads this offer makes the destination plan and post)
         if reply.total_bytes != served * unit or seg * n_keys != src_lay.bytes_per_block \
                 or stride < seg or max(bases) + top > 1 << 64 or segs is None or (
+                    not reply.read_native and n_keys not in (1, src_lay.num_layers)) or (
                     reply.read_native and not (n_keys == len(segs.bases)
                                                and seg == segs.nbytes
                                                and whole_block_pair(pair.pieces, src_lay,
