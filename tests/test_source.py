@@ -1325,6 +1325,48 @@ async def test_a_granted_read_hold_outlasts_a_lost_connection_and_close():
 # ------------------------------------------------------------------ pin quotas (ledger)
 
 
+@pytest.mark.asyncio
+async def test_a_request_over_its_quota_is_checked_again_only_when_pins_change(monkeypatch):
+    """The quota check is as long as the request: a request over its quota because of other
+    pins waits up to QUOTA_WAIT_S for them, checking again only when pins change; one over
+    the quota by itself is answered at once."""
+    from types import SimpleNamespace
+
+    from kvkern.xfer import send
+
+    monkeypatch.setattr(send, "QUOTA_WAIT_S", 0.05)
+    ledger = send.PeerLedger(PeerQuotas(peer_pin_fraction=0.5, total_pin_fraction=1.0), 8)
+    checks = []
+    real = ledger.over_pin_quota
+    monkeypatch.setattr(ledger, "over_pin_quota",
+                        lambda *a: (checks.append(a), real(*a))[1])
+    sender = send.Sender.__new__(send.Sender)
+    sender.svc = SimpleNamespace(ledger=ledger)
+
+    def session(hashes):
+        return SimpleNamespace(peer="p", req=SimpleNamespace(requested_hashes=hashes),
+                               ctx=SimpleNamespace(rkv=SimpleNamespace(layout=SimpleNamespace(
+                                   num_blocks=16)), group=SimpleNamespace(dp_rank=0)))
+
+    busy = await sender._quota_verdict(session(list(range(100, 109))))  # 9 > 8 by itself
+    assert busy is not None and len(checks) == 1
+    ledger.pinned("p", 0, list(range(6)))
+    checks.clear()
+    busy = await sender._quota_verdict(session(list(range(100, 104))))  # 6 + 4 > 8: waits
+    assert busy is not None and len(checks) == 1  # (no pin changed meanwhile)
+
+    async def release_soon():
+        await asyncio.sleep(0.01)
+        ledger.unpinned("p", 0, list(range(6)))
+
+    checks.clear()
+    task = asyncio.ensure_future(release_soon())
+    assert await sender._quota_verdict(session(list(range(100, 104)))) is None
+    await task
+    assert len(checks) == 2
+
+
+
 @settings(max_examples=150, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["pin", "unpin"]), st.sampled_from("ab"),
                               st.integers(0, 1),

@@ -14,6 +14,7 @@ import functools
 import logging
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -212,6 +213,7 @@ class PeerLedger:
         self.pins = 0  # pin handles held
         self.pinned_blocks = 0  # blocks of every pin handle (a block pinned twice: twice)
         self.peer_sends: dict[str, int] = {}  # authenticated peer -> admitted sends
+        self.changes = 0  # pins taken or released so far (a quota verdict's freshness)
         self.connections = 0  # authenticated connections being served
         self.peer_connections: dict[str, int] = {}  # of those, per peer
         # (peer, DP group) / DP group -> pinned block hash -> pin handles holding it
@@ -251,13 +253,21 @@ class PeerLedger:
         else:
             self.peer_sends.pop(peer, None)
 
+    def never_fits(self, wanted: int, pool: int) -> bool:
+        """Whether ``wanted`` distinct blocks exceed a quota share of a ``pool``-block pool
+        by themselves (no release of other pins would let them in)."""
+        q = self.quotas
+        return wanted > min(q.peer_pin_fraction, q.total_pin_fraction) * pool
+
     def pinned(self, peer: str, group: int, hashes: Sequence[int]) -> None:
+        self.changes += 1
         self.pins += 1
         self.pinned_blocks += len(hashes)
         self.peer_pins.setdefault((peer, group), collections.Counter()).update(hashes)
         self.group_pins.setdefault(group, collections.Counter()).update(hashes)
 
     def unpinned(self, peer: str, group: int, hashes: Sequence[int]) -> None:
+        self.changes += 1
         self.pins -= 1
         self.pinned_blocks -= len(hashes)
         for table, key in ((self.peer_pins, (peer, group)), (self.group_pins, group)):
@@ -277,13 +287,13 @@ class PeerLedger:
             if not held:
                 del table[key]
 
-    def over_pin_quota(self, peer: str, group: int, want: Sequence[int],
+    def over_pin_quota(self, peer: str, group: int, want: Sequence[int] | AbstractSet[int],
                        pool: int) -> str | None:
         """Why pinning the blocks of hashes ``want`` in DP group ``group``'s ``pool``-block
         pool would exceed a :class:`PeerQuotas` share, or None. Blocks already pinned count
         once."""
         q = self.quotas
-        wanted = set(want)
+        wanted = want if isinstance(want, (set, frozenset)) else set(want)
         mine = self.peer_pins.get((peer, group), {})
         new = len(wanted) - len(mine.keys() & wanted)  # (set operations in C)
         if len(mine) + new > q.peer_pin_fraction * pool:
@@ -379,14 +389,23 @@ class Sender:
                  s.ctx.rank, reason)
 
     async def _quota_verdict(self, s: SendSession) -> str | None:
+        """Why the request's pins would exceed a quota, or None; over one, waits up to
+        QUOTA_WAIT_S for a send of the peer to release its pins, checking again only after
+        pins changed (a request can be as long as a pool, and the check is as long as it),
+        and not at all when the request alone exceeds the quota."""
         ledger, pool = self.svc.ledger, s.ctx.rkv.layout.num_blocks
         group = s.ctx.group.dp_rank  # (its ranks share the block manager: one quota)
-        busy = ledger.over_pin_quota(s.peer, group, s.req.requested_hashes, pool)
-        waited = 0.0
+        wanted = set(s.req.requested_hashes)
+        busy = ledger.over_pin_quota(s.peer, group, wanted, pool)
+        if busy is None or ledger.never_fits(len(wanted), pool):
+            return busy
+        waited, seen = 0.0, ledger.changes
         while busy is not None and waited < QUOTA_WAIT_S:  # a send of the peer finishing
             await asyncio.sleep(QUOTA_POLL_S)
             waited += QUOTA_POLL_S
-            busy = ledger.over_pin_quota(s.peer, group, s.req.requested_hashes, pool)
+            if ledger.changes != seen:
+                seen = ledger.changes
+                busy = ledger.over_pin_quota(s.peer, group, wanted, pool)
         return busy
 
     async def _pin(self, s: SendSession) -> PinHandle | None:
