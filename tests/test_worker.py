@@ -229,7 +229,7 @@ def test_router_learns_from_reports_and_routes_with_a_hint(workers):
     while True:
         lines = [ln for ln in b.output(400).splitlines()
                  if " INFO " in ln and '"event":"kvkern.pull"' in ln
-                 and f'"request_id":"{d.request_id}"' in ln]
+                 and f'"request_id":"{d.request_id}/' in ln]
         if lines or time.monotonic() > deadline:
             break
         time.sleep(0.1)

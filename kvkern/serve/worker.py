@@ -87,6 +87,8 @@ MAX_BODY_BYTES = 16 << 20
 GENERATE_BODY_BASE = 256 << 10
 GENERATE_BODY_PER_TOKEN = 24
 MAX_SALT_CHARS = 256
+# Outcome fields a tenant's response leaves out: what the pull learned of the source.
+TENANT_HIDDEN = frozenset({"detail", "worker_id", "incarnation"})
 
 
 class WorkerOptions(argparse.Namespace):
@@ -456,11 +458,18 @@ class Worker:
                 out["fallback"] = "closed"
             else:
                 t0 = time.perf_counter()
-                held, outcome = self._pull(request_id, tokens, hint, salt, hashes)
+                # The puller's request ids are this worker's own: a tenant's id names its
+                # request in this response and the logs only, so no tenant can collide with
+                # (or learn of) another's request in flight.
+                pull_id = f"{request_id}/{uuid.uuid4().hex}"
+                held, outcome = self._pull(pull_id, tokens, hint, salt, hashes)
                 out["pull_wait_s"] = time.perf_counter() - t0
                 # What the pull learned of the source stays in this worker's log: a tenant
-                # sees the outcome, not the detail (ports, fields, redirects, counts).
-                out["pull"] = {k: v for k, v in outcome.to_dict().items() if k != "detail"}
+                # sees the outcome, not the detail (ports, fields, redirects, counts) nor the
+                # source's identity (its worker id and incarnation).
+                out["pull"] = {k: v for k, v in outcome.to_dict().items()
+                               if k not in TENANT_HIDDEN}
+                out["pull"]["request_id"] = request_id
                 if not outcome.used or not held:
                     out["fallback"] = outcome.reason.value if not outcome.used else "lease_expired"
                 else:

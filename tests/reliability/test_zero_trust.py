@@ -209,6 +209,9 @@ def legit_pull(src, dst, rng, *, salt: str = "", n_blocks: int = 6) -> dict:
     out = gen(dst, signed(hint_body(src.url, prefix + tail, prefix, salt=salt)))
     assert out["fallback"] is None and out["pull"]["reason"] == "ok", out
     assert out["pulled_tokens"] == n_blocks * T, out
+    # the tenant sees the outcome, not the source's identity, under its own request id
+    assert not {"worker_id", "incarnation", "detail"} & out["pull"].keys(), out
+    assert out["pull"]["request_id"] == out["request_id"], out
     hs = hashes(prefix, salt)
     d, s = dst.digests(hs), src.digests(hs)
     assert all(d[str(h)] is not None and d[str(h)] == s[str(h)] for h in hs), (d, s)
@@ -297,6 +300,7 @@ def test_unauthenticated_http(fleet, record, rng):
         for name, o in outs.items():
             assert o["fallback"] is not None, (name, o)
             assert not has_key(o["pull"], "detail") and not has_key(o["hint"], "detail"), o
+            assert not any(has_key(o["pull"], k) for k in ("worker_id", "incarnation")), o
             assert not has_key(o, "detail"), (name, o)
         assert outs["unsigned"]["fallback"] == "hint_untrusted"
         rec["leaks"] = leaks(S, D)

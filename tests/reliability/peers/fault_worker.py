@@ -43,8 +43,8 @@ Routes::
                            the pool's own order) | ack_not_held (a read's ReadAck says
                            held=False)
     POST /test/evict       {"hashes": [...]} or {"tokens": [...]}: evict cached unheld blocks
-    POST /test/cancel      {"request_id"}: puller.cancel(request_id) -> {"cancelled": bool}
-    GET  /test/request     ?id=RID -> {"state": the puller's lifecycle state of RID}
+    POST /test/cancel      {"request_id"}: cancel the request's pull -> {"cancelled": bool}
+    GET  /test/request     ?id=RID -> {"state": the puller's lifecycle state of RID's pull}
     POST /test/blocks      {"hashes": [...]} or {"tokens": [...]}: per pool hash, the sha256
                            of the block's canonical staging bytes, or null when not cached
 """
@@ -75,6 +75,13 @@ REPLY_FAULTS = ("served_over", "wrong_hashes", "chunk_oversize", "total_mismatch
                 "read_bytes_over",
                 "read_order_flipped", "ack_not_held")
 
+
+def _pull_id(puller: Any, request_id: str) -> str:
+    """The id the worker pulls a request's hint under: ``<request_id>/<a fresh hex id>``
+    (the latest such), or ``request_id`` itself when there is none yet."""
+    with puller._lock:
+        ids = list(puller._records)
+    return next((k for k in reversed(ids) if k.startswith(request_id + "/")), request_id)
 
 class FaultSource(_BaseSource):
     """The worker's source service plus fault knobs and admin routes."""
@@ -321,11 +328,12 @@ class FaultSource(_BaseSource):
     async def h_cancel(self, request: web.Request) -> web.Response:
         body = await request.json()
         puller = WORKER["worker"].puller
-        return web.json_response({"cancelled": puller.cancel(str(body["request_id"]))})
+        return web.json_response({"cancelled": puller.cancel(
+            _pull_id(puller, str(body["request_id"])))})
 
     async def h_request(self, request: web.Request) -> web.Response:
         puller = WORKER["worker"].puller
-        rid = request.query["id"]
+        rid = _pull_id(puller, request.query["id"])
         outcome = puller.outcome(rid)  # with the detail a tenant's response leaves out
         return web.json_response({"state": puller.state(rid).value,
                                   "detail": outcome.detail if outcome is not None else None})
