@@ -80,6 +80,21 @@ def test_unknown_hash_scheme_is_named():
     assert isinstance(got, Skip) and got.reason is Reason.HASH_SCHEME_MISMATCH
 
 
+@pytest.mark.parametrize("worker_scheme,named", [
+    (DEFAULT_SCHEME, "vllm-sha256-v1"), ("vllm-sha256-v1", None)],
+    ids=["vllm-hint", "vllm-worker"])
+def test_a_salted_prompt_is_never_hashed_here_in_an_engine_scheme_that_salts_itself(
+        worker_scheme, named):
+    """vLLM's schemes take the salt inside the engine: a salted request's hint in one (or a
+    router's hashes that do not match, on a vLLM-scheme worker, which would try it next) is
+    a named skip, never an exception out of admission."""
+    h = hint(block_hashes=(1, 2), hash_scheme=named)
+    got = admit(TOKENS, h, worker=worker(scheme=worker_scheme), config=CONFIG,
+                cost_guard=CostGuard(CONFIG), cache_salt="tenant-a")
+    assert isinstance(got, Skip), got
+    assert got.reason in (Reason.HASH_SCHEME_MISMATCH, Reason.HASH_MISMATCH), got
+
+
 def test_a_prompt_without_a_full_block_needs_no_pull():
     got = run(hint(), tokens=TOKENS[:BS - 1])
     assert isinstance(got, Skip) and got.reason is Reason.LOCAL_PREFIX_SUFFICIENT

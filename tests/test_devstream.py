@@ -454,6 +454,17 @@ async def test_chunks_landing_in_place_may_exceed_the_staging_size_up_to_the_req
         assert not any(e[0] == "recv" for e in log)
 
 
+async def test_a_reply_with_an_empty_chunk_is_refused_before_anything_is_planned():
+    """Chunks that add up to the blocks but include an empty one (past the last served
+    block) are refused as announced, before the in-place map is made from them."""
+    log: list = []
+    with pytest.raises(Fallback, match="chunks") as err:
+        await receive_all("cpu", log, private=[1, 2, 3, 4, 5, 6],
+                          sizes=[6 * BLOCK_BYTES, 0], in_place=6 * BLOCK_BYTES)
+    assert err.value.reason is Reason.TRANSFER_FAILED
+    assert not any(e[0] == "recv" for e in log)
+
+
 async def test_destination_with_host_streams_needs_no_wait():
     log: list = []
     _, staging, _ = await receive_all("cpu", log)

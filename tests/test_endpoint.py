@@ -137,6 +137,9 @@ HOSTILE = [
     ("http://256.0.0.1:8000/", "bad_host"),
     ("http://1.2.3.4.5:8000/", "bad_host"),
     ("http://08.0.0.1:8000", "bad_host"),
+    ("0x1g.1:8000", "bad_host"),  # (a hex part that is not hex, before the last)
+    ("tcp://0x-1.5:9000", "bad_host"),
+    ("1.0x1g.2", "bad_host"),
     ("http://[fe80::1%25eth0]:8000/", "bad_host"),
     ("http://%31%32%37.0.0.1:8000/", "bad_host"),
     ("http://[::1:8000", "bad_host"),

@@ -59,6 +59,15 @@ def test_a_bad_field_is_a_value_error_naming_it(change, field):
         parse_state(body)
 
 
+@pytest.mark.parametrize("body", [b"[" * 200_000, b"\xff{}", b"{", b"[1, 2]"],
+                         ids=["deep", "not-utf8", "truncated", "array"])
+def test_a_body_that_is_not_a_state_object_is_a_value_error(body):
+    """parse_state raises ValueError only, whatever the bytes (nesting past Python's
+    recursion limit included)."""
+    with pytest.raises(ValueError, match="state is"):
+        parse_state(body)
+
+
 def test_a_rank_without_a_port_is_invalid():
     body = msgspec.to_builtins(_doc())
     body["dp_groups"]["0"]["ranks"]["0"]["ucx_port"] = None

@@ -184,24 +184,30 @@ def _check_hint_hashes(tokens: list[int], hint: KvHint, bs: int, n_full: int,
     names = ([named] if named not in (ENGINE_SCHEME, HINT_SCHEME) else list(dict.fromkeys(
         (worker_scheme if named == ENGINE_SCHEME else HINT_SCHEME, worker_scheme,
          HINT_SCHEME))))
-    scheme_name = names[0]
     hinted = len(hint.block_hashes)
     if hinted > n_full:
         return Skip(Reason.HASH_MISMATCH, f"hint names {hinted} blocks, the prompt has "
                     f"{n_full} full blocks of {bs} tokens")
     want = list(hint.block_hashes)
+    first: tuple[str, list[int]] | None = None  # (a scheme, the prompt's hashes in it)
     for name in names:
         try:
             scheme = get_scheme(name)
         except ValueError as exc:
             return Skip(Reason.HASH_SCHEME_MISMATCH, str(exc))
         salt = scheme.salt_id(cache_salt)
+        if salt is not None and scheme.chained and not scheme.supports_salt:
+            continue  # (an engine's scheme that salts inside the engine: only its own hashes)
         mine = scheme.block_hashes(tokens[:hinted * bs], bs,
                                    cache_salt=salt if scheme.chained else None)
         if mine == want or scheme.salted_chain(mine, salt) == want:
             return hinted, name, mine
-        if name == scheme_name:
-            first = mine
-    i = next(i for i, (a, b) in enumerate(zip(first, want, strict=True)) if a != b)
+        if first is None:
+            first = name, mine
+    if first is None:
+        return Skip(Reason.HASH_SCHEME_MISMATCH, f"a salted prompt is not hashed here in "
+                    f"{', '.join(names)}: only the engine's own block hashes name it")
+    name, mine = first
+    i = next(i for i, (a, b) in enumerate(zip(mine, want, strict=True)) if a != b)
     return Skip(Reason.HASH_MISMATCH, f"hint hash {i} is {want[i]}, the prompt's block "
-                f"{i} hashes to {first[i]} in {scheme_name}")
+                f"{i} hashes to {mine[i]} in {name}")

@@ -155,7 +155,7 @@ def _legacy_ipv4(host: str) -> ipaddress.IPv4Address | None:
         raise _Refuse("bad_host", f"host {host!r} ends in a number but has {len(parts)} parts")
     values = []
     for part in parts:
-        if part.startswith("0x"):
+        if re.fullmatch(r"0x[0-9a-f]*", part):
             values.append(int(part[2:] or "0", 16))
         elif re.fullmatch(r"0[0-7]*", part):
             values.append(int(part, 8))

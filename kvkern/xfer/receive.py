@@ -203,9 +203,6 @@ class StreamReceiver:
         pieces = pair.pieces
         direct = (rank_kv.stream_rows(pieces[0].dst_layers, pieces[0].dst_heads,
                                       pieces[0].block_nbytes) if len(pieces) == 1 else None)
-        # the chunks that land in the blocks as they are (zero-copy), by their first block
-        landed_direct = {} if direct is None or reply.total_bytes != nbytes else \
-            _in_place(starts, unit, ids)
         limit = max(in_place, chunk)
         most = max_chunks(pair, served, chunk)
         if reply.n_chunks > most:
@@ -213,9 +210,11 @@ class StreamReceiver:
                            f"{reply.n_chunks} chunks for {served} blocks, more than the "
                            f"{most} of a stream cut no finer than "
                            f"{min(chunk, MIN_CHUNK_BYTES)} B")
-        if reply.total_bytes != nbytes or any(
-                not 0 < s <= (limit if i in landed_direct else chunk)
-                for i, s in enumerate(sizes)):
+        sized = reply.total_bytes == nbytes and all(s > 0 for s in sizes)
+        # the chunks that land in the blocks as they are (zero-copy), by their first block
+        landed_direct = {} if direct is None or not sized else _in_place(starts, unit, ids)
+        if not sized or any(s > (limit if i in landed_direct else chunk)
+                            for i, s in enumerate(sizes)):
             raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} announces "
                            f"{reply.total_bytes} B in chunks {sizes[:4]}..., expected "
                            f"{nbytes} B in chunks <= {chunk} B (<= {limit} B landing in "

@@ -123,8 +123,8 @@ def decode_state(body: bytes | str | dict) -> StateDoc:
     """The typed document of a state body; ``ValueError`` naming the bad field otherwise."""
     try:
         d = json.loads(body) if isinstance(body, (bytes, str)) else body
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"state is not JSON: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # (deep nesting)
+        raise ValueError(f"state is not JSON: {type(exc).__name__}: {exc}") from None
     if not isinstance(d, dict):
         raise ValueError(f"state is a JSON {type(d).__name__}, not an object")
     try:
