@@ -931,6 +931,42 @@ async def test_an_idle_connection_is_closed_but_not_one_with_a_request_open():
         await svc.close()
 
 
+@pytest.mark.asyncio
+async def test_acks_of_unknown_transfers_count_with_the_connections_open_requests(
+        monkeypatch):
+    """Each ReadDone asking for an ack of a transfer nothing is pinned for is answered by a
+    task; those still sending count with the connection's open requests, so a peer that
+    asks for more than the cap at once (and reads none) loses the connection."""
+    from kvkern.xfer import source as source_mod
+
+    monkeypatch.setattr(source_mod, "MAX_OPEN_REQUESTS_PER_CONNECTION", 3)
+    group, _ = _group()
+    svc = SourceService([group], worker_id="acks", credential=None)
+    gate = asyncio.Event()
+
+    class Conn:
+        peer_id = "p"
+        aborted: list[str] = []
+
+        async def send_msg(self, *a, **kw):
+            await gate.wait()
+
+        def abort(self, reason):
+            self.aborted.append(reason)
+
+    conn = Conn()
+    for tid in range(1, 4):
+        svc._ack_unknown(conn, tid)
+    assert svc._open_requests[conn] == 3 and not conn.aborted
+    svc._ack_unknown(conn, 4)
+    assert conn.aborted == ["too_many_requests"] and svc._open_requests[conn] == 3
+    assert svc.metrics.value("kvkern_source_connections_closed_total",
+                             reason="too_many_requests") == 1
+    gate.set()
+    await asyncio.gather(*list(svc._bg))
+    assert conn not in svc._open_requests
+
+
 @aio
 async def test_sigterm_closes_a_real_source_with_a_frozen_send(frozen_peer):
     """close() in the peer process: a send frozen after its reply holds 16 pins; SIGTERM makes

@@ -612,13 +612,37 @@ class SourceService:
             self._ack_unknown(conn, msg.transfer_id)
 
     def _ack_unknown(self, conn: Connection, tid: int) -> None:
+        """Answer a ReadDone that asks for an ack of a transfer nothing is pinned for. These
+        answers count with the connection's open requests: a peer that asks for more than
+        MAX_OPEN_REQUESTS_PER_CONNECTION at once (and reads none) loses the connection."""
+        if self._open_requests.get(conn, 0) >= MAX_OPEN_REQUESTS_PER_CONNECTION:
+            log.warning("peer %r has %d requests and acks open on one connection: closing it",
+                        conn.peer_id, MAX_OPEN_REQUESTS_PER_CONNECTION)
+            self.metrics.source_connection_closed("too_many_requests")
+            conn.abort("too_many_requests")
+            return
+        self._open_requests[conn] = self._open_requests.get(conn, 0) + 1
+
         async def send() -> None:
-            with contextlib.suppress(TransportError):
-                await conn.send_msg(ReadAck(transfer_id=tid, held=False,
-                                            reason="no read of this transfer is pinned"),
-                                    tag_for(tid, Lane.REPLY, 1), timeout=5.0)
+            try:
+                with contextlib.suppress(TransportError):
+                    await conn.send_msg(ReadAck(transfer_id=tid, held=False,
+                                                reason="no read of this transfer is pinned"),
+                                        tag_for(tid, Lane.REPLY, 1), timeout=5.0)
+            finally:
+                self._request_ended(conn)
 
         spawn(self._bg, send())
+
+    def _request_ended(self, conn: Connection) -> None:
+        """One of the connection's open requests (or acks) has ended."""
+        left = self._open_requests.get(conn, 1) - 1
+        if left > 0:
+            self._open_requests[conn] = left
+        else:
+            self._open_requests.pop(conn, None)
+        if conn in self._seen:  # (an idle connection's time runs from its last request)
+            self._seen[conn] = time.monotonic()
 
     def _accept(self, conn: Connection, ctx: RankCtx, conn_sends: dict[int, SendSession],
                 req: PullRequest) -> None:
@@ -644,13 +668,7 @@ class SourceService:
     def _finished(self, s: SendSession, task: asyncio.Task) -> None:
         self._release(s)  # backstop; normally done when the send ends
         self._sends.discard(s)
-        left = self._open_requests.get(s.conn, 1) - 1
-        if left > 0:
-            self._open_requests[s.conn] = left
-        else:
-            self._open_requests.pop(s.conn, None)
-        if s.conn in self._seen:  # (an idle connection's time runs from its last request)
-            self._seen[s.conn] = time.monotonic()
+        self._request_ended(s.conn)
         if s.conn_sends.get(s.req.transfer_id) is s:
             del s.conn_sends[s.req.transfer_id]
         if s.admitted:
