@@ -159,3 +159,42 @@ async def test_two_router_apps_keep_their_own_metrics():
     two.add_worker("a", "http://127.0.0.1:1")
     build_app(one, refresh_s=None, credential=CREDENTIAL)
     build_app(two, refresh_s=None, credential=CREDENTIAL)
+
+
+async def test_malformed_bodies_are_400_and_an_uncached_request_teaches_nothing():
+    """Token ids outside u32 and a destination that is not a worker id are the client's
+    error (400, never a 500); a request that bypassed the cache (``use_cache: false``)
+    left nothing on its destination, so the router does not learn its prefix there."""
+    runners: list[web.AppRunner] = []
+
+    async def serve(app) -> str:
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    try:
+        a = FakeWorker()
+        router = KVRouter(T)
+        router.add_worker("a", await serve(a.app))
+        router_url = await serve(build_app(router, refresh_s=None, credential=CREDENTIAL))
+        prompt = toks(12, 5)
+        async with ClientSession(trust_env=False, timeout=ClientTimeout(total=20)) as s:
+            for body in ({"token_ids": [-1, 2, 3, 4]}, {"token_ids": [1 << 32, 2, 3, 4]},
+                         {"token_ids": prompt, "destination": []},
+                         {"token_ids": prompt, "destination": 7}):
+                async with s.post(f"{router_url}/v1/generate", json=body) as r:
+                    assert r.status == 400, (body, r.status, await r.text())
+            async with s.post(f"{router_url}/v1/generate",
+                              json={"token_ids": prompt, "use_cache": False}) as r:
+                assert r.status == 200
+            assert router.route(prompt).matched["a"] == 0  # (nothing learned)
+            async with s.post(f"{router_url}/v1/generate", json={"token_ids": prompt}) as r:
+                assert r.status == 200
+            assert router.route(prompt).matched["a"] == 3
+        assert not a.seen[0].get("destination")
+    finally:
+        for runner in runners:
+            await runner.cleanup()

@@ -93,6 +93,9 @@ DIALECT_NAMES = {"kv_hint": "kvkern", "kv_hints": "kv_hints", "dynamo": "dynamo"
 #: why a routed request carries no hint (``no_hint_reason``, metric label)
 NO_HINT_REASONS = ("no_other_worker", "no_longer_prefix", "no_credential")
 MAX_REQUEST_ID_CHARS = 256
+# Hashes a worker's routed requests may add to what the router believes it holds between two
+# block listings (each listing replaces them): about 70 B each.
+MAX_LEARNED_HASHES = 1 << 21
 
 
 def router_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str = "") -> list[int]:
@@ -364,8 +367,8 @@ class KVRouter:
                 return
             w.in_flight = max(0, w.in_flight - 1)
             w.tokens_in_flight = max(0, w.tokens_in_flight - decision.num_tokens)
-            if ok:
-                w.hashes.update(decision.hashes)
+            if ok and len(w.hashes) + len(decision.hashes) <= MAX_LEARNED_HASHES:
+                w.hashes.update(decision.hashes)  # (past the bound: the next listing's)
 
 
 # ---------------------------------------------------------------------------- HTTP front
@@ -518,11 +521,16 @@ class _RouterService:
                                     timeout_s=self.limits.body_timeout_s)
         tokens = body.get("token_ids") if isinstance(body, dict) else None
         if not isinstance(tokens, list) or not tokens or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise json_error(web.HTTPBadRequest, "token_ids must be a non-empty list of ints")
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
+                for t in tokens):
+            raise json_error(web.HTTPBadRequest, "token_ids must be a non-empty list of "
+                                                 "token ids in [0, 2**32)")
         salt = body.get("cache_salt", "")
         if not isinstance(salt, str):
             raise json_error(web.HTTPBadRequest, "cache_salt must be a string")
+        destination = body.get("destination")
+        if destination is not None and not isinstance(destination, str):
+            raise json_error(web.HTTPBadRequest, "destination must be a worker id (a string)")
         request_id = body.get("request_id") or uuid.uuid4().hex
         if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_CHARS:
             raise json_error(web.HTTPBadRequest, f"request_id must be a string of at most "
@@ -612,7 +620,8 @@ class _RouterService:
         try:
             payload, status = await self._forward(decision, forward, request_id)
         finally:
-            self.router.finish(decision, ok=status == 200)
+            # (a request that bypassed the cache left nothing there for the router to learn)
+            self.router.finish(decision, ok=status == 200 and body.get("use_cache") is not False)
         if not isinstance(payload, dict):
             payload = {"response": payload}
         payload.setdefault("request_id", request_id)
