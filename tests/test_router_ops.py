@@ -57,18 +57,23 @@ class FakeWorker:
                                         "blocks": []})
 
 
+async def serve_on(runners: list[web.AppRunner], app: web.Application) -> str:
+    """``app`` served on a port of 127.0.0.1 (its runner kept in ``runners``); its URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    runners.append(runner)
+    return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 async def test_metrics_request_ids_and_health_changes(caplog):
     caplog.set_level(logging.INFO, logger="kvkern.serve.router")
     runners: list[web.AppRunner] = []
     blocker = socket.socket()
 
     async def serve(app) -> str:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return await serve_on(runners, app)
 
     try:
         a, b, c = FakeWorker(), FakeWorker(), FakeWorker()
@@ -168,12 +173,7 @@ async def test_malformed_bodies_are_400_and_an_uncached_request_teaches_nothing(
     runners: list[web.AppRunner] = []
 
     async def serve(app) -> str:
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return await serve_on(runners, app)
 
     try:
         a = FakeWorker()

@@ -57,8 +57,8 @@ if TYPE_CHECKING:
     from kvkern.xfer.regions import RegisteredPool
     from kvkern.xfer.source import SourceService
 
-__all__ = ["PeerLedger", "RankCtx", "Rejected", "SendSession", "Sender", "keep_hold",
-           "validate_request"]
+__all__ = ["PeerLedger", "RankCtx", "Rejected", "SendSession", "Sender", "count_down",
+           "keep_hold", "validate_request"]
 
 log = logging.getLogger("kvkern.xfer.source")
 
@@ -198,6 +198,15 @@ def _check_piece(ctx: RankCtx, layout: KVLayout, p: PlanPiece, end: int) -> None
                        f"expected {end} (pieces must tile the per-block stream from 0)")
 
 
+def count_down(counts: dict[Any, int], key: Any) -> None:
+    """One less of ``key`` in ``counts``; a key that reaches zero goes."""
+    left = counts.get(key, 1) - 1
+    if left > 0:
+        counts[key] = left
+    else:
+        counts.pop(key, None)
+
+
 class PeerLedger:
     """Connections, admitted sends and pinned blocks, in all and per authenticated peer,
     held to :class:`PeerQuotas` (loop thread only). Pins count per DP group, whose ranks
@@ -231,11 +240,7 @@ class PeerLedger:
 
     def disconnected(self, peer: str) -> None:
         self.connections -= 1
-        left = self.peer_connections.get(peer, 1) - 1
-        if left > 0:
-            self.peer_connections[peer] = left
-        else:
-            self.peer_connections.pop(peer, None)
+        count_down(self.peer_connections, peer)
 
     def may_admit(self, peer: str) -> bool:
         return (self.active < self.max_concurrent_sends
@@ -247,11 +252,7 @@ class PeerLedger:
 
     def ended(self, peer: str) -> None:
         self.active -= 1
-        left = self.peer_sends.get(peer, 1) - 1
-        if left > 0:
-            self.peer_sends[peer] = left
-        else:
-            self.peer_sends.pop(peer, None)
+        count_down(self.peer_sends, peer)
 
     def never_fits(self, wanted: int, pool: int) -> bool:
         """Whether ``wanted`` distinct blocks exceed a quota share of a ``pool``-block pool

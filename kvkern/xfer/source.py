@@ -208,7 +208,7 @@ from kvkern.xfer.messages import (
 from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
 from kvkern.xfer.regions import RegionRegistry
 from kvkern.xfer.runtime import spawn
-from kvkern.xfer.send import PeerLedger, RankCtx, Sender, SendSession
+from kvkern.xfer.send import PeerLedger, RankCtx, Sender, SendSession, count_down
 from kvkern.xfer.source_config import (
     DEFAULT_MAX_SEND_S,
     DEFAULT_PROGRESS_TIMEOUT_S,
@@ -636,11 +636,7 @@ class SourceService:
 
     def _request_ended(self, conn: Connection) -> None:
         """One of the connection's open requests (or acks) has ended."""
-        left = self._open_requests.get(conn, 1) - 1
-        if left > 0:
-            self._open_requests[conn] = left
-        else:
-            self._open_requests.pop(conn, None)
+        count_down(self._open_requests, conn)
         if conn in self._seen:  # (an idle connection's time runs from its last request)
             self._seen[conn] = time.monotonic()
 
