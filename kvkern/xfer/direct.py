@@ -210,11 +210,12 @@ class DirectRead:
         if not all(same_directory(index, other) for other in indexes):
             raise ValueError("the pairs' source ranks announce different read directories")
         self.job, self.pairs, self.index = job, list(pairs), index
-        # the buffers kept for the next pull: the first lane's or the loop lane's (each
-        # runs one read at a time), chosen when the read runs
-        self._scratches = (receiver.direct_scratch, receiver.loop_scratch)
-        self.scratch = receiver.direct_scratch
+        # the buffers kept for the next pull: the running thread's (a lane set's first, or
+        # the loop lane's: each runs one script at a time), chosen when the read runs
+        self._receiver = receiver
+        self.scratch: dict[tuple, np.ndarray] = {}
         self.buffers: list[np.ndarray] = []  # what this read's reads write, besides blocks
+        self.kept: list[np.ndarray] = []  # kept buffers given up by a read that failed
         hashes = job.chained[job.local:job.local + job.count]
         self.want = np.asarray(hashes, dtype=np.uint64)
         self._plain: np.ndarray | None = None  # each hash's bucket by hash alone (plain)
@@ -273,9 +274,16 @@ class DirectRead:
         """Look up, read, confirm; the time the first byte landed, or None with ``miss``
         set when the blocks do not all count."""
         t0 = self.t_in = time.perf_counter()
-        self.scratch = self._scratches[_on_event_loop()]
+        receiver = self._receiver
+        self.scratch = receiver.loop_scratch if _on_event_loop() else receiver.thread_scratch()
         try:
             return (yield from self._steps(read, t0))
+        except BaseException:
+            # (a read that failed may still write them: never reused, on this very thread;
+            # read_directly keeps them for good where reads outlived their abort)
+            self.kept = list(self.scratch.values())
+            self.scratch.clear()
+            raise
         finally:
             self.t_out = time.perf_counter()
 
@@ -480,8 +488,7 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
     except ReadsStuck:
         job.quarantined = True
         # UCX may still write the directory buffers: never reuse (or free) them
-        receiver.stuck_buffers.extend([*direct.buffers, *direct.scratch.values()])
-        direct.scratch.clear()
+        receiver.stuck_buffers.extend([*direct.buffers, *direct.kept])
         raise
     except TransportError as exc:
         if exc.reason != "transfer_failed":

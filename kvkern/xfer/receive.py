@@ -17,6 +17,7 @@ import functools
 import itertools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -320,12 +321,20 @@ class ReadReceiver:
         self._closed = closed
         self._spawn = spawn
         self.lanes: ReadLanes | None = None  # made by open_lanes or the first lane read
-        # directory buffers of direct reads (kvkern.xfer.direct) kept for the next one: the
-        # first read lane's thread's, and the event loop's (the loop lane)
-        self.direct_scratch: dict[tuple, np.ndarray] = {}
+        # directory buffers of direct reads (kvkern.xfer.direct) kept for the next one: each
+        # lane set's first thread's (thread_scratch; the sets run scripts at once), and the
+        # event loop's (the loop lane, one script at a time)
+        self._thread_scratch = threading.local()
         self.loop_scratch: dict[tuple, np.ndarray] = {}
         self.stuck_buffers: list[np.ndarray] = []  # written by reads that outlived their abort
         self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
+
+    def thread_scratch(self) -> dict[tuple, np.ndarray]:
+        """The direct reads' kept directory buffers of this thread (a lane set's first)."""
+        scratch = getattr(self._thread_scratch, "buffers", None)
+        if scratch is None:
+            scratch = self._thread_scratch.buffers = {}
+        return scratch
 
     def can_read(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
         """Ask for a one-sided read: :meth:`read_allowed`, and its reads are not too small

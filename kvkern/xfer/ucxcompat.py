@@ -221,8 +221,12 @@ def endpoint_to_address(worker: UCXWorker,
     """An endpoint of ``worker`` to the worker at ``address`` (with error handling): the
     endpoint, the address object it was made from (keep it as long as the endpoint) and its
     ``ucp_ep_h``. The caller checks ``address`` first (a foreign UCX address version makes
-    libucp abort)."""
-    ucx_address = _libucxx().UCXAddress.create_from_buffer(memoryview(bytearray(address)))
+    libucp abort). ``ucp_ep_create`` takes no length and parses entries whose lengths and
+    ends the address itself gives, so the copy UCX is handed ends in zeros, as a received
+    rkey does (:func:`unpack_rkey`): a truncated address from the wire is never parsed past
+    memory of its own."""
+    ucx_address = _libucxx().UCXAddress.create_from_buffer(
+        memoryview(bytearray(bytes(address) + bytes(RKEY_PAD))))
     ep = worker.create_endpoint_from_worker_address(ucx_address, True)
     return ep, ucx_address, int(ep.handle)
 
