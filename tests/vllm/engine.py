@@ -99,11 +99,13 @@ def stats(llm) -> dict:
     return res
 
 
-def local_reads(on: bool) -> dict:
-    from kvkern.xfer import local_reads as module
+def local_reads(llm, on: bool) -> dict:
+    """The puller's same-host reads on or off (``XferConfig.local_reads``): off, every
+    source is read through UCX, as across hosts."""
+    import dataclasses
 
-    real = vars(module).setdefault("_usable", module.usable)
-    module.usable = real if on else (lambda source: False)
+    reads = core(llm).scheduler.connector.runtime.puller._reads
+    reads.config = dataclasses.replace(reads.config, local_reads=on)
     return {"local_reads": on}
 
 
@@ -131,8 +133,8 @@ def main() -> None:
             elif cmd["op"] == "stats":
                 ans = stats(llm)
             elif cmd["op"] == "local_reads":  # off: every source read through UCX, as
-                # across hosts (a same-host source's own calls refused)
-                ans = local_reads(cmd["on"])
+                # across hosts
+                ans = local_reads(llm, cmd["on"])
             elif cmd["op"] == "quit":
                 break
             else:

@@ -121,8 +121,8 @@ def test_a_pulled_prefix_continues_bit_identically(engines):
 
 
 def test_a_prefix_read_through_ucx_into_vllms_blocks_continues_bit_identically(engines):
-    """``b`` reads ``a``'s blocks through UCX, as from another host (its own same-host calls
-    refused), one-sided and straight into the blocks vLLM allocated."""
+    """``b`` reads ``a``'s blocks through UCX, as from another host (its same-host reads
+    off), one-sided and straight into the blocks vLLM allocated."""
     a, b = engines["a"], engines["b"]
     toks = prompt(2)
     want = own_continuation(a, toks, "u1")
