@@ -828,9 +828,9 @@ async def test_a_connection_with_too_many_requests_open_is_closed(monkeypatch):
     """Each request a connection sends is a task that holds its decoded request until it
     ends: one past MAX_OPEN_REQUESTS_PER_CONNECTION open on one connection closes that
     connection, which ends its requests and releases their pins; other connections go on."""
-    from kvkern.xfer import source as source_mod
+    from kvkern.xfer import served
 
-    monkeypatch.setattr(source_mod, "MAX_OPEN_REQUESTS_PER_CONNECTION", 3)
+    monkeypatch.setattr(served, "MAX_OPEN_REQUESTS_PER_CONNECTION", 3)
     group, hs = _group()
     svc = _Frozen([group], worker_id="open-requests", quotas=OPEN)
     await svc.start()
@@ -937,9 +937,9 @@ async def test_acks_of_unknown_transfers_count_with_the_connections_open_request
     """Each ReadDone asking for an ack of a transfer nothing is pinned for is answered by a
     task; those still sending count with the connection's open requests, so a peer that
     asks for more than the cap at once (and reads none) loses the connection."""
-    from kvkern.xfer import source as source_mod
+    from kvkern.xfer import served
 
-    monkeypatch.setattr(source_mod, "MAX_OPEN_REQUESTS_PER_CONNECTION", 3)
+    monkeypatch.setattr(served, "MAX_OPEN_REQUESTS_PER_CONNECTION", 3)
     group, _ = _group()
     svc = SourceService([group], worker_id="acks", credential=None)
     gate = asyncio.Event()
@@ -957,14 +957,14 @@ async def test_acks_of_unknown_transfers_count_with_the_connections_open_request
     conn = Conn()
     for tid in range(1, 4):
         svc._ack_unknown(conn, tid)
-    assert svc._open_requests[conn] == 3 and not conn.aborted
+    assert svc.connections.open[conn] == 3 and not conn.aborted
     svc._ack_unknown(conn, 4)
-    assert conn.aborted == ["too_many_requests"] and svc._open_requests[conn] == 3
+    assert conn.aborted == ["too_many_requests"] and svc.connections.open[conn] == 3
     assert svc.metrics.value("kvkern_source_connections_closed_total",
                              reason="too_many_requests") == 1
     gate.set()
     await asyncio.gather(*list(svc._bg))
-    assert conn not in svc._open_requests
+    assert conn not in svc.connections.open
 
 
 @aio

@@ -208,7 +208,8 @@ from kvkern.xfer.messages import (
 from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
 from kvkern.xfer.regions import RegionRegistry
 from kvkern.xfer.runtime import spawn
-from kvkern.xfer.send import PeerLedger, RankCtx, Sender, SendSession, count_down
+from kvkern.xfer.send import PeerLedger, RankCtx, Sender, SendSession
+from kvkern.xfer.served import ServedConnections
 from kvkern.xfer.source_config import (
     DEFAULT_MAX_SEND_S,
     DEFAULT_PROGRESS_TIMEOUT_S,
@@ -229,7 +230,6 @@ from kvkern.xfer.state import (
     StateDoc,
 )
 from kvkern.xfer.transport import CONTROL_TAG, Connection, Lane, Listener, TransportError, tag_for
-from kvkern.xfer.tuning import IDLE_SWEEP_MAX_S, MAX_OPEN_REQUESTS_PER_CONNECTION
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler
@@ -295,11 +295,10 @@ class SourceService:
         self._site: GuardedSite | None = None
         self._http_port: int | None = None
         self._sends: set[SendSession] = set()  # every request task not finished yet
-        self._open_requests: dict[Connection, int] = {}  # of those, per connection
         self._bg: set[asyncio.Task] = set()  # fire-and-forget replies, the idle sweep
-        # served connections -> when each last had a message or a request end (monotonic)
-        self._seen: dict[Connection, float] = {}
-        self._idle_sweep: asyncio.Task | None = None
+        self.connections = ServedConnections(
+            self.ledger, self.metrics, config.idle_connection_s,
+            spawn=lambda coro: spawn(self._bg, coro), closing=lambda: self.closing)
         self._started = False
 
     # ----------------------------------------------------------------------- properties
@@ -529,34 +528,16 @@ class SourceService:
         return handler
 
     async def _serve_connection(self, conn: Connection, ctx: RankCtx) -> None:
-        peer = conn.peer_id or ""
-        ledger = self.ledger
-        if not ledger.may_connect(peer):
-            log.warning("rank %d: closed a connection of peer %r: it holds %d, all peers %d "
-                        "(max_connections_per_peer %d, max_connections %d)", ctx.rank, peer,
-                        ledger.peer_connections.get(peer, 0), ledger.connections,
-                        ledger.quotas.max_connections_per_peer, ledger.quotas.max_connections)
-            self.metrics.source_connection_refused("connection_limit")
-            conn.abort("connection_limit")
+        served = self.connections
+        if not served.enter(conn, ctx.rank):
             return
-        ledger.connected(peer)
-        self.metrics.source_connections.inc()
-        self._seen[conn] = time.monotonic()
-        if self._idle_sweep is None or self._idle_sweep.done():
-            self._idle_sweep = spawn(self._bg, self._close_idle())
         conn_sends: dict[int, SendSession] = {}
         try:
             while True:
                 msg = await conn.recv_msg(CONTROL_TAG, timeout=None)
-                self._seen[conn] = time.monotonic()
-                if isinstance(msg, PullRequest) and self._open_requests.get(
-                        conn, 0) >= MAX_OPEN_REQUESTS_PER_CONNECTION:
-                    log.warning("rank %d: peer %r has %d requests open on one connection: "
-                                "closing it", ctx.rank, conn.peer_id,
-                                MAX_OPEN_REQUESTS_PER_CONNECTION)
+                served.heard(conn)
+                if isinstance(msg, PullRequest) and not served.may_open(conn, "requests"):
                     self.metrics.source_request("rejected")
-                    self.metrics.source_connection_closed("too_many_requests")
-                    conn.abort("too_many_requests")  # (the loop ends with the connection)
                     continue
                 if isinstance(msg, Cancel):
                     s = conn_sends.get(msg.transfer_id)
@@ -576,28 +557,10 @@ class SourceService:
         except TransportError as exc:
             log.debug("rank %d connection ended: %s", ctx.rank, exc)
         finally:
-            self._seen.pop(conn, None)
-            ledger.disconnected(peer)
-            self.metrics.source_connections.dec()
+            served.leave(conn)
             for s in list(conn_sends.values()):
                 if s.task is not None:
                     s.task.cancel()
-
-    async def _close_idle(self) -> None:
-        """While connections are served: close each one that has had no request open and no
-        message for ``idle_connection_s`` (the destination connects again when it next
-        asks: a request on a connection closed under it is asked once more on a new one)."""
-        idle = self.config.idle_connection_s
-        while self._seen and not self.closing:
-            await asyncio.sleep(min(idle / 4, IDLE_SWEEP_MAX_S))
-            now = time.monotonic()
-            for conn, seen in list(self._seen.items()):
-                if now - seen >= idle and not self._open_requests.get(conn):
-                    log.info("closing a connection of peer %r idle for %.0f s",
-                             conn.peer_id, now - seen)
-                    self._seen.pop(conn, None)
-                    self.metrics.source_connection_closed("idle")
-                    conn.abort("idle")
 
     def _read_done(self, conn: Connection, conn_sends: dict[int, SendSession],
                    msg: ReadDone) -> None:
@@ -615,13 +578,9 @@ class SourceService:
         """Answer a ReadDone that asks for an ack of a transfer nothing is pinned for. These
         answers count with the connection's open requests: a peer that asks for more than
         MAX_OPEN_REQUESTS_PER_CONNECTION at once (and reads none) loses the connection."""
-        if self._open_requests.get(conn, 0) >= MAX_OPEN_REQUESTS_PER_CONNECTION:
-            log.warning("peer %r has %d requests and acks open on one connection: closing it",
-                        conn.peer_id, MAX_OPEN_REQUESTS_PER_CONNECTION)
-            self.metrics.source_connection_closed("too_many_requests")
-            conn.abort("too_many_requests")
+        if not self.connections.may_open(conn, "requests and acks"):
             return
-        self._open_requests[conn] = self._open_requests.get(conn, 0) + 1
+        self.connections.opened(conn)
 
         async def send() -> None:
             try:
@@ -630,15 +589,9 @@ class SourceService:
                                                 reason="no read of this transfer is pinned"),
                                         tag_for(tid, Lane.REPLY, 1), timeout=5.0)
             finally:
-                self._request_ended(conn)
+                self.connections.ended(conn)
 
         spawn(self._bg, send())
-
-    def _request_ended(self, conn: Connection) -> None:
-        """One of the connection's open requests (or acks) has ended."""
-        count_down(self._open_requests, conn)
-        if conn in self._seen:  # (an idle connection's time runs from its last request)
-            self._seen[conn] = time.monotonic()
 
     def _accept(self, conn: Connection, ctx: RankCtx, conn_sends: dict[int, SendSession],
                 req: PullRequest) -> None:
@@ -657,14 +610,14 @@ class SourceService:
         if not duplicate:
             conn_sends[req.transfer_id] = s
         self._sends.add(s)
-        self._open_requests[conn] = self._open_requests.get(conn, 0) + 1
+        self.connections.opened(conn)
         s.task = asyncio.ensure_future(self._sender.serve(s, duplicate=duplicate))
         s.task.add_done_callback(lambda t, s=s: self._finished(s, t))
 
     def _finished(self, s: SendSession, task: asyncio.Task) -> None:
         self._release(s)  # backstop; normally done when the send ends
         self._sends.discard(s)
-        self._request_ended(s.conn)
+        self.connections.ended(s.conn)
         if s.conn_sends.get(s.req.transfer_id) is s:
             del s.conn_sends[s.req.transfer_id]
         if s.admitted:
