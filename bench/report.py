@@ -9,7 +9,7 @@ Records, one JSON object per file:
 ``bench/results/xfer/*.json``
     ``kvkern bench xfer --json | tail -1 > bench/results/xfer/NAME.json`` as it is: its
     ``by_size`` maps a byte count to the run's figures (``ratio``, ``scattered_ratio``,
-    ``lanes1_ratio``, ``lanes0_ratio``, ``ucx_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
+    ``lanes1_ratio``, ``ucx_ratio``, ``stream_ratio``, ``stream_scattered_ratio``,
     ``into_ratio``, ``into_ucx_ratio``, ``into_stream_ratio``, ``raw_gbps``, ...) and ``env``
     holds its environment (``commit``, ``cpus``, versions).
     Add ``"pull_layout"`` when the run used ``--pull-layout`` (default ``trtllm``); a TP or
@@ -50,7 +50,7 @@ PLOT = "results/xfer_ratio.png"  # relative to bench/
 
 XFER_METRICS = (("ratio", "`ratio` (2 lanes)"), ("copy_ratio", "copy alone"),
                 ("scattered_ratio", "scattered"),
-                ("granted_ratio", "granted"), ("lanes1_ratio", "one lane"), ("lanes0_ratio", "connection"),
+                ("granted_ratio", "granted"), ("lanes1_ratio", "one lane"),
                 ("ucx_ratio", "through UCX"),
                 ("stream_ratio", "stream"), ("stream_scattered_ratio", "stream scattered"),
                 ("into_ratio", "into engine blocks"),

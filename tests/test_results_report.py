@@ -43,7 +43,7 @@ def test_a_bench_xfer_json_record_is_read_as_printed(tmp_path):
     (tmp_path / "xfer" / "run.json").write_text(json.dumps(native))
     text = report.render(report.load(tmp_path))
     assert "### Pool layout `trtllm` (1 run, 1 record)" in text
-    assert "| 64 MiB | 1.30 | - | - | - | 0.90 | - | - | 0.80 | - | 1.10 | 1.05 | - | 5.00-5.00 |" \
+    assert "| 64 MiB | 1.30 | - | - | - | 0.90 | - | 0.80 | - | 1.10 | 1.05 | - | 5.00-5.00 |" \
         in text
     assert "`run.json` (commit abc1234, 1 run)" in text
     assert "No GPU run is recorded." in text and "cpus 8" in text

@@ -17,8 +17,7 @@ process (the *destination*) and measures, per size:
                source whose blocks are consecutive and from one whose blocks are shuffled
                (``scattered_*``); the same pull asking for a grant first
                (``granted_*``: PullRequest, pinned blocks, reads, ReadDone), on one lane
-               (``lanes1_*``) and on the control connection's worker (``lanes0_*``), into
-               engine blocks (``into_*``) and more; with ``--data-path both``
+               (``lanes1_*``), into engine blocks (``into_*``) and more; with ``--data-path both``
                (default) also through the chunk stream (``stream_*``: packed, sent,
                unpacked). Every repeat runs each variant and a raw one-buffer fetch of the
                same bytes once, in a shuffled order. Reports ``pull_gbps`` (bytes /
@@ -63,7 +62,7 @@ MiB = 1 << 20
 # a pull size's ratios to the raw send, one per path measured beside the headline pull
 PATH_RATIOS = ("copy_ratio", "scattered_ratio", "granted_ratio", "stream_ratio",
                "stream_scattered_ratio", "into_ratio", "into_ucx_ratio", "into_stream_ratio",
-               "lanes1_ratio", "lanes0_ratio", "ucx_ratio")
+               "lanes1_ratio", "ucx_ratio")
 _PATTERN_PERIOD = 251  # prime, so chunk boundaries never line up with the pattern
 
 
@@ -478,12 +477,12 @@ class _PullBench:
         # same run
         self.streamer = (Puller(self.group, config=cfg.replace(remote_read=False),
                                 loop=bench.loop) if s.data_path == "both" else None)
-        # and the read with fewer lanes: one read lane, and none (the control connection's
-        # worker), so the headline's gain from parallel copies is visible in the same run
-        self.fewer = {f"lanes{n}": Puller(self.group, config=cfg.replace(read_lanes=n),
+        # and the read on one lane, so the headline's gain from parallel copies is visible
+        # in the same run
+        self.fewer: dict[str, Puller] = {}
+        if s.all_variants and s.data_path != "stream" and s.read_lanes > 1:
+            self.fewer["lanes1"] = Puller(self.group, config=cfg.replace(read_lanes=1),
                                           loop=bench.loop)
-                      for n in (1, 0)
-                      if s.all_variants and s.data_path != "stream" and n < s.read_lanes}
         # and every read asking the source first (a grant and its round trip), so the gain
         # of direct reads (kvkern.xfer.direct) is measured in the same run
         if s.all_variants and s.data_path != "stream":
@@ -1107,7 +1106,7 @@ def _parser() -> argparse.ArgumentParser:
                         "rank's bytes")
     x.add_argument("--read-lanes", type=int, default=Settings.read_lanes,
                    help="pull case: read lanes of the headline pull (XferConfig.read_lanes); "
-                        "fewer lanes are measured in the same run (lanes1_*, lanes0_*)")
+                        "one lane is measured in the same run (lanes1_*)")
     x.add_argument("--source-blocks", type=int, default=SOURCE_POOL_BLOCKS, metavar="N",
                    help="pull case: blocks in each host source pool, the pulled ones "
                         "committed and the rest free and untouched: a serving engine's pool "
