@@ -518,3 +518,25 @@ def test_ucx_env_never_overrides_user():
     assert ucx_tls_problem({"UCX_TLS": "^ib"}) is None
     assert "lacks tcp" in ucx_tls_problem({"UCX_TLS": "sm,cma"})
     assert "excludes tcp" in ucx_tls_problem({"UCX_TLS": "^tcp,ib"})
+
+
+def test_read_contexts_keep_the_users_transports_but_tcp():
+    """Contexts that hold or read memory for one-sided reads never use TCP, where UCX
+    answers reads and writes in software at any address (kvkern.xfer.ucx_env.rma_tls)."""
+    from kvkern.xfer.ucx_env import rma_tls
+
+    for tls, want in [(None, "^tcp"), ("", "^tcp"), ("all", "^tcp"), ("sm,tcp,all", "^tcp"),
+                      ("^ib", "^ib,tcp"), ("^tcp,ib", "^tcp,ib"), ("sm,cma,tcp,rc", "sm,cma,rc"),
+                      ("tcp", None), ("TCP,sm", "sm")]:
+        env = {} if tls is None else {"UCX_TLS": tls}
+        assert rma_tls(env) == want, (tls, rma_tls(env))
+
+
+def test_the_read_target_and_the_lanes_use_no_tcp():
+    from kvkern.xfer import read_lanes, ucp_rma, ucxcompat
+
+    if (why := ucp_rma.rma_unavailable()) is not None:
+        pytest.skip(why)
+    assert ucxcompat.read_target().context.config["TLS"] == "^tcp"
+    assert read_lanes._lane_context().config["TLS"] == "^tcp"
+    assert ucxcompat.read_target() is ucxcompat.read_target()

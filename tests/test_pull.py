@@ -44,7 +44,7 @@ from kvkern.cache.hashing import DEFAULT_SCHEME, local_block_hashes, sequence_ha
 from kvkern.cache.pool import BlockPool
 from kvkern.kernels.pack import pack
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
-from kvkern.xfer import ucp_rma
+from kvkern.xfer import tuning, ucp_rma
 from kvkern.xfer.config import XferConfig
 from kvkern.xfer.kvgroup import KVGroup, RankKV
 from kvkern.xfer.metrics import XferMetrics
@@ -504,7 +504,6 @@ def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_
     tells the engine its blocks are free) only once they have completed, with no block
     counted and nothing quarantined; a later pull reads again. Asking for a grant, or
     directly (the directory look-up's reads are the ones held then)."""
-    from kvkern.xfer import transport
 
     done, done_at, made = threading.Event(), [], []
 
@@ -528,7 +527,7 @@ def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_
     p.release("warm")
     before = snapshot(group)
     monkeypatch.setattr(ucp_rma, "ReadBatch", Late)
-    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+    monkeypatch.setattr(tuning, "READ_DRAIN_S", 0.05)
 
     def complete_later():
         while not made:
@@ -1542,17 +1541,15 @@ def test_receive_rings_are_prewarmed_only_for_ranks_that_stream(make_puller, lay
     assert p._staging.idle_bytes == rings * 3 * (1 << 20)
 
 
-LANES = {"connection": dict(read_lanes=0), "loop-lane": {},
-         "one-lane": dict(loop_read_bytes=0),
+LANES = {"loop-lane": {}, "one-lane": dict(loop_read_bytes=0),
          "two-lanes": dict(read_lane_min_bytes=1, loop_read_bytes=0)}
 
 
-@pytest.mark.parametrize(("lanes", "reads"), [  # (no lanes: reads on the connection, UCX's)
-    (lanes, reads) for lanes in sorted(LANES) for reads in ("ucx", "local")
-    if (lanes, reads) != ("connection", "local")])
+@pytest.mark.parametrize(("lanes", "reads"), [
+    (lanes, reads) for lanes in sorted(LANES) for reads in ("ucx", "local")])
 def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_puller, lanes,
                                                                     reads, monkeypatch):
-    """Read on the control connection's worker, on the loop lane (the default for a pull of
+    """Read on the loop lane (the default for a pull of
     at most 4 MiB), on one read lane (the default below 8 MiB) and split over two
     (kvkern.xfer.read_lanes); through UCX, or with kvkern's own system calls from this
     host's source (kvkern.xfer.local_reads), on the same lanes' threads."""
@@ -1627,27 +1624,31 @@ def fail_read_lanes(monkeypatch) -> list[bool]:
     return calls
 
 
-def test_failed_read_lanes_fall_back_to_the_connection(src, make_puller, monkeypatch):
-    """Read lanes that fail (not by time) cost no pull: the same pull reads again on the
-    control connection, and later pulls from that source worker skip the lanes until
-    LANE_RETRY_S has passed."""
+def test_failed_read_lanes_stream_the_pair_and_rest(src, make_puller, monkeypatch):
+    """Read lanes that fail (not by time) cost no pull: the grant is given up and the same
+    pull streams the pair (a UCX connection does not read: its worker has no RMA), and
+    later pulls from that source worker stream without trying the lanes until LANE_RETRY_S
+    has passed."""
     from kvkern.xfer import receive as receive_mod
 
     calls = fail_read_lanes(monkeypatch)
     group = make_group()
-    p = make_puller(group)
+    p = make_puller(group, direct_reads=False)
     for i in range(2):
         tokens = fresh_tokens(6 * BS)
         hashes = src.commit(tokens)
+        sent = src.http("GET", "/test/stats")["replies"]
         o = pull(p, f"lanes-down-{i}", tokens, hint_for(src, tokens))
         assert o.used and o.reason is Reason.OK and o.blocks_transferred == 6, o
         claim_check_release(p, group, src, f"lanes-down-{i}", hashes)
         assert len(calls) == 1  # the second pull did not try the lanes
+        assert served_kinds(src, sent) == {"read": int(i == 0), "stream": 1}
+        src.wait_no_pins()  # the first pull's grant was given up
     monkeypatch.setattr(receive_mod, "LANE_RETRY_S", 0.0)
     tokens = fresh_tokens(6 * BS)
     hashes = src.commit(tokens)
     o = pull(p, "lanes-retried", tokens, hint_for(src, tokens))
-    assert o.used and len(calls) == 2, o  # tried again, failed again, read on the connection
+    assert o.used and len(calls) == 2, o  # tried again, failed again, streamed
     claim_check_release(p, group, src, "lanes-retried", hashes)
     assert_clean(group)
     src.wait_no_pins()

@@ -366,7 +366,6 @@ def test_reads_after_the_hold_expired_are_not_committed(reading):
     ("drop", True, Reason.TRANSFER_TIMEOUT),
     ("stall_after", 0, Reason.TRANSFER_TIMEOUT),
     ("corrupt", "hashes", Reason.HASH_MISMATCH),
-    ("corrupt", "rkey", Reason.TRANSFER_FAILED),
     ("disconnect", "read", Reason.TRANSFER_FAILED),
 ])
 def test_read_faults_fall_back_with_their_reason_and_release_everything(reading, fault,
@@ -383,6 +382,23 @@ def test_read_faults_fall_back_with_their_reason_and_release_everything(reading,
     p.group.manager.check_invariants()
     assert p.group.manager.num_free == p.group.manager.num_blocks
     wait_unpinned(src)  # by Cancel, or by the aborted connection
+
+
+def test_a_read_that_fails_gives_up_its_grant_and_streams_the_pair(reading):
+    """A read that fails (here: the grant's key is not the pool's) costs no pull: the grant
+    is cancelled and the same pull asks for the pair again as a stream."""
+    src, make = reading
+    toks = tokens(4, 16)
+    commit(src.group, toks)
+    src.faults.corrupt = "rkey"
+    p = make()
+    p.submit("r", toks, HINT)
+    o = p.result("r", 5)
+    assert o.used and o.reason is Reason.OK and o.blocks_transferred == 4, o
+    assert [r.read for r in src.requests] == [True, False]
+    wait_unpinned(src)
+    p.release("r")
+    p.group.manager.check_invariants()
 
 
 def test_a_cancel_during_the_read_releases_the_pins(reading):

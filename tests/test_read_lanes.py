@@ -18,15 +18,14 @@ import threading
 import time
 
 import pytest
-import pytest_asyncio
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkern.layout.hostmem import host_buffer
-from kvkern.xfer import read_lanes, transport, ucp_rma, ucxcompat
+from kvkern.xfer import read_lanes, tuning, ucp_rma, ucxcompat
 from kvkern.xfer.read_lanes import ReadLanes, address_usable, split_parts
-from kvkern.xfer.transport import Listener, ReadsStuck, TransportError
+from kvkern.xfer.transport import ReadsStuck, TransportError
 
 from .rma_helpers import NeverDone, held_batch_class, random_host_buffer, until
 
@@ -112,7 +111,7 @@ async def test_loop_driver_spins_then_sleeps_and_outlives_a_cancel(monkeypatch):
     """The loop lane's driver: pauses within LOOP_SPIN_S only yield to the loop, later ones
     sleep; a cancellation lets the steps run on through READ_CANCEL_GRACE_S, then sets
     ``stop``, and the steps' own end is reported with the cancellation."""
-    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.02)
+    monkeypatch.setattr(tuning, "READ_CANCEL_GRACE_S", 0.02)
     stop = threading.Event()
     pauses = []
 
@@ -137,26 +136,20 @@ async def test_loop_driver_spins_then_sleeps_and_outlives_a_cancel(monkeypatch):
 # ------------------------------------------------------------------- loopback fixtures
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def source():
-    """SRC_BYTES random bytes registered for remote read, this worker's address, and a
-    Listener that keeps the worker progressing: (buffer, Region, address)."""
+@pytest.fixture(scope="module")
+def source():
+    """SRC_BYTES random bytes registered for remote read in this process's read target,
+    and its worker's address: (buffer, Region, address)."""
     why = ucp_rma.rma_unavailable()
     if why is not None:
         pytest.skip(f"one-sided reads unavailable: {why}")
-
-    async def hold(conn):
-        with contextlib.suppress(TransportError):
-            await conn.recv_msg(timeout=None)
-
-    async with Listener(hold):
-        address = ucxcompat.worker_address()
-        buf = random_host_buffer(SRC_BYTES)
-        region = ucp_rma.Region(buf.data_ptr(), SRC_BYTES)
-        try:
-            yield buf, region, address
-        finally:
-            region.close()
+    address = ucxcompat.read_target().address
+    buf = random_host_buffer(SRC_BYTES)
+    region = ucp_rma.Region(buf.data_ptr(), SRC_BYTES)
+    try:
+        yield buf, region, address
+    finally:
+        region.close()
 
 
 @pytest.fixture
@@ -752,7 +745,7 @@ async def test_cancel(source, lanes, monkeypatch, grace):
     endpoints closed, every request retired, nothing written afterwards. With a grace the
     reads finish, every byte lands and the endpoints stay open."""
     src, region, address = source
-    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", grace)
+    monkeypatch.setattr(tuning, "READ_CANCEL_GRACE_S", grace)
     made = []
     if not grace:  # (else the copies are real and finish in the grace)
         monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
@@ -786,7 +779,7 @@ async def test_cancel_on_the_loop_lane(source, lanes, monkeypatch, grace):
     closed, every request retired, nothing written afterwards); CancelledError either way.
     Meanwhile the loop stays free: another task keeps running."""
     src, region, address = source
-    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", grace)
+    monkeypatch.setattr(tuning, "READ_CANCEL_GRACE_S", grace)
     made = []
     monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
     rl = lanes(2, min_bytes=1, loop_bytes=1 << 40)
@@ -827,7 +820,7 @@ async def test_reads_outliving_the_close_raise_reads_stuck(source, lanes, monkey
     _, region, address = source
 
     monkeypatch.setattr(ucp_rma, "ReadBatch", NeverDone)
-    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+    monkeypatch.setattr(tuning, "READ_DRAIN_S", 0.05)
     rl = lanes(1, **on)
     with pytest.raises(ReadsStuck) as info:
         await rl.read(address, [(region.rkey, [(1, 2, 3)])], timeout=0.01, same_host=True)
@@ -879,7 +872,7 @@ async def test_a_ucx_read_into_engine_memory_ends_only_after_its_reads(source, l
     _, region, address = source
     late = type("Late", (LateBatch,), {"done": threading.Event()})
     monkeypatch.setattr(ucp_rma, "ReadBatch", late)
-    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+    monkeypatch.setattr(tuning, "READ_DRAIN_S", 0.05)
     rl = lanes(1, **on)
     done_at = []
     past = read_lanes.reads_past_drain()
@@ -918,8 +911,8 @@ async def test_a_cancelled_read_into_engine_memory_ends_after_its_call(lanes, mo
     from kvkern.xfer import local_reads
     from kvkern.xfer.local_reads import LocalSource
 
-    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.0)
-    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
+    monkeypatch.setattr(tuning, "READ_CANCEL_GRACE_S", 0.0)
+    monkeypatch.setattr(tuning, "READ_DRAIN_S", 0.05)
     monkeypatch.setattr(local_reads, "usable", lambda src: True)
     in_call, landed = threading.Event(), []
 
@@ -1089,14 +1082,14 @@ import numpy as np
 def serve(q, stop):
     from kvkern.xfer import ucp_rma
     from kvkern.xfer.transport import Listener
-    from kvkern.xfer.ucxcompat import worker_address
+    from kvkern.xfer.ucxcompat import read_target
     async def main():
         async def hold(conn):
             await asyncio.sleep(60)
         async with Listener(hold):
             buf = np.arange(8 << 20, dtype=np.uint8)
             reg = ucp_rma.Region(buf.ctypes.data, buf.nbytes)
-            q.put((worker_address(), reg.rkey,
+            q.put((read_target().address, reg.rkey,
                    buf.ctypes.data))
             while not stop.is_set():
                 await asyncio.sleep(0.02)

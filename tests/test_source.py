@@ -562,20 +562,34 @@ async def metrics_text(http, ready: dict) -> str:
         return await r.text()
 
 
-async def read_blocks(conn, reply: ReadGrant) -> np.ndarray:
+async def lane_read(http, ready: dict, rkey: bytes, runs: list) -> None:
+    """Read ``runs`` one-sided as a destination does: on a read lane to the worker rank 0's
+    state names (the source's read target)."""
+    from kvkern.xfer.read_lanes import ReadLanes
+
+    st = await get_json(http, ready, STATE_PATH)
+    worker = bytes.fromhex(st["dp_groups"]["0"]["ranks"]["0"]["read_worker"])
+    lanes = ReadLanes(1, min_bytes=1)
+    try:
+        await lanes.read(worker, [(rkey, runs)], timeout=10, same_host=True)
+    finally:
+        lanes.close()
+
+
+async def read_blocks(http, ready: dict, reply: ReadGrant) -> np.ndarray:
     """Read a read reply's blocks one-sided, as a destination would, into one buffer."""
     u = reply.total_bytes // reply.served_blocks
     buf = np.full(reply.total_bytes, 0xA5, np.uint8)
     runs = coalesce([buf.ctypes.data + i * u for i in range(reply.served_blocks)],
                     [reply.read_base + b * reply.read_stride for b in reply.read_blocks], u)
-    await conn.read(reply.read_rkey, runs, timeout=10)
+    await lane_read(http, ready, reply.read_rkey, runs)
     return buf
 
 
 @aio
 async def test_state_names_the_worker_read_lanes_connect_to(tp1, http):
     """A readable rank lists its process's UCX worker address (hex); the puller takes it
-    only when it is well formed, else that rank is read on the connection, not refused."""
+    only when it is well formed, else that rank streams, and is not refused."""
     import copy
 
     from kvkern.xfer.puller import parse_state
@@ -609,7 +623,7 @@ async def test_read_reply_read_done_ack_then_unpin(tp1, pool, http):
     assert reply.total_bytes == n * u
     st = await wait_pinned(http, tp1)
     assert st["pool"]["pinned"] == n and st["active_sends"] == 1
-    data = await read_blocks(conn, reply)
+    data = await read_blocks(http, tp1, reply)
     assert [sha(data[i * u:(i + 1) * u].tobytes()) for i in range(n)] == \
         await digests(http, tp1, hs)
     st = await get_json(http, tp1, "/test/stats")
@@ -640,7 +654,7 @@ async def test_read_done_without_ack_unpins_and_answers_nothing(tp1, pool, http)
     req = request(hs, read=True)
     reply = await ask(conn, req)
     assert reply.status == Status.OK and isinstance(reply, ReadGrant)
-    data = await read_blocks(conn, reply)
+    data = await read_blocks(http, tp1, reply)
     u = reply.total_bytes // n
     assert [sha(data[i * u:(i + 1) * u].tobytes()) for i in range(n)] == \
         await digests(http, tp1, hs)
@@ -690,7 +704,7 @@ async def test_sub_block_pieces_are_read_and_unreadable_pools_stream(tp1, tp2, p
             off = ((1 * 2 + kv) * HEADS + 1) * row
             runs.append((out.ctypes.data + i * unit(1, 2) + kv * 2 * row,
                          reply.read_base + b * reply.read_stride + off, 2 * row))
-    await conn.read(reply.read_rkey, runs, timeout=10)
+    await lane_read(http, tp1, reply.read_rkey, runs)
     await conn.send_msg(ReadDone(transfer_id=req.transfer_id, ack=False), timeout=5)
     got = [sha(out[i * unit(1, 2):(i + 1) * unit(1, 2)].tobytes()) for i in range(3)]
     assert got == await digests(http, tp1, hs, layers=(1, 2), heads=(1, 3))
@@ -730,7 +744,7 @@ async def test_cancel_during_a_read_releases_pins(tp1, http):
         assert reply.status == Status.OK and isinstance(reply, ReadGrant)
         st = await wait_pinned(http, tp1)
         assert st["pool"]["pinned"] == len(hs)
-        await read_blocks(conn, reply)  # the destination read, then changed its mind
+        await read_blocks(http, tp1, reply)  # the destination read, then changed its mind
         await conn.send_msg(Cancel(transfer_id=req.transfer_id, reason="test"), timeout=5)
         await wait_released(http, tp1)
     assert metric(await metrics_text(http, tp1), cancelled) == before + 1

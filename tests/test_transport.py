@@ -25,13 +25,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvkern.xfer import transport, ucxcompat
-from kvkern.xfer.messages import DEFAULT_CODEC, Cancel, PlanPiece, PullReply, PullRequest, Status
+from kvkern.xfer.messages import Cancel, PlanPiece, PullReply, PullRequest, Status
 from kvkern.xfer.transport import (
     CONTROL_TAG,
     MAX_TRANSFER_ID,
     TRAILER_BYTES,
     ChunkLengths,
-    Connection,
     ConnectionPool,
     Lane,
     Listener,
@@ -623,71 +622,54 @@ def test_the_notifier_hands_each_batch_to_the_loop_and_ends_on_shutdown():
     assert worker.calls == ["populate", "clear"]
 
 
-class _FakeEndpoint:
-    closed = False
+_RMA_PEER = r"""
+import ctypes, sys, time
+from kvkern.xfer import ucxcompat
+from ucxx._lib import libucxx as lib
 
-    def __init__(self) -> None:
-        self.aborted_at: float | None = None
-
-    def set_close_callback(self, cb) -> None:
-        pass
-
-    def abort(self) -> None:
-        self.aborted_at = time.monotonic()
-
-
-def test_abort_waits_for_a_concurrent_poster():
-    """A helper thread posting reads holds ``_posting``: abort returns only after it let
-    go, and the endpoint stays in place (not aborted) for as long as it posts."""
-    ep = _FakeEndpoint()
-    conn = Connection(ep, peer=None, codec=DEFAULT_CODEC)
-    holding, seen = threading.Event(), {}
-
-    def poster():
-        with conn._posting:
-            holding.set()
-            time.sleep(0.05)
-            seen["ep_while_posting"] = conn._ep
-            seen["aborted_while_posting"] = ep.aborted_at
-            seen["released"] = time.monotonic()
-
-    t = threading.Thread(target=poster)
-    t.start()
-    assert holding.wait(5)
-    t0 = time.monotonic()
-    conn.abort("cancelled")
-    returned = time.monotonic()
-    t.join(5)
-    assert seen["ep_while_posting"] is ep and seen["aborted_while_posting"] is None
-    assert ep.aborted_at is not None and ep.aborted_at >= seen["released"]
-    assert returned >= seen["released"] and returned - t0 >= 0.03
-    assert not conn.alive and conn.failure == "cancelled"
-    conn.abort("later")  # idempotent: first reason kept, no second endpoint abort
-    assert conn.failure == "cancelled" and not conn._posting.locked()
+host, port, address, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+# a peer of its own making: every feature, software RMA included (UCX_TLS=tcp)
+ctx = lib.UCXContext({}, tuple(lib.Feature))
+worker = lib.UCXWorker(ctx)
+ep = lib.UCXEndpoint.create(worker, host, port, True)
+own = ctypes.create_string_buffer(n)
+status, memh = ucxcompat.map_for_remote_read(int(ctx.handle), ctypes.addressof(own), n, 0)
+status, packed = ucxcompat.pack_rkey(int(ctx.handle), memh)
+status, rkey = ucxcompat.unpack_rkey(int(ep.handle), packed)
+assert status == 0, status
+out = ctypes.create_string_buffer(n)
+req = ucxcompat.read_poster(0)(int(ep.handle), ctypes.addressof(out), n, address, rkey)
+check, _, progress = ucxcompat.request_calls()
+state = ucxcompat.ptr_status(req)
+deadline = time.monotonic() + 3
+while state is None and time.monotonic() < deadline:
+    progress(int(worker.handle))
+    state = None if check(req) == 1 else check(req)  # 1: UCS_INPROGRESS
+    time.sleep(0.001)
+print("read" if state == 0 else f"no read ({state})", out.raw.hex(), flush=True)
+"""
 
 
 @aio
-async def test_abort_of_a_real_connection_waits_for_a_poster():
+async def test_the_listening_worker_serves_no_one_sided_read_or_write():
+    """The worker kvkern listens on has no RMA and no AM (ucxcompat.APP_FEATURES): a peer
+    that connects to the UCX port and asks UCX itself (no kvkern exchange) for a software
+    read of this process's memory at an address of its choosing gets nothing."""
+    secret = np.frombuffer(os.urandom(4096), np.uint8).copy()
+
     async def hold(conn):
-        await conn.recv_msg(timeout=None)
+        await asyncio.sleep(30)
 
-    async with Listener(hold) as listener, ConnectionPool() as pool:
-        conn = await pool.get(HOST, listener.port)
-        holding, released = threading.Event(), []
-
-        def poster():
-            with conn._posting:
-                holding.set()
-                time.sleep(0.05)
-                released.append(time.monotonic())
-
-        t = threading.Thread(target=poster)
-        t.start()
-        assert holding.wait(5)
-        conn.abort("cancelled")
-        done = time.monotonic()
-        t.join(5)
-        assert released and done >= released[0]
-        assert not conn.alive and len(pool) == 0
-        again = await pool.get(HOST, listener.port)
-        assert again.alive
+    async with Listener(hold) as listener:
+        features = ucxcompat.app_features()
+        assert features & ucxcompat.UCP_FEATURE_RMA == 0
+        assert features & (1 << 6) == 0  # UCP_FEATURE_AM
+        env = {**os.environ, "UCX_TLS": "tcp", "UCX_LOG_LEVEL": "error"}
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _RMA_PEER, HOST, str(listener.port),
+            str(secret.ctypes.data), str(secret.nbytes), env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    line = out.decode().strip()
+    assert proc.returncode == 0 and line.startswith("no read"), (line, err.decode()[-2000:])
+    assert secret.tobytes().hex() not in line

@@ -1,9 +1,10 @@
-"""One-sided reads (kvkern.xfer.ucp_rma and Connection.read): the ctypes binding against the
-UCX headers, the pure helpers by property, and real ``ucp_get_nbx`` reads on loopback.
+"""One-sided reads (kvkern.xfer.ucp_rma): the ctypes binding against the UCX headers, the
+pure helpers by property, and real ``ucp_get_nbx`` reads on loopback.
 
-The loopback tests run a Listener and a ConnectionPool in this process, on one event loop
-for the whole module (ucxx binds its progress to a loop, see tests/test_transport.py), and
-read from a registered, randomly filled source buffer into poisoned destination buffers.
+The loopback tests read through a read lane (kvkern.xfer.read_lanes) of this process from a
+randomly filled source buffer registered in its read target into poisoned destination
+buffers. The lanes' own rules (cancellation, drains, stuck reads) are in
+tests/test_read_lanes.py.
 
 Observed on this machine (ucxx 0.52, libucx 1.21, reads over ``cma/memory``, i.e.
 ``process_vm_readv`` on the peer's pid, which is our own pid here):
@@ -23,30 +24,27 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import ctypes
-import gc
 import random
 import re
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-import pytest_asyncio
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvkern.layout.hostmem import host_buffer
-from kvkern.xfer import transport, ucp_rma, ucxcompat
-from kvkern.xfer.transport import ConnectionPool, Listener, ReadsStuck, TransportError
+from kvkern.xfer import read_lanes, ucp_rma, ucxcompat
+from kvkern.xfer.read_lanes import ReadLanes
+from kvkern.xfer.transport import ReadsStuck, TransportError
 from kvkern.xfer.ucp_rma import RmaError, coalesce, expand, scatter_arrays
 
-from .rma_helpers import NeverDone, held_batch_class, random_host_buffer
+from .rma_helpers import random_host_buffer
 
 pytestmark = pytest.mark.timeout(30)
 aio = pytest.mark.asyncio(loop_scope="module")
@@ -306,25 +304,10 @@ def test_ptr_status_property(ptr):
 # ------------------------------------------------------------------ loopback fixtures
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def listener():
-    async def hold(conn):  # keep the accepted side open until the peer goes away
-        with contextlib.suppress(TransportError):
-            await conn.recv_msg(timeout=None)
-
-    async with Listener(hold) as lst:
-        yield lst
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def pool():
-    async with ConnectionPool(connect_timeout=10) as p:
-        yield p
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def source(listener):
-    """SRC_BYTES random bytes registered for remote read: (buffer, Region)."""
+@pytest.fixture(scope="module")
+def source():
+    """SRC_BYTES random bytes registered for remote read in this process's read target:
+    (buffer, Region)."""
     why = ucp_rma.rma_unavailable()
     if why is not None:
         pytest.skip(f"one-sided reads unavailable: {why}")
@@ -336,8 +319,50 @@ async def source(listener):
         region.close()
 
 
-async def connect(pool, listener):
-    return await pool.get(HOST, listener.port)
+class LaneReader:
+    """Reads as a destination makes them: on a read lane of its own
+    (:class:`kvkern.xfer.read_lanes.ReadLanes`, one lane, one endpoint) to the worker of this
+    process's read target; a failed read closes that endpoint, the next one opens another."""
+
+    def __init__(self) -> None:
+        self.lanes = ReadLanes(1, min_bytes=1)
+        self.address = ucxcompat.read_target().address
+
+    async def read(self, rkey: bytes, runs, *, timeout: float) -> float | None:
+        return await self.read_parts([(rkey, runs)], timeout=timeout)
+
+    async def read_parts(self, parts, *, timeout: float) -> float | None:
+        return await self.lanes.read(self.address, parts, timeout=timeout, same_host=True)
+
+    def close(self) -> None:
+        self.lanes.close()
+
+
+@pytest.fixture
+def readers():
+    """``readers()``: a new :class:`LaneReader` (a new endpoint), closed after the test."""
+    made: list[LaneReader] = []
+
+    def make() -> LaneReader:
+        made.append(LaneReader())
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+@pytest.fixture
+def raw_endpoint():
+    """``(worker handle, endpoint handle)`` of a lane context's worker connected to the read
+    target, for ReadBatch and RemoteKey without a lane around them."""
+    worker, worker_handle = ucxcompat.new_worker(read_lanes._lane_context())
+    ep, address, ep_handle = ucxcompat.endpoint_to_address(worker,
+                                                           ucxcompat.read_target().address)
+    yield worker_handle, ep_handle
+    ucp_rma.forget_endpoint(ep_handle)
+    ucxcompat.close_endpoint(ep)
+    del address, worker
 
 
 def poisoned(nbytes: int) -> torch.Tensor:
@@ -349,25 +374,6 @@ def poisoned(nbytes: int) -> torch.Tensor:
 def diff(a: torch.Tensor, b: torch.Tensor) -> str:
     bad = (a != b).nonzero().flatten()
     return f"{bad.numel()} bytes differ, first at {bad[:5].tolist()}"
-
-
-@pytest.fixture
-def spy_batches(monkeypatch):
-    """Every ReadBatch Connection.read creates, with an event set when posting starts."""
-    made: list = []
-
-    class SpyBatch(ucp_rma.ReadBatch):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            self.posting = threading.Event()
-            made.append(self)
-
-        def post(self, ep_handle):
-            self.posting.set()
-            super().post(ep_handle)
-
-    monkeypatch.setattr(ucp_rma, "ReadBatch", SpyBatch)
-    return made
 
 
 @st.composite
@@ -442,12 +448,12 @@ def scatter(rng: random.Random, n_src: int, n_dst: int) -> tuple[list, int]:
     (256 << 10, 256 << 10, 256 << 10, 4),
 ], ids=["4KiB-rows", "64KiB-gapped-dst", "odd-unaligned", "256KiB-rows"])
 @aio
-async def test_scattered_blocks_bit_exact(listener, pool, source, nbytes, lstride, rstride,
+async def test_scattered_blocks_bit_exact(readers, source, nbytes, lstride, rstride,
                                           seed):
     """Shuffled source blocks into shuffled destination slots: every block bit-exact, every
     other destination byte (gaps, margins) still poison; neighbours on both sides merge."""
     src, region = source
-    conn = await connect(pool, listener)
+    reader = readers()
     n_dst = 120
     pairs, segments = scatter(random.Random(seed), SRC_BYTES // rstride, n_dst)
     margin = 4096 + 3
@@ -462,39 +468,37 @@ async def test_scattered_blocks_bit_exact(listener, pool, source, nbytes, lstrid
         at = margin + d * lstride
         expected[at:at + nbytes] = src[s * rstride:s * rstride + nbytes]
     t0 = time.perf_counter()
-    first = await conn.read(region.rkey, runs, timeout=10)
+    first = await reader.read(region.rkey, runs, timeout=10)
     assert first is not None and t0 <= first <= time.perf_counter()
     assert torch.equal(dst, expected), diff(dst, expected)
-    assert conn.alive
 
 
 @aio
-async def test_zero_runs(listener, pool, source):
+async def test_zero_runs(readers, source):
     _, region = source
-    conn = await connect(pool, listener)
-    assert await conn.read(region.rkey, [], timeout=1) is None
-    assert conn.alive
+    reader = readers()
+    assert await reader.read(region.rkey, [], timeout=1) is None
 
 
 @aio
-async def test_one_huge_run(listener, pool, source):
+async def test_one_huge_run(readers, source):
     """Almost the whole 64 MiB region in one run, at odd offsets on both sides."""
     src, region = source
-    conn = await connect(pool, listener)
+    reader = readers()
     n = SRC_BYTES - 5 - 4091
     dst = poisoned(3 + n + 4096)
     runs = coalesce([dst.data_ptr() + 3], [region.address + 5], n)
     assert runs == [(dst.data_ptr() + 3, region.address + 5, n)]
-    await conn.read(region.rkey, runs, timeout=10)
+    await reader.read(region.rkey, runs, timeout=10)
     assert torch.equal(dst[3:3 + n], src[5:5 + n]), diff(dst[3:3 + n], src[5:5 + n])
     assert (dst[:3] == POISON).all() and (dst[3 + n:] == POISON).all()
 
 
 @aio
-async def test_many_tiny_runs(listener, pool, source):
+async def test_many_tiny_runs(readers, source):
     """300 x 4 KiB, shuffled, strided on both sides so that nothing merges."""
     src, region = source
-    conn = await connect(pool, listener)
+    reader = readers()
     k, nb, ls, rs = 300, 4096, 8192, 12288
     srcs, dsts = random.Random(5).sample(range(SRC_BYTES // rs), k), list(range(k))
     random.Random(6).shuffle(dsts)
@@ -502,7 +506,7 @@ async def test_many_tiny_runs(listener, pool, source):
     runs = coalesce([dst.data_ptr() + d * ls for d in dsts],
                     [region.address + s * rs for s in srcs], nb)
     assert len(runs) == k
-    await conn.read(region.rkey, runs, timeout=10)
+    await reader.read(region.rkey, runs, timeout=10)
     expected = torch.full_like(dst, POISON)
     for s, d in zip(srcs, dsts, strict=True):
         expected[d * ls:d * ls + nb] = src[s * rs:s * rs + nb]
@@ -510,32 +514,31 @@ async def test_many_tiny_runs(listener, pool, source):
 
 
 @aio
-async def test_read_batch_directly(listener, pool, source):
-    """ReadBatch without Connection.read: post and wait off the loop, then every request
-    is retired (freed) and nothing is stuck; a destroyed key refuses to post."""
+async def test_read_batch_directly(source, raw_endpoint):
+    """ReadBatch without a lane: post and wait off the loop (the wait progresses the
+    worker), then every request is retired (freed) and nothing is stuck; a destroyed key
+    refuses to post."""
     src, region = source
-    conn = await connect(pool, listener)
-    ep = conn._ep.ucp_endpoint
+    worker, ep = raw_endpoint
     dst = poisoned(3 * 4096)
     key = ucp_rma.RemoteKey(ep, region.rkey)
     runs = [(dst.data_ptr() + i * 4096, region.address + (7 - i) * 4096, 4096) for i in range(3)]
-    batch = ucp_rma.ReadBatch(key, runs)
+    batch = ucp_rma.ReadBatch(key, runs, worker_handle=worker)
     await asyncio.to_thread(batch.post, ep)
     first = await asyncio.to_thread(batch.wait, 5.0)
     assert first is not None and batch.posted == 3 and batch.nbytes == 3 * 4096
     assert not batch.stuck and batch.poll()
     for i in range(3):
         assert torch.equal(dst[i * 4096:(i + 1) * 4096], src[(7 - i) * 4096:(8 - i) * 4096])
-    empty = ucp_rma.ReadBatch(key, [])
+    empty = ucp_rma.ReadBatch(key, [], worker_handle=worker)
     empty.post(ep)
     assert empty.wait(1.0) is None and empty.posted == 0 and not empty.stuck
     key.destroy()
     key.destroy()  # idempotent
-    late = ucp_rma.ReadBatch(key, runs)
+    late = ucp_rma.ReadBatch(key, runs, worker_handle=worker)
     with pytest.raises(ValueError, match="destroyed"):
         late.post(ep)
     assert late.posted == 0 and not late.stuck
-    assert conn.alive
 
 
 @aio
@@ -558,13 +561,12 @@ async def test_region_arguments_and_close(source):
 
 
 @aio
-async def test_remote_key_garbage(listener, pool, source):
+async def test_remote_key_garbage(source, raw_endpoint):
     """Empty bytes: ValueError before UCX sees them. Bytes naming memory domains this
     worker cannot unpack: RmaError (UCS_ERR_UNSUPPORTED here). An all-zero key (no memory
     domain at all) unpacks without complaint on this machine: reads over CMA need none."""
     _, region = source
-    conn = await connect(pool, listener)
-    ep = conn._ep.ucp_endpoint
+    _, ep = raw_endpoint
     with pytest.raises(ValueError, match="empty"):
         ucp_rma.RemoteKey(ep, b"")
     with pytest.raises(RmaError, match="ucp_ep_rkey_unpack") as info:
@@ -580,90 +582,85 @@ async def test_remote_key_garbage(listener, pool, source):
     assert good.handle and good.ep_handle == ep
     good.destroy()
     assert good.handle is None
-    assert conn.alive
 
 
-async def failed_read(listener, pool, key: bytes, remote: int):
-    """(error, connection, poisoned destination) of a 4 KiB read of ``remote`` through
-    ``key``, which must fail with a TransportError."""
-    conn = await connect(pool, listener)
+async def failed_read(readers, key: bytes, remote: int):
+    """(error, reader, poisoned destination) of a 4 KiB read of ``remote`` through ``key``,
+    which must fail with a TransportError."""
+    reader = readers()
     dst = poisoned(4096)
     with pytest.raises(TransportError) as info:
-        await conn.read(key, [(dst.data_ptr(), remote, 4096)], timeout=2)
-    return info.value, conn, dst
+        await reader.read(key, [(dst.data_ptr(), remote, 4096)], timeout=2)
+    return info.value, reader, dst
 
 
 @aio
-async def test_read_with_garbage_key_fails_the_connection(listener, pool, source):
+async def test_read_with_garbage_key_fails_and_closes_its_endpoint(readers, source):
     _, region = source
-    err, conn, dst = await failed_read(listener, pool, b"\xff" * 64, region.address)
+    err, reader, dst = await failed_read(readers, b"\xff" * 64, region.address)
     assert err.reason == "transfer_failed" and "ucp_ep_rkey_unpack" in str(err)
-    assert not conn.alive and (dst == POISON).all()
+    assert reader.lanes.peers == 0 and (dst == POISON).all()
 
 
 @aio
-async def test_read_past_region_end_on_loopback(listener, pool, source):
+async def test_read_past_region_end_on_loopback(readers, source):
     """A remote address outside the registered region, in memory the peer has mapped.
 
     Observed here: the read SUCCEEDS and returns the peer's bytes (CMA's process_vm_readv
     checks the peer's address space, not the rkey's bounds), so on one host the rkey is no
     capability and the bounds checks of the callers are what keeps reads inside the pool.
     Across hosts (RDMA) the memory registration bounds the read. This test only asserts a
-    clear outcome: the exact bytes, or transfer_failed with the connection aborted."""
+    clear outcome: the exact bytes, or transfer_failed with the endpoint closed."""
     src, _ = source
-    conn = await connect(pool, listener)
+    reader = readers()
     small = ucp_rma.Region(src.data_ptr(), 512 << 10)  # only the first 512 KiB
     try:
         off = 768 << 10
         dst = poisoned(4096)
         try:
-            await conn.read(small.rkey, [(dst.data_ptr(), small.address + off, 4096)], timeout=2)
+            await reader.read(small.rkey, [(dst.data_ptr(), small.address + off, 4096)], timeout=2)
         except TransportError as exc:
-            assert exc.reason == "transfer_failed" and not conn.alive
+            assert exc.reason == "transfer_failed" and reader.lanes.peers == 0
             assert (dst == POISON).all()
         else:
-            assert conn.alive
             assert torch.equal(dst, src[off:off + 4096])
     finally:
         small.close()
 
 
 @aio
-async def test_read_from_unmapped_address_fails_cleanly(listener, pool, source):
+async def test_read_from_unmapped_address_fails_cleanly(readers, source):
     """Remote address 4096 (below mmap_min_addr: never mapped). Observed: the read's request
     completes with an error (UCS_ERR_IO_ERROR): TransportError('transfer_failed'), the
-    connection aborted, our memory untouched, no ReadsStuck, and the pool reconnects. (This
-    relies on UCX reading over CMA, as UCX_PROTO_INFO=y shows here; a memcpy transport would
-    fault the process instead.)"""
+    lane's endpoint closed, our memory untouched, no ReadsStuck, and the next read opens a
+    new endpoint. (This relies on UCX reading over CMA, as UCX_PROTO_INFO=y shows here; a
+    memcpy transport would fault the process instead.)"""
     src, region = source
-    conn = await connect(pool, listener)
-    connects = pool.connects
+    reader = readers()
     dst = poisoned(3 * 4096)
     runs = [(dst.data_ptr(), region.address, 4096), (dst.data_ptr() + 4096, 4096, 4096)]
     with pytest.raises(TransportError) as info:
-        await conn.read(region.rkey, runs, timeout=2)
+        await reader.read(region.rkey, runs, timeout=2)
     err = info.value
     assert not isinstance(err, ReadsStuck)
-    assert err.reason == "transfer_failed" and "one-sided read" in str(err), err
-    assert not conn.alive and conn.failure == "transfer_failed"
+    assert err.reason == "transfer_failed" and "UCS_ERR_" in str(err), err
+    assert reader.lanes.peers == 0
     assert (dst[4096:] == POISON).all()
-    again = await connect(pool, listener)
-    assert again is not conn and again.alive and pool.connects == connects + 1
-    await again.read(region.rkey, [(dst.data_ptr(), region.address, 4096)], timeout=2)
-    assert torch.equal(dst[:4096], src[:4096])
+    await reader.read(region.rkey, [(dst.data_ptr(), region.address, 4096)], timeout=2)
+    assert torch.equal(dst[:4096], src[:4096]) and reader.lanes.peers == 1
 
 
 @aio
-async def test_failed_read_names_its_ucs_status_and_keeps_the_cause(listener, pool, source):
+async def test_failed_read_names_its_ucs_status_and_keeps_the_cause(readers, source):
     _, region = source
-    err, _, _ = await failed_read(listener, pool, region.rkey, 4096)  # 4096: never mapped
+    err, _, _ = await failed_read(readers, region.rkey, 4096)  # 4096: never mapped
     assert "UCS_ERR_" in str(err), str(err)
     cause = err.__cause__
     assert isinstance(cause, RmaError) and cause.status < 0, repr(cause)
 
 
 @aio
-async def test_read_parts_from_two_regions_interleave_into_one_buffer(listener, pool, source):
+async def test_read_parts_from_two_regions_interleave_into_one_buffer(readers, source):
     """One read over two registered regions (as from a per-layer pool: one key per layer):
     each part's runs land where they say, the poison between them stays."""
     src, region = source
@@ -671,13 +668,13 @@ async def test_read_parts_from_two_regions_interleave_into_one_buffer(listener, 
     other.copy_(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8).flip(0))
     second = ucp_rma.Region(other.data_ptr(), other.numel())
     try:
-        conn = await connect(pool, listener)
+        reader = readers()
         dst = poisoned(8 * 4096 + 4096)
         seg = 4096
         a = [(dst.data_ptr() + 2 * i * seg, region.address + 3 * i * seg, seg) for i in range(4)]
         b = [(dst.data_ptr() + (2 * i + 1) * seg, second.address + 5 * i * seg, seg)
              for i in range(4)]
-        first = await conn.read_parts([(region.rkey, a), (second.rkey, b)], timeout=5)
+        first = await reader.read_parts([(region.rkey, a), (second.rkey, b)], timeout=5)
         assert first is not None
         for i in range(4):
             assert torch.equal(dst[2 * i * seg:(2 * i + 1) * seg],
@@ -685,226 +682,8 @@ async def test_read_parts_from_two_regions_interleave_into_one_buffer(listener, 
             assert torch.equal(dst[(2 * i + 1) * seg:(2 * i + 2) * seg],
                                other[5 * i * seg:(5 * i + 1) * seg])
         assert bool((dst[8 * seg:] == POISON).all())
-        assert conn._rkeys.in_use == 0  # (CMA packs equal keys)
     finally:
         second.close()
-
-
-def tiny_runs(dst: torch.Tensor, region, n: int) -> list:
-    """``n`` reads of 64 B, 128 B apart on both sides: posting them takes ~3 us each."""
-    return [(dst.data_ptr() + i * 128, region.address + i * 128, 64) for i in range(n)]
-
-
-async def cancel_while_posting(conn, region, spy_batches, how: str, *, timeout: float):
-    """Start a read of 30 000 tiny runs and cancel it (task.cancel, or wait_for's timeout)
-    while its helper thread is still posting them. Returns (n, dst buffer, start time)."""
-    n = 30_000
-    dst = poisoned(n * 128)
-    runs = tiny_runs(dst, region, n)
-    task = asyncio.ensure_future(conn.read(region.rkey, runs, timeout=timeout))
-    t0 = time.monotonic()
-    while not (spy_batches and spy_batches[-1].posting.is_set()):
-        assert time.monotonic() - t0 < 2, "the read never started posting"
-        await asyncio.sleep(0.0005)
-    if how == "task.cancel":
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-    else:
-        with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(task, 0.001)
-    return n, dst, t0
-
-
-@pytest.mark.parametrize("how", ["task.cancel", "wait_for"])
-@aio
-async def test_cancelled_read_aborts_drains_and_reconnects(listener, pool, source, spy_batches,
-                                                           how, monkeypatch):
-    """Cancel the awaiting task while its helper thread is still posting 30 000 reads, with
-    no grace for them to finish: the task ends cancelled (not ReadsStuck), the connection
-    is aborted, every request of the batch was retired, nothing writes into our buffer
-    afterwards, and the pool reconnects."""
-    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.0)
-    src, region = source
-    conn = await connect(pool, listener)
-    connects = pool.connects
-    n, dst, t0 = await cancel_while_posting(conn, region, spy_batches, how, timeout=10)
-    assert time.monotonic() - t0 < 2
-    batch = spy_batches[-1]
-    assert 0 < batch.posted <= n
-    assert not batch.stuck, "requests left unretired after the read ended"
-    assert not conn.alive and conn.failure == "cancelled"
-    snapshot = dst.clone()
-    await asyncio.sleep(0.02)
-    assert torch.equal(dst, snapshot), "a read wrote into our buffer after the raise"
-    again = await connect(pool, listener)
-    assert again is not conn and again.alive and pool.connects == connects + 1
-    out = poisoned(4096)
-    await again.read(region.rkey, [(out.data_ptr(), region.address + 4096, 4096)], timeout=2)
-    assert torch.equal(out, src[4096:8192])
-
-
-@pytest.mark.parametrize("how", ["task.cancel", "wait_for"])
-@aio
-async def test_cancelled_read_that_finishes_in_the_grace_keeps_the_connection(
-        listener, pool, source, spy_batches, how, monkeypatch):
-    """The same cancel, but the reads may finish (READ_CANCEL_GRACE_S): the task still
-    ends cancelled, every read landed, and the connection, which other pulls share, stays
-    up and serves the next read without a reconnect."""
-    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 30.0)
-    src, region = source
-    conn = await connect(pool, listener)
-    connects = pool.connects
-    n, dst, t0 = await cancel_while_posting(conn, region, spy_batches, how, timeout=30)
-    batch = spy_batches[-1]
-    assert batch.posted == n and not batch.stuck
-    assert conn.alive and conn.failure is None
-    got = dst.view(n, 128)[:, :64]
-    want = src[:n * 128].view(n, 128)[:, :64]
-    assert torch.equal(got, want), "a read of the cancelled batch did not land"
-    assert bool((dst.view(n, 128)[:, 64:] == POISON).all())
-    again = await connect(pool, listener)
-    assert again is conn and pool.connects == connects
-    out = poisoned(4096)
-    await conn.read(region.rkey, [(out.data_ptr(), region.address + 4096, 4096)], timeout=2)
-    assert torch.equal(out, src[4096:8192])
-
-
-@aio
-async def test_a_read_cancelled_while_queued_is_withdrawn_and_keeps_the_connection(
-        listener, pool, source, spy_batches, monkeypatch):
-    """Every read waiter is busy (other pulls' reads), so this read waits its turn; cancelled
-    then, it is withdrawn at once: nothing was posted, so the connection, which other pulls
-    share, stays up (no grace at all here) and serves the next read."""
-    import concurrent.futures
-
-    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.0)
-    shared = transport._read_waiters()
-    waiters = concurrent.futures.ThreadPoolExecutor(max_workers=1)
-    monkeypatch.setattr(transport, "_READ_WAITERS", waiters)
-    src, region = source
-    conn = await connect(pool, listener)
-    busy = threading.Event()
-    waiters.submit(busy.wait, 10)  # the only waiter, taken
-    try:
-        dst = poisoned(4096)
-        task = asyncio.ensure_future(
-            conn.read(region.rkey, [(dst.data_ptr(), region.address, 4096)], timeout=5))
-        await asyncio.sleep(0.05)
-        assert not task.done()
-        t0 = time.monotonic()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        assert time.monotonic() - t0 < 2  # (not READ_DRAIN_S, 5 s)
-        assert conn.alive and conn.failure is None
-        assert all(batch.posted == 0 for batch in spy_batches)
-    finally:
-        busy.set()
-        waiters.shutdown(wait=True)
-    monkeypatch.setattr(transport, "_READ_WAITERS", shared)
-    assert bool((dst == POISON).all())
-    out = poisoned(4096)
-    await conn.read(region.rkey, [(out.data_ptr(), region.address + 4096, 4096)], timeout=2)
-    assert torch.equal(out, src[4096:8192]) and conn.alive
-
-
-def spy_destroy(monkeypatch, destroyed: list) -> None:
-    """Record the handle of every RemoteKey destroyed (connections cache their keys, so
-    the key a read uses may predate the test)."""
-    real = ucp_rma.RemoteKey.destroy
-
-    def destroy(self):
-        destroyed.append(self.handle)
-        real(self)
-
-    monkeypatch.setattr(ucp_rma.RemoteKey, "destroy", destroy)
-
-
-@aio
-async def test_remote_key_is_unpacked_once_per_connection(listener, pool, source,
-                                                          monkeypatch):
-    """Reads on one connection share one unpacked key (it is the same for every pull from
-    that pool); closing the connection destroys it; a new connection unpacks its own."""
-    src, region = source
-    made, destroyed = [], []
-    real_init = ucp_rma.RemoteKey.__init__
-
-    def init(self, ep_handle, packed):
-        real_init(self, ep_handle, packed)
-        made.append(self.handle)
-
-    monkeypatch.setattr(ucp_rma.RemoteKey, "__init__", init)
-    spy_destroy(monkeypatch, destroyed)
-    conn = await connect(pool, listener)
-    pool.discard(conn)  # a connection of its own: earlier tests' cached keys stay out of it
-    destroyed.clear()  # (closing that one destroyed its cached key)
-    conn = await connect(pool, listener)
-    for i in range(3):
-        out = poisoned(4096)
-        await conn.read(region.rkey, [(out.data_ptr(), region.address + i * 4096, 4096)],
-                        timeout=2)
-        assert torch.equal(out, src[i * 4096:(i + 1) * 4096])
-    assert len(made) == 1 and destroyed == []
-    pool.discard(conn)
-    assert not conn.alive and destroyed == made  # closed: the cached key goes with it
-    again = await connect(pool, listener)
-    out = poisoned(4096)
-    await again.read(region.rkey, [(out.data_ptr(), region.address, 4096)], timeout=2)
-    assert torch.equal(out, src[:4096]) and len(made) == 2
-
-
-@aio
-async def test_timeout_is_transfer_timeout_and_drains(listener, pool, source, monkeypatch):
-    """Real requests whose completion polling is held back until the read's own ``timeout``
-    passed (a CMA read is done before it could time out): TransportError('transfer_timeout'),
-    the connection aborted, the batch drained, the key destroyed, the pool reconnects."""
-    _, region = source
-    made, destroyed = [], []
-    spy_destroy(monkeypatch, destroyed)
-    monkeypatch.setattr(ucp_rma, "ReadBatch", held_batch_class(made))
-    conn = await connect(pool, listener)
-    connects = pool.connects
-    dst = poisoned(64 * 128)
-    t0 = time.monotonic()
-    with pytest.raises(TransportError) as info:
-        await conn.read(region.rkey, tiny_runs(dst, region, 64), timeout=0.05)
-    assert info.value.reason == "transfer_timeout" and not isinstance(info.value, ReadsStuck)
-    assert 0.04 < time.monotonic() - t0 < 2
-    assert not conn.alive and conn.failure == "transfer_timeout"
-    assert made[-1].posted == 64 and not made[-1].stuck
-    assert len(destroyed) == 1 and destroyed[0]
-    again = await connect(pool, listener)
-    assert again.alive and pool.connects == connects + 1
-
-
-@aio
-async def test_reads_that_outlive_the_abort_raise_reads_stuck(listener, pool, source,
-                                                              monkeypatch):
-    """A batch that never completes, even after the abort: ReadsStuck (transfer_failed)
-    after READ_DRAIN_S, and the key is leaked rather than destroyed under live reads."""
-    _, region = source
-    destroyed = []
-    spy_destroy(monkeypatch, destroyed)
-    monkeypatch.setattr(ucp_rma, "ReadBatch", NeverDone)
-    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
-    conn = await connect(pool, listener)
-    t0 = time.monotonic()
-    with pytest.raises(ReadsStuck) as info:
-        await conn.read(region.rkey, [(1, 2, 3)], timeout=0.01)
-    assert info.value.reason == "transfer_failed" and "still running" in str(info.value)
-    assert 0.05 <= time.monotonic() - t0 < 2
-    assert not conn.alive and destroyed == []
-
-
-@aio
-async def test_read_on_closed_connection(listener, pool, source):
-    _, region = source
-    conn = await connect(pool, listener)
-    pool.discard(conn)
-    with pytest.raises(TransportError) as info:
-        await conn.read(region.rkey, [], timeout=1)
-    assert info.value.reason == "closed"
 
 
 # ---------------------------------------------------------------- scattered reads (iov)
@@ -945,19 +724,19 @@ def fresh_iov(monkeypatch):
 
 
 @aio
-async def test_scattered_reads_land_bit_exact_and_are_checked_once(listener, pool, source,
+async def test_scattered_reads_land_bit_exact_and_are_checked_once(readers, source,
                                                                    fresh_iov):
     """Scatter reads (with plain runs in the same part): every piece bit-exact, the rest
     poison; the endpoint's first iov read is checked against a whole re-read, once, and
     again on a new endpoint once the old one is gone."""
     src, region = source
-    conn = await connect(pool, listener)
+    reader = readers()
     dst = poisoned(4 << 20)
     reads, local, remote, sizes = _scatter_reads(region, dst, 1)
     assert len(reads) < 24 and any(len(r.local) > 4 for r in reads)
     extra = poisoned(4096)
     plain = (extra.data_ptr(), region.address + 12345, 4096)
-    await conn.read(region.rkey, [plain, *reads], timeout=10)
+    await reader.read(region.rkey, [plain, *reads], timeout=10)
     assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
     assert torch.equal(extra, src[12345:12345 + 4096])
     assert ucp_rma._iov_reads and len(ucp_rma._iov_verified) == 1
@@ -966,14 +745,14 @@ async def test_scattered_reads_land_bit_exact_and_are_checked_once(listener, poo
     ucp_rma.ReadBatch._verify = lambda self, *a: checks.append(1) or real(self, *a)
     try:
         dst.fill_(POISON)
-        await conn.read(region.rkey, reads, timeout=10)
+        await reader.read(region.rkey, reads, timeout=10)
     finally:
         ucp_rma.ReadBatch._verify = real
     assert checks == [] and torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
-    conn.abort()  # its handle may come back for another endpoint: checked again there
+    reader.close()  # its handle may come back for another endpoint: checked again there
     assert not ucp_rma._iov_verified
-    conn = await connect(pool, listener)
-    await conn.read(region.rkey, reads, timeout=10)
+    reader = readers()
+    await reader.read(region.rkey, reads, timeout=10)
     assert len(ucp_rma._iov_verified) == 1
 
 
@@ -988,20 +767,20 @@ def _fake_iov(monkeypatch, answer):
 
 
 @aio
-async def test_a_ucx_refusing_iov_reads_gets_pieces(listener, pool, source, fresh_iov,
+async def test_a_ucx_refusing_iov_reads_gets_pieces(readers, source, fresh_iov,
                                                     monkeypatch):
     src, region = source
-    conn = await connect(pool, listener)
+    reader = readers()
     _fake_iov(monkeypatch, lambda *a: (1 << 64) + ucp_rma.UCS_ERR_UNSUPPORTED_STATUS)
     dst = poisoned(4 << 20)
     reads, local, remote, sizes = _scatter_reads(region, dst, 2)
-    await conn.read(region.rkey, reads, timeout=10)
+    await reader.read(region.rkey, reads, timeout=10)
     assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
-    assert not ucp_rma._iov_reads and conn.alive
+    assert not ucp_rma._iov_reads and reader.lanes.peers == 1
 
 
 @aio
-async def test_an_iov_read_that_moves_nothing_is_caught(listener, pool, source, fresh_iov,
+async def test_an_iov_read_that_moves_nothing_is_caught(readers, source, fresh_iov,
                                                         monkeypatch):
     """A UCX that completes an iov read without moving its bytes (and scribbles over the
     iov it was given): the check fails the read, and again on the retry, after which later
@@ -1017,18 +796,18 @@ async def test_an_iov_read_that_moves_nothing_is_caught(listener, pool, source, 
     reads, local, remote, sizes = _scatter_reads(region, dst, 3)
     before = [r.local.copy() for r in reads]
     for still_scattering in (True, False):
-        conn = await connect(pool, listener)  # (a failed read aborts its connection)
+        reader = readers()
         with pytest.raises(TransportError, match="scattered read check"):
-            await conn.read(region.rkey, reads, timeout=10)
+            await reader.read(region.rkey, reads, timeout=10)
         assert ucp_rma._iov_reads is still_scattering
     assert all(np.array_equal(r.local, b) for r, b in zip(reads, before, strict=True))
-    conn = await connect(pool, listener)
-    await conn.read(region.rkey, reads, timeout=10)
+    reader = readers()
+    await reader.read(region.rkey, reads, timeout=10)
     assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
 
 
 @aio
-async def test_a_source_rewriting_a_checked_read_costs_that_read_only(listener, pool, source,
+async def test_a_source_rewriting_a_checked_read_costs_that_read_only(readers, source,
                                                                       fresh_iov,
                                                                       monkeypatch):
     """The source's bytes change between an endpoint's first iov read and its whole
@@ -1047,123 +826,16 @@ async def test_a_source_rewriting_a_checked_read_costs_that_read_only(listener, 
         return real(self, run, *a)
 
     for _ in range(3):
-        conn = await connect(pool, listener)
+        reader = readers()
         monkeypatch.setattr(ucp_rma.ReadBatch, "_verify", rewritten)
         with pytest.raises(TransportError, match="scattered read check"):
-            await conn.read(region.rkey, reads, timeout=10)
+            await reader.read(region.rkey, reads, timeout=10)
         monkeypatch.setattr(ucp_rma.ReadBatch, "_verify", real)
         src.copy_(saved)
         assert ucp_rma._iov_reads and not ucp_rma._iov_verified
-        conn = await connect(pool, listener)
+        reader = readers()
         dst.fill_(POISON)
-        await conn.read(region.rkey, reads, timeout=10)
+        await reader.read(region.rkey, reads, timeout=10)
         assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
         assert ucp_rma._iov_reads and len(ucp_rma._iov_verified) == 1
-        conn.abort()  # the next round's endpoint is checked again
-
-
-@aio
-async def test_a_scattered_reads_check_is_not_posted_on_an_aborted_connection(
-        listener, pool, source, fresh_iov, monkeypatch):
-    """A connection's first scattered read is checked with a whole re-read, posted after
-    the batch's own reads ended and the posting lock was given up. Another pull may abort
-    the shared connection in between: the check is then not posted on the closed endpoint
-    (libucp would use freed memory) and the read fails ``closed``."""
-    src, region = source
-    conn = await connect(pool, listener)
-    dst = poisoned(4 << 20)
-    reads, *_ = _scatter_reads(region, dst, 1)
-    reached, aborted = threading.Event(), threading.Event()
-    real_verify, real_post = ucp_rma.ReadBatch._verify, ucp_rma.ReadBatch.post
-    late: list = []
-
-    def post(self, ep_handle):
-        if reached.is_set():
-            late.append(ep_handle)
-        return real_post(self, ep_handle)
-
-    def verify(self, *a):
-        reached.set()
-        aborted.wait(10)  # (widens the window between the batch's end and the check)
-        return (yield from real_verify(self, *a))
-
-    monkeypatch.setattr(ucp_rma.ReadBatch, "_verify", verify)
-    monkeypatch.setattr(ucp_rma.ReadBatch, "post", post)
-    task = asyncio.ensure_future(conn.read(region.rkey, reads, timeout=10))
-    while not reached.is_set():
-        await asyncio.sleep(0.001)
-    conn.abort("a sibling pull failed")
-    aborted.set()
-    with pytest.raises(TransportError) as info:
-        await task
-    assert info.value.reason == "closed" and not late
-
-
-@aio
-async def test_read_batches_that_outlive_the_drain_are_never_freed(listener, pool, source,
-                                                                   monkeypatch):
-    """Reads still running after the connection's abort and the drain: ReadsStuck, and their
-    batches (the iovs and check buffers UCX may still write through) are kept for good."""
-    import weakref
-
-    made: list = []
-
-    class Kept(NeverDone):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(weakref.ref(self))
-
-    _, region = source
-    monkeypatch.setattr(ucp_rma, "ReadBatch", Kept)
-    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.05)
-    monkeypatch.setattr(transport, "_stuck_batches", [])
-    conn = await connect(pool, listener)
-    with pytest.raises(ReadsStuck):
-        await conn.read(region.rkey, [(1, 2, 3)], timeout=0.01)
-    gc.collect()
-    assert len(made) == 1 and made[0]() is not None
-    assert transport._stuck_batches == [made[0]()]
-
-
-@aio
-async def test_a_batch_is_never_polled_by_two_threads(listener, pool, source, monkeypatch):
-    """A cancelled read whose helper thread is still polling its batch when the drain's
-    wait runs out: the event loop does not poll the batch beside it (a batch is not safe
-    to poll from two threads: a request could be checked after it was freed); the reads
-    count as stuck and the batch is kept."""
-    from tests.rma_helpers import NeverDone
-
-    active, overlaps = [0], [0]
-    lock, polling = threading.Lock(), threading.Event()
-
-    class SlowToStop(NeverDone):
-        def poll(self):
-            with lock:
-                active[0] += 1
-                overlaps[0] += active[0] > 1
-            time.sleep(0.002)  # (gives the interpreter up, as ctypes calls do)
-            with lock:
-                active[0] -= 1
-            return False
-
-        def wait(self, timeout, cancelled=None):
-            polling.set()
-            end = time.monotonic() + 0.5  # polls on past the stop for a while
-            while time.monotonic() < end:
-                self.poll()
-            raise TimeoutError("read cancelled")
-
-    _, region = source
-    monkeypatch.setattr(ucp_rma, "ReadBatch", SlowToStop)
-    monkeypatch.setattr(transport, "READ_CANCEL_GRACE_S", 0.0)
-    monkeypatch.setattr(transport, "READ_DRAIN_S", 0.1)
-    monkeypatch.setattr(transport, "_stuck_batches", [])
-    conn = await connect(pool, listener)
-    task = asyncio.ensure_future(conn.read(region.rkey, [(1, 2, 3)], timeout=5))
-    while not polling.is_set():
-        await asyncio.sleep(0.005)
-    task.cancel()
-    with pytest.raises((ReadsStuck, asyncio.CancelledError)):
-        await task
-    await asyncio.sleep(0.6)  # (the helper ends)
-    assert overlaps[0] == 0 and len(transport._stuck_batches) == 1
+        reader.close()  # the next round's endpoint is checked again

@@ -119,6 +119,8 @@ def test_the_ucxx_transport_implements_the_seam():
         for name in proto.__protocol_attrs__ if hasattr(proto, "__protocol_attrs__") else ():
             if name != "codec":  # an instance attribute of the pool
                 assert hasattr(impl, name), (impl.__name__, name)
-    for name in ("alive", "send_msg", "recv_msg", "recv_stream", "read_parts"):
+    for name in ("alive", "send_msg", "recv_msg", "recv_stream"):
         assert hasattr(Connection, name), name
+    # no reads on a connection: its worker's context has no RMA (ucxcompat.APP_FEATURES)
+    assert not hasattr(Connection, "read_parts") and not hasattr(Connection, "read")
     assert hasattr(ConnectionPool, "get")

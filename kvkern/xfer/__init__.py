@@ -55,8 +55,10 @@ Glossary (one noun per concept):
   **staging** buffers (:class:`~kvkern.xfer.staging.StagingPool`) or straight into blocks.
 * **stream** / **read**: the two ways a pair's bytes move: the source sends chunks, or the
   destination reads the pinned blocks one-sided.
-* **read lane**: an extra UCX worker and endpoint that carries a share of a pull's reads
-  (:mod:`~kvkern.xfer.read_lanes`); a transport *tag lane* (REPLY, DATA) is a ``Lane`` of
+* **read lane**: a UCX worker and endpoint of its own that carries a share of a pull's reads
+  (:mod:`~kvkern.xfer.read_lanes`), to the source's **read target** (the UCX context its
+  pools are registered in, :func:`~kvkern.xfer.ucxcompat.read_target`); a transport *tag
+  lane* (REPLY, DATA) is a ``Lane`` of
   :mod:`~kvkern.xfer.transport`.
 * **private blocks**: blocks the destination allocated for a pull, committed or freed
   exactly once. **pin**: the source's hold on served blocks

@@ -109,7 +109,7 @@ class XferConfig:
     local_read_min_run_bytes: int = 8 << 10
     # reads run on this many read lanes (kvkern.xfer.read_lanes: a UCX worker and a thread
     # each; at most one per CPU the process may use), split by bytes with at least
-    # read_lane_min_bytes per lane; 0 reads on the control connection's worker. One CMA
+    # read_lane_min_bytes per lane; 0: no lanes, and a source over UCX streams. One CMA
     # copy thread moves 5.8-6.3 GB/s on a 2-vCPU VM, two 10.9-11.7 (bench/RESULTS.md).
     read_lanes: int = 2
     read_lane_min_bytes: int = 4 << 20

@@ -504,7 +504,7 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
             return None
         if metrics is not None:
             metrics.direct_read("failed")
-        receiver.lanes_failed(worker, exc)  # the granted read goes on the connection
+        receiver.lanes_failed(worker, exc)  # the pair is streamed while the lanes rest
         if failed is not None:
             await failed(job, exc)
         return None

@@ -45,7 +45,7 @@ endpoint to that source (a forced close: UCX cancels the reads still running), d
 requests for up to ``READ_DRAIN_S`` and raises; the next read opens a new endpoint. A
 cancelled :meth:`ReadLanes.read` lets the reads finish for up to ``READ_CANCEL_GRACE_S``,
 then stops the lanes. Reads that outlive the drain raise :class:`ReadsStuck` (quarantine the
-local memory), as on the connection.
+local memory).
 
 Memory the engine owns (``owned``: :meth:`Puller.pull_into
 <kvkern.xfer.puller.Puller.pull_into>`) has no quarantine: the engine reuses its blocks once
@@ -61,8 +61,10 @@ whatever the key (CMA, KNEM, XPMEM: :data:`NEAR_TRANSPORTS`), so a lane reads th
 only where its caller allows it for that source rank (``same_host``:
 :meth:`kvkern.xfer.receive.ReadReceiver.near_reads`: only with kvkern's own same-host
 reads turned off, and for ranks whose announcement :func:`kvkern.xfer.local_reads.serves`
-checked); elsewhere the read fails, and the puller reads on the control connection, to the
-process that answers it. Across hosts a registered key bounds every read.
+checked); elsewhere the read fails, and the puller streams from the process that answers
+its control connection. Across hosts a registered key bounds every read. The lanes' contexts
+use no TCP (:func:`kvkern.xfer.ucxcompat.new_rma_context`): a source reached over TCP alone
+is streamed from.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from kvkern.checks import check_non_negative_int, check_positive_int
-from kvkern.xfer import local_reads, transport, ucxcompat
+from kvkern.xfer import local_reads, tuning, ucxcompat
 from kvkern.xfer.pauses import Steps, run_blocking
 from kvkern.xfer.runtime import through_cancels
 from kvkern.xfer.transport import ReadsStuck, TransportError
@@ -210,7 +212,7 @@ def address_usable(address: bytes) -> bool:
     in this process's UCX address version. libucp asserts on an unknown version (seen: a
     random first byte aborts the process), so an address from another UCX release, or a
     corrupted one, must never reach ``ucp_ep_create``; a source whose address fails here is
-    read on the control connection instead. (Random bytes after a valid first byte were
+    streamed from instead. (Random bytes after a valid first byte were
     rejected or tolerated by UCX in 200 fuzzed tries, never fatal.)"""
     global _local_version
     if not address or len(address) > MAX_WORKER_ADDRESS_BYTES:
@@ -350,7 +352,7 @@ class _Lane:
         ucp_rma.forget_endpoint(peer.handle)
         with contextlib.suppress(Exception):
             peer.ep.close_blocking()
-        deadline = time.monotonic() + transport.READ_DRAIN_S
+        deadline = time.monotonic() + tuning.READ_DRAIN_S
         progress = ucxcompat.request_calls()[2]
         pause, past = LANE_DRAIN_POLL_S, False
         while not all(b.poll() for b in batches):
@@ -361,10 +363,10 @@ class _Lane:
                 if not owned:
                     self.stuck_batches.extend(b for b in batches if b.stuck)
                     raise _Stuck(f"{running} reads still running after their endpoint was "
-                                 f"closed (waited {transport.READ_DRAIN_S} s)")
+                                 f"closed (waited {tuning.READ_DRAIN_S} s)")
                 log.error("%d reads into memory the engine owns still running %s s after "
                           "their endpoint was closed; the read ends when they have",
-                          running, transport.READ_DRAIN_S)
+                          running, tuning.READ_DRAIN_S)
                 pause = OWNED_DRAIN_POLL_S
             if not progress(self._worker_handle):
                 yield pause
@@ -624,14 +626,14 @@ class ReadLanes:
                 return None, None, True
             # The copies are local and short: let them finish, then stop what is left.
             with contextlib.suppress(BaseException):
-                await asyncio.wait_for(asyncio.shield(fut), transport.READ_CANCEL_GRACE_S)
+                await asyncio.wait_for(asyncio.shield(fut), tuning.READ_CANCEL_GRACE_S)
             if not fut.done():
                 stop.set()
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(fut), transport.READ_DRAIN_S + 1.0)
+                    await asyncio.wait_for(asyncio.shield(fut), tuning.READ_DRAIN_S + 1.0)
             if not fut.done() and until_done:
                 log.error("a read into the engine's blocks is still running %s s after its "
-                          "stop; the pull ends when it does", transport.READ_DRAIN_S + 1.0)
+                          "stop; the pull ends when it does", tuning.READ_DRAIN_S + 1.0)
                 await through_cancels(fut)
             return None, (fut.exception() if fut.done() and not fut.cancelled()
                           else _Stuck("lanes did not end")), True
@@ -866,7 +868,7 @@ async def _drive_here(steps: Steps[T], stop: threading.Event) -> tuple[
         except BaseException as exc:  # noqa: BLE001 (mapped by the caller)
             return None, exc, cancelled_at is not None
         if cancelled_at is not None and \
-                time.perf_counter() - cancelled_at >= transport.READ_CANCEL_GRACE_S:
+                time.perf_counter() - cancelled_at >= tuning.READ_CANCEL_GRACE_S:
             stop.set()
         t = time.perf_counter()
         try:

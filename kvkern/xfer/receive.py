@@ -5,8 +5,9 @@
   receive blocks) and is unpacked into the private blocks as it lands.
 * :class:`ReadReceiver`: the source offers its pinned blocks for one-sided reads; the pair's
   runs are read straight into the private blocks, on read lanes
-  (:mod:`kvkern.xfer.read_lanes`) or the control connection, then confirmed inside the
-  source's read hold or by ``ReadDone``/``ReadAck``.
+  (:mod:`kvkern.xfer.read_lanes`; the connection itself only for a transport that reads,
+  such as :mod:`kvkern.xfer.memtransport`), then confirmed inside the source's read hold or
+  by ``ReadDone``/``ReadAck``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvkern.xfer.messages import READ_CAPABILITY, ReadGrant, StreamReply
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
 from kvkern.xfer.runtime import through_cancels
-from kvkern.xfer.seam import TransferConnection
+from kvkern.xfer.seam import OneSidedReader, TransferConnection
 from kvkern.xfer.tuning import (
     HOLD_MARGIN_S,
     HOLD_RATE_SLACK,
@@ -354,7 +355,7 @@ class ReadReceiver:
                 and READ_CAPABILITY in state.capabilities and rank_kv.device.type == "cpu"):
             return False
         key = (job.source_dp, pair.src_rank)
-        if job.into is not None and self.lanes_for(state.read_workers.get(key)) is None:
+        if not self.reads_somewhere(state, key, into=job.into is not None):
             return False
         kind = state.reads.get(key)
         if kind == "canonical":
@@ -363,6 +364,17 @@ class ReadReceiver:
                 and state.layouts.get(key) == rank_kv.layout_signature
                 and whole_block_pair(pair.pieces, rank_kv.layout,
                                      rank_kv.layout))  # same dims
+
+    def reads_somewhere(self, state: SourceState, key: tuple[int, int], *, into: bool) -> bool:
+        """Source rank ``key`` can be read: on the read lanes, or, where its state names no
+        worker for them, on the connection (a transport that reads itself, the in-process
+        one; a UCX connection's worker has no RMA: :data:`ucxcompat.APP_FEATURES`). Into
+        the engine's blocks only on lanes, which end a read only once every read it posted
+        has."""
+        worker = state.read_workers.get(key)
+        if self.lanes_for(worker) is not None:
+            return True
+        return worker is None and not into
 
     def reads_big_enough(self, job: PullJob,
                          members: Sequence[tuple[PeerTransfer, RankKV]]) -> bool:
@@ -514,8 +526,8 @@ class ReadReceiver:
                     worker: bytes | None,
                     keyed: list[tuple[bytes, list]], xfer_t: float,
                     local: LocalSource | None = None) -> float | None:
-        """Run the reads, on the lanes when there are, else on the connection; returns when
-        the first byte landed (if known)."""
+        """Run the reads, on the lanes when there are, else on a connection that reads
+        (:meth:`reads_somewhere`); returns when the first byte landed (if known)."""
         from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
         from kvkern.xfer.ucp_rma import scatter_check_failed  # noqa: PLC0415
 
@@ -528,20 +540,17 @@ class ReadReceiver:
                                             owned=into,
                                             same_host=self.near_reads(job.state, key))
                 except TransportError as exc:
-                    if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck):
-                        raise
                     # The lanes failed, not the copy's time: leave this source's lanes
                     # alone for a while (not for a failed scattered-read check: see
-                    # ReadBatch.wait), and read again on the connection (the private
-                    # blocks are ours; the pins are held). Into the engine's blocks the
-                    # pull fails instead; the next ones stream while the lanes rest.
-                    if not scatter_check_failed(exc):
+                    # ReadBatch.wait); the pull fails, and the next ones stream while the
+                    # lanes rest.
+                    if exc.reason == "transfer_failed" and not isinstance(exc, ReadsStuck) \
+                            and not scatter_check_failed(exc):
                         self.lanes_failed(worker, exc)
-                    if into:
-                        raise
-            if into:  # (only on lanes, which wait for every read: see read_allowed)
-                raise TransportError("transfer_failed", "no read lanes for a read into the "
-                                     "engine's blocks")
+                    raise
+            if into or worker is not None or not isinstance(conn, OneSidedReader):
+                raise TransportError("transfer_failed", "no read lanes for this read "
+                                     "(see read_allowed)")
             return await conn.read_parts(keyed, timeout=xfer_t)
         except ReadsStuck:
             job.quarantined = True
@@ -577,7 +586,7 @@ class ReadReceiver:
         only where this puller reads through UCX by choice (``XferConfig.local_reads``
         off) and the process that served the state announced that rank itself. Its worker
         address is still the state's word, so with same-host reads on (the default) a rank
-        they cannot read goes to the connection, never to such a transport."""
+        they cannot read is never read through such a transport."""
         return not self.config.local_reads and key in state.read_locals
 
     def local_source(self, state: SourceState, key: tuple[int, int]) -> LocalSource | None:
@@ -586,9 +595,10 @@ class ReadReceiver:
         return state.read_locals.get(key) if self.config.local_reads else None
 
     def lanes_for(self, worker: bytes | None) -> ReadLanes | None:
-        """The read lanes (made here if :meth:`open_lanes` did not); None where reads stay
-        on the connection (no lanes configured, or the source rank publishes no worker
-        address this UCX can use)."""
+        """The read lanes (made here if :meth:`open_lanes` did not); None where there are
+        none for ``worker`` (no lanes configured, lanes resting after a failure, or no worker
+        address this UCX can use): then :meth:`reads_somewhere` says whether to read at
+        all."""
         from kvkern.xfer.read_lanes import address_usable  # noqa: PLC0415
 
         if worker is None or not self.config.read_lanes or self._closed() \
@@ -624,8 +634,8 @@ class ReadReceiver:
     def lanes_failed(self, worker: bytes, exc: Exception) -> None:
         from kvkern.xfer.discovery import bounded_put  # noqa: PLC0415
 
-        log.warning("read lanes to a source worker failed (%s); reading on the control "
-                    "connection for %s s", exc, LANE_RETRY_S)
+        log.warning("read lanes to a source worker failed (%s); streaming from it for %s s",
+                    exc, LANE_RETRY_S)
         bounded_put(self._lanes_down, worker, time.monotonic())
 
     async def _release_read(self, conn: TransferConnection, tid: int,

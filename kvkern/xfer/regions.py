@@ -53,14 +53,15 @@ class RegisteredPool:
 
 
 def worker_address_hex() -> str:
-    """This process's ucxx worker address, hex: what a destination's read lanes
+    """The worker address of the context this process's pools are registered in
+    (:func:`kvkern.xfer.ucxcompat.read_target`), hex: what a destination's read lanes
     (:mod:`kvkern.xfer.read_lanes`) open their endpoints to. Empty if unavailable."""
     from kvkern.xfer import ucxcompat  # noqa: PLC0415
 
     try:
-        return ucxcompat.worker_address().hex()
-    except Exception as exc:  # noqa: BLE001 (no lanes: destinations read on the connection)
-        log.warning("UCX worker address unavailable, no read lanes: %s", exc)
+        return ucxcompat.read_target().address.hex()
+    except Exception as exc:  # noqa: BLE001 (then no reads: destinations stream)
+        log.warning("UCX read worker address unavailable, streaming only: %s", exc)
         return ""
 
 

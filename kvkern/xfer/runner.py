@@ -97,7 +97,7 @@ class PullRunner:
         self.reads = reads
         self.cost_guard = cost_guard
         self.metrics = metrics
-        self.quarantined_blocks = 0  # private blocks never reused (see Connection.read)
+        self.quarantined_blocks = 0  # private blocks never reused (see ReadsStuck)
         self._lock = lock
         self._finish = finish
         self._spawn = spawn
@@ -365,13 +365,14 @@ class PullRunner:
         return out
 
     async def _pull_pair(self, job: PullJob, pair: PeerTransfer, addr: tuple[str, int],
-                         xfer_t: float) -> int:
+                         xfer_t: float, *, read: bool = True) -> int:
         """One (source rank, destination rank) pair; returns the validated served count.
         A connection that dies before the reply (``peer_closed``: its source aborted it,
         for another transfer on it perhaps) is asked once more on a fresh one: nothing of
         the transfer had moved, and the source let go of what the first request pinned
-        with the connection."""
-        from kvkern.xfer.transport import TransportError  # noqa: PLC0415
+        with the connection. A granted read that fails is asked once more as a stream
+        (``read`` False)."""
+        from kvkern.xfer.transport import ReadsStuck, TransportError  # noqa: PLC0415
 
         rank_kv = self.group.ranks[pair.dst_rank]
         unit = pair.block_nbytes
@@ -382,7 +383,7 @@ class PullRunner:
         ask = max(chunk, ZERO_COPY_CHUNK_BYTES // unit * unit) if job.chunk_blocks else chunk
         for again in (False, True):
             conn = await self._connect(job, addr, xfer_t)
-            req = self._request(job, pair, rank_kv, ask)
+            req = self._request(job, pair, rank_kv, ask, read=read)
             entry = (conn, req.transfer_id)
             t_req = time.perf_counter()
             job.open_transfers.append(entry)
@@ -401,7 +402,19 @@ class PullRunner:
             if not req.read:
                 raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} offered "
                                f"a read to a request that did not ask for one")
-            await self.reads.receive(job, pair, conn, reply, rank_kv, xfer_t, t_req)
+            try:
+                await self.reads.receive(job, pair, conn, reply, rank_kv, xfer_t, t_req)
+            except TransportError as exc:
+                if exc.reason != "transfer_failed" or isinstance(exc, ReadsStuck) \
+                        or job.into is not None or job.quarantined:
+                    raise
+                # The read failed (its lanes now rest: ReadReceiver.lanes_failed): let go
+                # of the grant and stream the pair instead, into the same private blocks.
+                log.info("pull %r: reads from source rank %d failed (%s); streaming it",
+                         job.rec.request_id, pair.src_rank, exc)
+                job.open_transfers.remove(entry)
+                self._cancel(job, conn, req.transfer_id, Reason.TRANSFER_FAILED)
+                return await self._pull_pair(job, pair, addr, xfer_t, read=False)
             job.open_transfers.remove(entry)
             self._pulled("read")
             return served
@@ -438,7 +451,8 @@ class PullRunner:
             await self.discovery.connect_failed(job, exc)
             raise
 
-    def _request(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV, chunk: int) -> PullRequest:
+    def _request(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV, chunk: int, *,
+                 read: bool = True) -> PullRequest:
         from kvkern.xfer.messages import PlanPiece  # noqa: PLC0415
 
         pieces = [PlanPiece(src_rank=p.src_rank, layer_start=p.src_layers[0],
@@ -451,7 +465,7 @@ class PullRunner:
                            start=job.local, count=job.count, pieces=pieces, chunk_bytes=chunk,
                            deadline_ms=max(1, int(remaining * 1000)),
                            require_all=job.policy == "strict",
-                           read=self.reads.can_read(job, pair, rank_kv),
+                           read=read and self.reads.can_read(job, pair, rank_kv),
                            chunk_blocks=job.chunk_blocks,
                            model=getattr(self.group, "model_id", ""))
 
@@ -514,21 +528,25 @@ class PullRunner:
                 return tid
 
     def _send_cancels(self, job: PullJob, reason: Reason) -> None:
+        entries, job.open_transfers = job.open_transfers, []
+        for conn, tid in entries:
+            self._cancel(job, conn, tid, reason)
+
+    def _cancel(self, job: PullJob, conn: TransferConnection, tid: int, reason: Reason) -> None:
+        """Tell the source, in the background, that transfer ``tid`` is given up."""
         from kvkern.xfer.messages import Cancel  # noqa: PLC0415
         from kvkern.xfer.transport import CONTROL_TAG  # noqa: PLC0415
 
-        entries, job.open_transfers = job.open_transfers, []
-        for conn, tid in entries:
-            if not conn.alive:
-                continue  # an aborted connection tells the source by itself
-            job.messages += 1
+        if not conn.alive:
+            return  # an aborted connection tells the source by itself
+        job.messages += 1
 
-            async def send(conn: TransferConnection = conn, tid: int = tid) -> None:
-                with contextlib.suppress(Exception):
-                    await conn.send_msg(Cancel(transfer_id=tid, reason=reason.value),
-                                        CONTROL_TAG, timeout=CANCEL_SEND_TIMEOUT_S)
+        async def send() -> None:
+            with contextlib.suppress(Exception):
+                await conn.send_msg(Cancel(transfer_id=tid, reason=reason.value),
+                                    CONTROL_TAG, timeout=CANCEL_SEND_TIMEOUT_S)
 
-            self._spawn(send())
+        self._spawn(send())
 
 
 async def _all(coros: list[Coroutine[Any, Any, T]]) -> list[T]:

@@ -58,15 +58,19 @@ class StreamReceiving(Protocol):
 
 @runtime_checkable
 class OneSidedReader(Protocol):
-    """One-sided reads of a peer's registered memory; returns when the first byte landed."""
+    """One-sided reads of a peer's registered memory on the connection itself; returns when
+    the first byte landed. Optional: a UCX connection has none (its worker's context has no
+    RMA; reads run on read lanes, :mod:`kvkern.xfer.read_lanes`), the in-process transport
+    (:mod:`kvkern.xfer.memtransport`) reads this way."""
 
     async def read_parts(self, parts: Sequence[ReadPart], *,
                          timeout: float = ...) -> float | None: ...
 
 
 @runtime_checkable
-class TransferConnection(ControlChannel, StreamReceiving, OneSidedReader, Protocol):
-    """Everything one pair of a pull uses on its connection to a source rank."""
+class TransferConnection(ControlChannel, StreamReceiving, Protocol):
+    """Everything one pair of a pull uses on its connection to a source rank (and
+    :class:`OneSidedReader` where the connection reads)."""
 
 
 @runtime_checkable

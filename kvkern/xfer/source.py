@@ -39,8 +39,9 @@ HTTP
 ``read`` (only for a rank registered for remote reads, which also adds ``read/1``):
 ``"canonical"`` when its blocks are canonical segments (any destination, any plan pieces),
 ``"native"`` when only a destination of the same layout may read them, whole blocks. With it
-``read_worker``: the hex of this process's UCX worker address, which a destination's read
-lanes (:mod:`kvkern.xfer.read_lanes`) open extra endpoints to.
+``read_worker``: the hex of the worker address of this process's read target
+(:func:`kvkern.xfer.ucxcompat.read_target`: the context its pools are registered in, with no
+TCP), which a destination's read lanes (:mod:`kvkern.xfer.read_lanes`) open endpoints to.
 
 Only hosted groups and ranks appear (a worker of one process per GPU publishes one rank per
 process). ``GET /metrics`` is the Prometheus exposition of :class:`XferMetrics`; ``GET

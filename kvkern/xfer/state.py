@@ -227,7 +227,7 @@ def _u64(v: object) -> int:
 
 def _worker_address(text: object) -> bytes | None:
     """A state's ``read_worker`` (hex of a UCX worker address) as bytes; None when absent or
-    malformed (that rank is then read on the control connection, without lanes)."""
+    malformed (that rank is then streamed from)."""
     from kvkern.xfer.read_lanes import MAX_WORKER_ADDRESS_BYTES  # noqa: PLC0415
 
     if not isinstance(text, str) or not 0 < len(text) <= 2 * MAX_WORKER_ADDRESS_BYTES:

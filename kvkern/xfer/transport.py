@@ -88,11 +88,8 @@ thread, the worker handle) is in :mod:`kvkern.xfer.ucxcompat`.
 
 One-sided reads
 ---------------
-:meth:`Connection.read` reads runs of a peer's registered memory (:mod:`kvkern.xfer.ucp_rma`)
-straight into local memory on this connection's worker; the puller uses it when it has no
-read lanes (:mod:`kvkern.xfer.read_lanes`, dedicated workers that copy in parallel). The endpoint is
-never aborted while reads are being posted on it (``_posting``), and a failed, timed-out or
-cancelled read aborts the connection and drains its requests before raising.
+None on a connection: its worker's context has no RMA (:data:`ucxcompat.APP_FEATURES`).
+Reads run on read lanes (:mod:`kvkern.xfer.read_lanes`), workers of their own.
 
 Buffers
 -------
@@ -107,17 +104,15 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import hashlib
 import inspect
 import logging
 import secrets
 import struct
-import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -138,11 +133,7 @@ from kvkern.xfer.tuning import (
     DEFAULT_CONNECT_TIMEOUT_S,
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_TIMEOUT_S,
-    MAX_CACHED_RKEYS,
     MAX_UNTRUSTED_CONNECTIONS,
-    READ_CANCEL_GRACE_S,
-    READ_DRAIN_S,
-    READ_WAITER_THREADS,
 )
 from kvkern.xfer.ucx_env import import_ucxx, ucx_tls_problem
 
@@ -151,7 +142,6 @@ if TYPE_CHECKING:
     from ucxx._lib_async import Listener as UcxListener
 
     from kvkern.xfer.seam import Buffer, BufferT
-    from kvkern.xfer.ucp_rma import ReadBatch
 
 log = logging.getLogger(__name__)
 
@@ -294,50 +284,6 @@ def _nbytes(ucx_buf: Buffer) -> int:
 # ------------------------------------------------------------------------------- connection
 
 
-class _RemoteKeys:
-    """A connection's unpacked remote keys: packed rkey -> [RemoteKey, reads using it]. A
-    source's keys are the same for every pull (its registered regions), and unpacking one
-    costs ~0.1 ms; at most :data:`MAX_CACHED_RKEYS` are kept, beyond that a key lives for one
-    read."""
-
-    def __init__(self) -> None:
-        self._keys: dict[bytes, list] = {}
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    @property
-    def in_use(self) -> int:
-        """Reads holding a cached key now."""
-        return sum(entry[1] for entry in self._keys.values())
-
-    def acquire(self, packed: bytes, ep: UcxEndpoint) -> list:
-        from kvkern.xfer import ucp_rma  # noqa: PLC0415
-
-        entry = self._keys.get(packed)
-        if entry is None:
-            entry = [ucp_rma.RemoteKey(ep.ucp_endpoint, packed), 0]
-            if len(self._keys) < MAX_CACHED_RKEYS:
-                self._keys[packed] = entry
-        entry[1] += 1
-        return entry
-
-    def release(self, packed: bytes, entry: list, *, dead: bool) -> None:
-        """One read of ``entry`` ended; ``dead``: its connection is closed."""
-        entry[1] -= 1
-        cached = self._keys.get(packed) is entry
-        if entry[1] == 0 and (dead or not cached):  # dead connection or one-off
-            if cached:
-                del self._keys[packed]
-            entry[0].destroy()
-
-    def drop_idle(self) -> None:
-        for packed, entry in list(self._keys.items()):
-            if entry[1] == 0:
-                del self._keys[packed]
-                entry[0].destroy()
-
-
 class Connection:
     """One UCX endpoint with kvkern's framing, timeouts and error mapping.
 
@@ -356,8 +302,6 @@ class Connection:
         self.failure: str | None = None  # reason of the failure that killed it
         self._peer_closed = False  # set from the UCX progress thread: a plain flag only
         self._send_lock = asyncio.Lock()
-        self._posting = threading.Lock()  # held while reads are posted on the endpoint
-        self._rkeys = _RemoteKeys()
         # UCX's close callback refers to this connection weakly: a cycle through the
         # callback's dict, which C++ holds a bare pointer to, would leave the dict to the
         # garbage collector, which may free it before the endpoint drops the pointer.
@@ -385,20 +329,11 @@ class Connection:
         return f"Connection(peer={self.peer}, {state})"
 
     def abort(self, reason: str = "closed") -> None:
-        """Close the endpoint now, cancelling every outstanding request. Idempotent. Waits
-        for a helper thread that is posting reads on the endpoint (see :meth:`read`)."""
-        with self._posting:
-            ep, self._ep = self._ep, None
+        """Close the endpoint now, cancelling every outstanding request. Idempotent."""
+        ep, self._ep = self._ep, None
         if self.failure is None:
             self.failure = reason
-        # Idle keys go first: ucp.h wants a key destroyed before its endpoint. Keys still in
-        # use go with their last read (see read()).
-        self._rkeys.drop_idle()
         if ep is not None:
-            from kvkern.xfer import ucp_rma  # noqa: PLC0415
-
-            with contextlib.suppress(Exception):  # (no handle: it never read)
-                ucp_rma.forget_endpoint(ep.ucp_endpoint)
             try:
                 ep.abort()
             except Exception as exc:  # noqa: BLE001 (closing a broken endpoint may complain)
@@ -675,95 +610,6 @@ class Connection:
         oldest.result()
         return oldest_i
 
-    # ---- one-sided reads
-
-    async def read(self, rkey: bytes, runs: Sequence[tuple[int, int, int]], *,
-                   timeout: float = DEFAULT_TIMEOUT_S) -> float | None:
-        """Read ``runs`` of ``(local_address, remote_address, nbytes)`` from the peer's memory
-        registered under the packed ``rkey``; see :meth:`read_parts`."""
-        return await self.read_parts([(rkey, runs)], timeout=timeout)
-
-    async def read_parts(self, parts: Sequence[tuple[bytes, Sequence[tuple[int, int, int]]]],
-                         *, timeout: float = DEFAULT_TIMEOUT_S) -> float | None:
-        """Read each part's runs of ``(local_address, remote_address, nbytes)`` from the
-        peer's memory registered under that part's packed rkey (one part per registered
-        region, e.g. per layer of a per-layer pool; see :mod:`kvkern.xfer.ucp_rma`). Returns
-        the ``perf_counter`` time the first run was seen complete.
-
-        The reads are posted and waited for on a helper thread (posting can wait for UCX's
-        worker lock while the progress thread copies), so the event loop stays free; the
-        endpoint cannot be aborted while reads are being posted on it. ``timeout`` bounds
-        the whole read. A read cancelled while it still waits for a helper thread is
-        withdrawn (nothing was posted); once posted, a cancellation first lets the reads
-        finish for up to :data:`READ_CANCEL_GRACE_S` (the connection, shared by other
-        pulls, stays up); any failure, timeout, or cancellation outlasting that aborts the
-        connection, which cancels the reads still running, and then waits up to
-        :data:`READ_DRAIN_S` for them to end before raising: after the raise, UCX writes to
-        no local address of any run any more. Should a read outlive even that (never seen),
-        the error is :class:`ReadsStuck` and the caller must not reuse the local memory.
-        """
-        from kvkern.xfer import ucp_rma  # noqa: PLC0415
-
-        ep = self._require()
-        batches: list[ReadBatch] = []
-        entries: list[tuple[bytes, list]] = []
-        n_runs = sum(len(runs) for _, runs in parts)
-        stop = threading.Event()
-        finished = False  # cancelled, but every read completed within the grace
-        job: concurrent.futures.Future | None = None
-        try:
-            worker = _worker_handle()
-            for rkey, runs in parts:
-                entries.append((rkey, self._rkeys.acquire(rkey, ep)))
-                batches.append(ucp_rma.ReadBatch(entries[-1][1][0], runs, worker_handle=worker,
-                                                 guard=self._open_for_posts))
-            posted = threading.Event()
-            job = _read_waiters().submit(self._post_and_wait, ep, batches, timeout, stop,
-                                         posted)
-            wait = _observed(asyncio.wrap_future(job))
-            try:
-                return await asyncio.shield(wait)
-            except asyncio.CancelledError:
-                # still queued behind other pulls' reads: withdrawn, nothing was posted
-                finished = job.cancel() or await _read_grace(wait, stop, posted)
-                raise
-        except asyncio.CancelledError:
-            if not finished:
-                self.abort("cancelled")
-            raise
-        except Exception as exc:
-            err = exc
-            if isinstance(exc, ucp_rma.RmaError):
-                err = TransportError("transfer_failed", f"one-sided read: {exc}")
-            raise self._fail(err, f"read of {n_runs} runs") from exc
-        finally:
-            await _end_reads(self, batches, entries, n_runs, job, stop)
-
-    def _post_and_wait(self, ep: UcxEndpoint, batches: list[ReadBatch], timeout: float,
-                       stop: threading.Event, posted: threading.Event) -> float | None:
-        """On a helper thread: post every batch (never while the endpoint is being aborted,
-        none once ``stop`` is set), then wait for them; the time the first run was seen
-        complete. ``posted`` is set once any batch may have been posted."""
-        with self._open_for_posts():
-            if stop.is_set():  # cancelled before its turn: nothing to wait for
-                return None
-            posted.set()
-            for batch in batches:
-                batch.post(ep.ucp_endpoint)
-        deadline = time.perf_counter() + timeout
-        firsts = [batch.wait(max(deadline - time.perf_counter(), 0.0), stop)
-                  for batch in batches]
-        return min((f for f in firsts if f is not None), default=None)
-
-    @contextlib.contextmanager
-    def _open_for_posts(self) -> Iterator[None]:
-        """Hold off :meth:`abort` while reads are posted on the endpoint; raises when it is
-        already closed."""
-        with self._posting:
-            if self._ep is None:
-                raise TransportError("closed", f"connection closed ({self.failure})")
-            yield
-
     def _abort_streams(self, inflight: collections.deque, reason: str) -> None:
         # Abort first: only an endpoint abort makes UCX let go of posted buffers.
         self.abort(reason)
@@ -793,103 +639,12 @@ async def _call_maybe_async(fn: Callable[..., Awaitable[None] | None] | None,
         await out
 
 
-_READ_WAITERS: concurrent.futures.ThreadPoolExecutor | None = None
-
-
 class ReadsStuck(TransportError):
     """One-sided reads outlived the abort of their endpoint: the local memory they target
     must not be reused (the caller quarantines it)."""
 
     def __init__(self, detail: str) -> None:
         super().__init__("transfer_failed", detail)
-
-
-# Read batches still running after their connection was aborted and the drain ran out:
-# never freed, since UCX may still use their memory (their requests are never completed).
-_stuck_batches: list[ReadBatch] = []
-
-
-def _read_waiters() -> concurrent.futures.ThreadPoolExecutor:
-    global _READ_WAITERS
-    if _READ_WAITERS is None:
-        _READ_WAITERS = concurrent.futures.ThreadPoolExecutor(
-            max_workers=READ_WAITER_THREADS, thread_name_prefix="kvkern-read")
-    return _READ_WAITERS
-
-
-def _worker_handle() -> int:
-    """ucxx's ``ucp_worker_h`` (reads progress it while they wait)."""
-    return ucxcompat.worker_handle()
-
-
-async def _read_grace(wait: asyncio.Future, stop: threading.Event,
-                      posted: threading.Event) -> bool:
-    """A cancelled read: the copies are local and short, so let them finish rather than abort
-    the connection, which every other pull from this source rank shares. Reads that outlast
-    :data:`READ_CANCEL_GRACE_S` are told to stop (the caller then aborts). True when every
-    read completed within the grace, or none was posted (``posted``)."""
-    finished = False
-    with contextlib.suppress(BaseException):
-        await asyncio.wait_for(asyncio.shield(wait), READ_CANCEL_GRACE_S)
-        finished = wait.exception() is None
-    if not finished:
-        stop.set()
-        with contextlib.suppress(BaseException):
-            await asyncio.wait_for(asyncio.shield(wait), READ_DRAIN_S)
-        finished = wait.done() and not posted.is_set()
-    return finished
-
-
-async def _end_reads(conn: Connection, batches: list[ReadBatch],
-                     entries: list[tuple[bytes, list]], n_runs: int,
-                     job: concurrent.futures.Future | None, stop: threading.Event) -> None:
-    """The end of :meth:`Connection.read_parts`: abort ``conn`` and drain reads still
-    running; then release the keys, unless a read outlived the drain (:class:`ReadsStuck`:
-    the keys and the batches are kept for good). The batches are polled here only once the
-    helper thread has let go of them (a batch is not safe to poll from two threads)."""
-    helper_done = await _helper_done(job, stop)
-    stuck = [batch for batch in batches if not helper_done or batch.stuck]
-    if stuck:
-        conn.abort(conn.failure or "cancelled")  # cancels the reads still running
-        try:
-            drained = helper_done and all([await _drain(batch) for batch in stuck])
-        except asyncio.CancelledError:  # cancelled again while draining: unknown
-            drained = False
-        if not drained:
-            # UCX may still write where they say (their iovs, their checks' buffers)
-            _stuck_batches.extend(stuck)
-            raise ReadsStuck(f"{n_runs} reads still running after the endpoint "
-                             f"was aborted (waited up to {READ_DRAIN_S} s)")
-    for rkey, entry in entries:
-        conn._rkeys.release(rkey, entry, dead=conn._ep is None)
-
-
-async def _helper_done(job: concurrent.futures.Future | None, stop: threading.Event) -> bool:
-    """Whether the helper thread running ``job`` (if any) has ended, told to stop and waited
-    for up to :data:`READ_DRAIN_S` (a cancellation cut the waits before this one short)."""
-    if job is None or job.done():
-        return True
-    stop.set()
-    with contextlib.suppress(asyncio.CancelledError):  # (again: then it is not known)
-        await asyncio.wait([_observed(asyncio.wrap_future(job))], timeout=READ_DRAIN_S)
-    return job.done()
-
-
-def _observed(fut: asyncio.Future) -> asyncio.Future:
-    """``fut``, its exception retrieved when it ends (a helper's end may be awaited by no
-    one: a cancelled read)."""
-    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return fut
-
-
-async def _drain(batch: ReadBatch) -> bool:
-    """Poll an aborted read batch until every request ended; False after READ_DRAIN_S."""
-    deadline = time.monotonic() + READ_DRAIN_S
-    while not batch.poll():
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(0.001)
-    return True
 
 
 def _check_config() -> None:

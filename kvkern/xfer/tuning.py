@@ -1,7 +1,7 @@
 """The transfer path's tuning constants, in one place, each with the reason for its value.
 
-The modules that use a constant import it from here under the same name (so
-``kvkern.xfer.transport.READ_DRAIN_S`` and the like still exist). Per-deployment settings
+The modules that use a constant import it from here under the same name, or read it here
+(``tuning.READ_DRAIN_S``) where tests change it. Per-deployment settings
 are fields of :class:`kvkern.xfer.config.XferConfig` and
 :class:`kvkern.xfer.source_config.SourceConfig`; the ``DEFAULT_*`` values below are their
 defaults or the bounds of calls that take no setting.
@@ -28,7 +28,7 @@ __all__ = [
     "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "MAX_UNTRUSTED_CONNECTIONS",
     "OWNED_DRAIN_POLL_S",
     "PACK_WAIT_S", "QUOTA_POLL_S",
-    "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "READ_WAITER_THREADS",
+    "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S",
     "SCATTER_MAX_BYTES",
     "SCATTER_MAX_PIECES",
     "SPLIT_ALIGN",
@@ -51,16 +51,14 @@ MAX_UNTRUSTED_CONNECTIONS = 256
 BODY_TIMEOUT_S = 5.0
 # The authentication exchange (Hello, Challenge, Proof) must complete within this.
 DEFAULT_AUTH_TIMEOUT_S = 5.0
-# Unpacked remote keys kept per connection: one per registered region of the source rank
+# Unpacked remote keys kept per lane endpoint: one per registered region of the source rank
 # (a per-layer pool registers one per layer), as many as a read grant may name.
 MAX_CACHED_RKEYS = 4096
 # How long an aborted read may take to end before ReadsStuck (its local memory is then
 # quarantined rather than risk a late write).
 READ_DRAIN_S = 5.0
-# A cancelled read may finish within this and keep the connection that other pulls share.
+# A cancelled read may finish within this and keep the lane endpoint that other pulls share.
 READ_CANCEL_GRACE_S = 0.1
-# Threads that post and wait for reads on the control connection, shared by all pulls.
-READ_WAITER_THREADS = 8
 
 # ---------------------------------------------------------------- read lanes
 
@@ -109,7 +107,7 @@ DIRECTORY_READ_COST_BYTES = 16 << 10
 # pull's reads still split evenly over the lanes.
 SCATTER_MAX_PIECES = 256
 SCATTER_MAX_BYTES = 4 << 20
-# After its read lanes failed, a source worker is read on the control connection this long.
+# After its read lanes failed, a source worker is streamed from for this long.
 LANE_RETRY_S = 60.0
 
 # ---------------------------------------------------------------- destination

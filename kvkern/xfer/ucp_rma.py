@@ -1,15 +1,19 @@
 """One-sided UCX reads (``ucp_get_nbx``) for the pull path, through the libucp ucxx loaded
 (bound in :mod:`kvkern.xfer.ucxcompat`).
 
-ucxx 0.52's Python API has tags, streams and active messages but no RMA, while its UCX
-context is created with ``UCP_FEATURE_RMA`` and its worker is thread-safe
-(``UCS_THREAD_MODE_MULTI``). :mod:`kvkern.xfer.ucxcompat` binds the few libucp calls a remote
-read needs, on the handles ucxx already owns; this module keeps their rules::
+ucxx 0.52's Python API has tags, streams and active messages but no RMA, and kvkern creates
+ucxx's own context (the one it listens on) without RMA (:data:`ucxcompat.APP_FEATURES`).
+Reads use UCP contexts of their own, on transports other than TCP
+(:func:`ucxcompat.new_rma_context`): the source registers its pools in its
+:func:`ucxcompat.read_target`, whose worker address its state publishes, and a destination
+reads on its read lanes' workers (:mod:`kvkern.xfer.read_lanes`).
+:mod:`kvkern.xfer.ucxcompat` binds the few libucp calls a remote read needs; this module
+keeps their rules::
 
     source                                         destination
-    Region(pool address, length)   rkey bytes ->   RemoteKey(conn, rkey bytes)
+    Region(pool address, length)   rkey bytes ->   RemoteKey(lane endpoint, rkey bytes)
       ucp_mem_map (remote read only)                 ucp_ep_rkey_unpack
-      ucp_rkey_pack                                ReadBatch(conn, key, runs)
+      ucp_rkey_pack                                ReadBatch(key, runs)
                                                      ucp_get_nbx per run, into local memory
                                                      ucp_request_check_status until done
 
@@ -159,16 +163,15 @@ def rma_unavailable() -> str | None:
     """Why one-sided reads cannot be used in this process, or None when they can."""
     try:
         ucxcompat.libucp()
-        if not ucxcompat.context_has_rma():
-            return "the UCX context was created without UCP_FEATURE_RMA"
-        ucxcompat.ucp_context_handle()
+        ucxcompat.read_target()
     except Exception as exc:  # noqa: BLE001 (any binding failure means: use the stream)
         return f"{type(exc).__name__}: {exc}"
     return None
 
 
 class Region:
-    """``length`` bytes at ``address`` registered with ucxx's UCX context for **remote read**;
+    """``length`` bytes at ``address`` registered for **remote read** in this process's
+    :func:`ucxcompat.read_target`;
     ``rkey`` is the packed remote key a peer unpacks with :class:`RemoteKey`. ``close()``
     unmaps it (idempotent); the memory must stay alive until then."""
 
@@ -177,7 +180,7 @@ class Region:
             raise ValueError(f"cannot register {length} bytes at {address:#x}")
         if memory_type not in MEMORY_TYPES:
             raise ValueError(f"memory_type {memory_type!r} not in {sorted(MEMORY_TYPES)}")
-        self._ctx = ucxcompat.ucp_context_handle()
+        self._ctx = ucxcompat.read_target().handle
         self.address = int(address)
         self.length = int(length)
         self.memory_type = memory_type

@@ -25,7 +25,8 @@ Why each setting (ucxx 0.52, libucx 1.21, two processes on 127.0.0.1):
   a transport did not consume; these settings are exactly such variables on some builds.
 * ``UCX_TLS``: left alone. If the user restricts it, it must keep ``tcp`` for listener
   endpoints (the connection manager runs over sockets): without it ``create_endpoint`` fails
-  after 5 s. :func:`ucx_tls_problem` names that misconfiguration so callers fail fast.
+  after 5 s. :func:`ucx_tls_problem` names that misconfiguration so callers fail fast. The
+  contexts of one-sided reads take the same list without ``tcp`` (:func:`rma_tls`).
 
 Device memory (pools and staging on a GPU). UCX's default ``UCX_TLS=all`` already includes
 every CUDA transport a node has, and that is the choice: an explicit list makes UCX 1.21 warn
@@ -130,6 +131,27 @@ def _tls_allows(tls: str | None, transport: str) -> bool:
     if exclude:
         return not named
     return named or "all" in items
+
+
+def rma_tls(environ: MutableMapping[str, str] | None = None) -> str | None:
+    """``UCX_TLS`` for a context that registers memory for peers' one-sided reads, or reads
+    a peer's: the user's ``UCX_TLS`` without ``tcp``; None when nothing else is left.
+
+    Over TCP, UCX emulates one-sided reads and writes in software, and a worker whose context
+    enables RMA answers them from any endpoint that reaches it, at any address, with no remote
+    key and before kvkern authenticates anyone (SECURITY.md). Such contexts keep to transports
+    that reach no further than the host (shared memory, CMA, CUDA IPC) or the RDMA fabric;
+    a source reachable over TCP only is streamed to."""
+    env = os.environ if environ is None else environ
+    items = [t.strip() for t in (env.get("UCX_TLS") or "").split(",") if t.strip()]
+    if not items or "all" in (t.lower() for t in items):
+        return "^tcp"
+    if items[0].startswith("^"):
+        excluded = [items[0][1:], *items[1:]]
+        return "^" + ",".join(dict.fromkeys(
+            [t for t in excluded if t] + (["tcp"] if "tcp" not in excluded else [])))
+    kept = [t for t in items if t.lower() not in ("tcp", "all")]
+    return ",".join(kept) or None
 
 
 def cuda_tls_gaps(environ: MutableMapping[str, str] | None = None) -> list[str]:

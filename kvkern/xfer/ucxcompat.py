@@ -1,15 +1,15 @@
 """Every use of ucxx internals, in one place: what kvkern needs from ucxx beyond its public
-Python API (``create_listener``, ``create_endpoint``, ``get_ucp_worker``, ``exceptions``,
+Python API (``create_listener``, ``create_endpoint``, ``exceptions``,
 ``stop_notifier_thread``), behind a small documented API. A new ucxx release is checked here
 (and by tests/test_ucp_rma.py against the UCX headers), not across the transfer path.
 
 =========================  ==========================================================
-application context        :func:`worker_address`, :func:`ucp_context_handle`,
-                           :func:`context_has_rma`, :func:`worker_handle`
+application context        :data:`APP_FEATURES`, :func:`app_features`,
+                           :func:`worker_address`
 notifier thread            :func:`install_notifier`, :func:`rebind_notifier`,
                            :func:`stop_notifier`
-lane workers (``_lib``)    :func:`new_rma_context`, :func:`new_worker`,
-                           :func:`endpoint_to_address`
+read contexts (``_lib``)   :func:`new_rma_context`, :func:`read_target`,
+                           :func:`new_worker`, :func:`endpoint_to_address`
 connection handshake       :func:`new_client_endpoint`, :func:`new_listener`,
                            :func:`close_listener`, :func:`close_endpoint`,
                            :func:`endpoint_with_tags`, :func:`stream_buffer`,
@@ -22,7 +22,8 @@ libucp (ctypes)            :func:`libucp`, :func:`map_for_remote_read`, :func:`p
 =========================  ==========================================================
 
 The private pieces used: ucxx's application context (``ucxx.core._get_ctx()`` /
-``ucxx.core._ctx``: its ``context.handle``, ``context.feature_flags``, ``worker.address``,
+``ucxx.core._ctx``: its ``context.feature_flags``, ``worker.address``, the ``ucx_api`` module
+its constructor makes the context with (replaced by :func:`_restrict_app_features`),
 notifier thread, its body ``_notifierThread`` (replaced by :func:`_notifier`) and the
 Python-future pool), the Cython binding ``ucxx._lib.libucxx``
 (``UCXContext``, ``UCXWorker``, ``UCXAddress``, ``Feature``, ``UCXEndpoint``,
@@ -56,11 +57,11 @@ if TYPE_CHECKING:
     from ucxx._lib.libucxx import UCXAddress, UCXContext, UCXEndpoint, UCXWorker
     from ucxx._lib_async import ApplicationContext
 
-__all__ = ["MemMapParams", "RequestParam", "UCS_OK", "context_has_rma", "destroy_rkey",
+__all__ = ["APP_FEATURES", "MemMapParams", "ReadTarget", "RequestParam", "UCS_OK",
+           "app_features", "destroy_rkey",
            "endpoint_to_address", "libucp", "map_for_remote_read", "new_rma_context",
            "new_worker", "pack_rkey", "ptr_status", "read_poster", "rebind_notifier", "request_calls",
-           "stop_notifier", "ucp_context_handle", "unmap", "unpack_rkey", "worker_address",
-           "worker_handle"]
+           "read_target", "stop_notifier", "unmap", "unpack_rkey", "worker_address"]
 
 UCS_OK = 0
 UCS_ERR_LAST = -100  # the lowest ucs_status_t (UCS_ERR_LAST in ucs/type/status.h)
@@ -76,11 +77,22 @@ RKEY_PAD = 4096  # zero bytes after a received rkey (see unpack_rkey)
 
 # ---------------------------------------------------------------- application context
 
+# The features of ucxx's application context, whose worker listens for peers and carries
+# every connection: tags, streams and wake-ups. Not RMA: a worker whose context has it answers
+# UCX's software puts and gets (ucp_put_handler, ucp_get_req_handler) from any connected
+# endpoint at any address, before kvkern authenticates anyone; one-sided reads use contexts
+# of their own (:func:`read_target`, the read lanes'), whose transports exclude TCP. Not AM:
+# kvkern sends no active messages, and ucxx would keep every one a peer sends.
+APP_FEATURES = ("TAG", "WAKEUP", "STREAM")
+
+
 def _app_context() -> ApplicationContext:
-    """ucxx's application context, created (and bound to the running loop) on first use; the
-    process then stops ucxx's notifier thread at exit (:func:`stop_notifier_at_exit`)."""
+    """ucxx's application context, created (and bound to the running loop) on first use,
+    with :data:`APP_FEATURES` only; the process then stops ucxx's notifier thread at exit
+    (:func:`stop_notifier_at_exit`)."""
     ucxx = import_ucxx()
     install_notifier()
+    _restrict_app_features()
     ctx = ucxx.core._get_ctx()
     stop_notifier_at_exit()
     return ctx
@@ -98,35 +110,51 @@ def stop_notifier_at_exit() -> None:
     if _exit_hook[0]:
         return
     _exit_hook[0] = True
+    _at_exit(stop_notifier)
+
+
+def _at_exit(fn: Callable[[], object]) -> None:
+    """Run ``fn`` at interpreter exit, before non-daemon threads are joined."""
     register = getattr(threading, "_register_atexit", None)
     if register is None:  # not CPython 3.9+: fall back to atexit (may be too late)
         import atexit  # noqa: PLC0415
 
         register = atexit.register
     with contextlib.suppress(RuntimeError):  # already shutting down
-        register(stop_notifier)
+        register(fn)
+
+
+def _restrict_app_features() -> None:
+    """Make ucxx create its application context with :data:`APP_FEATURES` (ucxx asks for
+    every feature and takes no say in it): its module's ``ucx_api`` becomes a copy whose
+    ``UCXContext`` passes them. Idempotent; a context made before this keeps its features
+    (:func:`app_features` tells)."""
+    from ucxx._lib_async import application_context  # noqa: PLC0415
+
+    api = application_context.ucx_api
+    if getattr(api, "kvkern_features", None) is not None:
+        return
+    lib = _libucxx()
+    features = tuple(getattr(lib.Feature, name) for name in APP_FEATURES)
+
+    def context(config_dict: dict | None = None, feature_flags: object = None) -> UCXContext:
+        return lib.UCXContext(dict(config_dict or {}), features)
+
+    proxy = ModuleType(lib.__name__)
+    proxy.__dict__.update({k: v for k, v in vars(lib).items() if not k.startswith("__")})
+    proxy.UCXContext = context
+    proxy.kvkern_features = features
+    application_context.ucx_api = proxy
+
+
+def app_features() -> int:
+    """The ``ucp_feature`` bits of ucxx's application context."""
+    return int(_app_context().context.feature_flags)
 
 
 def worker_address() -> bytes:
-    """This process's ucxx worker address (what read lanes open their endpoints to)."""
+    """This process's ucxx worker address (its UCX address version is every worker's)."""
     return _app_context().worker.address.tobytes()
-
-
-def ucp_context_handle() -> int:
-    """The ``ucp_context_h`` of ucxx's application context (ucxx exposes the worker handle
-    publicly, not the context's)."""
-    return int(_app_context().context.handle)
-
-
-def context_has_rma() -> bool:
-    """Whether ucxx's context was created with ``UCP_FEATURE_RMA``."""
-    return bool(int(_app_context().context.feature_flags) & UCP_FEATURE_RMA)
-
-
-def worker_handle() -> int:
-    """ucxx's ``ucp_worker_h`` (public API; here so that reads find every handle in one
-    place)."""
-    return int(import_ucxx().get_ucp_worker())
 
 
 # ---------------------------------------------------------------- notifier thread
@@ -203,11 +231,63 @@ def _libucxx() -> ModuleType:
     return import_ucxx()._lib.libucxx
 
 
-def new_rma_context(config: dict[str, str]) -> UCXContext:
-    """A UCP context of its own with RMA only and ``config`` (UCX settings without the
-    ``UCX_`` prefix, on top of the environment); raises if this UCX rejects a setting."""
+def new_rma_context(config: dict[str, str], *, wakeup: bool = False) -> UCXContext:
+    """A UCP context of its own with RMA (and ``wakeup``: worker wake-ups) only, on the
+    transports :func:`kvkern.xfer.ucx_env.rma_tls` allows, and ``config`` (UCX settings
+    without the ``UCX_`` prefix, on top of the environment); raises if this UCX rejects a
+    setting, or if no transport is allowed."""
+    from kvkern.xfer.ucx_env import rma_tls  # noqa: PLC0415
+
+    tls = rma_tls()
+    if tls is None:
+        raise RuntimeError(f"UCX_TLS={os.environ.get('UCX_TLS')!r} leaves no transport but "
+                           "tcp, which one-sided reads never use")
     lib = _libucxx()
-    return lib.UCXContext(dict(config), (lib.Feature.RMA,))
+    features = (lib.Feature.RMA, lib.Feature.WAKEUP) if wakeup else (lib.Feature.RMA,)
+    return lib.UCXContext({**config, "TLS": tls}, features)
+
+
+class ReadTarget:
+    """What this process's memory is registered in for peers' one-sided reads: a context of
+    its own (:func:`new_rma_context`) and its worker, whose address the state document
+    publishes for destinations' read lanes. ucxx's progress thread drives the worker,
+    blocked on its wake-up descriptor between events: reads from the host or the RDMA
+    fabric need no help from it, but it wires up the lanes' endpoints and answers their
+    keep-alives."""
+
+    def __init__(self) -> None:
+        self.context = new_rma_context({}, wakeup=True)
+        self.worker = _libucxx().UCXWorker(self.context)
+        self.worker.init_blocking_progress_mode()
+        self.worker.start_progress_thread(False)
+        self.handle = int(self.context.handle)  # ucp_context_h
+        self.address = self.worker.address.tobytes()
+
+    def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self.worker.stop_progress_thread()
+
+
+_read_target: list[ReadTarget | BaseException] = []
+_target_lock = threading.Lock()
+
+
+def read_target() -> ReadTarget:
+    """This process's :class:`ReadTarget`, made on first use (and stopped at exit); raises
+    what making it raised, every time."""
+    with _target_lock:
+        if not _read_target:
+            import_ucxx()
+            try:
+                _read_target.append(ReadTarget())
+            except Exception as exc:  # noqa: BLE001 (said again to every caller)
+                _read_target.append(exc)
+            else:
+                _at_exit(_read_target[0].stop)
+    made = _read_target[0]
+    if isinstance(made, BaseException):
+        raise RuntimeError(f"no UCX context for one-sided reads: {made}") from made
+    return made
 
 
 def new_worker(context: UCXContext) -> tuple[UCXWorker, int]:
