@@ -84,7 +84,7 @@ it (same run, ``--cases messages``). Its body is kvkern's
 (:func:`kvkern.xfer.ucxcompat.install_notifier`): one loop callback per batch of completions.
 
 This module uses ucxx's public API only; what it needs of ucxx's internals (the notifier
-thread, the worker handle) is in :mod:`kvkern.xfer.ucxcompat`.
+thread, the application context's features) is in :mod:`kvkern.xfer.ucxcompat`.
 
 One-sided reads
 ---------------

@@ -48,7 +48,6 @@ transports (``memory_type`` below), but no GPU has run this code yet.
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import itertools
 import logging
@@ -229,12 +228,12 @@ class RemoteKey:
 class ReadBatch:
     """Reads ``runs`` of ``(local_address, remote_address, nbytes)`` through ``key``.
 
-    :meth:`post` issues every read (``ucp_get_nbx``; ucxx's progress thread moves the
-    bytes; a :class:`Scatter` is one read over an iov, the first on an endpoint checked
-    against the same bytes read whole, or one read per piece); a read that cannot be posted
-    stops the posting and is reported by :meth:`wait`.
-    :meth:`wait` blocks (call both off the event loop: a post can wait for the worker lock
-    while the progress thread copies) until every posted read has completed, polling with a
+    :meth:`post` issues every read (``ucp_get_nbx``; the waits progress ``worker_handle``,
+    the lane's worker; a :class:`Scatter` is one read over an iov, the first on an endpoint
+    checked against the same bytes read whole, or one read per piece); a read that cannot be
+    posted stops the posting and is reported by :meth:`wait`.
+    :meth:`wait` blocks (call both off the event loop: a copy runs inside a post or a
+    progress call) until every posted read has completed, polling with a
     short sleep (:meth:`waiting` is the same wait for a driver that passes the pauses
     itself: a worker owned by the event loop's thread); it returns the time the first run
     completed and raises :class:`RmaError` for the first failed read. Requests are freed
@@ -245,8 +244,7 @@ class ReadBatch:
     _POLL_MAX_S = 200e-6
 
     def __init__(self, key: RemoteKey, runs: Sequence[tuple[int, int, int]], *,
-                 memory_type: str = "host", worker_handle: int | None = None,
-                 guard: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+                 memory_type: str = "host", worker_handle: int | None = None) -> None:
         self._post = ucxcompat.read_poster(MEMORY_TYPES[memory_type])
         self._post_iov = ucxcompat.read_poster(MEMORY_TYPES[memory_type], iov=True)
         self._host = memory_type == "host"  # (a scattered read is checked on the host)
@@ -264,7 +262,6 @@ class ReadBatch:
         self._iovs: list[np.ndarray] = []  # what the iov reads were posted with
         # held while a read is posted after :meth:`post` (the check of a scattered read):
         # an endpoint that other threads may abort is kept open meanwhile, or it raises
-        self._guard = guard or contextlib.nullcontext
         self.nbytes = 0
 
     def post(self, ep_handle: int) -> None:
@@ -373,9 +370,9 @@ class ReadBatch:
             if cancelled is not None and cancelled.is_set():
                 raise TimeoutError("read cancelled")
             if self._worker is not None and self._progress(self._worker):
-                # Progress the worker here: ucxx's progress thread sleeps up to 1 ms in
-                # epoll between rounds and no event wakes it for a read, which made every
-                # read wait ~0.9 ms and a 512-block read take twice one big one.
+                # Progress the worker here, where the read waits: a progress thread
+                # sleeping in epoll between rounds is woken by no event for a read (~0.9 ms
+                # per read on ucxx's, a 512-block read twice one big one).
                 delay = self._POLL_MIN_S
                 continue
             delay = self._POLL_MIN_S if self._next > progressed else min(
@@ -405,8 +402,7 @@ class ReadBatch:
         # drained (and kept, if stuck) with this batch, and its buffer with it: a wait cut
         # short (a timeout, another lane's failure) leaves the read to the caller's drain
         self._check_batch, self._check_buffer = check, whole
-        with self._guard():
-            check.post(self._ep)
+        check.post(self._ep)
         yield from check.waiting(timeout, cancelled)
         pos = 0
         for address, n in run.local.tolist():
