@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.metrics import XferMetrics
     from kvkern.xfer.state import SourceState
 
-__all__ = ["CANCEL_SEND_TIMEOUT_S", "PullRunner", "job_outcome"]
+__all__ = ["CANCEL_SEND_TIMEOUT_S", "PullRunner", "check_reply", "job_outcome"]
 
 T = TypeVar("T")
 log = logging.getLogger("kvkern.xfer")
@@ -79,6 +79,44 @@ def observe_pull(cost_guard: CostGuard, job: PullJob) -> None:
     total = time.perf_counter() - job.t_submit
     fixed = max(total - copy, 0.0) if job.state_cached else None
     cost_guard.observe_pull(job.bytes, max(copy, 1e-9), fixed)
+
+
+def check_reply(job: PullJob, pair: PeerTransfer, req: PullRequest, reply: Message,
+                entry: tuple[TransferConnection, int]) -> int:
+    """The served count of a well-formed reply that serves; else Fallback (and the
+    transfer is closed where nothing follows)."""
+    from kvkern.xfer.messages import Status  # noqa: PLC0415
+
+    tid, count = req.transfer_id, job.count
+    if not isinstance(reply, PullReply) or reply.transfer_id != tid:
+        raise Fallback(Reason.TRANSFER_FAILED, f"expected PullReply for transfer {tid}, "
+                       f"got {type(reply).__name__} "
+                       f"{getattr(reply, 'transfer_id', None)}")
+    if reply.status in (Status.MISS,):
+        job.open_transfers.remove(entry)  # nothing follows
+        raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} cannot serve "
+                       f"the {count} requested blocks: {reply.reason}")
+    if reply.status == Status.BUSY:
+        job.open_transfers.remove(entry)
+        raise Fallback(Reason.SOURCE_BUSY, f"source rank {pair.src_rank}: {reply.reason}")
+    if reply.status not in (Status.OK, Status.PARTIAL):
+        job.open_transfers.remove(entry)
+        raise Fallback(reject_reason(reply.reason), f"source rank {pair.src_rank} "
+                       f"answered {reply.status.value}: {reply.reason}")
+    served = reply.served_blocks
+    want = job.chained[job.local:job.local + served]
+    if served > count or list(reply.block_hashes) != want:
+        raise Fallback(Reason.HASH_MISMATCH, f"source rank {pair.src_rank} served "
+                       f"{served} blocks with hashes that are not the requested "
+                       f"{count}")
+    if served == 0:
+        job.open_transfers.remove(entry)
+        raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} served 0 of "
+                       f"{count} blocks")
+    if served < count and job.policy == "strict":
+        raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} holds {served} "
+                       f"of {count} requested blocks (strict)")
+    return served
 
 
 class PullRunner:
@@ -397,7 +435,7 @@ class PullRunner:
                 log.info("pull %r: the connection to %s:%d closed before the reply (%s); "
                          "asking once more on a new one", job.rec.request_id, *addr, exc)
         job.phases.setdefault("rtt", time.perf_counter() - t_req)
-        served = self._check_reply(job, pair, req, reply, entry)
+        served = check_reply(job, pair, req, reply, entry)
         if isinstance(reply, ReadGrant):
             if not req.read:
                 raise Fallback(Reason.TRANSFER_FAILED, f"source rank {pair.src_rank} offered "
@@ -483,43 +521,6 @@ class PullRunner:
                 await self.discovery.connect_failed(job, exc)
             raise
         return reply
-
-    def _check_reply(self, job: PullJob, pair: PeerTransfer, req: PullRequest,
-                     reply: Message, entry: tuple[TransferConnection, int]) -> int:
-        """The served count of a well-formed reply that serves; else Fallback (and the
-        transfer is closed where nothing follows)."""
-        from kvkern.xfer.messages import Status  # noqa: PLC0415
-
-        tid, count = req.transfer_id, job.count
-        if not isinstance(reply, PullReply) or reply.transfer_id != tid:
-            raise Fallback(Reason.TRANSFER_FAILED, f"expected PullReply for transfer {tid}, "
-                           f"got {type(reply).__name__} "
-                           f"{getattr(reply, 'transfer_id', None)}")
-        if reply.status in (Status.MISS,):
-            job.open_transfers.remove(entry)  # nothing follows
-            raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} cannot serve "
-                           f"the {count} requested blocks: {reply.reason}")
-        if reply.status == Status.BUSY:
-            job.open_transfers.remove(entry)
-            raise Fallback(Reason.SOURCE_BUSY, f"source rank {pair.src_rank}: {reply.reason}")
-        if reply.status not in (Status.OK, Status.PARTIAL):
-            job.open_transfers.remove(entry)
-            raise Fallback(reject_reason(reply.reason), f"source rank {pair.src_rank} "
-                           f"answered {reply.status.value}: {reply.reason}")
-        served = reply.served_blocks
-        want = job.chained[job.local:job.local + served]
-        if served > count or list(reply.block_hashes) != want:
-            raise Fallback(Reason.HASH_MISMATCH, f"source rank {pair.src_rank} served "
-                           f"{served} blocks with hashes that are not the requested "
-                           f"{count}")
-        if served == 0:
-            job.open_transfers.remove(entry)
-            raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} served 0 of "
-                           f"{count} blocks")
-        if served < count and job.policy == "strict":
-            raise Fallback(Reason.SOURCE_MISS, f"source rank {pair.src_rank} holds {served} "
-                           f"of {count} requested blocks (strict)")
-        return served
 
     def _next_tid(self) -> int:
         while True:
