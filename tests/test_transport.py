@@ -673,3 +673,21 @@ async def test_the_listening_worker_serves_no_one_sided_read_or_write():
     line = out.decode().strip()
     assert proc.returncode == 0 and line.startswith("no read"), (line, err.decode()[-2000:])
     assert secret.tobytes().hex() not in line
+
+
+def test_a_ucxx_context_made_with_rma_before_kvkern_is_named():
+    """Code of the same process that made ucxx's context first (every feature) leaves the
+    listener serving UCX's software RMA: kvkern says so once, at its first use."""
+    code = (
+        "import logging, os, ucxx\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "ucxx.core._get_ctx()\n"
+        "from kvkern.xfer import ucxcompat\n"
+        "assert ucxcompat.app_features() & ucxcompat.UCP_FEATURE_RMA\n"
+        "ucxcompat.app_features()\n"
+        "ucxcompat.stop_notifier()\n"
+        "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("created with RMA before kvkern used it") == 1, out.stderr

@@ -43,6 +43,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import logging
 import os
 import socket
 import sys
@@ -95,7 +96,23 @@ def _app_context() -> ApplicationContext:
     _restrict_app_features()
     ctx = ucxx.core._get_ctx()
     stop_notifier_at_exit()
+    if not _rma_warned and int(ctx.context.feature_flags) & UCP_FEATURE_RMA:
+        _warn_rma()
     return ctx
+
+
+_rma_warned = False
+
+
+def _warn_rma() -> None:
+    """Say once that ucxx's context was made (by other code of this process, before kvkern's
+    first use) with RMA, which kvkern's listener then serves to anyone (SECURITY.md)."""
+    global _rma_warned
+    _rma_warned = True
+    logging.getLogger("kvkern.xfer").warning(
+        "ucxx's UCX context was created with RMA before kvkern used it: the UCX listener "
+        "answers one-sided reads and writes of this process's memory from unauthenticated "
+        "peers; let kvkern create ucxx's context first (SECURITY.md)")
 
 
 _exit_hook = [False]
