@@ -1657,7 +1657,7 @@ def test_failed_read_lanes_stream_the_pair_and_rest(src, make_puller, monkeypatc
 def test_failed_read_lanes_fail_a_pull_into_the_engines_blocks_and_the_next_streams(
         src, make_puller, monkeypatch):
     """Into the engine's blocks, read lanes that fail (not by time) fail that pull (the
-    engine recomputes; nothing is read again on the connection) and rest: the next pull
+    engine recomputes; it is not asked again as a stream) and rest: the next pull
     into the engine's blocks streams."""
     calls = fail_read_lanes(monkeypatch)
     group = make_group()

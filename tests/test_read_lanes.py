@@ -1036,7 +1036,7 @@ def test_a_script_whose_other_lane_closed_reads_nothing_and_fails_closed(source,
 @aio
 async def test_addresses_are_checked_before_ucx_sees_them(source, lanes, on):
     """libucp aborts the process on an address of an unknown version: such an address is
-    refused before UCX sees it (the puller then reads on the connection); an address of
+    refused before UCX sees it (the puller then streams); an address of
     the right version that names nobody fails the read, never the process."""
     _, region, address = source
     assert address_usable(address)
