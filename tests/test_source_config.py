@@ -37,6 +37,8 @@ def test_keywords_and_config_build_the_same_service():
     ({"max_send_s": float("inf")}, "max_send_s must be a finite number > 0"),
     ({"idle_connection_s": 0}, "idle_connection_s must be a finite number > 0"),
     ({"host": "0.0.0.0"}, "advertise_host"),
+    ({"accept_from": ("10.0.0.0/8", "10.0.0.0/99")}, "accept_from entry '10.0.0.0/99'"),
+    ({"accept_from": ()}, "accept_from names no network"),
 ])
 def test_bad_values_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -53,3 +55,22 @@ def test_quotas_are_checked():
         PeerQuotas(peer_pin_fraction=1.5)
     assert SourceConfig(worker_id="w", host="0.0.0.0", advertise_host="10.0.0.1").peer_host \
         == "10.0.0.1"
+
+
+def test_who_may_connect_defaults_to_loopback_on_a_loopback_host():
+    """UCX listens on every interface whatever ``host`` says: a source bound to loopback
+    accepts UCX connections from loopback only; one bound elsewhere from any address,
+    until ``accept_from`` names the fleet's networks."""
+    from kvkern.xfer.networks import ANY, LOOPBACK, Networks
+
+    assert SourceConfig(worker_id="w").accept_networks == LOOPBACK
+    assert SourceConfig(worker_id="w", host="localhost").accept_networks == LOOPBACK
+    assert SourceConfig(worker_id="w", host="::1").accept_networks == LOOPBACK
+    assert SourceConfig(worker_id="w", host="10.0.0.5").accept_networks == ANY
+    assert SourceConfig(worker_id="w", host="0.0.0.0", advertise_host="10.0.0.5") \
+        .accept_networks == ANY
+    cfg = SourceConfig(worker_id="w", host="0.0.0.0", advertise_host="10.0.0.5",
+                       accept_from="10.0.0.0/16")
+    assert cfg.accept_from == ("10.0.0.0/16",)
+    assert cfg.accept_networks == Networks.parse("10.0.0.0/16")
+    assert "10.0.9.9" in cfg.accept_networks and "10.1.0.1" not in cfg.accept_networks

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 from kvkern.xfer import transport, ucxcompat
 from kvkern.xfer.messages import Cancel, PlanPiece, PullReply, PullRequest, Status
+from kvkern.xfer.networks import Networks
 from kvkern.xfer.transport import (
     CONTROL_TAG,
     MAX_TRANSFER_ID,
@@ -410,6 +412,64 @@ async def test_listener_shutdown_closes_everything():
             assert info.value.reason in ("peer_closed", "transfer_failed", "transfer_timeout")
         await b_pool.close()
         assert len(b_pool) == 0
+
+
+@aio
+async def test_a_connection_from_outside_accept_from_is_rejected_before_it_has_an_endpoint():
+    """A listener whose ``accept_from`` leaves loopback out rejects a loopback client's
+    connection request: the client learns at once, the listener made no endpoint (nothing
+    entered its gate or handshake) and names the reason; one that covers loopback serves."""
+    reasons: list[str] = []
+
+    async def handler(conn):
+        await conn.recv_msg(timeout=None)
+
+    outside = await Listener(handler, accept_from=Networks.parse("10.0.0.0/8"),
+                             on_refused=reasons.append).start()
+    inside = await Listener(handler, accept_from=Networks.parse("127.0.0.0/8")).start()
+    try:
+        async with ConnectionPool(connect_timeout=10) as pool:
+            t0 = time.monotonic()
+            with pytest.raises(TransportError) as info:
+                await pool.get(HOST, outside.port)
+            assert info.value.reason == "connect_failed"
+            assert time.monotonic() - t0 < 5  # rejected, not timed out
+            for _ in range(100):
+                if reasons:
+                    break
+                await asyncio.sleep(0.01)
+            assert reasons == ["address_not_accepted"] and outside.rejected_connections == 1
+            assert outside.accepted == 0 and outside.untrusted_connections == 0
+            assert outside.refused_untrusted == 0
+            await pool.get(HOST, inside.port)
+            assert inside.accepted == 1 and inside.rejected_connections == 0
+    finally:
+        await outside.close()
+        await inside.close()
+
+
+FLOOD = Path(__file__).parent / "peers" / "flood_peer.py"
+
+
+def _flood(accept_from: str) -> dict:
+    env = {**os.environ, "UCX_LOG_LEVEL": "error"}
+    out = subprocess.run([sys.executable, str(FLOOD), accept_from, "1.0", "4096"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("FLOOD ")), None)
+    assert out.returncode == 0 and line, (out.stdout[-2000:], out.stderr[-2000:])
+    return json.loads(line.split(" ", 1)[1])
+
+
+def test_a_rejected_address_cannot_fill_the_queue_of_unexpected_messages():
+    """UCX keeps every tagged message no receive matches, from any connected endpoint,
+    before kvkern has checked anything: a second of 4 KiB messages from one connection
+    grows the listening process by hundreds of MiB. From an address outside
+    ``accept_from`` the connection never exists, and the process does not grow."""
+    admitted = _flood("127.0.0.0/8")
+    assert admitted["rejected"] == 0 and admitted["rss_growth_mib"] >= 64, admitted
+    rejected = _flood("10.0.0.0/8")
+    assert rejected["rejected"] == 1 and rejected["accepted"] == 0, rejected
+    assert rejected["rss_growth_mib"] <= 16, rejected
 
 
 @aio

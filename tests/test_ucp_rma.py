@@ -72,6 +72,9 @@ SIGNATURES = {
     "ucp_request_free": ("void", ["void *"]),
     "ucp_worker_progress": ("unsigned", ["ucp_worker_h"]),
     "ucp_ep_query": ("ucs_status_t", ["ucp_ep_h", "ucp_ep_attr_t *"]),
+    "ucp_conn_request_query": ("ucs_status_t", ["ucp_conn_request_h",
+                                                "ucp_conn_request_attr_t *"]),
+    "ucp_listener_reject": ("ucs_status_t", ["ucp_listener_h", "ucp_conn_request_h"]),
 }
 CONSTANTS = {  # header name -> the value kvkern uses
     "UCP_MEM_MAP_PARAM_FIELD_ADDRESS": ucxcompat.MAP_FIELD_ADDRESS,
@@ -92,6 +95,8 @@ CONSTANTS = {  # header name -> the value kvkern uses
     "UCS_ERR_CANCELED": ucp_rma.UCS_ERR_CANCELED,
     "UCS_ERR_UNREACHABLE": ucp_rma.UCS_ERR_UNREACHABLE,
     "UCP_EP_ATTR_FIELD_TRANSPORTS": ucxcompat.EP_ATTR_FIELD_TRANSPORTS,
+    "UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR": ucxcompat.EP_ATTR_FIELD_REMOTE_SOCKADDR,
+    "UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR": ucxcompat.CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR,
     "UCS_ERR_LAST": ucxcompat.UCS_ERR_LAST,
 }
 STRUCTS = {"ucp_mem_map_params_t": ucxcompat.MemMapParams,
@@ -99,7 +104,8 @@ STRUCTS = {"ucp_mem_map_params_t": ucxcompat.MemMapParams,
            "ucp_dt_iov_t": ucp_rma.DtIov,
            "ucp_ep_attr_t": ucxcompat.EpAttr,
            "ucp_transports_t": ucxcompat.Transports,
-           "ucp_transport_entry_t": ucxcompat.TransportEntry}
+           "ucp_transport_entry_t": ucxcompat.TransportEntry,
+           "ucp_conn_request_attr_t": ucxcompat.ConnRequestAttr}
 # ucs_status_ptr_t values at the edges of UCS_PTR_IS_PTR / UCS_PTR_IS_ERR
 PTR_PROBES = [0, 1, 4096, (1 << 63) - 1, 1 << 63, 2**64 - 101, 2**64 - 100, 2**64 - 25,
               2**64 - 16, 2**64 - 1]

@@ -13,6 +13,7 @@ def test_defaults_stay_on_loopback():
     assert (cfg.listen_host, cfg.listen_port, cfg.allowlist) == ("127.0.0.1", 0, ("127.0.0.1",))
     assert not cfg.trust_unsigned_hints and cfg.serve and cfg.policy == "strict"
     assert cfg.remote_read == "off"  # reads are an opt-in (SECURITY.md)
+    assert cfg.accept_from is None  # (the source's default: loopback, as listen is)
 
 
 def test_the_three_settings_an_operator_gives():
@@ -27,6 +28,8 @@ def test_the_three_settings_an_operator_gives():
     assert ConnectorConfig.from_extra({"gil_switch_interval_s": None}).gil_switch_interval_s \
         is None
     assert ConnectorConfig.from_extra({"remote_read": "host"}).remote_read == "host"
+    assert ConnectorConfig.from_extra({"accept_from": "10.0.0.0/16, fd00::/8"}).accept_from \
+        == ("10.0.0.0/16", "fd00::/8")
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -34,6 +37,8 @@ def test_the_three_settings_an_operator_gives():
     ({"listen": "8600"}, "host:port"),
     ({"listen": "h:70000"}, "port in"),
     ({"allowlist": 5}, "allowlist"),
+    ({"accept_from": "10.0.0.0/16, fleet"}, "accept_from entry 'fleet'"),
+    ({"accept_from": ""}, "accept_from names no network"),
     ({"trust_unsigned_hints": "yes"}, "true or false"),
     ({"deadline_s": 0}, "positive number"),
     ({"deadline_s": float("nan")}, "positive number"),

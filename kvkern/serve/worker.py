@@ -113,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "*.suffix[:ports]); also KVKERN_ALLOWLIST. Without any, every "
                           "hint is refused (fail closed). Loopback needs an explicit entry such as "
                           "127.0.0.0/8")
+    net.add_argument("--accept-from", action="append", default=[], metavar="NET",
+                     help="network whose hosts may connect to this worker's UCX listener "
+                          "(repeat; CIDR or address); also KVKERN_ACCEPT_FROM (default: "
+                          "loopback when --host is loopback, else any address)")
     net.add_argument("--worker-id", default=None,
                      help="this worker's name in logs, metrics and its peers' quotas "
                           "(default: worker-<random>)")
@@ -201,6 +205,14 @@ def check_options(opts: argparse.Namespace) -> None:
         except ValueError as exc:
             raise UsageError(f"bad allowlist entry: {exc}; use CIDR (10.0.0.0/8), "
                              "host[:port[-port]] or *.suffix[:ports]") from None
+    accept = accept_specs(opts)
+    if accept is not None:
+        from kvkern.xfer.networks import Networks  # noqa: PLC0415
+
+        try:
+            Networks.parse(accept, name="--accept-from")
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     if opts.host in ("0.0.0.0", "::") and not opts.advertise_host:
         raise UsageError(f"--host {opts.host} needs --advertise-host (the address peers reach "
                          "the worker at)")
@@ -208,6 +220,14 @@ def check_options(opts: argparse.Namespace) -> None:
         raise UsageError(f"--chunk-mib {opts.chunk_mib} exceeds 16384 (16 GiB)")
     _check_device(opts.device)
     check_port_free(opts.host, opts.port)
+
+
+def accept_specs(opts: argparse.Namespace) -> tuple[str, ...] | None:
+    """``--accept-from`` entries followed by those of ``KVKERN_ACCEPT_FROM``; None where
+    neither names any (the source's default)."""
+    env = os.environ.get("KVKERN_ACCEPT_FROM", "")
+    specs = list(opts.accept_from) + [s for s in env.replace(",", " ").split() if s]
+    return tuple(specs) or None
 
 
 def allow_specs(opts: argparse.Namespace) -> list[str]:
@@ -351,7 +371,7 @@ class Worker:
             advertise_host=o.advertise_host or (None if o.host in ("0.0.0.0", "::") else o.host),
             chunk_bytes=o.chunk_mib << 20, metrics=self.metrics, extra_routes=routes,
             remote_read=o.remote_read, credential=self.credential,
-            http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES))
+            http_limits=HttpLimits(max_body_bytes=MAX_BODY_BYTES), accept_from=accept_specs(o))
         from kvkern.xfer.hints import HintLimits  # noqa: PLC0415
 
         self._limits = HintLimits(max_metadata_timeout_s=config.max_metadata_timeout_s,

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvkern.xfer import ucxcompat
+from kvkern.xfer.networks import Networks
 
 __all__ = ["Gate", "Handshake", "HandshakeError", "abandoned", "connect", "create_listener"]
 
@@ -144,17 +145,23 @@ async def connect(host: str, port: int, timeout: float) -> Any:
 
 
 class Gate:
-    """At most ``limit`` connections at once between their arrival and :meth:`leave`, which
+    """Only connection requests from ``accept_from`` (any address where None) become
+    connections: :meth:`admits` is asked on UCX's progress thread, before any endpoint
+    exists, and :meth:`reject` counts each one it turned down (``rejected``).
+
+    At most ``limit`` connections at once between their arrival and :meth:`leave`, which
     the listener's owner calls once it trusts the connection (after its authentication), or
     :meth:`drop` when it turns it away, and at most ``per_address`` of them from one remote
     address (default ``min(limit, PER_ADDRESS)``: one host cannot take every slot);
     ``refused`` counts those turned away at once. ``on_refuse(reason)`` hears of every
-    connection refused (``untrusted_limit``) or dropped (the reason given to :meth:`drop`)."""
+    connection rejected (``address_not_accepted``), refused (``untrusted_limit``) or
+    dropped (the reason given to :meth:`drop`)."""
 
     PER_ADDRESS = 64  # a quarter of the default limit: four hosts to fill it
+    LOGGED_ADDRESSES = 64  # rejected addresses named in the log (each once), then silence
 
     def __init__(self, limit: int, on_refuse: Callable[[str], None] | None = None, *,
-                 per_address: int | None = None) -> None:
+                 per_address: int | None = None, accept_from: Networks | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
@@ -165,6 +172,23 @@ class Gate:
         self.refused = 0
         self._from: collections.Counter[str] = collections.Counter()
         self._on_refuse = on_refuse
+        self.accept_from = accept_from
+        self.rejected = 0
+        self._logged: set[str | None] = set()
+
+    def admits(self, address: str | None) -> bool:
+        """Whether a connection request from ``address`` (None where unknown) may become a
+        connection at all; called on UCX's progress thread."""
+        return self.accept_from is None or address in self.accept_from
+
+    def reject(self, address: str | None) -> None:
+        """Count a connection request :meth:`admits` turned down (on the loop)."""
+        self.rejected += 1
+        if address not in self._logged and len(self._logged) < self.LOGGED_ADDRESSES:
+            self._logged.add(address)
+            log.warning("rejected a UCX connection from %s: not in accept_from (%s)",
+                        address or "an unknown address", self.accept_from)
+        self._tell("address_not_accepted")
 
     def enter(self, address: str = "") -> bool:
         """Let a connection from ``address`` (the remote IP; "" where unknown, counted
@@ -200,10 +224,12 @@ def create_listener(callback: Callable[[Any], Awaitable[None]], *, port: int,
                     timeout: float, gate: Gate) -> Any:
     """ucxx's ``create_listener(callback, port)`` with error handling on: a ucxx
     ``Listener`` whose connections run :class:`Handshake` (``timeout`` s) before
-    ``callback(endpoint)``; a connection that fails it is closed and never seen. Each
-    connection enters ``gate`` first (closed at once when it is full); the handshake leaves
-    it on failure, ``callback`` owns the leave after that."""
-    return ucxcompat.new_listener(port, _on_request, (callback, timeout, gate))
+    ``callback(endpoint)``; a connection that fails it is closed and never seen. A request
+    that ``gate`` does not admit is rejected before it has an endpoint; each connection
+    enters ``gate`` (closed at once when it is full); the handshake leaves it on failure,
+    ``callback`` owns the leave after that."""
+    return ucxcompat.new_listener(port, _on_request, (callback, timeout, gate),
+                                  admit=gate.admits, on_reject=gate.reject)
 
 
 def _on_request(ucx_ep: Any, loop: asyncio.AbstractEventLoop, ctx_ref: weakref.ref,

@@ -207,6 +207,7 @@ from kvkern.xfer.messages import (
     Status,
 )
 from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
+from kvkern.xfer.networks import ANY
 from kvkern.xfer.regions import RegionRegistry
 from kvkern.xfer.runtime import spawn
 from kvkern.xfer.send import PeerLedger, RankCtx, Sender, SendSession
@@ -415,11 +416,17 @@ class SourceService:
         return self
 
     async def _start_listeners(self) -> None:
+        accept = self.config.accept_networks
+        if accept == ANY:
+            log.warning("source %s accepts UCX connections from any address: name the "
+                        "fleet's networks with accept_from (--accept-from), see SECURITY.md",
+                        self.worker_id)
         for rank, ctx in self._ctx.items():
             lst = Listener(self._handler_for(ctx), host=self.advertise_host,
                            port=self._ucx_ports.get(rank, 0), codec=self.codec,
                            credential=self.credential,
-                           on_refused=self.metrics.source_connection_refused)
+                           on_refused=self.metrics.source_connection_refused,
+                           accept_from=accept)
             await asyncio.wait_for(lst.start(), 10.0)
             self._listeners[rank] = lst
 

@@ -15,6 +15,7 @@ from kvkern.checks import (
     check_positive_int,
 )
 from kvkern.xfer.httpguard import HttpLimits
+from kvkern.xfer.networks import ANY, LOOPBACK, Networks, is_loopback_host
 from kvkern.xfer.tuning import (
     DEFAULT_IDLE_CONNECTION_S,
     DEFAULT_MAX_SEND_S,
@@ -79,7 +80,14 @@ class SourceConfig:
     (``off``/``host``/``all``) registers pools for one-sided reads (an opt-in, see
     SECURITY.md), whose pins are held ``read_hold_s`` at most; with ``read_directory`` (the
     default when reads are on) the pool's read directory is registered too, so destinations
-    read without asking first (:mod:`kvkern.cache.directory`)."""
+    read without asking first (:mod:`kvkern.cache.directory`).
+
+    ``accept_from``: the networks (CIDRs or addresses) whose hosts may connect to the UCX
+    listeners at all; a connection request from elsewhere is rejected before UCX makes an
+    endpoint for it. UCX listens on every interface whatever ``host`` says, so the default
+    is loopback only when ``host`` is a loopback address, and any address otherwise (name
+    the fleet's networks: UCX queues, without bound, what a connected peer sends before it
+    authenticates; see SECURITY.md). :attr:`accept_networks` is the result."""
 
     worker_id: str
     host: str = "127.0.0.1"
@@ -99,8 +107,14 @@ class SourceConfig:
     read_directory: bool = True
     quotas: PeerQuotas = field(default_factory=PeerQuotas)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
+    accept_from: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.accept_from is not None:
+            if isinstance(self.accept_from, str):
+                object.__setattr__(self, "accept_from", (self.accept_from,))
+            Networks.parse(self.accept_from)  # (a ValueError naming the bad entry)
+            object.__setattr__(self, "accept_from", tuple(self.accept_from))
         for name in ("chunk_bytes", "chunks_in_flight", "max_concurrent_sends",
                      "pack_threads"):
             check_positive_int(name, getattr(self, name))
@@ -123,6 +137,13 @@ class SourceConfig:
         object.__setattr__(self, "progress_timeout_s", float(self.progress_timeout_s))
         object.__setattr__(self, "idle_connection_s", float(self.idle_connection_s))
         object.__setattr__(self, "read_hold_s", float(self.read_hold_s))
+
+    @property
+    def accept_networks(self) -> Networks:
+        """Who may connect to the UCX listeners (see ``accept_from``)."""
+        if self.accept_from is not None:
+            return Networks.parse(self.accept_from)
+        return LOOPBACK if is_loopback_host(self.host) else ANY
 
     @property
     def peer_host(self) -> str:

@@ -141,6 +141,7 @@ if TYPE_CHECKING:
     from ucxx._lib_async import Endpoint as UcxEndpoint
     from ucxx._lib_async import Listener as UcxListener
 
+    from kvkern.xfer.networks import Networks
     from kvkern.xfer.seam import Buffer, BufferT
 
 log = logging.getLogger(__name__)
@@ -783,9 +784,11 @@ class Listener:
     :func:`authenticate_server` before the handler sees it (failures are counted in
     ``auth_failures``); with ``credential=None`` the handler gets every connection. At most
     ``max_untrusted`` connections are held between arrival and authentication; more are
-    closed as they arrive. ``on_refused(reason)`` hears of every connection turned away:
-    ``untrusted_limit``, ``handshake`` (its first exchange failed or timed out) or
-    ``unauthenticated``.
+    closed as they arrive. With ``accept_from``, a connection request from an address
+    outside those networks is rejected before UCX makes an endpoint for it (nothing its
+    sender writes is received or queued). ``on_refused(reason)`` hears of every connection
+    turned away: ``address_not_accepted``, ``untrusted_limit``, ``handshake`` (its first
+    exchange failed or timed out) or ``unauthenticated``.
     """
 
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
@@ -793,11 +796,13 @@ class Listener:
                  credential: Credential | str | None = FROM_ENV,
                  max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES,
                  max_untrusted: int = MAX_UNTRUSTED_CONNECTIONS,
-                 on_refused: Callable[[str], None] | None = None) -> None:
+                 on_refused: Callable[[str], None] | None = None,
+                 accept_from: Networks | None = None) -> None:
         self._handler = handler
         # connections between their arrival and their authentication (the handshake and
         # the proof, each bounded in time): more are closed as they arrive
-        self._gate = handshake.Gate(max_untrusted, on_refuse=on_refused)
+        self._gate = handshake.Gate(max_untrusted, on_refuse=on_refused,
+                                    accept_from=accept_from)
         self.credential = resolve_credential(credential)
         self.max_frame_bytes = max_frame_bytes
         self.auth_failures = 0
@@ -834,6 +839,11 @@ class Listener:
     def refused_untrusted(self) -> int:
         """Connections closed as they arrived because ``max_untrusted`` were pending."""
         return self._gate.refused
+
+    @property
+    def rejected_connections(self) -> int:
+        """Connection requests rejected because their address is not in ``accept_from``."""
+        return self._gate.rejected
 
     @property
     def running_handlers(self) -> int:

@@ -12,6 +12,7 @@ read contexts (``_lib``)   :func:`new_rma_context`, :func:`read_target`,
                            :func:`new_worker`, :func:`endpoint_to_address`
 connection handshake       :func:`new_client_endpoint`, :func:`new_listener`,
                            :func:`close_listener`, :func:`close_endpoint`,
+                           :func:`listener_handle`, :func:`conn_request_ip`,
                            :func:`endpoint_with_tags`, :func:`stream_buffer`,
                            :func:`tags_checksum` (:mod:`kvkern.xfer.handshake`),
                            :class:`CloseWatch`
@@ -28,8 +29,9 @@ notifier thread, its body ``_notifierThread`` (replaced by :func:`_notifier`) an
 Python-future pool), the Cython binding ``ucxx._lib.libucxx``
 (``UCXContext``, ``UCXWorker``, ``UCXAddress``, ``Feature``, ``UCXEndpoint``,
 ``UCXListener``; the dict a ``UCXListener`` keeps its callback in, found with
-:func:`gc.get_referents`), ucxx's asyncio ``Endpoint``, ``Listener`` and listener handler
-tracker (its futures, cancelled by :func:`close_listener`),
+:func:`gc.get_referents`), the C++ ``ucxx::Listener::getHandle`` of libucxx (through
+:mod:`ctypes`, to reject a connection request), ucxx's asyncio ``Endpoint``, ``Listener``
+and listener handler tracker (its futures, cancelled by :func:`close_listener`),
 ``Array`` and ``hash64bits`` (a connection's first exchange), and the libucp that ucxx loaded,
 bound with :mod:`ctypes` (ucxx 0.52's Python API has no RMA): the calls' signatures and the
 two parameter structs of ``ucp/api/ucp.h``.
@@ -53,6 +55,8 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from kvkern.xfer.ucx_env import import_ucxx
+
+log = logging.getLogger("kvkern.xfer")
 
 if TYPE_CHECKING:
     from ucxx._lib.libucxx import UCXAddress, UCXContext, UCXEndpoint, UCXWorker
@@ -421,13 +425,16 @@ def close_endpoint(ucx_ep: Any, period_ns: int = 1_000_000_000) -> None:
 
 
 _kept_listener_callbacks: list[Any] = []  # see ListenerRelay
-_orphans: list[Any] = []  # endpoints accepted after their loop closed (see ListenerRelay)
 
 
 class ListenerRelay:
-    """What a UCX listener calls for each connection request (on UCX's progress thread):
-    ``on_request(ucx_endpoint, *args)`` until :meth:`close`, after which each endpoint is
-    closed on ``loop``.
+    """What a UCX listener calls for each connection request, on UCX's progress thread.
+
+    A request whose client address ``admit(ip)`` turns down (``ip`` None where libucp
+    cannot tell) is rejected before any endpoint exists, so nothing its sender writes is ever
+    received or queued; ``on_reject(ip)`` then runs on ``loop``. Every other request becomes
+    an endpoint handed to ``on_request(ucx_endpoint, *args)``. After :meth:`close`, every
+    request is rejected.
 
     ucxx keeps a listener's callback in a dict that the Python listener owns and hands the
     C++ listener a bare pointer to it. Every endpoint accepted from the listener keeps the
@@ -435,35 +442,72 @@ class ListenerRelay:
     the Python listener and its dict are gone (seen: a connection request after a close
     while an earlier connection was still in its handshake called into freed memory).
     :func:`new_listener` therefore keeps the dict for the life of the process, holding only
-    this relay, which :meth:`close` empties."""
+    this relay, which :meth:`close` empties; the C++ listener's ``ucp_listener_h`` stays
+    valid while it calls, so a late request is still rejected through it."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, on_request: Callable[..., None],
-                 args: tuple) -> None:
+                 args: tuple, *, admit: Callable[[str | None], bool] | None = None,
+                 on_reject: Callable[[str | None], None] | None = None) -> None:
         import weakref  # noqa: PLC0415
 
         self._loop = weakref.ref(loop)
         self._target: tuple[Callable[..., None], tuple] | None = (on_request, args)
+        self._admit = admit
+        self._on_reject = on_reject
+        self._listener: Any = None  # the UCXListener, until close
+        self._handle: int | None = None  # its ucp_listener_h
+        self._bound = threading.Event()
 
-    def __call__(self, ucx_ep: Any) -> None:
-        target = self._target
-        if target is not None:
-            target[0](ucx_ep, *target[1])
+    def bind(self, ucx_listener: Any) -> None:
+        """Start serving the requests of ``ucx_listener`` (a ``UCXListener``)."""
+        self._handle = listener_handle(ucx_listener)
+        self._listener = ucx_listener
+        self._bound.set()
+
+    def __call__(self, conn_request: int) -> None:
+        self._bound.wait(10.0)  # (a request may come before new_listener has bound it)
+        target, listener = self._target, self._listener
+        if target is None or listener is None:
+            self._reject(conn_request)
             return
-        loop = self._loop()
+        ip = None
         try:
-            loop.call_soon_threadsafe(close_endpoint, ucx_ep)  # (not here: UCX's thread)
-        except (AttributeError, RuntimeError):  # the loop is gone or closed
-            _orphans.append(ucx_ep)
+            ip = conn_request_ip(conn_request)
+            admitted = self._admit is None or self._admit(ip)
+        except Exception:  # (never leave a request unanswered: its client would wait)
+            log.exception("a connection request from %s could not be checked", ip)
+            admitted = False
+        if not admitted:
+            self._reject(conn_request, ip, tell=True)
+            return
+        try:  # (UCX answers, and frees, the request whether or not this succeeds)
+            ucx_ep = listener.create_endpoint_from_conn_request(conn_request, True)
+        except Exception as exc:
+            log.warning("a connection from %s could not be accepted: %s", ip, exc)
+            return
+        target[0](ucx_ep, *target[1])
+
+    def _reject(self, conn_request: int, ip: str | None = None, *, tell: bool = False) -> None:
+        if self._handle is not None:
+            libucp().ucp_listener_reject(self._handle, conn_request)
+        if tell and self._on_reject is not None:
+            loop = self._loop()
+            with contextlib.suppress(AttributeError, RuntimeError):  # the loop is gone
+                loop.call_soon_threadsafe(self._on_reject, ip)
 
     def close(self) -> None:
         self._target = None
+        self._listener = None
 
 
-def new_listener(port: int, on_request: Callable[..., None], args: tuple) -> Any:
-    """ucxx's ``Listener`` on ``port``: every connection request calls
+def new_listener(port: int, on_request: Callable[..., None], args: tuple, *,
+                 admit: Callable[[str | None], bool] | None = None,
+                 on_reject: Callable[[str | None], None] | None = None) -> Any:
+    """ucxx's ``Listener`` on ``port``: a connection request from an address ``admit``
+    turns down is rejected (see :class:`ListenerRelay`), every other one calls
     ``on_request(ucx_endpoint, loop, ctx_ref, tracker, *args)`` on UCX's progress thread,
     where ``tracker.submit(coroutine, loop)`` runs a handler on the loop (tracked, as ucxx
-    tracks its own), until :func:`close_listener`."""
+    tracks its own), until :func:`close_listener` or the listener's collection."""
     import gc  # noqa: PLC0415
     import weakref  # noqa: PLC0415
 
@@ -473,15 +517,18 @@ def new_listener(port: int, on_request: Callable[..., None], args: tuple) -> Any
     ctx.continuous_ucx_progress()
     tracker = _ListenerHandlerTracker()
     loop = asyncio.get_event_loop()
-    relay = ListenerRelay(loop, on_request, (loop, weakref.ref(ctx), tracker, *args))
+    relay = ListenerRelay(loop, on_request, (loop, weakref.ref(ctx), tracker, *args),
+                          admit=admit, on_reject=on_reject)
     ucx_listener = _libucxx().UCXListener.create(
-        worker=ctx.worker, port=port, cb_func=relay, cb_args=(), deliver_endpoint=True)
+        worker=ctx.worker, port=port, cb_func=relay, cb_args=(), deliver_endpoint=False)
+    relay.bind(ucx_listener)
     # the dict ucxx handed the C++ listener a pointer to (its only dict), kept for good
     kept = [r for r in gc.get_referents(ucx_listener)
             if isinstance(r, dict) and r.get("cb_func") is relay]
     _kept_listener_callbacks.extend(kept or [ucx_listener])  # (else the listener itself)
     listener = Listener(ucx_listener, tracker, ctx)
     listener.kvkern_relay, listener.kvkern_tracker = relay, tracker
+    weakref.finalize(listener, relay.close)  # (the relay holds the UCXListener until then)
     return listener
 
 
@@ -532,6 +579,12 @@ class EpAttr(ctypes.Structure):  # ucp_ep_attr_t (ucp/api/ucp.h)
     # (the sockaddr_storage fields are 8-byte aligned in C; both start at multiples of 8)
 
 
+class ConnRequestAttr(ctypes.Structure):  # ucp_conn_request_attr_t (ucp/api/ucp.h)
+    _fields_ = [("field_mask", ctypes.c_uint64), ("client_address", ctypes.c_byte * 128),
+                ("client_id", ctypes.c_uint64)]
+
+
+CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR = 1 << 0
 EP_ATTR_FIELD_REMOTE_SOCKADDR = 1 << 2
 EP_ATTR_FIELD_TRANSPORTS = 1 << 3
 MAX_EP_TRANSPORTS = 32
@@ -541,13 +594,14 @@ _V = ctypes.c_void_p
 _STATUS = ctypes.c_int8  # ucs_status_t is a packed (1-byte) signed enum in ucs/type/status.h
 
 
-def _loaded_libucp() -> str | None:
-    """Path of the libucp this process already mapped (the one ucxx uses), if any."""
+def _loaded(name: str) -> str | None:
+    """Path of the library ``name`` (``libucp.so``) this process already mapped (the copy
+    ucxx uses), if any."""
     try:
         with open("/proc/self/maps") as f:
             for line in f:
                 path = line.rsplit(None, 1)[-1]
-                if "/libucp.so" in path and os.path.exists(path):
+                if f"/{name}" in path and os.path.exists(path):
                     return path
     except OSError:
         return None
@@ -563,7 +617,7 @@ def libucp() -> ctypes.CDLL:
         if _lib is not None:
             return _lib
         import_ucxx()
-        lib = ctypes.CDLL(_loaded_libucp() or "libucp.so.0")
+        lib = ctypes.CDLL(_loaded("libucp.so") or "libucp.so.0")
         sig = {
             "ucp_mem_map": (_STATUS, [_V, ctypes.POINTER(MemMapParams), ctypes.POINTER(_V)]),
             "ucp_mem_unmap": (_STATUS, [_V, _V]),
@@ -578,6 +632,8 @@ def libucp() -> ctypes.CDLL:
             "ucp_request_free": (None, [_V]),
             "ucp_worker_progress": (ctypes.c_uint, [_V]),
             "ucp_ep_query": (_STATUS, [_V, ctypes.POINTER(EpAttr)]),
+            "ucp_conn_request_query": (_STATUS, [_V, ctypes.POINTER(ConnRequestAttr)]),
+            "ucp_listener_reject": (_STATUS, [_V, _V]),
         }
         for name, (res, args) in sig.items():
             fn = getattr(lib, name)
@@ -663,7 +719,20 @@ def endpoint_remote_ip(ep_handle: int) -> str | None:
             return None
     except (AttributeError, OSError):
         return None
-    raw = bytes(attr.remote_sockaddr)
+    return _sockaddr_ip(bytes(attr.remote_sockaddr))
+
+
+def conn_request_ip(conn_request: int) -> str | None:
+    """The client IP address of a listener's connection request
+    (``ucp_conn_request_query``); None where libucp has none to give."""
+    attr = ConnRequestAttr(field_mask=CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR)
+    if libucp().ucp_conn_request_query(conn_request, ctypes.byref(attr)) != UCS_OK:
+        return None
+    return _sockaddr_ip(bytes(attr.client_address))
+
+
+def _sockaddr_ip(raw: bytes) -> str | None:
+    """The address of a ``struct sockaddr_storage`` holding IPv4 or IPv6, else None."""
     family = int.from_bytes(raw[:2], sys.byteorder)
     try:
         if family == socket.AF_INET:
@@ -673,6 +742,24 @@ def endpoint_remote_ip(ep_handle: int) -> str | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def listener_handle(ucx_listener: Any) -> int:
+    """The ``ucp_listener_h`` of a ``UCXListener`` (``ucxx::Listener::getHandle()`` of the
+    C++ listener it points to; ucxx's Python API has no getter)."""
+    handle = _listener_get_handle()(ucx_listener.ucxx_ptr)
+    if not handle:
+        raise RuntimeError("ucxx listener has no UCP handle")
+    return int(handle)
+
+
+@functools.cache
+def _listener_get_handle() -> Any:
+    import_ucxx()
+    lib = ctypes.CDLL(_loaded("libucxx.so") or "libucxx.so")
+    fn = lib._ZN4ucxx8Listener9getHandleEv  # ucxx::Listener::getHandle() (Itanium ABI)
+    fn.restype, fn.argtypes = _V, [_V]
+    return fn
 
 
 def destroy_rkey(handle: int) -> None:

@@ -11,6 +11,7 @@ Enable it on every engine (each is a source and a destination)::
                      kv_role="kv_both", kv_load_failure_policy="recompute",
                      kv_connector_extra_config={"listen": "10.0.0.5:8600",
                                                 "allowlist": "10.0.0.0/16",
+                                                "accept_from": "10.0.0.0/16",
                                                 "fleet_secret_file": "/etc/kvkern/secret"})
 
 Settings: :mod:`kvkern.integrations.vllm.config`. The halves:

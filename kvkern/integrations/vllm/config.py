@@ -11,8 +11,11 @@ Only three things are needed, and all three have safe defaults for one host::
                  none (every hint falls back with ``unauthenticated``)
 
 Optional: ``advertise_host`` (the address peers and routers use when ``listen`` binds a
-wildcard), ``trust_unsigned_hints`` (accept hints not signed by ``kvkern router``; for a
-router that cannot sign, with engines that clients cannot reach directly), ``model_id``
+wildcard), ``accept_from`` (the networks, CIDRs or addresses, whose hosts may connect to
+this engine's UCX listeners; default loopback when ``listen`` is loopback, else any
+address: name the fleet's networks, see SECURITY.md), ``trust_unsigned_hints`` (accept
+hints not signed by ``kvkern router``; for a router that cannot sign, with engines that
+clients cannot reach directly), ``model_id``
 (default: derived from the model, its revision, dtypes and the hash settings), ``kv_layout``
 (``vllm_cpu`` / ``vllm_v1``; default by device), ``serve`` (false: pull only),
 ``remote_read`` (``off``, ``host`` or ``all``: the source's pools that peers may read
@@ -30,6 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvkern.xfer.networks import Networks
 from kvkern.xfer.source_config import REMOTE_READ_MODES
 
 __all__ = ["ConnectorConfig"]
@@ -43,6 +47,7 @@ class ConnectorConfig:
     listen_port: int = 0
     advertise_host: str | None = None
     allowlist: tuple[str, ...] = ("127.0.0.1",)
+    accept_from: tuple[str, ...] | None = None
     fleet_secret_file: str | None = None
     trust_unsigned_hints: bool = False
     model_id: str | None = None
@@ -72,12 +77,11 @@ class ConnectorConfig:
         kw: dict[str, Any] = {}
         if "listen" in extra:
             kw["listen_host"], kw["listen_port"] = _host_port(extra.pop("listen"))
-        if "allowlist" in extra:
-            raw = extra.pop("allowlist")
-            items = raw.split(",") if isinstance(raw, str) else raw
-            if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
-                raise ValueError(f"allowlist must be a string or a list of strings, got {raw!r}")
-            kw["allowlist"] = tuple(i.strip() for i in items if i.strip())
+        for name in ("allowlist", "accept_from"):
+            if name in extra:
+                kw[name] = _strings(name, extra.pop(name))
+        if "accept_from" in kw:
+            Networks.parse(kw["accept_from"])  # (a ValueError naming the bad entry)
         for name in ("trust_unsigned_hints", "serve"):
             if name in extra:
                 kw[name] = _flag(name, extra.pop(name))
@@ -104,6 +108,14 @@ class ConnectorConfig:
                 raise ValueError(f"{name} must be a string, got {value!r}")
             kw[name] = value
         return cls(**kw)
+
+
+def _strings(name: str, raw: Any) -> tuple[str, ...]:
+    """A comma-separated string or a list of strings, as a tuple of its non-empty items."""
+    items = raw.split(",") if isinstance(raw, str) else raw
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise ValueError(f"{name} must be a string or a list of strings, got {raw!r}")
+    return tuple(i.strip() for i in items if i.strip())
 
 
 def _host_port(raw: Any) -> tuple[str, int]:

@@ -64,7 +64,8 @@ class WorkerSide:
             rt.source = SourceService([group], worker_id=f"vllm-{facts.engine_id}",
                                       host=cfg.listen_host, http_port=cfg.listen_port,
                                       advertise_host=cfg.advertise_host, metrics=rt.metrics,
-                                      credential=rt.credential, remote_read=cfg.remote_read)
+                                      credential=rt.credential, remote_read=cfg.remote_read,
+                                      accept_from=cfg.accept_from)
             loop.run(rt.source.start(), 30)
             log.info("kvkern: serving %s blocks of %d tokens (%s, %s) at %s:%d",
                      rank.layout.num_blocks, facts.block_size, rank.layout.name,

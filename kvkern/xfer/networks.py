@@ -1,0 +1,81 @@
+"""Who may open a connection to a source's UCX listeners at all: ``accept_from``, a set of IP
+networks that each connection request's client address is checked against before UCX makes
+an endpoint for it (:class:`~kvkern.xfer.ucxcompat.ListenerRelay`). A request from outside is
+rejected, so its sender can make the source receive, or queue, nothing."""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+
+__all__ = ["ANY", "LOOPBACK", "Networks", "is_loopback_host"]
+
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class Networks:
+    """IP networks; ``address in networks`` for an address string (IPv4-mapped IPv6
+    addresses count as their IPv4 address; None or a malformed address is in none)."""
+
+    __slots__ = ("networks",)
+
+    def __init__(self, networks: Iterable[IPNetwork]) -> None:
+        self.networks = tuple(networks)
+
+    @classmethod
+    def parse(cls, specs: Iterable[str] | str, *, name: str = "accept_from") -> Networks:
+        """Networks from CIDRs or single addresses; one string may hold several separated
+        by commas or whitespace (an environment variable's format). ``ValueError`` names
+        ``name`` and the bad entry, or says there was none."""
+        if isinstance(specs, str):
+            specs = [specs]
+        items = [x for s in specs for x in re.split(r"[,\s]+", str(s)) if x]
+        if not items:
+            raise ValueError(f"{name} names no network (0.0.0.0/0 and ::/0 accept any "
+                             "address)")
+        out = []
+        for item in items:
+            try:
+                out.append(ipaddress.ip_network(item.strip("[]"), strict=False))
+            except ValueError:
+                raise ValueError(f"{name} entry {item!r} is not an IP network or address "
+                                 "(use CIDR such as 10.0.0.0/16, or one address)") from None
+        return cls(out)
+
+    def __contains__(self, address: object) -> bool:
+        if not isinstance(address, str):
+            return False
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])  # (no IPv6 zone)
+        except ValueError:
+            return False
+        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        return any(ip in n for n in self.networks)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Networks) and other.networks == self.networks
+
+    def __hash__(self) -> int:
+        return hash(self.networks)
+
+    def __str__(self) -> str:
+        return ", ".join(str(n) for n in self.networks)
+
+    def __repr__(self) -> str:
+        return f"Networks({str(self)!r})"
+
+
+LOOPBACK = Networks.parse(["127.0.0.0/8", "::1/128"])
+ANY = Networks.parse(["0.0.0.0/0", "::/0"])
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a bind address or name) is this machine's loopback."""
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
