@@ -270,6 +270,23 @@ def test_the_gate_counts_and_refuses_past_its_limit():
     assert quiet.enter() and not quiet.enter()
 
 
+def test_the_gate_admits_only_accept_from_and_names_each_rejected_address_once(caplog):
+    from kvkern.xfer.networks import Networks
+
+    told: list[str] = []
+    gate = handshake.Gate(4, on_refuse=told.append, accept_from=Networks.parse("10.0.0.0/8"))
+    assert gate.admits("10.1.2.3") and gate.admits("::ffff:10.0.0.1")
+    assert not gate.admits("192.168.0.1") and not gate.admits(None) and not gate.admits("")
+    with caplog.at_level("WARNING", logger="kvkern.xfer"):
+        for address in ("192.168.0.1", "192.168.0.1", None):
+            gate.reject(address)
+    assert gate.rejected == 3 and told == ["address_not_accepted"] * 3
+    assert gate.inside == 0 and gate.refused == 0  # (nothing entered)
+    named = [r.getMessage() for r in caplog.records if "rejected a UCX connection" in r.message]
+    assert len(named) == 2 and "192.168.0.1" in named[0] and "10.0.0.0/8" in named[0]
+    assert handshake.Gate(1).admits("203.0.113.1")  # (no accept_from: any address)
+
+
 def test_one_address_takes_at_most_its_share_of_the_gate():
     gate = handshake.Gate(8, per_address=2)
     assert gate.enter("10.0.0.1") and gate.enter("10.0.0.1") and not gate.enter("10.0.0.1")
@@ -420,8 +437,8 @@ async def test_a_connection_request_after_the_listener_closed_calls_into_no_free
     """An endpoint accepted from a listener keeps UCX's listener alive after the listener is
     closed and freed (here the test holds one), and UCX goes on accepting through the
     callback ucxx keeps in a dict it hands UCX a bare pointer to. That dict is kept: a
-    request arriving then is dropped (the client times out), and none of the objects that
-    would take the freed dict's place is called."""
+    request arriving then is rejected, and none of the objects that would take the freed
+    dict's place is called."""
     kept: list = []
 
     async def handler(conn):

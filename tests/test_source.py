@@ -910,6 +910,35 @@ async def test_connections_over_the_quota_are_closed_before_they_are_served(quot
 
 
 @aio
+async def test_a_source_takes_ucx_connections_only_from_accept_from():
+    """A source whose ``accept_from`` leaves this host out rejects its connection requests
+    (counted as ``address_not_accepted``) and serves nothing; by default a source bound to
+    loopback serves loopback."""
+    group, hs = _group()
+    shut = SourceService([group], config=SourceConfig(worker_id="shut",
+                                                      accept_from=("10.0.0.0/8",)))
+    open_ = SourceService([group], worker_id="loopback", quotas=OPEN)
+    await shut.start()
+    await open_.start()
+    try:
+        async with ConnectionPool(connect_timeout=10) as own:
+            with pytest.raises(TransportError) as info:
+                await own.get(HOST, shut.ucx_ports[0])
+            assert info.value.reason == "connect_failed"
+            deadline = time.monotonic() + 5
+            while shut.metrics.value("kvkern_source_connections_refused_total",
+                                     reason="address_not_accepted") != 1:
+                assert time.monotonic() < deadline, "the rejection was not counted"
+                await asyncio.sleep(0.02)
+            assert shut.metrics.value("kvkern_source_connections") == 0
+            conn = await own.get(HOST, open_.ucx_ports[0])
+            assert (await ask(conn, request(hs[:1]))).status == Status.OK
+    finally:
+        await shut.close()
+        await open_.close()
+
+
+@aio
 async def test_an_idle_connection_is_closed_but_not_one_with_a_request_open():
     """A connection with no request open and no message for ``idle_connection_s`` is closed
     (the pool then connects anew); one whose request is still open (a send frozen after its

@@ -411,8 +411,9 @@ class SourceService:
         except BaseException:
             await self.close()
             raise
-        log.info("source %s (incarnation %s) serving HTTP on %s:%s, UCX ranks %s",
-                 self.worker_id, self.incarnation, cfg.host, self._http_port, self.ucx_ports)
+        log.info("source %s (incarnation %s) serving HTTP on %s:%s, UCX ranks %s to %s",
+                 self.worker_id, self.incarnation, cfg.host, self._http_port, self.ucx_ports,
+                 cfg.accept_networks)
         return self
 
     async def _start_listeners(self) -> None:
