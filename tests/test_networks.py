@@ -30,6 +30,8 @@ def test_addresses_in_and_out():
     ("10.0.0.0/33", "entry '10.0.0.0/33'"),
     ("fleet.example", "entry 'fleet.example'"),
     ("10.0.0.0/8:8000", "entry '10.0.0.0/8:8000'"),
+    (5, "a string or a list of strings"),
+    (["10.0.0.0/8", None], "a string or a list of strings"),
 ])
 def test_bad_entries_are_named(spec, match):
     with pytest.raises(ValueError, match=match):

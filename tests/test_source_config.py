@@ -39,6 +39,7 @@ def test_keywords_and_config_build_the_same_service():
     ({"host": "0.0.0.0"}, "advertise_host"),
     ({"accept_from": ("10.0.0.0/8", "10.0.0.0/99")}, "accept_from entry '10.0.0.0/99'"),
     ({"accept_from": ()}, "accept_from names no network"),
+    ({"accept_from": 10}, "accept_from must be a string or a list of strings"),
 ])
 def test_bad_values_are_named(kw, match):
     with pytest.raises(ValueError, match=match):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = ["ANY", "LOOPBACK", "Networks", "is_loopback_host"]
 
@@ -24,13 +24,15 @@ class Networks:
         self.networks = tuple(networks)
 
     @classmethod
-    def parse(cls, specs: Iterable[str] | str, *, name: str = "accept_from") -> Networks:
+    def parse(cls, specs: Sequence[str] | str, *, name: str = "accept_from") -> Networks:
         """Networks from CIDRs or single addresses; one string may hold several separated
         by commas or whitespace (an environment variable's format). ``ValueError`` names
         ``name`` and the bad entry, or says there was none."""
         if isinstance(specs, str):
             specs = [specs]
-        items = [x for s in specs for x in re.split(r"[,\s]+", str(s)) if x]
+        if not isinstance(specs, (list, tuple)) or not all(isinstance(s, str) for s in specs):
+            raise ValueError(f"{name} must be a string or a list of strings, got {specs!r}")
+        items = [x for s in specs for x in re.split(r"[,\s]+", s) if x]
         if not items:
             raise ValueError(f"{name} names no network (0.0.0.0/0 and ::/0 accept any "
                              "address)")

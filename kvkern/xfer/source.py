@@ -418,7 +418,7 @@ class SourceService:
 
     async def _start_listeners(self) -> None:
         accept = self.config.accept_networks
-        if accept == ANY:
+        if self.config.accept_from is None and accept == ANY:
             log.warning("source %s accepts UCX connections from any address: name the "
                         "fleet's networks with accept_from (--accept-from), see SECURITY.md",
                         self.worker_id)
