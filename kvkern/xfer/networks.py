@@ -74,7 +74,7 @@ ANY = Networks.parse(["0.0.0.0/0", "::/0"])
 
 
 def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` (a bind address or name) is this machine's loopback."""
+    """Whether ``host`` (a bind address or name) names the loopback interface."""
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
