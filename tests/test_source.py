@@ -1480,3 +1480,48 @@ def test_pin_quotas_count_distinct_blocks(ops):
         ledger.unpinned(*args)
     assert ledger.pins == ledger.pinned_blocks == 0
     assert ledger.peer_pins == {} and ledger.group_pins == {}
+
+
+def test_overlapping_pieces_are_refused_before_any_chunk_is_planned(monkeypatch):
+    """Pieces must cover distinct (layer, head) cells of a block. 4096 copies of the whole
+    block in one small request made the source plan 2**20 chunks on its event loop (seconds)
+    and promise 4096 times the blocks' bytes; two pieces that share cells stream them twice."""
+    from kvkern.xfer import send as send_mod
+    from kvkern.xfer.codes import RejectCode
+    from kvkern.xfer.send import RankCtx, Rejected, max_reply_chunks, validate_request
+
+    group, hs = _group()
+    ctx = RankCtx(group, group.ranks[0])
+
+    def check(req):
+        return validate_request(ctx, req, model_id=group.model_id, chunk_bytes=1 << 20,
+                                min_chunk_bytes=1)
+
+    whole = unit(LAYERS, HEADS)
+    copies = [PlanPiece(src_rank=0, layer_start=0, layer_stop=LAYERS, head_start=0,
+                        head_stop=HEADS, offset=i * whole, length=whole) for i in range(4096)]
+    t0 = time.perf_counter()
+    with pytest.raises(Rejected) as info:
+        check(request(hs[:4], pieces=copies, chunk_bytes=whole))
+    assert info.value.code is RejectCode.BAD_PIECE and "overlaps" in str(info.value)
+    assert time.perf_counter() - t0 < 0.5
+    shared = [PlanPiece(src_rank=0, layer_start=0, layer_stop=1, head_start=0, head_stop=HEADS,
+                        offset=0, length=unit(1, HEADS)),
+              PlanPiece(src_rank=0, layer_start=0, layer_stop=LAYERS, head_start=1, head_stop=2,
+                        offset=unit(1, HEADS), length=unit(LAYERS, 1))]
+    with pytest.raises(Rejected, match="overlaps"):
+        check(request(hs[:4], pieces=shared))
+    split = [PlanPiece(src_rank=0, layer_start=0, layer_stop=LAYERS, head_start=0, head_stop=1,
+                       offset=0, length=unit(LAYERS, 1)),
+             PlanPiece(src_rank=0, layer_start=0, layer_stop=LAYERS, head_start=1,
+                       head_stop=HEADS, offset=unit(LAYERS, 1), length=unit(LAYERS, HEADS - 1))]
+    assert len(check(request(hs[:4], pieces=split))) == 2  # disjoint pieces: a reshard's plan
+    # a reply lists every chunk's size and block's hash in one control frame
+    assert 100_000 < max_reply_chunks(16) < 2**20 and max_reply_chunks(200_000) == 0
+    monkeypatch.setattr(send_mod, "MAX_CONTROL_FRAME_BYTES",
+                        send_mod.REPLY_HEADROOM_BYTES + 9 * 100)  # room for 96 chunks
+    assert max_reply_chunks(4) == 96
+    assert len(check(request(hs[:4], chunk_bytes=whole // 16))) == 1  # 64 chunks
+    with pytest.raises(Rejected) as info:
+        check(request(hs[:4], chunk_bytes=whole // 32))  # 128 chunks
+    assert info.value.code is RejectCode.TOO_MANY_CHUNKS and "at most 96" in str(info.value)

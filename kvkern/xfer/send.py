@@ -18,6 +18,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from kvkern.kernels.pack import pack
@@ -42,7 +43,13 @@ from kvkern.xfer.messages import (
     StreamReply,
 )
 from kvkern.xfer.source_config import PeerQuotas
-from kvkern.xfer.transport import Connection, Lane, TransportError, tag_for
+from kvkern.xfer.transport import (
+    MAX_CONTROL_FRAME_BYTES,
+    Connection,
+    Lane,
+    TransportError,
+    tag_for,
+)
 from kvkern.xfer.tuning import (
     MIN_CHUNK_BYTES,
     PACK_WAIT_S,
@@ -61,6 +68,9 @@ __all__ = ["PeerLedger", "RankCtx", "Rejected", "SendSession", "Sender", "count_
            "keep_hold", "validate_request"]
 
 log = logging.getLogger("kvkern.xfer.source")
+# a stream reply's bytes besides its chunk sizes and block hashes (preamble, ids, status,
+# its reason text)
+REPLY_HEADROOM_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -166,16 +176,38 @@ def validate_request(ctx: RankCtx, req: PullRequest, *, model_id: str, chunk_byt
     for p in pieces:
         _check_piece(ctx, layout, p, end)
         end += p.length
+    _check_disjoint(ctx, layout, pieces)
     floor = min(min_chunk_bytes, end)  # (end: the bytes of one block's pieces)
     if req.chunk_bytes < floor:
         raise Rejected(RejectCode.TOO_MANY_CHUNKS, f"chunks of at most {req.chunk_bytes} B "
                        f"asked for, this source cuts none below {floor} B")
     limit = min(req.chunk_bytes, chunk_bytes)
     n = count_chunks([p.length for p in pieces], req.count, limit, req.chunk_blocks)
-    if n > MAX_CHUNKS:
+    most = max_reply_chunks(req.count)
+    if n > most:
         raise Rejected(RejectCode.TOO_MANY_CHUNKS, f"{req.count} blocks in chunks of <= "
-                       f"{limit} B make {n} chunks, the protocol allows {MAX_CHUNKS}")
+                       f"{limit} B make {n} chunks, a reply lists at most {most}")
     return pieces
+
+
+def max_reply_chunks(count: int) -> int:
+    """The most chunks a stream of ``count`` blocks may have: its reply lists every chunk's
+    size and every block's hash (at most 9 bytes each in msgpack) in one control frame."""
+    room = (MAX_CONTROL_FRAME_BYTES - REPLY_HEADROOM_BYTES) // 9 - count
+    return max(0, min(MAX_CHUNKS, room))
+
+
+def _check_disjoint(ctx: RankCtx, layout: KVLayout, pieces: list[PlanPiece]) -> None:
+    """Pieces cover distinct (layer, head) cells of a block: a piece repeated, or two that
+    overlap, would stream a block's bytes more than once."""
+    cells = np.zeros((layout.num_layers, layout.num_heads), dtype=bool)
+    for p in pieces:
+        area = cells[p.layer_start:p.layer_stop, p.head_start:p.head_stop]
+        if area.any():
+            raise Rejected(RejectCode.BAD_PIECE, f"piece layers [{p.layer_start},"
+                           f"{p.layer_stop}) x heads [{p.head_start},{p.head_stop}) overlaps "
+                           f"another piece of the request for rank {ctx.rank}")
+        area[...] = True
 
 
 def _check_piece(ctx: RankCtx, layout: KVLayout, p: PlanPiece, end: int) -> None:
