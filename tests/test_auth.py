@@ -253,6 +253,28 @@ def test_a_router_signature_covers_its_request_in_every_dialect(dialect):
     assert check_hint(CRED, body, decode_hint(body), TOKENS) is None
 
 
+@pytest.mark.parametrize("dialect", DIALECTS)
+def test_a_worker_with_other_limits_than_the_router_accepts_its_signature(dialect):
+    """The router signs a hint decoded with its own limits; a worker decodes it with its
+    default policy and timeout caps, which may differ: the signature covers what the hint
+    states, so both agree (a best_effort worker refused every router-signed hint)."""
+    from kvkern.xfer.hints import HintLimits
+
+    body = _hint_body(dialect)
+    if dialect == "kv_hint":
+        body["kv_hint"] = {**body["kv_hint"], "deadline_s": 50.0}
+    body.update(sign_hint(CRED, decode_hint(body), TOKENS))
+    worker = HintLimits(default_policy="best_effort", max_deadline_s=30.0)
+    hint = decode_hint(body, limits=worker)
+    assert hint.policy == "best_effort"
+    assert check_hint(CRED, body, hint, TOKENS) is None
+    if dialect == "kv_hint":
+        assert hint.deadline_s == 30.0 and "deadline_s" in hint.clamped
+        body["kv_hint"] = {**body["kv_hint"], "policy": "best_effort"}  # not what was signed
+        why = check_hint(CRED, body, decode_hint(body, limits=worker), TOKENS)
+        assert why is not None and "does not match" in why, why
+
+
 @pytest.mark.parametrize("what, expect", [
     ("tokens", "does not match"),
     ("salt", "does not match"),

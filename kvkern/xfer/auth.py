@@ -362,13 +362,13 @@ HINT_AUTH_FIELD = "kvkern_hint_auth"
 
 def _hint_digest(hint, token_ids: Sequence[int], cache_salt: str) -> bytes:
     """SHA-256 over what a hint asks for (its decoded fields, so every dialect and every
-    JSON spelling of the same hint agree) and the request it belongs to."""
+    JSON spelling of the same hint agree; the policy and timeouts as the hint states them,
+    before a worker's own defaults and caps) and the request it belongs to."""
     import msgspec  # noqa: PLC0415
 
     what = [hint.dialect, hint.source, hint.source_dp_rank,
             None if hint.block_hashes is None else list(hint.block_hashes), hint.hash_scheme,
-            hint.policy, hint.mode, hint.no_retain, hint.metadata_timeout_s,
-            hint.transfer_timeout_s, hint.deadline_s, hint.message_id, hint.action_id]
+            list(hint.stated), hint.mode, hint.no_retain, hint.message_id, hint.action_id]
     h = hashlib.sha256(msgspec.msgpack.encode(what))
     h.update(msgspec.msgpack.encode([int(t) for t in token_ids]))
     h.update(msgspec.msgpack.encode(cache_salt))

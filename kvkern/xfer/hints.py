@@ -61,7 +61,7 @@ are skipped. ``message_id`` and ``action_id`` are carried on the hint for logs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -147,6 +147,11 @@ class KvHint:
     clamped: tuple[str, ...] = ()
     message_id: str | None = None
     action_id: str | None = None
+    # what the hint itself says of the fields a worker fills in or clamps by its own limits
+    # (policy and the three timeouts; None where it says nothing): a signature covers these,
+    # so that a router and a worker with other limits agree on it
+    stated: tuple[str | float | None, ...] = field(default=(None, None, None, None),
+                                                   compare=False)
 
     ok = True
 
@@ -337,6 +342,7 @@ def _decode_kvkern(raw: Any, limits: HintLimits) -> KvHint:
         deadline_s=_timeout("deadline_s", h.deadline_s, limits.max_deadline_s, clamped),
         clamped=tuple(clamped),
         message_id=h.message_id,
+        stated=(h.policy, h.metadata_timeout_s, h.transfer_timeout_s, h.deadline_s),
     )
 
 
