@@ -899,10 +899,10 @@ def _a_faulty_stream_is_not_used(src, make_puller, fault: dict, healed: dict,
 
 def test_a_stream_chunk_shorter_than_announced_is_not_used(src, make_puller):
     """The source sends the first chunk a block short of its reply's chunk size: UCX
-    completes the receive as if whole, the stream's trailer shows the difference, and the
+    completes the receive as if whole, the canary at the buffer's end shows it, and the
     pull falls back with nothing committed and no block leaked; the next pull is whole."""
     _a_faulty_stream_is_not_used(src, make_puller, {"short_chunk_bytes": 2048},
-                                 {"short_chunk_bytes": 0}, "chunk lengths differ")
+                                 {"short_chunk_bytes": 0}, "arrived shorter than")
 
 
 def test_a_stream_cut_finer_than_the_protocol_allows_is_refused_before_any_receive(

@@ -494,7 +494,8 @@ async def test_send_timeout_aborts_endpoint():
 @aio
 async def test_a_chunk_shorter_than_announced_is_an_error():
     """A sender whose chunks are shorter than the receiver's buffers (eager and rendezvous
-    sizes): UCX completes each receive as if whole, and the stream's trailer fails it."""
+    sizes): UCX completes each receive as if whole, and the canary at the buffer's end fails
+    it (the trailer would too)."""
     async def handler(conn):
         await conn.send_chunks(9, [np.full(1000, 7, np.uint8), np.full(40 << 10, 7, np.uint8)],
                                timeout=5)
@@ -503,9 +504,38 @@ async def test_a_chunk_shorter_than_announced_is_an_error():
     async with Listener(handler) as listener, ConnectionPool() as pool:
         conn = await pool.get(HOST, listener.port)
         bufs = [np.zeros(64 << 10, np.uint8), np.zeros(64 << 10, np.uint8)]
-        with pytest.raises(TransportError, match="length") as info:
+        with pytest.raises(TransportError, match="chunk 0 arrived shorter") as info:
             await conn.recv_chunks(9, bufs, timeout=5)
         assert info.value.reason == "protocol_error" and not conn.alive
+
+
+@aio
+@pytest.mark.parametrize("short_by", [3000, 24 << 10, 3], ids=["eager", "rendezvous", "3-bytes"])
+async def test_a_short_chunk_behind_a_lying_trailer_leaves_nothing_stale(short_by):
+    """A sender that stops a chunk short and sends a trailer over the announced lengths (the
+    trailer is its word): the receiver's buffer kept its earlier bytes past the message's
+    end. The canary written there before the receive fails the stream; a chunk fewer than
+    8 bytes short leaves random bytes there, never the buffer's earlier ones."""
+    size = 64 << 10
+
+    async def handler(conn):
+        await conn.send_bytes(np.full(size - short_by, 7, np.uint8), tag_for(9, Lane.DATA, 0))
+        lying = ChunkLengths()
+        lying.add(size)
+        await conn.send_bytes(np.frombuffer(lying.pack(), np.uint8), tag_for(9, Lane.TRAILER, 0))
+        await asyncio.sleep(1)
+
+    async with Listener(handler) as listener, ConnectionPool() as pool:
+        conn = await pool.get(HOST, listener.port)
+        buf = np.full(size, 0xAB, np.uint8)  # what the buffer held before: another pull's KV
+        if short_by >= 8:
+            with pytest.raises(TransportError, match="shorter than") as info:
+                await conn.recv_chunks(9, [buf], timeout=5)
+            assert info.value.reason == "protocol_error" and not conn.alive
+        else:
+            assert await conn.recv_chunks(9, [buf], timeout=5) == size  # (the trailer agrees)
+            assert (buf[:size - short_by] == 7).all()
+            assert not (buf[size - short_by:] == 0xAB).all()  # not the earlier bytes
 
 
 @aio

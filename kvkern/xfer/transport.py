@@ -25,8 +25,11 @@ received length (only a longer one fails, as truncated). So after a stream's las
 sender sends a trailer of :data:`TRAILER_BYTES`: the number of chunks it sent, their bytes, and
 a digest of their lengths in order, each taken from the buffers it handed to UCX. The receiver
 compares it with the buffers it received into and fails the stream (``protocol_error``) on
-any difference, before returning: a chunk shorter than announced never passes as whole with
-its buffer's old tail. The trailer's receive is posted right after the last chunk's.
+any difference, before returning. The trailer is the sender's word, so the receiver also
+writes random bytes at the end of each host buffer before its receive (:class:`TailCanary`):
+a chunk that stopped short leaves them in place and fails the stream even behind a trailer
+that lies, and one that stopped fewer than :data:`CANARY_BYTES` short leaves random bytes,
+never the buffer's old tail. The trailer's receive is posted right after the last chunk's.
 
 A control frame of up to ``CONTROL_FRAME_BYTES`` (64 KiB: every reply, cancel and ack, and
 requests of up to ~7,000 block hashes) is ONE message on its tag, received into a buffer of
@@ -108,6 +111,7 @@ import contextlib
 import hashlib
 import inspect
 import logging
+import os
 import secrets
 import struct
 import time
@@ -115,6 +119,8 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from kvkern.checks import check_positive_int
 from kvkern.xfer import handshake, ucxcompat
@@ -182,6 +188,7 @@ CONTROL_TAG = tag_for(0, Lane.CONTROL, 0)
 # A stream's trailer: magic, chunks sent, their bytes, and an 8-byte digest of their lengths.
 _TRAILER = struct.Struct("<4sIQ8s")
 TRAILER_BYTES = _TRAILER.size
+CANARY_BYTES = 8  # random bytes at the end of each chunk's host buffer (TailCanary)
 _TRAILER_MAGIC = b"KVKt"
 
 
@@ -214,6 +221,44 @@ class ChunkLengths:
                 "protocol_error",
                 f"chunk lengths differ from the sender's: it sent {count} chunks of "
                 f"{nbytes} B in all, received into {self.count} buffers of {self.nbytes} B")
+
+
+class TailCanary:
+    """Random bytes written at the end of each host buffer a stream's chunk is received into,
+    checked when the receive completes. UCX completes a receive of a shorter message as if
+    whole, and the stream's trailer is the sender's word: a chunk that stopped at least
+    :data:`CANARY_BYTES` short leaves the canary in place and fails the stream
+    (``protocol_error``), and one that stopped fewer bytes short leaves random bytes, never
+    what the buffer held before (a staging slot's or a freed block's earlier contents).
+    Device buffers are not armed: their short chunks are caught by the trailer alone."""
+
+    __slots__ = ("_bytes",)
+
+    def __init__(self) -> None:
+        self._bytes = np.frombuffer(os.urandom(CANARY_BYTES), np.uint8)
+
+    def arm(self, ubuf: Buffer) -> None:
+        tail = _host_tail(ubuf)
+        if tail is not None:
+            tail[...] = self._bytes[:len(tail)]
+
+    def check(self, ubuf: Buffer, index: int) -> None:
+        tail = _host_tail(ubuf)
+        if tail is not None and len(tail) == CANARY_BYTES and (tail == self._bytes).all():
+            raise TransportError("protocol_error", f"chunk {index} arrived shorter than the "
+                                 f"{_nbytes(ubuf)} B announced for it")
+
+
+def _host_tail(ubuf: Buffer) -> np.ndarray | None:
+    """The last :data:`CANARY_BYTES` (at most) of a host receive buffer, as a writable
+    view; None for device memory."""
+    if isinstance(ubuf, np.ndarray):
+        flat = ubuf.reshape(-1).view(np.uint8)
+    elif isinstance(ubuf, (bytearray, memoryview)):
+        flat = np.frombuffer(ubuf, np.uint8)
+    else:
+        return None
+    return flat[-CANARY_BYTES:] if len(flat) else None
 
 
 class TransportError(Exception):
@@ -557,19 +602,26 @@ class Connection:
         """
         _check_stream_args(transfer_id, n_chunks, max_in_flight, first_index)
         inflight: collections.deque[tuple[int, asyncio.Task]] = collections.deque()
-        bufs: dict[int, BufferT] = {}
+        bufs: dict[int, tuple[BufferT, Buffer]] = {}
         lengths = ChunkLengths()
         sent = bytearray(TRAILER_BYTES)  # the sender's trailer lands here
         checked = trailer and n_chunks > 0
+        canary = TailCanary()
+
+        async def landed(j: int) -> None:
+            buf, ubuf = bufs.pop(j)
+            canary.check(ubuf, j)
+            await _call_maybe_async(on_chunk, j, buf)
+
         with self._aborting_streams(inflight, f"receive of transfer {transfer_id}"):
             for i in range(n_chunks):
                 while len(inflight) >= max_in_flight:
-                    j = await self._retire_oldest(inflight, timeout, "receive")
-                    await _call_maybe_async(on_chunk, j, bufs.pop(j))
+                    await landed(await self._retire_oldest(inflight, timeout, "receive"))
                 buf = buffer_for(i)
                 ubuf = as_recv_buffer(buf)
-                bufs[i] = buf
+                bufs[i] = (buf, ubuf)
                 lengths.add(_nbytes(ubuf))
+                canary.arm(ubuf)
                 tag = tag_for(transfer_id, Lane.DATA, first_index + i)
                 inflight.append((i, asyncio.ensure_future(self._post_recv(ubuf, tag))))
             if checked:
@@ -579,7 +631,7 @@ class Connection:
             while inflight:
                 j = await self._retire_oldest(inflight, timeout, "receive")
                 if j < n_chunks:
-                    await _call_maybe_async(on_chunk, j, bufs.pop(j))
+                    await landed(j)
             if checked:
                 lengths.check(sent)
             return lengths.nbytes
