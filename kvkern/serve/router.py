@@ -40,6 +40,7 @@ import dataclasses
 import itertools
 import json
 import logging
+import re
 import sys
 import threading
 import time
@@ -93,6 +94,16 @@ DIALECT_NAMES = {"kv_hint": "kvkern", "kv_hints": "kv_hints", "dynamo": "dynamo"
 #: why a routed request carries no hint (``no_hint_reason``, metric label)
 NO_HINT_REASONS = ("no_other_worker", "no_longer_prefix", "no_credential")
 MAX_REQUEST_ID_CHARS = 256
+# A request id is also the X-Request-Id response header: printable ASCII, no spaces.
+REQUEST_ID_RE = re.compile(rf"[!-~]{{1,{MAX_REQUEST_ID_CHARS}}}")
+#: ``--max-tokens`` default: the longest prompt the router takes (longer ones get 413)
+DEFAULT_MAX_TOKENS = 1 << 17
+#: ``--max-forwards`` default: forwards in flight to one worker (more are answered 503)
+DEFAULT_MAX_FORWARDS = 64
+# A generate body holds at most max_tokens token ids (<= 12 bytes each in JSON, "4294967295, ")
+# beside hints and options of a few KiB: the router's body limit follows its token limit.
+BODY_BYTES_BASE = 256 << 10
+BODY_BYTES_PER_TOKEN = 12
 # Hashes a worker's routed requests may add to what the router believes it holds between two
 # block listings (each listing replaces them): about 70 B each.
 MAX_LEARNED_HASHES = 1 << 21
@@ -374,15 +385,22 @@ class KVRouter:
 # ---------------------------------------------------------------------------- HTTP front
 
 
+def body_bytes(max_tokens: int) -> int:
+    """The router's request-body limit for prompts of at most ``max_tokens`` tokens."""
+    return BODY_BYTES_BASE + BODY_BYTES_PER_TOKEN * max_tokens
+
+
 def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
               report_timeout_s: float = 5.0, refresh_s: float | None = 5.0,
               credential: Any = FROM_ENV, hint_ttl_s: float = DEFAULT_HINT_TTL_S,
-              limits: Any = None):
+              limits: Any = None, max_tokens: int = DEFAULT_MAX_TOKENS,
+              max_forwards: int = DEFAULT_MAX_FORWARDS):
     """The ``kvkern router`` HTTP API (aiohttp)::
 
         POST /v1/generate   body: a worker generate body ({"token_ids": [...], ...});
                             optional "destination": worker id; optional "request_id" (one
-                            is made when absent). Routes, removes any hint the client put in
+                            is made when absent: printable ASCII without spaces, at most
+                            256 characters). Routes, removes any hint the client put in
                             the body, attaches its own hint signed with the fleet credential
                             (valid ``hint_ttl_s``), forwards to the destination's
                             POST /v1/generate with the request id and returns its JSON plus
@@ -395,14 +413,22 @@ def build_app(router: KVRouter, *, request_timeout_s: float = 120.0,
         GET  /metrics       Prometheus text (:mod:`kvkern.serve.routermetrics`)
         GET  /healthz       "ok"
 
-    Errors are ``{"error": "..."}``: 400 malformed body, 503 no (healthy) worker, 502 the
-    destination did not answer. The router reads the workers' block listings and signs hints
-    with the fleet credential (``credential``, by default the environment's); without one it
-    routes without hints.
+    Errors are ``{"error": "..."}``: 400 malformed body, 413 more than ``max_tokens`` prompt
+    tokens (or a body past ``limits.max_body_bytes``, by default :func:`body_bytes` of
+    ``max_tokens``), 503 no (healthy) worker or ``max_forwards`` forwards already in flight
+    to the destination, 502 the destination did not answer (within ``request_timeout_s``).
+
+    Health: a worker is marked unhealthy when its block listing cannot be read (each refresh)
+    or when a forward cannot connect to it; a slow, failed or unreadable answer is a 502 that
+    leaves its health to the next listing read. Listings use their own connections, so
+    forwards waiting on busy workers never delay them. The router reads the workers' block
+    listings and signs hints with the fleet credential (``credential``, by default the
+    environment's); without one it routes without hints.
     """
     return _RouterService(router, request_timeout_s=request_timeout_s,
                           report_timeout_s=report_timeout_s, refresh_s=refresh_s,
-                          credential=credential, hint_ttl_s=hint_ttl_s, limits=limits).app
+                          credential=credential, hint_ttl_s=hint_ttl_s, limits=limits,
+                          max_tokens=max_tokens, max_forwards=max_forwards).app
 
 
 class _RouterService:
@@ -410,14 +436,18 @@ class _RouterService:
 
     def __init__(self, router: KVRouter, *, request_timeout_s: float,
                  report_timeout_s: float, refresh_s: float | None, credential: Any,
-                 hint_ttl_s: float, limits: Any) -> None:
+                 hint_ttl_s: float, limits: Any, max_tokens: int, max_forwards: int) -> None:
         from aiohttp import web  # noqa: PLC0415 (lazy heavy import)
 
         from kvkern.serve.routermetrics import RouterMetrics  # noqa: PLC0415
         from kvkern.xfer.auth import resolve  # noqa: PLC0415
         from kvkern.xfer.httpguard import HttpLimits, guard_app  # noqa: PLC0415
 
+        check_positive_int("max_tokens", max_tokens)
+        check_positive_int("max_forwards", max_forwards)
         self.router = router
+        self.max_tokens = max_tokens
+        self.max_forwards = max_forwards
         self.request_timeout_s = request_timeout_s
         self.report_timeout_s = report_timeout_s
         self.refresh_s = refresh_s
@@ -427,11 +457,13 @@ class _RouterService:
             log.warning("the router has no fleet credential (--fleet-secret-file, "
                         "KVKERN_FLEET_SECRET_FILE, KVKERN_FLEET_SECRET): it cannot read block "
                         "listings or sign hints, so it routes by load only")
-        self.limits = limits or HttpLimits()
+        self.limits = limits or HttpLimits(max_body_bytes=body_bytes(max_tokens))
         self.metrics = RouterMetrics()
         for info in router.workers():
             self.metrics.add_worker(info["worker_id"])
-        self.session: Any = None
+        self.session: Any = None  # forwards
+        self.listing_session: Any = None  # block listings (own connections: never queued)
+        self.forwarding: dict[str, int] = {}  # worker id -> forwards in flight to it
         self.task: asyncio.Task | None = None
         self._verifier = None  # (made on first use: a refresh's signature)
         self._refreshing: asyncio.Future | None = None
@@ -464,8 +496,9 @@ class _RouterService:
             raise RuntimeError("no fleet credential")
         u = yarl.URL(url)
         headers, nonce = cred.sign_request("GET", BLOCKS_PATH, to=authority(u.host, u.port))
-        async with self.session.get(f"{url}{BLOCKS_PATH}", headers=headers,
-                                    timeout=ClientTimeout(total=self.report_timeout_s)) as r:
+        async with self.listing_session.get(
+                f"{url}{BLOCKS_PATH}", headers=headers,
+                timeout=ClientTimeout(total=self.report_timeout_s)) as r:
             r.raise_for_status()
             raw = await r.read()
             if not cred.verify_response(nonce, raw, r.headers.get(AUTH_RESPONSE_HEADER)):
@@ -494,9 +527,11 @@ class _RouterService:
             await asyncio.sleep(self.refresh_s)
 
     async def on_startup(self, app: Any) -> None:
-        from aiohttp import ClientSession  # noqa: PLC0415
+        from aiohttp import ClientSession, TCPConnector  # noqa: PLC0415
 
-        self.session = ClientSession(trust_env=False)
+        # forwards are bounded per worker by max_forwards (503 past it), not by a pool size
+        self.session = ClientSession(trust_env=False, connector=TCPConnector(limit=0))
+        self.listing_session = ClientSession(trust_env=False)
         if self.refresh_s:
             self.task = asyncio.create_task(self.refresher())
         else:
@@ -507,7 +542,9 @@ class _RouterService:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
-        await self.session.close()
+        for session in (self.session, self.listing_session):
+            if session is not None:
+                await session.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -520,6 +557,10 @@ class _RouterService:
         body = await read_json_body(request, max_bytes=self.limits.max_body_bytes,
                                     timeout_s=self.limits.body_timeout_s)
         tokens = body.get("token_ids") if isinstance(body, dict) else None
+        if isinstance(tokens, list) and len(tokens) > self.max_tokens:  # (before per-token work)
+            raise json_error(web.HTTPRequestEntityTooLarge, f"{len(tokens)} prompt tokens "
+                             f"exceed the router's limit of {self.max_tokens}",
+                             max_size=self.max_tokens, actual_size=len(tokens))
         if not isinstance(tokens, list) or not tokens or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32
                 for t in tokens):
@@ -532,9 +573,10 @@ class _RouterService:
         if destination is not None and not isinstance(destination, str):
             raise json_error(web.HTTPBadRequest, "destination must be a worker id (a string)")
         request_id = body.get("request_id") or uuid.uuid4().hex
-        if not isinstance(request_id, str) or len(request_id) > MAX_REQUEST_ID_CHARS:
+        if not isinstance(request_id, str) or REQUEST_ID_RE.fullmatch(request_id) is None:
             raise json_error(web.HTTPBadRequest, f"request_id must be a string of at most "
-                                                 f"{MAX_REQUEST_ID_CHARS} characters")
+                                                 f"{MAX_REQUEST_ID_CHARS} printable ASCII "
+                                                 "characters without spaces")
         return body, tokens, salt, request_id
 
     def decide(self, tokens: list[int], salt: str, request_id: str,
@@ -582,43 +624,76 @@ class _RouterService:
                 self.metrics.answered(endpoint, status, time.perf_counter() - t0)
         return run
 
-    async def _forward(self, decision: RouteDecision, forward: dict,
+    async def _forward(self, decision: RouteDecision, data: bytes,
                        request_id: str) -> tuple[Any, int]:
-        """POST ``forward`` to the destination; (payload, status), 502 when it did not
-        answer (the worker is then marked unhealthy)."""
-        from aiohttp import ClientTimeout  # noqa: PLC0415
+        """POST ``data`` (a JSON body) to the destination; (payload, status), 502 when it did
+        not answer. Only a failure to connect marks the worker unhealthy: a slow, broken or
+        unreadable answer may be the request's own doing, and the next block listing judges
+        the worker."""
+        from aiohttp import ClientConnectorError, ClientTimeout  # noqa: PLC0415
 
         dest = decision.destination
         try:
             async with self.session.post(
-                    f"{decision.destination_url}/v1/generate", json=forward,
+                    f"{decision.destination_url}/v1/generate", data=data,
+                    headers={"Content-Type": "application/json"},
                     timeout=ClientTimeout(total=self.request_timeout_s)) as r:
                 payload = await r.json(content_type=None)
                 status = r.status
             if status >= 500:
                 self.metrics.forward_errors.labels(dest, "http_5xx").inc()
             return payload, status
-        except Exception as exc:  # noqa: BLE001
-            kind = "timeout" if isinstance(exc, asyncio.TimeoutError) else "unreachable"
-            self.metrics.forward_errors.labels(dest, kind).inc()
+        except Exception as exc:  # noqa: BLE001 (any failure is the client's 502)
+            # (aiohttp's timeouts are asyncio.TimeoutError, some also ClientConnectionError)
+            timeout = isinstance(exc, asyncio.TimeoutError)
+            self.metrics.forward_errors.labels(dest, "timeout" if timeout else
+                                               "unreachable").inc()
             why = f"{type(exc).__name__}: {exc}".rstrip(": ")
+            if timeout:
+                why = f"no answer within {self.request_timeout_s:g} s"
             log.warning("request %s: forward to %s failed: %s", request_id, dest, why)
-            self.mark(dest, False, f"forward of request {request_id}: {why}")
+            if not timeout and isinstance(exc, ClientConnectorError):
+                self.mark(dest, False, f"forward of request {request_id}: {why}")
             return {"error": f"destination {dest} did not answer: {why}"}, 502
+
+    def _forward_body(self, body: dict, hint_fields: dict, request_id: str) -> bytes:
+        """The body forwarded to the destination, encoded; 400 when the client's body cannot
+        be (nesting deeper than the encoder's recursion bound, say)."""
+        import msgspec  # noqa: PLC0415
+        from aiohttp import web  # noqa: PLC0415
+
+        from kvkern.xfer.hints import strip_hints  # noqa: PLC0415
+        from kvkern.xfer.httpguard import json_error  # noqa: PLC0415
+
+        try:
+            return msgspec.json.encode({**strip_hints(body), **hint_fields,
+                                        "request_id": request_id})
+        except (msgspec.EncodeError, TypeError, ValueError, RecursionError) as exc:
+            raise json_error(web.HTTPBadRequest, f"body cannot be forwarded: "
+                                                 f"{type(exc).__name__}: {exc}") from None
 
     async def generate(self, request: Any) -> Any:
         from aiohttp import web  # noqa: PLC0415
 
-        from kvkern.xfer.hints import strip_hints  # noqa: PLC0415
+        from kvkern.xfer.httpguard import json_error  # noqa: PLC0415
 
         body, tokens, salt, request_id = await self.read_request(request)
         decision, hint_fields = self.decide(tokens, salt, request_id,
                                             body.pop("destination", None))
-        self.metrics.routed(decision)
-        forward = {**strip_hints(body), **hint_fields, "request_id": request_id}
+        dest = decision.destination
         status = 502
         try:
-            payload, status = await self._forward(decision, forward, request_id)
+            data = self._forward_body(body, hint_fields, request_id)
+            if self.forwarding.get(dest, 0) >= self.max_forwards:
+                raise json_error(web.HTTPServiceUnavailable, f"worker {dest} already has "
+                                 f"{self.max_forwards} requests in flight from this router "
+                                 "(its bound); retry later")
+            self.metrics.routed(decision)
+            self.forwarding[dest] = self.forwarding.get(dest, 0) + 1
+            try:
+                payload, status = await self._forward(decision, data, request_id)
+            finally:
+                self.forwarding[dest] -= 1
         finally:
             # (a request that bypassed the cache left nothing there for the router to learn)
             self.router.finish(decision, ok=status == 200 and body.get("use_cache") is not False)
@@ -718,6 +793,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-read workers' block listings this often (0: only at start)")
     p.add_argument("--request-timeout-s", type=positive_float, default=120.0,
                    help="bound on one forwarded request")
+    p.add_argument("--max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                   help="longest prompt taken, in tokens (longer: 413); also bounds the "
+                        "request body")
+    p.add_argument("--max-forwards", type=positive_int, default=DEFAULT_MAX_FORWARDS,
+                   help="requests in flight to one worker; more are answered 503")
     p.add_argument("--fleet-secret-file", default=None, metavar="PATH",
                    help="file holding the fleet secret, to read block listings and sign "
                         "hints (default: KVKERN_FLEET_SECRET_FILE or KVKERN_FLEET_SECRET)")
@@ -772,10 +852,11 @@ def main(argv: list[str] | None = None) -> int:
                           min_hint_blocks=args.min_hint_blocks)
         for wid, url, source in specs:
             router.add_worker(wid, url, source)
-        limits = HttpLimits()
+        limits = HttpLimits(max_body_bytes=body_bytes(args.max_tokens))
         app = build_app(router, request_timeout_s=args.request_timeout_s,
                         refresh_s=args.refresh_s or None, credential=cred,
-                        hint_ttl_s=args.hint_ttl_s, limits=limits)
+                        hint_ttl_s=args.hint_ttl_s, limits=limits,
+                        max_tokens=args.max_tokens, max_forwards=args.max_forwards)
         def listening(bound: int) -> None:
             print(f"kvkern router on http://{args.host}:{bound} -> "
                   + ", ".join(f"{w}={u}" for w, u, _ in specs), flush=True)

@@ -16,8 +16,9 @@ kvkern_router_request_seconds            endpoint   latency of /v1/generate (for
                                                     and /v1/route, as the router saw it
 kvkern_router_requests_total             endpoint,  requests answered, by HTTP status
                                          status
-kvkern_router_forward_errors_total       worker,    forwards that got no answer (unreachable,
-                                         kind       timeout) or a 5xx (http_5xx)
+kvkern_router_forward_errors_total       worker,    forwards that got no answer (unreachable:
+                                         kind       no connection, or an answer not in
+                                                    JSON; timeout) or a 5xx (http_5xx)
 kvkern_router_refresh_failures_total     worker     block-listing reads that failed
 =======================================  =========  =========================================
 """
