@@ -405,7 +405,8 @@ def test_pulls_while_the_source_churns_its_blocks_are_exact(make_puller, monkeyp
         group = make_group()
         # (a TP2 source's head slices are small runs: read them anyway)
         p = make_puller(group, direct_reads=True, default_policy="strict",
-                        read_min_run_bytes=0, local_reads=reads == "local")
+                        read_min_run_bytes=0, local_reads=reads == "local",
+                        ucx_same_host_reads=reads != "local")
         misses: list[str] = []
         call = direct.DirectRead.__call__
 
@@ -626,7 +627,8 @@ def test_a_failed_scattered_read_check_costs_one_grant_not_the_lanes(make_puller
         hashes = tp.sequence_hashes(tokens, BS)
         group = make_group()
         # (the check is UCX's: a source on this host is read through UCX here)
-        p = make_puller(group, direct_reads=True, read_min_run_bytes=0, local_reads=False)
+        p = make_puller(group, direct_reads=True, read_min_run_bytes=0, local_reads=False,
+                        ucx_same_host_reads=True)
         monkeypatch.setattr(ucp_rma, "_iov_reads", True)
         monkeypatch.setattr(ucp_rma, "_iov_verified", type(ucp_rma._iov_verified)())
         monkeypatch.setattr(ucp_rma, "_iov_mismatches", 0)

@@ -372,3 +372,26 @@ def test_a_state_keeps_only_the_announcement_of_the_process_that_served_it(
         assert state.read_locals == {(0, 0): parse(child.doc)}
     else:
         assert state.read_locals == {}
+
+
+def test_a_same_host_source_is_read_through_ucx_only_when_told():
+    """UCX's same-host transports read any address of the process that owns the worker a
+    state names, and nothing ties that worker to the process whose pid was checked: a member
+    could name another process's. So a puller with its own same-host reads off streams such
+    a source, unless told to read it through UCX (a measurement on one host)."""
+    from types import SimpleNamespace
+
+    from kvkern.xfer.config import XferConfig
+    from kvkern.xfer.receive import ReadReceiver
+
+    key = (0, 0)
+    state = SimpleNamespace(read_locals={key: object()})
+    for local, ucx, near, own in [(True, False, False, True), (False, False, False, False),
+                                  (False, True, True, False), (True, True, False, True)]:
+        cfg = XferConfig(local_reads=local, ucx_same_host_reads=ucx)
+        receiver = ReadReceiver(cfg, closed=lambda: False, spawn=lambda coro: coro.close())
+        assert receiver.near_reads(state, key) is near, (local, ucx)
+        assert (receiver.local_source(state, key) is not None) is own, (local, ucx)
+        assert not receiver.near_reads(SimpleNamespace(read_locals={}), key)
+    with pytest.raises(ValueError, match="ucx_same_host_reads"):
+        XferConfig(ucx_same_host_reads="yes")

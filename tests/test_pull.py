@@ -447,6 +447,7 @@ def test_a_pull_into_the_engines_blocks_reads_them_on_the_lanes(src, make_puller
     before = snapshot(group)
     direct = how in ("direct", "ucx_direct")
     p = make_puller(group, direct_reads=direct, local_reads=not how.startswith("ucx"),
+                    ucx_same_host_reads=how.startswith("ucx"),
                     **({"read_lanes": 0} if how == "no_lanes" else {}))
     sent = src.http("GET", "/test/stats")["replies"]
     o = pull_into(p, "into", tokens, hint_for(src, tokens), ids)
@@ -520,7 +521,8 @@ def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_
     hashes = src.commit(tokens)
     group = make_group()
     engine = group.manager.allocate(n)
-    p = make_puller(group, local_reads=False, transfer_timeout_s=0.3, direct_reads=direct)
+    p = make_puller(group, local_reads=False, ucx_same_host_reads=True,
+                    transfer_timeout_s=0.3, direct_reads=direct)
     warm = fresh_tokens(BS)  # the state and the lanes made
     src.commit(warm)
     assert pull(p, "warm", warm, hint_for(src, warm)).used
@@ -1122,11 +1124,12 @@ def test_a_connection_the_source_closed_for_idleness_is_opened_again(make_puller
 # "read_pieces" through a UCX that refuses to scatter a read over an iov; the "_bound"
 # variants lower only the bound for same-host reads (local_read_min_run_bytes), which
 # reads where the source is read locally and streams where it is read through UCX.
+UCX = dict(local_reads=False, ucx_same_host_reads=True)  # a same-host source read as a remote
 RESHARD = {"read": dict(read_min_run_bytes=0), "stream": dict(remote_read=False),
-           "auto": {}, "read_ucx": dict(read_min_run_bytes=0, local_reads=False),
-           "read_pieces": dict(read_min_run_bytes=0, local_reads=False),
+           "auto": {}, "read_ucx": dict(read_min_run_bytes=0, **UCX),
+           "read_pieces": dict(read_min_run_bytes=0, **UCX),
            "read_local_bound": dict(local_read_min_run_bytes=0),  # (read: the source is local)
-           "stream_ucx_bound": dict(local_read_min_run_bytes=0, local_reads=False)}
+           "stream_ucx_bound": dict(local_read_min_run_bytes=0, **UCX)}
 
 
 @pytest.mark.parametrize("how", sorted(RESHARD))
@@ -1569,7 +1572,8 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     group = make_group()
     held = fragment(group)
     before = snapshot(group)
-    p = make_puller(group, local_reads=reads == "local", **LANES[lanes])
+    p = make_puller(group, local_reads=reads == "local", ucx_same_host_reads=reads != "local",
+                    **LANES[lanes])
     sent = src.http("GET", "/test/stats")["replies"]
     o = pull(p, "scattered", tokens, hint_for(src, tokens))
     assert o.used and o.reason is Reason.OK and o.blocks_transferred == n, o

@@ -491,8 +491,8 @@ class _PullBench:
         # and a same-host source read through UCX's CMA transport rather than kvkern's own
         # process_vm_readv calls (XferConfig.local_reads): across hosts reads go through UCX
         if s.all_variants and s.data_path != "stream":
-            self.fewer["ucx"] = Puller(self.group, config=cfg.replace(local_reads=False),
-                                       loop=bench.loop)
+            self.fewer["ucx"] = Puller(self.group, config=cfg.replace(
+                local_reads=False, ucx_same_host_reads=True), loop=bench.loop)
         # and small pulls read on the first lane's thread rather than the loop lane
         # (XferConfig.loop_read_bytes), for the 1-block figures of both in the same run
         self.threaded = (Puller(self.group, config=cfg.replace(loop_read_bytes=0),

@@ -132,6 +132,12 @@ class XferConfig:
     # pieces per call and a request per run; elsewhere, or where the host refuses the call,
     # reads go through UCX
     local_reads: bool = True
+    # with local_reads off, read a source on the same host through UCX's CMA/KNEM/XPMEM
+    # transports too. They read any address of the process that owns the worker a state
+    # names, and nothing ties that worker to the process that served the state: a member
+    # could name another process's. For measuring UCX's read path on one host; off (the
+    # default), such a source is streamed
+    ucx_same_host_reads: bool = False
 
     # ---- policy
     default_policy: Policy = "strict"
@@ -199,7 +205,8 @@ class XferConfig:
                      "read_lane_min_bytes", "loop_read_bytes"):
             check_non_negative_int(f"XferConfig.{name}", getattr(self, name))
         check_positive_int("XferConfig.read_lane_sets", self.read_lane_sets)
-        for flag in ("dedup", "cost_guard", "remote_read", "direct_reads", "local_reads"):
+        for flag in ("dedup", "cost_guard", "remote_read", "direct_reads", "local_reads",
+                     "ucx_same_host_reads"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"XferConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         # Parse allowlist specs now so a bad entry fails at configuration, not per request.

@@ -357,6 +357,9 @@ class ReadReceiver:
         key = (job.source_dp, pair.src_rank)
         if not self.reads_somewhere(state, key, into=job.into is not None):
             return False
+        if key in state.read_locals and self.local_source(state, key) is None \
+                and not self.near_reads(state, key):
+            return False  # a source on this host that may be read neither way: the stream
         kind = state.reads.get(key)
         if kind == "canonical":
             return rank_kv.read_segments is not None
@@ -583,11 +586,14 @@ class ReadReceiver:
     def near_reads(self, state: SourceState, key: tuple[int, int]) -> bool:
         """Whether the lanes may read rank ``key`` through UCX's transports that take any
         address of a process on this host (:data:`~kvkern.xfer.read_lanes.NEAR_TRANSPORTS`):
-        only where this puller reads through UCX by choice (``XferConfig.local_reads``
-        off) and the process that served the state announced that rank itself. Its worker
-        address is still the state's word, so with same-host reads on (the default) a rank
-        they cannot read is never read through such a transport."""
-        return not self.config.local_reads and key in state.read_locals
+        only where this puller is told to (``XferConfig.ucx_same_host_reads``, with
+        ``local_reads`` off) and the process that served the state announced that rank
+        itself. Its worker address is still the state's word, which a member could point at
+        another process of this host, so by default no rank is read through such a
+        transport: same-host ranks are read with kvkern's own calls on the process whose
+        pid was checked (``local_reads``), or streamed."""
+        return (self.config.ucx_same_host_reads and not self.config.local_reads
+                and key in state.read_locals)
 
     def local_source(self, state: SourceState, key: tuple[int, int]) -> LocalSource | None:
         """The source process of rank ``key`` where it runs on this host and this puller

@@ -101,11 +101,12 @@ def stats(llm) -> dict:
 
 def local_reads(llm, on: bool) -> dict:
     """The puller's same-host reads on or off (``XferConfig.local_reads``): off, every
-    source is read through UCX, as across hosts."""
+    source is read through UCX, as across hosts (``ucx_same_host_reads``)."""
     import dataclasses
 
     reads = core(llm).scheduler.connector.runtime.puller._reads
-    reads.config = dataclasses.replace(reads.config, local_reads=on)
+    reads.config = dataclasses.replace(reads.config, local_reads=on,
+                                       ucx_same_host_reads=not on)
     return {"local_reads": on}
 
 
