@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gzip
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -18,6 +19,8 @@ import pytest
 from aiohttp import web
 
 from kvkern.xfer.httpguard import (
+    LOGGED_ADDRESSES,
+    MAX_JSON_DEPTH,
     GuardedSite,
     HttpLimits,
     decode_json,
@@ -54,11 +57,41 @@ def test_decode_json_malformed_is_400(raw):
 def test_decode_json_and_require_object():
     assert decode_json(b'{"token_ids": [1, 2, 18446744073709551615]}') == {
         "token_ids": [1, 2, 18446744073709551615]}
-    assert decode_json(b"[" * 500 + b"]" * 500)
+    assert decode_json(b"[" * 64 + b"]" * 64)
     assert require_object({"a": 1}) == {"a": 1}
     for bad in ([], 3, "x", None):
         with pytest.raises(web.HTTPBadRequest):
             require_object(bad)
+
+
+def _nested(depth: int) -> bytes:
+    """A JSON object ``depth`` arrays and objects deep, with brackets, quotes and escapes
+    inside its strings (which do not nest)."""
+    inner: object = {"s": '[{"\\[', "t": "]]}}\\", "u": [1, 2]}  # 2 deep
+    for i in range(depth - 2):
+        inner = [inner] if i % 2 else {"k": inner}
+    return json.dumps(inner).encode()
+
+
+def test_decode_json_nesting_past_64_is_400():
+    """Code that encodes a body again (json.dumps) or walks it recursively fails near 990
+    levels: a body nesting more than 64 arrays and objects is a 400 before it is decoded."""
+    assert MAX_JSON_DEPTH == 64
+    assert decode_json(_nested(64)) == json.loads(_nested(64))
+    assert decode_json(_nested(64).decode()) == json.loads(_nested(64))
+    assert decode_json(b'{"a": "' + b"[" * 5000 + b'"}') == {"a": "[" * 5000}
+    for raw in (_nested(65), b"[" * 65 + b"]" * 65, b'{"a":' * 65 + b"1" + b"}" * 65,
+                b"[" * 975 + b"]" * 975, _nested(65).decode()):
+        with pytest.raises(web.HTTPBadRequest) as ei:
+            decode_json(raw)
+        assert "more than 64 levels deep" in json.loads(ei.value.text)["error"]
+
+
+async def test_nesting_past_64_is_400_through_the_server():
+    async with serve() as (_, port, _app):
+        assert (await request(port, "POST", "/json", _nested(64)))[0] == 200
+        status, _, body = await request(port, "POST", "/json", _nested(65))
+        assert status == 400 and "levels deep" in error_of(body)
 
 
 def test_limits_validate():
@@ -66,6 +99,9 @@ def test_limits_validate():
         HttpLimits(header_timeout_s=0)
     with pytest.raises(ValueError):
         HttpLimits(max_connections=0)
+    with pytest.raises(ValueError):
+        HttpLimits(max_connections_per_address=0)
+    assert HttpLimits().max_connections_per_address == HttpLimits().max_connections // 2
 
 
 # ---------------------------------------------------------------------------- server
@@ -370,6 +406,45 @@ async def test_connection_limit_refuses_the_excess_and_recovers():
             w.close()
 
 
+async def test_one_address_cannot_take_every_connection():
+    """Keep-alive connections from one address that keep requesting (and so are never idle
+    for a head timeout) hold at most ``max_connections_per_address`` slots: another host is
+    still served, and a slot freed is one the address may take again."""
+    limits = HttpLimits(header_timeout_s=0.5, body_timeout_s=0.5, max_connections=64,
+                        max_connections_per_address=2)
+    async with serve(limits) as (site, port, _app):
+        stop = asyncio.Event()
+
+        async def holder(reader, writer) -> int:
+            served = 0
+            while not stop.is_set():
+                writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert (await read_response(reader))[0] == 200
+                served += 1
+                await asyncio.sleep(0.1)
+            return served
+
+        conns = [await asyncio.open_connection(HOST, port) for _ in range(3)]
+        status, _, body = await read_response(conns[2][0])  # the third: refused at once
+        assert status == 503 and error_of(body) == "too many connections"
+        holders = [asyncio.ensure_future(holder(r, w)) for r, w in conns[:2]]
+        await asyncio.sleep(0.8)  # past a head timeout: the two admitted are kept alive
+        reader, writer = await asyncio.open_connection(HOST, port)  # this address: still full
+        assert (await read_response(reader))[0] == 503
+        writer.close()
+        reader, writer = await asyncio.open_connection(HOST, port, local_addr=("127.0.0.2", 0))
+        writer.write(b"GET /ok HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert (await read_response(reader))[0] == 200  # another host is served
+        writer.close()
+        stop.set()
+        assert min(await asyncio.gather(*holders)) > 4
+        assert site.refused_limit == 2 and site._from == {HOST: 2}
+        for _, w in conns:
+            w.close()
+        await _until(lambda: site.connections_open == 0 and not site._from)
+        assert (await request(port, "GET", "/ok"))[0] == 200  # its slots are free again
+
+
 async def test_keepalive_idle_connection_is_closed_after_the_timeout():
     async with serve() as (site, port, _app):
         reader, writer = await asyncio.open_connection(HOST, port)
@@ -427,6 +502,51 @@ async def test_guarded_site_needs_a_guarded_app():
     guard_app(app, LIMITS)
     with pytest.raises(RuntimeError, match="already"):
         guard_app(app, LIMITS)
+
+
+async def test_refused_peer_requests_are_logged_once_per_address_and_quoted(caplog):
+    """A source refuses unauthenticated requests under /kvkern/: each is counted, but only
+    the first from each address is logged (for at most 64 addresses), with the path as sent
+    (percent-encoded, quoted, cut to 200 characters): a flood of requests whose decoded path
+    holds line breaks neither forges log lines nor fills the log."""
+    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
+    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
+    from kvkern.xfer.auth import Credential  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
+    from kvkern.xfer.source import SourceService  # noqa: PLC0415
+
+    model = ModelKVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
+                        dtype="float16")
+    topo = Topology(model=model, parallel=Parallelism())
+    layout = topo.local_layout(0, 4, "trtllm")
+    group = KVGroup(topo, 0, BlockPool(4, block_size=4),
+                    {0: RankKV(0, layout, layout.allocate())})
+    svc = SourceService([group], worker_id="src", credential=Credential("b" * 64,
+                                                                        peer_id="src"))
+    forged = "/kvkern/x%0a2030-01-01%20CRITICAL%20kvkern:%20forged" + "A" * 7000
+    caplog.set_level(logging.WARNING, logger="kvkern.xfer.source")
+    await svc.start()
+    try:
+        reader, writer = await asyncio.open_connection(HOST, svc.http_port)
+        writer.write(f"GET {forged} HTTP/1.1\r\nHost: x\r\n\r\n".encode() * 200)
+        for _ in range(200):
+            assert (await read_response(reader))[0] == 401
+        writer.close()
+        lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(lines) == 1 and svc.auth_refusals == 200, lines[:3]
+        assert "\n" not in lines[0] and "'/kvkern/x%0a2030-01-01%20CRITICAL" in lines[0]
+        assert len(lines[0]) < 400 and f"(+{len(forged) - 200} characters)" in lines[0]
+        for i in range(2, LOGGED_ADDRESSES + 8):  # other addresses: each once, 64 in all
+            reader, writer = await asyncio.open_connection(
+                HOST, svc.http_port, local_addr=(f"127.0.0.{i}", 0))
+            writer.write(b"GET /kvkern/v1/state HTTP/1.1\r\nHost: x\r\n\r\n" * 2)
+            assert [(await read_response(reader))[0] for _ in range(2)] == [401, 401]
+            writer.close()
+        lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+        assert len(lines) == LOGGED_ADDRESSES and svc.auth_refusals == 200 + 2 * 70
+        assert "from 127.0.0.64:" in lines[-1] and "no credentials" in lines[-1]
+    finally:
+        await svc.close()
 
 
 def test_run_guarded_serves_and_stops_on_sigterm():

@@ -4,8 +4,12 @@ refused hints falling back with a named reason, and bad requests."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import random
 import time
+import types
 
 import pytest
 import torch
@@ -15,6 +19,8 @@ from kvkern.serve.httpjson import HTTPError, get_json, post_json
 from kvkern.serve.model import ModelConfig
 from kvkern.serve.procs import start_workers
 from kvkern.serve.router import DIALECTS, KVRouter, hint_fragment, router_hashes
+from kvkern.serve.worker import Worker, build_parser
+from kvkern.xfer.httpguard import HttpLimits, guard_app, reads_own_body, start_guarded
 from tests.fleet import peer_get, signed
 
 T = 4  # ModelConfig.tiny().block_size
@@ -259,3 +265,63 @@ def test_a_generate_body_larger_than_a_request_can_use_is_413(workers):
         gen(workers["A"].url, {"token_ids": [1, 2], "max_new_tokens": 1, **filler})
     assert exc.value.status == 413
     assert gen(workers["A"].url, {"token_ids": [1, 2], "max_new_tokens": 1})["tokens"]
+
+
+# ---------------------------------------------------------------------------- admission
+
+
+@contextlib.asynccontextmanager
+async def generate_only(args: list[str], limits: HttpLimits):
+    """(worker, port): a tiny-model :class:`Worker` in this process, not started, whose
+    ``POST /v1/generate`` handler alone is served on a guarded site with ``limits``."""
+    from aiohttp import web  # noqa: PLC0415
+
+    worker = Worker(build_parser().parse_args(["--model", "tiny", "--device", "cpu", *args]))
+    worker.source = types.SimpleNamespace(http_limits=limits)  # (what the handler reads)
+    app = web.Application()
+    app.router.add_post("/v1/generate", reads_own_body(worker._http_generate))
+    guard_app(app, limits)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        await start_guarded(runner, "127.0.0.1", 0, limits)
+        yield worker, int(runner.addresses[0][1])
+    finally:
+        await asyncio.wait_for(runner.cleanup(), 5.0)
+        worker.close()
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    length = next(int(ln.split(b":")[1]) for ln in lines if ln.lower().startswith(
+        b"content-length:"))
+    return int(lines[0].split()[1]), await reader.readexactly(length)
+
+
+async def test_generate_waits_for_admission_at_most_the_head_timeout():
+    """Requests past the generate limit (2 with --max-inflight-pulls 1) wait for a slot with
+    their bodies unread for at most the head timeout, then get 503 and a closed connection:
+    heads sent without a body cannot queue on the limit for ever, holding connections."""
+    limits = HttpLimits(header_timeout_s=0.5, body_timeout_s=3.0)
+    body = b'{"token_ids": [1, 2, 3], "max_new_tokens": 1, "use_cache": false}'
+    head = (b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    async with generate_only(["--max-inflight-pulls", "1"], limits) as (_, port):
+        holders = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
+        for _, w in holders:  # admitted: both wait for their bodies
+            w.write(head)
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        t0 = time.monotonic()
+        writer.write(head)  # the third: waits for a slot, then 503
+        status, got = await asyncio.wait_for(_answer(reader), 2.0)
+        assert status == 503 and "busy" in json.loads(got)["error"], got
+        assert limits.header_timeout_s * 0.9 <= time.monotonic() - t0 < 1.5
+        assert await asyncio.wait_for(reader.read(), 1.0) == b""  # closed, the body unsent
+        writer.close()
+        for r, w in holders:  # the admitted ones are served once their bodies come
+            w.write(body)
+            status, got = await asyncio.wait_for(_answer(r), 5.0)
+            assert status == 200 and len(json.loads(got)["tokens"]) == 1, got
+            w.close()

@@ -293,7 +293,8 @@ class Worker:
             max(1, opts.max_inflight_pulls), thread_name_prefix="kvkern-pull-wait")
         self.generate_body_bytes = GENERATE_BODY_BASE + GENERATE_BODY_PER_TOKEN * (
             config.max_seq_len)
-        # requests read and decoded at once; the rest wait with their bodies unread
+        # requests read and decoded at once; the rest wait with their bodies unread, each for
+        # at most the HTTP head timeout (then 503), as long as a connection may take for a head
         self._generating: asyncio.Semaphore | None = None
         self.url: str | None = None
 
@@ -540,21 +541,35 @@ class Worker:
         arrival = time.perf_counter()
         if request.content_length is not None and \
                 request.content_length > self.generate_body_bytes:  # (before any wait)
-            return web.json_response({"error": f"body larger than {self.generate_body_bytes} "
-                                      "bytes"}, status=413, headers={"Connection": "close"})
+            return _closing(web.json_response(
+                {"error": f"body larger than {self.generate_body_bytes} bytes"}, status=413))
         if self._generating is None:  # (made on the loop that serves HTTP)
-            self._generating = asyncio.Semaphore(2 * max(1, self.opts.max_inflight_pulls))
+            self._generating = asyncio.Semaphore(self._generating_limit())
+        limits = self.source.http_limits
+        try:  # (waiting requests wait with their bodies unread, as long as a head may take)
+            await asyncio.wait_for(self._generating.acquire(), limits.header_timeout_s)
+        except asyncio.TimeoutError:
+            return _closing(web.json_response(
+                {"error": f"busy: {self._generating_limit()} requests already generating and "
+                          f"none finished within {limits.header_timeout_s:g} s; retry later"},
+                status=503))
         loop = asyncio.get_running_loop()
-        async with self._generating:  # (waiting requests wait with their bodies unread)
+        try:
             body = await read_json_object(request, max_bytes=self.generate_body_bytes,
-                                          timeout_s=self.source.http_limits.body_timeout_s)
+                                          timeout_s=limits.body_timeout_s)
             try:
                 status, out = await loop.run_in_executor(self._wait_pool,
                                                          self.handle_generate, body, arrival)
             except Exception as exc:  # noqa: BLE001 (report, keep serving)
                 log.exception("generate failed")
                 status, out = 500, {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self._generating.release()
         return web.json_response(out, status=status)
+
+    def _generating_limit(self) -> int:
+        """Generate requests read, decoded and served at once."""
+        return 2 * max(1, self.opts.max_inflight_pulls)
 
     async def _http_blocks(self, request):
         from aiohttp import web  # noqa: PLC0415
@@ -588,6 +603,14 @@ def _stalling_source(base: type, delay_s: float) -> type:
             await asyncio.sleep(delay_s)
 
     return StallingSource
+
+
+def _closing(resp: Any) -> Any:
+    """``resp`` (an aiohttp response) sent with ``Connection: close``: the connection ends
+    after it, what comes of the unread body meanwhile dropped (for at most the head timeout,
+    after which the HTTP guard closes a connection that has no request in progress)."""
+    resp.force_close()
+    return resp
 
 
 def _fmt_host(host: str) -> str:

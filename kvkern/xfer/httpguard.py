@@ -19,8 +19,9 @@ Three pieces, used together::
   connection must deliver a complete request head within ``header_timeout_s`` of connecting,
   or of the end of its previous request (keep-alive idle); otherwise it is closed (slowloris).
   While a response is still being written the deadline moves on as long as the peer keeps
-  reading. Connections beyond ``max_connections`` get a one-line 503 and are closed at once,
-  before aiohttp sees them. Counters: ``connections_open``, ``connections_total``,
+  reading. Connections beyond ``max_connections``, or beyond ``max_connections_per_address``
+  from one remote IP address, get a one-line 503 and are closed at once, before aiohttp sees
+  them. Counters: ``connections_open``, ``connections_total``,
   ``closed_header_timeout``, ``refused_limit``.
 - :func:`guard_app` installs the outermost middleware. It tells the site when a request is in
   progress (its handler may take as long as it needs) and reads every request body up front
@@ -28,15 +29,20 @@ Three pieces, used together::
   body that never comes; ``request.read()`` / ``read_json_body`` then return the read bytes.
   Counters on :func:`guard_stats`: ``body_timeouts``, ``too_large``.
 - :func:`read_json_body` / :func:`read_json_object` / :func:`decode_json`: bounded read and a
-  decode (msgspec) whose every failure — syntax, invalid UTF-8, NaN, nesting past the
-  interpreter's recursion limit, integers out of range — is a 400 ``{"error": ...}``.
+  decode (msgspec) whose every failure — syntax, invalid UTF-8, NaN, nesting more than
+  :data:`MAX_JSON_DEPTH` (64) arrays and objects deep, integers out of range — is a 400
+  ``{"error": ...}``.
+- :func:`log_refused`: a WARNING for a request the application refused (authentication, say),
+  once per remote address, its path quoted and cut short: a flood of them writes little.
 
 Every error body here is one line of JSON: ``{"error": "..."}``.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
+import itertools
 import json
 import logging
 import signal
@@ -53,9 +59,10 @@ if sys.version_info >= (3, 11):
 else:  # aiohttp depends on async-timeout below 3.11
     from async_timeout import timeout as _timeout
 
-__all__ = ["GuardStats", "GuardedSite", "HttpLimits", "decode_json", "guard_app",
-           "guard_stats", "json_error", "read_json_body", "read_json_object",
-           "reads_own_body", "require_object", "run_guarded", "start_guarded"]
+__all__ = ["LOGGED_ADDRESSES", "MAX_JSON_DEPTH", "GuardStats", "GuardedSite", "HttpLimits",
+           "decode_json", "guard_app", "guard_stats", "json_error", "log_refused",
+           "read_json_body", "read_json_object", "reads_own_body", "require_object",
+           "run_guarded", "start_guarded"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,13 @@ class HttpLimits:
                       or after its previous request finished, is closed
     body_timeout_s    the whole request body must arrive within this (else 408)
     max_connections   open connections per site; more are answered 503 and closed
+    max_connections_per_address
+                      open connections from one remote IP address; more are answered 503
+                      and closed, so that one host cannot take every slot. The default,
+                      half the default ``max_connections``, leaves room for a ``kvkern
+                      router`` at its ``--max-forwards`` (64 to one worker) beside its
+                      block listings; a proxy that forwards many clients from one address
+                      shares this bound
     max_body_bytes    larger request bodies get 413 (Content-Length checked before reading,
                       the running size while reading)
     """
@@ -73,13 +87,16 @@ class HttpLimits:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 256
+    max_connections_per_address: int = 128
     max_body_bytes: int = 16 << 20
 
     def __post_init__(self) -> None:
         if not (self.header_timeout_s > 0 and self.body_timeout_s > 0):
             raise ValueError("HttpLimits: timeouts must be > 0")
-        if self.max_connections < 1 or self.max_body_bytes < 0:
-            raise ValueError("HttpLimits: max_connections must be >= 1, max_body_bytes >= 0")
+        if (self.max_connections < 1 or self.max_connections_per_address < 1
+                or self.max_body_bytes < 0):
+            raise ValueError("HttpLimits: max_connections and max_connections_per_address "
+                             "must be >= 1, max_body_bytes >= 0")
 
 
 # ---------------------------------------------------------------------------- JSON bodies
@@ -98,13 +115,43 @@ def json_error(cls: type[web.HTTPException], message: str, *, close: bool = Fals
     return exc
 
 
+MAX_JSON_DEPTH = 64  # arrays and objects one inside another; json.dumps stops near 990
+
+# outside strings, "[" and "{" count +1, "]" and "}" -1 (as signed bytes), the rest is dropped
+_BRACKETS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def _too_deep(raw: bytes | bytearray) -> bool:
+    """Whether ``raw`` nests arrays and objects more than :data:`MAX_JSON_DEPTH` deep,
+    from the brackets outside strings, in loops that run in C: O(n), ~0.3 s for 16 MiB of
+    brackets (decoding those takes ~2 s), nothing for a body with at most 64 of them. Exact
+    for valid JSON, in which a backslash only starts an escape inside a string: with the
+    ``\\\\`` and ``\\"`` escapes gone, every ``"`` left opens or closes a string. (Invalid
+    JSON is a 400 either way.)"""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:  # (every ordinary body)
+        return False
+    if b"\\" in raw:
+        raw = raw.replace(b"\\\\", b"").replace(b'\\"', b"")
+    steps = b"".join(raw.split(b'"')[::2]).translate(_BRACKETS, _NOT_BRACKETS)
+    return max(itertools.accumulate(array.array("b", steps)), default=0) > MAX_JSON_DEPTH
+
+
 def decode_json(raw: bytes | bytearray | memoryview | str) -> Any:
-    """Strict JSON (RFC 8259, UTF-8, no NaN) -> Python objects; any malformed input raises
-    ``web.HTTPBadRequest`` with a JSON error body."""
+    """Strict JSON (RFC 8259, UTF-8, no NaN) -> Python objects, at most
+    :data:`MAX_JSON_DEPTH` arrays and objects deep (so that code encoding it again with
+    ``json.dumps`` or walking it recursively never meets the recursion limit); any malformed
+    input, and a deeper one (checked before it is decoded), raises ``web.HTTPBadRequest``
+    with a JSON error body."""
+    data = raw if isinstance(raw, (bytes, bytearray)) else (
+        raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else bytes(raw))
+    if _too_deep(data):
+        raise json_error(web.HTTPBadRequest, f"body nests arrays and objects more than "
+                                             f"{MAX_JSON_DEPTH} levels deep")
     try:
         return _DECODER.decode(raw)
     # msgspec.DecodeError (a ValueError) for syntax, UTF-8 and range; RecursionError for
-    # nesting past the recursion limit (100k `[` -> RecursionError in 58 us, no crash)
+    # nesting past the recursion limit (the depth check is exact for valid JSON only)
     except (ValueError, RecursionError) as exc:
         raise json_error(web.HTTPBadRequest,
                          f"body is not JSON: {type(exc).__name__}: {exc}") from None
@@ -192,12 +239,14 @@ async def read_json_object(request: web.BaseRequest, *, max_bytes: int,
 class _Conn(asyncio.Protocol):
     """One accepted connection: aiohttp's protocol inside, a head deadline around it."""
 
-    __slots__ = ("_site", "_inner", "transport", "deadline", "handle", "busy", "_unsent")
+    __slots__ = ("_site", "_inner", "transport", "address", "deadline", "handle", "busy",
+                 "_unsent")
 
     def __init__(self, site: GuardedSite) -> None:
         self._site = site
         self._inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
+        self.address: str | None = None  # the peer's IP address, None where unknown
         self.deadline = 0.0
         self.handle: asyncio.TimerHandle | None = None
         self.busy = 0
@@ -205,12 +254,19 @@ class _Conn(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         site = self._site
-        if site.connections_open >= site.limits.max_connections:
+        peer = transport.get_extra_info("peername")
+        address = peer[0] if isinstance(peer, tuple) and peer else None
+        if site.connections_open >= site.limits.max_connections or (
+                address is not None
+                and site._from.get(address, 0) >= site.limits.max_connections_per_address):
             site.refused_limit += 1
             transport.write(_REFUSED)  # type: ignore[attr-defined]
             transport.close()
             return
         self.transport = transport  # type: ignore[assignment]
+        self.address = address
+        if address is not None:
+            site._from[address] = site._from.get(address, 0) + 1
         site.connections_open += 1
         site.connections_total += 1
         site._registry[transport] = self
@@ -253,6 +309,13 @@ class _Conn(asyncio.Protocol):
         self._inner = None
         site = self._site
         site.connections_open -= 1
+        address = self.address
+        if address is not None:
+            left = site._from[address] - 1
+            if left:
+                site._from[address] = left
+            else:
+                del site._from[address]
         site._registry.pop(self.transport, None)
         if self.handle is not None:
             self.handle.cancel()
@@ -286,14 +349,16 @@ _REFUSED = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json
 class GuardedSite(web.TCPSite):
     """A :class:`aiohttp.web.TCPSite` that closes connections with no complete request head
     within ``limits.header_timeout_s`` (from connect, or from the end of the previous request)
-    and keeps at most ``limits.max_connections`` open. The runner's application must have
-    been passed to :func:`guard_app` (the middleware tells the site when a request is in
-    progress). Counters (plain ints, read them for metrics)::
+    and keeps at most ``limits.max_connections`` open, at most
+    ``limits.max_connections_per_address`` of them from one remote IP address. The runner's
+    application must have been passed to :func:`guard_app` (the middleware tells the site when
+    a request is in progress). Counters (plain ints, read them for metrics)::
 
         connections_open        now
         connections_total       admitted since start
         closed_header_timeout   closed for no complete head in time (slowloris, idle)
-        refused_limit           answered 503 and closed for max_connections
+        refused_limit           answered 503 and closed for max_connections or
+                                max_connections_per_address
     """
 
     def __init__(self, runner: web.BaseRunner, host: str | None = None,
@@ -311,6 +376,7 @@ class GuardedSite(web.TCPSite):
         self.connections_total = 0
         self.closed_header_timeout = 0
         self.refused_limit = 0
+        self._from: dict[str, int] = {}  # open connections by remote IP address
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site; TCPSite.start is replaced here
@@ -336,13 +402,14 @@ class GuardedSite(web.TCPSite):
 
 class GuardStats:
     """Counters of :func:`guard_app`'s middleware: ``body_timeouts`` (408), ``too_large``
-    (413)."""
+    (413); and the remote addresses :func:`log_refused` has named in the log."""
 
-    __slots__ = ("body_timeouts", "too_large")
+    __slots__ = ("body_timeouts", "too_large", "refusals_logged")
 
     def __init__(self) -> None:
         self.body_timeouts = 0
         self.too_large = 0
+        self.refusals_logged: set[str | None] = set()
 
 
 _REGISTRY: web.AppKey[dict[asyncio.BaseTransport, _Conn]] = web.AppKey(
@@ -421,6 +488,32 @@ def guard_app(app: web.Application, limits: HttpLimits) -> web.Application:
 def guard_stats(app: web.Application) -> GuardStats:
     """The middleware counters of an application passed to :func:`guard_app`."""
     return app[_STATS]
+
+
+LOGGED_ADDRESSES = 64  # remote addresses log_refused names in the log (each once), then silence
+_LOGGED_PATH_CHARS = 200
+
+
+def log_refused(logger: logging.Logger, request: web.BaseRequest, why: str) -> None:
+    """Log a refused request (a WARNING naming its method, path and remote address, and
+    ``why``), once for each remote address and for the first :data:`LOGGED_ADDRESSES`
+    addresses of an application passed to :func:`guard_app`: the caller counts every
+    refusal, the log names who was refused without growing with each request. The path is
+    the one sent (still percent-encoded), quoted with ``repr`` and cut to 200 characters, so
+    no request can write its own log lines nor long ones."""
+    stats = request.app.get(_STATS)
+    address = request.remote
+    if stats is not None:
+        logged = stats.refusals_logged
+        if address in logged or len(logged) >= LOGGED_ADDRESSES:
+            return
+        logged.add(address)
+    path = request.raw_path
+    cut = f" (+{len(path) - _LOGGED_PATH_CHARS} characters)" \
+        if len(path) > _LOGGED_PATH_CHARS else ""
+    logger.warning("refused %s %r%s from %s: %s (further refusals from this address are "
+                   "counted, not logged)", request.method[:16], path[:_LOGGED_PATH_CHARS], cut,
+                   address or "an unknown address", why)
 
 
 async def start_guarded(runner: web.BaseRunner, host: str | None, port: int,

@@ -191,7 +191,7 @@ from kvkern.xfer.auth import (
     serves_request,
 )
 from kvkern.xfer.auth import resolve as resolve_credential
-from kvkern.xfer.httpguard import GuardedSite, guard_app, start_guarded
+from kvkern.xfer.httpguard import GuardedSite, guard_app, log_refused, start_guarded
 from kvkern.xfer.kvgroup import KVGroup
 from kvkern.xfer.messages import (
     DEFAULT_CODEC,
@@ -506,8 +506,7 @@ class SourceService:
             serves=serves_request(request, (self.config.host, self.advertise_host)))
         if not verdict.ok:
             self.auth_refusals += 1
-            log.warning("refused %s %s from %s: %s", request.method, request.path,
-                        request.remote, verdict.why)
+            log_refused(log, request, verdict.why)  # (once per address: a flood logs little)
             return web.json_response({"error": "unauthorized"}, status=401)
         resp = await handler(request)
         body = resp.body if isinstance(resp, web.Response) else None
