@@ -181,3 +181,51 @@ def test_native_segments_address_each_block_in_the_pools_own_order(name):
         assert got == want
     if rkv.read_segments is not None:
         assert rkv.read_segments == segs
+
+
+_DTYPE_NAMES_PROBE = """
+import json, sys
+from kvkern.layout.topology import ModelKVSpec, dtype_itemsize
+from kvkern.xfer.state import parse_state
+
+doc = {"protocol": "kvkern/1", "worker_id": "w", "incarnation": "i", "hash_scheme": "x",
+       "block_size": 16, "codec_fingerprint": "00",
+       "topology": {"model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
+                              "block_size": 16, "dtype": "_inductor"},
+                    "parallel": {"tp_size": 1, "pp_size": 1, "dp_size": 1,
+                                 "attention_dp": False}},
+       "dp_groups": {"0": {"ranks": {"0": {"ucx_host": "127.0.0.1", "ucx_port": 1}}}}}
+refused = []
+for attempt in (lambda: parse_state(json.dumps(doc)), lambda: dtype_itemsize("_inductor"),
+                lambda: ModelKVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
+                                    dtype="torch._inductor")):
+    try:
+        attempt()
+    except ValueError as exc:
+        refused.append("_inductor" in str(exc))
+print(json.dumps({"refused": refused, "imported": "torch._inductor" in sys.modules}))
+"""
+
+
+def test_dtype_names_come_from_torchs_dtypes_and_import_nothing():
+    """A dtype name from a peer's state is one of torch's dtypes or a ValueError; a name
+    of a torch submodule is refused without importing it (a fresh interpreter, so no
+    other test imported it first)."""
+    import json
+    import subprocess
+    import sys
+
+    from kvkern.layout.topology import ModelKVSpec, dtype_itemsize
+
+    out = subprocess.run([sys.executable, "-c", _DTYPE_NAMES_PROBE], capture_output=True,
+                         text=True, timeout=60, check=True)
+    assert json.loads(out.stdout.splitlines()[-1]) == {"refused": [True, True, True],
+                                                       "imported": False}
+    for name, size in (("bfloat16", 2), ("float8_e4m3fn", 1), ("float32", 4), ("half", 2)):
+        assert dtype_itemsize(name) == size
+    spec = ModelKVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
+                       dtype=torch.float8_e5m2)
+    assert spec.dtype == "float8_e5m2" and spec.torch_dtype is torch.float8_e5m2
+    for bad in ("nn", "Tensor", "dtype", ""):
+        with pytest.raises(ValueError, match="unknown dtype name"):
+            dtype_itemsize(bad)

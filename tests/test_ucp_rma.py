@@ -727,6 +727,8 @@ def fresh_iov(monkeypatch):
     monkeypatch.setattr(ucp_rma, "_iov_reads", True)
     monkeypatch.setattr(ucp_rma, "_iov_verified", collections.OrderedDict())
     monkeypatch.setattr(ucp_rma, "_iov_mismatches", 0)
+    monkeypatch.setattr(ucp_rma, "_iov_mismatched", None)
+    monkeypatch.setattr(ucp_rma, "_iov_failures", collections.OrderedDict())
 
 
 @aio
@@ -790,7 +792,8 @@ async def test_an_iov_read_that_moves_nothing_is_caught(readers, source, fresh_i
                                                         monkeypatch):
     """A UCX that completes an iov read without moving its bytes (and scribbles over the
     iov it was given): the check fails the read, and again on the retry, after which later
-    reads go piece by piece; the reads' own iovs were never touched."""
+    reads from that source go piece by piece (from every source once a second one fails);
+    the reads' own iovs were never touched."""
     src, region = source
 
     def no_op(ep, iov, count, remote, rkey):
@@ -801,11 +804,12 @@ async def test_an_iov_read_that_moves_nothing_is_caught(readers, source, fresh_i
     dst = poisoned(4 << 20)
     reads, local, remote, sizes = _scatter_reads(region, dst, 3)
     before = [r.local.copy() for r in reads]
-    for still_scattering in (True, False):
+    for failures in (1, 2):
         reader = readers()
         with pytest.raises(TransportError, match="scattered read check"):
             await reader.read(region.rkey, reads, timeout=10)
-        assert ucp_rma._iov_reads is still_scattering
+        assert list(ucp_rma._iov_failures.values()) == [failures]
+        assert ucp_rma._iov_reads  # (one source: its own reads only)
     assert all(np.array_equal(r.local, b) for r, b in zip(reads, before, strict=True))
     reader = readers()
     await reader.read(region.rkey, reads, timeout=10)
@@ -845,3 +849,83 @@ async def test_a_source_rewriting_a_checked_read_costs_that_read_only(readers, s
         assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
         assert ucp_rma._iov_reads and len(ucp_rma._iov_verified) == 1
         reader.close()  # the next round's endpoint is checked again
+
+
+@aio
+async def test_a_source_rewriting_its_bytes_between_the_whole_reads_never_turns_iov_off(
+        readers, source, fresh_iov, monkeypatch):
+    """A source whose bytes differ between an endpoint's first iov read and each of its
+    whole re-reads (as a source rewriting its pinned blocks on purpose): each such read
+    fails, but a mismatch whose two whole reads differ is the source's doing, counted
+    against nothing, so iov reads stay on however often it happens."""
+    src, region = source
+    saved = src.clone()
+    real = ucxcompat.read_poster
+
+    def poster(memory_type, *, iov=False):
+        post = real(memory_type, iov=iov)
+        if iov:
+            return post
+
+        def rewriting(ep, local, count, remote, rkey):  # (only the checks read whole here)
+            at = remote - region.address
+            src[at:at + count] ^= 0xFF  # before each whole re-read: every one differs
+            return post(ep, local, count, remote, rkey)
+
+        return rewriting
+
+    dst = poisoned(4 << 20)
+    reads, local, remote, sizes = _scatter_reads(region, dst, 5)
+    try:
+        monkeypatch.setattr(ucxcompat, "read_poster", poster)
+        for _ in range(3):
+            reader = readers()
+            with pytest.raises(TransportError, match=r"scattered read check \(the source"):
+                await reader.read(region.rkey, reads, timeout=10)
+            assert ucp_rma._iov_reads and ucp_rma._iov_mismatches == 0
+        monkeypatch.setattr(ucxcompat, "read_poster", real)
+    finally:
+        src.copy_(saved)
+    reader = readers()
+    dst.fill_(POISON)
+    await reader.read(region.rkey, reads, timeout=10)
+    assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
+    assert ucp_rma._iov_reads and len(ucp_rma._iov_verified) == 1
+
+
+def test_iov_mismatches_count_per_source(source, raw_endpoint, fresh_iov, monkeypatch):
+    """A UCX whose iov reads move nothing (the whole re-reads agree, so the mismatch is
+    not the source's doing): a source's second failed check makes that source's reads go
+    piece by piece (and land), iov reads stay on for the others, and a failed check against
+    a second source turns them off for the process."""
+    src, region = source
+    worker, ep = raw_endpoint
+
+    def no_op(ep, iov, count, remote, rkey):
+        return 0
+
+    _fake_iov(monkeypatch, no_op)
+    key = ucp_rma.RemoteKey(ep, region.rkey)
+    dst = poisoned(4 << 20)
+    reads, local, remote, sizes = _scatter_reads(region, dst, 6)
+
+    def read(source: bytes) -> None:
+        batch = ucp_rma.ReadBatch(key, reads, worker_handle=worker, source=source)
+        batch.post(ep)
+        batch.wait(10.0)
+
+    try:
+        for n in (1, 2):
+            with pytest.raises(ucp_rma.ScatterCheckError, match=r"check: "):
+                read(b"source A")
+            assert ucp_rma._iov_reads and ucp_rma._iov_failures == {b"source A": n}
+        dst.fill_(POISON)
+        read(b"source A")  # piece by piece: no iov read, no check
+        assert torch.equal(dst, _expected(src, dst, local, remote, region, sizes))
+        assert ucp_rma._iov_reads and not ucp_rma._iov_verified
+        dst.fill_(POISON)
+        with pytest.raises(ucp_rma.ScatterCheckError):
+            read(b"source B")
+        assert not ucp_rma._iov_reads
+    finally:
+        key.destroy()

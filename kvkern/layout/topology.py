@@ -84,13 +84,25 @@ def _check_pos_int(owner: str, field: str, value) -> None:
         raise ValueError(f"{owner}: {field} must be a positive int, got {value!r}")
 
 
+# every torch.dtype by its name in the torch namespace (aliases included: "half", "float").
+# Names are looked up here, never with getattr(torch, name): a name from a peer's state such
+# as "_inductor" would import that submodule (over a second) before it is refused.
+_DTYPES: dict[str, torch.dtype] = {name: value for name, value in vars(torch).items()
+                                   if isinstance(value, torch.dtype)}
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The torch dtype called ``name``; ValueError for any other name."""
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise ValueError(f"unknown dtype name {name!r}")
+    return dtype
+
+
 @functools.lru_cache(maxsize=64)
 def dtype_itemsize(name: str) -> int:
     """Bytes per element of a torch dtype given by name (``"bfloat16"``, ``"float8_e4m3fn"``)."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype name {name!r}")
-    return dtype.itemsize
+    return _dtype(name).itemsize
 
 
 def _dtype_name(dtype) -> str:
@@ -141,7 +153,7 @@ class ModelKVSpec:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
+        return _dtype(self.dtype)
 
     @property
     def bytes_per_layer_head_block(self) -> int:

@@ -55,21 +55,24 @@ def _served_state(state: SourceState, resolved: ResolvedEndpoint) -> SourceState
     than the one that served it (:func:`kvkern.xfer.local_reads.serves`): any peer can copy
     another process's announcement into its own state. Those ranks are read through UCX,
     which reads a process on this host only for a rank kept here
-    (:meth:`~kvkern.xfer.receive.ReadReceiver.near_reads`)."""
+    (:meth:`~kvkern.xfer.receive.ReadReceiver.near_reads`).
+
+    One process serves a state, so one is checked: the one its first announcement names;
+    the ranks announcing any other are dropped unchecked (a state naming thousands of
+    processes costs one check, and one log line)."""
     from kvkern.xfer import local_reads  # noqa: PLC0415
 
-    verdicts: dict[int, str | None] = {}
-    kept = {}
-    for key, src in state.read_locals.items():
-        if src.pid not in verdicts:
-            verdicts[src.pid] = local_reads.serves(src.pid, resolved.ip, resolved.port)
-        why = verdicts[src.pid]
-        if why is None:
-            kept[key] = src
-        else:
-            log.warning("source %s announces process %d on this host for same-host reads, "
-                        "which did not serve its state (%s): read through UCX",
-                        resolved.display_url, src.pid, why)
+    pid = next(iter(state.read_locals.values())).pid
+    why = local_reads.serves(pid, resolved.ip, resolved.port)
+    kept = {key: src for key, src in state.read_locals.items()
+            if why is None and src.pid == pid}
+    if len(kept) < len(state.read_locals):
+        named = len({src.pid for src in state.read_locals.values()})
+        log.warning("source %s announces %d process(es) on this host for same-host reads; only "
+                    "the one serving its state is read so (process %d, the first named, %s): "
+                    "%d of its ranks are read through UCX", resolved.display_url, named, pid,
+                    "serves it" if why is None else f"does not: {why}",
+                    len(state.read_locals) - len(kept))
     return dataclasses.replace(state, read_locals=kept)
 
 
@@ -261,6 +264,7 @@ class SourceDiscovery:
         if self.credential is None:
             raise Fallback(Reason.UNAUTHENTICATED, "this worker has no fleet credential "
                            "(KVKERN_FLEET_SECRET_FILE / KVKERN_FLEET_SECRET)")
+        t0 = time.monotonic()
         try:
             body = await fetch_state(resolved, timeout_s=md_t,
                                      max_bytes=self.config.max_state_bytes,
@@ -272,14 +276,25 @@ class SourceDiscovery:
         except ValueError as exc:
             raise Fallback(Reason.METADATA_INVALID, f"{resolved.display_url}: {exc}") from None
         if state.read_locals:
-            state = await asyncio.to_thread(_served_state, state, resolved)
+            # (a thread: /proc is read; bounded with the fetch by md_t, the thread left to
+            # end on its own)
+            left = max(md_t - (time.monotonic() - t0), 0.0)
+            try:
+                state = await asyncio.wait_for(
+                    asyncio.to_thread(_served_state, state, resolved), left)
+            except (asyncio.TimeoutError, TimeoutError):
+                raise Fallback(Reason.METADATA_TIMEOUT, f"{resolved.display_url}: checking "
+                               f"its same-host announcements took the state's fetch over "
+                               f"{md_t} s") from None
         return state
 
     async def connect_failed(self, job: PullJob, exc: Exception) -> None:
         """A connection to a source rank failed before any data, or a direct read of it
         failed: if its state came from the cache, drop it and re-check the incarnation (the
         source may have restarted; a refresh may already have replaced the entry, then that
-        answers)."""
+        answers). The fresh state goes to the cache only: ``job`` keeps the state its pull
+        was planned with (one with the same incarnation may still name other ranks, workers
+        or directories)."""
         self._verdicts.pop((job.hint.source, job.hint.source_dp_rank), None)
         old = job.state
         if not job.state_cached or old is None:
@@ -292,6 +307,8 @@ class SourceDiscovery:
             fresh = await self.discover(job)
         except Fallback:
             return
+        finally:
+            job.state, job.state_cached = old, True
         if fresh.incarnation != old.incarnation:
             raise Fallback(Reason.SOURCE_INCARNATION_CHANGED,
                            f"source incarnation {old.incarnation} -> "

@@ -411,7 +411,7 @@ class _Lane:
             peer.make_room([packed for packed, _ in parts])
             for packed, runs in parts:
                 batch = ucp_rma.ReadBatch(peer.rkey(packed), runs,
-                                          worker_handle=self._worker_handle)
+                                          worker_handle=self._worker_handle, source=address)
                 batches.append(batch)
                 batch.post(peer.handle)
             firsts = []

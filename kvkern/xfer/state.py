@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 
@@ -31,9 +31,9 @@ if TYPE_CHECKING:
     from kvkern.layout.topology import Topology
     from kvkern.xfer.local_reads import LocalSource
 
-__all__ = ["BLOCKS_PATH", "CAPABILITIES", "PEER_PREFIX", "PROTOCOL", "READ_KINDS", "STATE_PATH",
-           "DpGroupDoc", "RankDoc", "ReadIndex", "SourceState", "StateDoc", "decode_state",
-           "parse_read_index", "parse_state"]
+__all__ = ["BLOCKS_PATH", "CAPABILITIES", "MAX_ID_CHARS", "PEER_PREFIX", "PROTOCOL", "READ_KINDS",
+           "STATE_PATH", "DpGroupDoc", "RankDoc", "ReadIndex", "SourceState", "StateDoc",
+           "decode_state", "parse_read_index", "parse_state"]
 
 PROTOCOL = "kvkern/1"
 STATE_PATH = "/kvkern/v1/state"
@@ -41,6 +41,10 @@ BLOCKS_PATH = "/kvkern/v1/blocks"
 PEER_PREFIX = "/kvkern/"  # every path under it answers authenticated fleet members only
 CAPABILITIES = ("pull/1", "strict", "best_effort", "sharded")
 READ_KINDS = ("canonical", "native")  # how a rank's registered pool can be read
+# characters of a state's worker_id and incarnation at most: both go into every outcome of a
+# pull from that source (and its log line), so a longer one makes the state invalid
+MAX_ID_CHARS = 256
+_Id = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
 
 class RankDoc(msgspec.Struct, omit_defaults=True):
@@ -63,8 +67,8 @@ class StateDoc(msgspec.Struct):
     """The document. ``model`` and ``capabilities`` may be absent (an older source)."""
 
     protocol: str
-    worker_id: str
-    incarnation: str
+    worker_id: _Id
+    incarnation: _Id
     hash_scheme: str
     block_size: int
     codec_fingerprint: str  # 16 hex digits of Codec.fingerprint, zero padded

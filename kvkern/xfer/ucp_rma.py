@@ -54,7 +54,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 from kvkern.xfer import ucxcompat
 from kvkern.xfer.pauses import Steps, run_blocking
@@ -93,12 +93,20 @@ _iov_reads = True  # this UCX scatters a read over an iov (until it refuses one,
 # without moving a byte was seen (the v1 protocols, UCX_PROTO_ENABLE=n).
 _iov_verified: collections.OrderedDict[int, None] = collections.OrderedDict()
 _IOV_VERIFIED_MAX = 1024
-# Checks in a row that found other bytes than the whole re-read (a passing check starts the
-# count again). One can be the source rewriting the block between the two reads (an eviction
-# under load); a UCX that does not scatter fails every check, so the second failure in a
-# row turns iov reads off for the process.
+# A check that finds other bytes than the whole re-read reads them whole once more: two whole
+# reads that differ are the source rewriting the block meanwhile (an eviction under load, or a
+# hostile source), which counts against nothing. Otherwise the mismatch counts against the
+# source (ReadBatch's ``source``): a UCX that does not scatter fails every check, a source
+# may rewrite its bytes once more between the iov read and the re-reads. So a source's
+# second mismatch since a passing check of its own makes its reads go piece by piece, and
+# iov reads go off for the process only once two sources mismatched with no passing check
+# in between (one source cannot turn them off for every other).
 _IOV_MISMATCHES_TO_STOP = 2
-_iov_mismatches = 0
+_IOV_FAILURES_MAX = 1024
+# source -> mismatches since its last passing check (least recently failed first)
+_iov_failures: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+_iov_mismatches = 0  # mismatches since the last passing check (any source's)
+_iov_mismatched: object = None  # the source of the first of them
 
 
 def forget_endpoint(ep_handle: int) -> None:
@@ -146,7 +154,7 @@ class RmaError(Exception):
 class ScatterCheckError(RmaError):
     """An endpoint's first scattered read did not match the same bytes read whole (see
     :meth:`ReadBatch.wait`): that read is not used; the endpoint and its transport are
-    not at fault unless it happens again."""
+    not at fault unless it happens again (or the source rewrote those bytes)."""
 
 
 def scatter_check_failed(exc: BaseException) -> bool:
@@ -231,7 +239,9 @@ class ReadBatch:
     :meth:`post` issues every read (``ucp_get_nbx``; the waits progress ``worker_handle``,
     the lane's worker; a :class:`Scatter` is one read over an iov, the first on an endpoint
     checked against the same bytes read whole, or one read per piece); a read that cannot be
-    posted stops the posting and is reported by :meth:`wait`.
+    posted stops the posting and is reported by :meth:`wait`. ``source`` names the source
+    process (its worker address) that failed checks count against (:meth:`_verify`); None
+    counts each batch as a source of its own.
     :meth:`wait` blocks (call both off the event loop: a copy runs inside a post or a
     progress call) until every posted read has completed, polling with a
     short sleep (:meth:`waiting` is the same wait for a driver that passes the pauses
@@ -244,12 +254,14 @@ class ReadBatch:
     _POLL_MAX_S = 200e-6
 
     def __init__(self, key: RemoteKey, runs: Sequence[tuple[int, int, int]], *,
-                 memory_type: str = "host", worker_handle: int | None = None) -> None:
+                 memory_type: str = "host", worker_handle: int | None = None,
+                 source: bytes | None = None) -> None:
         self._post = ucxcompat.read_poster(MEMORY_TYPES[memory_type])
         self._post_iov = ucxcompat.read_poster(MEMORY_TYPES[memory_type], iov=True)
         self._host = memory_type == "host"  # (a scattered read is checked on the host)
         self._check, self._free, self._progress = ucxcompat.request_calls()
         self._worker = worker_handle
+        self._source = source
         self._key = key
         self._runs = runs
         self._reqs: list[int | None] = []  # None: completed (at post time or retired)
@@ -293,10 +305,13 @@ class ReadBatch:
 
     def _scatter(self, ep_handle: int, run: Scatter) -> int | None:
         """A :class:`Scatter` as one read over its iov, or piece by piece where this UCX
-        refuses an iov for a read (then for the rest of the process)."""
+        refuses an iov for a read (then for the rest of the process) or its reads from this
+        source failed their checks (:meth:`_verify`)."""
         global _iov_reads
         local = run.local
-        if _iov_reads and self._host and len(local) > 1:
+        if _iov_reads and self._host and len(local) > 1 and (
+                self._source is None
+                or _iov_failures.get(self._source, 0) < _IOV_MISMATCHES_TO_STOP):
             # UCX gets a copy of the iov, kept until the batch is dropped (a UCX that took
             # the iov for a contiguous buffer wrote into it): run.local stays as built
             iov = local.copy()
@@ -389,11 +404,34 @@ class ReadBatch:
     def _verify(self, run: Scatter, timeout: float,
                 cancelled: threading.Event | None) -> Steps[None]:
         """Read ``run``'s remote bytes again whole and compare them with what its iov read
-        left in the pieces: equal, the endpoint's iov reads are trusted from now on; else
-        this batch fails (RmaError), so what it read is not used, the endpoint's next
-        scattered read is checked again, and after a second failure with no passing check
-        in between no read is scattered over an iov any more."""
-        global _iov_reads, _iov_mismatches
+        left in the pieces: equal, the endpoint's iov reads are trusted from now on. Else
+        this batch fails (ScatterCheckError), so what it read is not used, and the
+        endpoint's next scattered read is checked again; the bytes are read whole once more,
+        and unless the two whole reads differ (the source rewrote them meanwhile) the
+        mismatch counts against the source (see :data:`_IOV_MISMATCHES_TO_STOP`)."""
+        global _iov_mismatches
+        import numpy as np  # noqa: PLC0415
+
+        deadline = time.perf_counter() + timeout
+        whole = yield from self._read_whole(run, deadline, cancelled)
+        pos = 0
+        for address, n in run.local.tolist():
+            got = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(address))
+            if not np.array_equal(got, whole[pos:pos + n]):
+                again = yield from self._read_whole(run, deadline, cancelled)
+                self._mismatched(changed=not np.array_equal(whole, again))
+            pos += n
+        self._unverified = None
+        if self._source is not None:
+            _iov_failures.pop(self._source, None)
+        _iov_mismatches = 0
+        _iov_verified[self._ep] = None
+        while len(_iov_verified) > _IOV_VERIFIED_MAX:
+            _iov_verified.popitem(last=False)
+
+    def _read_whole(self, run: Scatter, deadline: float,
+                    cancelled: threading.Event | None) -> Steps[np.ndarray]:
+        """``run``'s remote bytes read whole into a new buffer."""
         import numpy as np  # noqa: PLC0415
 
         whole = np.empty(run.nbytes, np.uint8)
@@ -403,28 +441,41 @@ class ReadBatch:
         # short (a timeout, another lane's failure) leaves the read to the caller's drain
         self._check_batch, self._check_buffer = check, whole
         check.post(self._ep)
-        yield from check.waiting(timeout, cancelled)
-        pos = 0
-        for address, n in run.local.tolist():
-            got = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(address))
-            if not np.array_equal(got, whole[pos:pos + n]):
-                _iov_mismatches += 1
-                if _iov_mismatches >= _IOV_MISMATCHES_TO_STOP:
-                    _iov_reads = False
-                    log.warning("a read scattered over an iov did not land as the same bytes "
-                                "read whole, again: reads are posted piece by piece from now "
-                                "on")
-                else:
-                    log.warning("a read scattered over an iov did not land as the same bytes "
-                                "read whole (or the source rewrote them in between): the read "
-                                "fails, and the endpoint's next one is checked again")
-                raise ScatterCheckError("scattered read check", UCS_ERR_IO_ERROR)
-            pos += n
-        self._unverified = None
-        _iov_mismatches = 0
-        _iov_verified[self._ep] = None
-        while len(_iov_verified) > _IOV_VERIFIED_MAX:
-            _iov_verified.popitem(last=False)
+        yield from check.waiting(max(deadline - time.perf_counter(), 0.0), cancelled)
+        return whole
+
+    def _mismatched(self, *, changed: bool) -> NoReturn:
+        """A check found other bytes than the whole re-read: count it against the source
+        unless its bytes ``changed`` between two whole reads, and fail the batch."""
+        global _iov_reads, _iov_mismatches, _iov_mismatched
+        if changed:
+            log.info("a read scattered over an iov did not land as the same bytes read whole, "
+                     "which the source rewrote meanwhile: the read fails, and the endpoint's "
+                     "next one is checked again")
+            raise ScatterCheckError("scattered read check (the source's bytes changed)",
+                                    UCS_ERR_IO_ERROR)
+        source = self._source if self._source is not None else object()
+        failures = 1
+        if self._source is not None:
+            failures += _iov_failures.pop(source, 0)
+            _iov_failures[source] = failures
+            while len(_iov_failures) > _IOV_FAILURES_MAX:
+                _iov_failures.popitem(last=False)
+        if not _iov_mismatches:
+            _iov_mismatched = source
+        _iov_mismatches += 1
+        if source != _iov_mismatched:  # a second source since the last passing check
+            _iov_reads = False
+            log.warning("reads scattered over an iov did not land as the same bytes read "
+                        "whole, from two sources: reads are posted piece by piece from now on")
+        elif failures >= _IOV_MISMATCHES_TO_STOP:
+            log.warning("a read scattered over an iov did not land as the same bytes read "
+                        "whole, again from this source: its reads are posted piece by piece "
+                        "from now on")
+        else:
+            log.warning("a read scattered over an iov did not land as the same bytes read "
+                        "whole: the read fails, and the endpoint's next one is checked again")
+        raise ScatterCheckError("scattered read check", UCS_ERR_IO_ERROR)
 
 
 _SMALL_RUNS = 32  # as kvkern.cache.directory.SMALL: the cold crossover of looped vs vectorized
