@@ -40,10 +40,12 @@ def test_keywords_and_config_build_the_same_service():
     ({"accept_from": ("10.0.0.0/8", "10.0.0.0/99")}, "accept_from entry '10.0.0.0/99'"),
     ({"accept_from": ()}, "accept_from names no network"),
     ({"accept_from": 10}, "accept_from must be a string or a list of strings"),
+    ({"worker_id": "w" * 257}, "worker_id must be a string of 1 to 256 characters"),
+    ({"worker_id": ""}, "worker_id must be a string of 1 to 256 characters"),
 ])
 def test_bad_values_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
-        SourceConfig(worker_id="w", **kw)
+        SourceConfig(**{"worker_id": "w", **kw})
 
 
 def test_quotas_are_checked():

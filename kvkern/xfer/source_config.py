@@ -16,6 +16,7 @@ from kvkern.checks import (
 )
 from kvkern.xfer.httpguard import HttpLimits
 from kvkern.xfer.networks import ANY, LOOPBACK, Networks, is_loopback_host
+from kvkern.xfer.state import MAX_ID_CHARS
 from kvkern.xfer.tuning import (
     DEFAULT_IDLE_CONNECTION_S,
     DEFAULT_MAX_SEND_S,
@@ -110,6 +111,10 @@ class SourceConfig:
     accept_from: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.worker_id, str) or not 0 < len(self.worker_id) <= MAX_ID_CHARS:
+            raise ValueError(f"worker_id must be a string of 1 to {MAX_ID_CHARS} characters "
+                             f"(destinations refuse a state naming a longer one), got "
+                             f"{str(self.worker_id)[:40]!r}")
         if self.accept_from is not None:
             if isinstance(self.accept_from, str):
                 object.__setattr__(self, "accept_from", (self.accept_from,))
