@@ -67,6 +67,7 @@ WORKER_MISTAKES = {
     "any-host-no-advertise": (["--host", "0.0.0.0"], {}, ["--advertise-host"]),
     "unknown-flag": (["--alow", "10.0.0.0/8"], {}, ["--alow"]),
     "bad-accept-from": (["--accept-from", "10.0.0.0/33"], {}, ["--accept-from", "10.0.0.0/33"]),
+    "long-worker-id": (["--worker-id", "w" * 300], {}, ["--worker-id", "256"]),
     "bad-accept-from-env": ([], {"KVKERN_ACCEPT_FROM": "fleet.example"},
                             ["--accept-from", "fleet.example"]),
     "missing-secret-file": (["--fleet-secret-file", "/nonexistent/fleet.key"], {},

@@ -205,6 +205,8 @@ def check_options(opts: argparse.Namespace) -> None:
         except ValueError as exc:
             raise UsageError(f"bad allowlist entry: {exc}; use CIDR (10.0.0.0/8), "
                              "host[:port[-port]] or *.suffix[:ports]") from None
+    if opts.worker_id is not None and not 0 < len(opts.worker_id) <= 256:
+        raise UsageError(f"--worker-id must be 1 to 256 characters, got {len(opts.worker_id)}")
     accept = accept_specs(opts)
     if accept is not None:
         from kvkern.xfer.networks import Networks  # noqa: PLC0415
