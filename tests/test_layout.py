@@ -188,15 +188,8 @@ import json, sys
 from kvkern.layout.topology import ModelKVSpec, dtype_itemsize
 from kvkern.xfer.state import parse_state
 
-doc = {"protocol": "kvkern/1", "worker_id": "w", "incarnation": "i", "hash_scheme": "x",
-       "block_size": 16, "codec_fingerprint": "00",
-       "topology": {"model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
-                              "block_size": 16, "dtype": "_inductor"},
-                    "parallel": {"tp_size": 1, "pp_size": 1, "dp_size": 1,
-                                 "attention_dp": False}},
-       "dp_groups": {"0": {"ranks": {"0": {"ucx_host": "127.0.0.1", "ucx_port": 1}}}}}
 refused = []
-for attempt in (lambda: parse_state(json.dumps(doc)), lambda: dtype_itemsize("_inductor"),
+for attempt in (lambda: parse_state(sys.argv[1]), lambda: dtype_itemsize("_inductor"),
                 lambda: ModelKVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
                                     dtype="torch._inductor")):
     try:
@@ -216,9 +209,12 @@ def test_dtype_names_come_from_torchs_dtypes_and_import_nothing():
     import sys
 
     from kvkern.layout.topology import ModelKVSpec, dtype_itemsize
+    from tests.test_state_hostile import state_doc
 
-    out = subprocess.run([sys.executable, "-c", _DTYPE_NAMES_PROBE], capture_output=True,
-                         text=True, timeout=60, check=True)
+    doc = state_doc()
+    doc["topology"]["model"]["dtype"] = "_inductor"
+    out = subprocess.run([sys.executable, "-c", _DTYPE_NAMES_PROBE, json.dumps(doc)],
+                         capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == {"refused": [True, True, True],
                                                        "imported": False}
     for name, size in (("bfloat16", 2), ("float8_e4m3fn", 1), ("float32", 4), ("half", 2)):

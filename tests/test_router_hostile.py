@@ -6,6 +6,7 @@ work; a request id that cannot be a response header is refused before anything i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import pytest
@@ -67,19 +68,29 @@ def client() -> ClientSession:
     return ClientSession(trust_env=False, timeout=ClientTimeout(total=10))
 
 
+@contextlib.asynccontextmanager
+async def routed(worker: FakeWorker, **build: object):
+    """A router over one worker ``worker`` (named "a"), both served on 127.0.0.1, the
+    router built with ``build``: (the router, its URL)."""
+    runners: list[web.AppRunner] = []
+    try:
+        router = KVRouter(T)
+        router.add_worker("a", await serve_on(runners, worker.app))
+        yield router, await serve_on(runners, build_app(router, refresh_s=None,
+                                                        credential=CREDENTIAL, **build))
+    finally:
+        for runner in runners:
+            await asyncio.wait_for(runner.cleanup(), 10)
+
+
 async def test_deeply_nested_bodies_leave_the_worker_healthy(monkeypatch):
     """A body nested just under the decoder's recursion bound is forwarded as decoded, or
     refused as the client's 400, never a 502 that marks the worker unhealthy for the next
     tenant. (Any depth bound of the shared JSON decoder is lifted here, so the forward meets
     the deepest body the decoder takes.)"""
     monkeypatch.setattr(httpguard, "MAX_JSON_DEPTH", 1 << 20, raising=False)
-    runners: list[web.AppRunner] = []
-    try:
-        a = RawWorker()
-        router = KVRouter(T)
-        router.add_worker("a", await serve_on(runners, a.app))
-        router_url = await serve_on(runners, build_app(router, refresh_s=None,
-                                                       credential=CREDENTIAL))
+    a = RawWorker()
+    async with routed(a) as (router, router_url):
         statuses = set()
         async with client() as s:
             for depth in range(940, 1000, 3):
@@ -92,9 +103,6 @@ async def test_deeply_nested_bodies_leave_the_worker_healthy(monkeypatch):
                 assert r.status == 200, await r.text()
         assert 200 in statuses  # (the depths reach past what is forwarded, too)
         assert router.worker("a").in_flight == 0
-    finally:
-        for runner in runners:
-            await asyncio.wait_for(runner.cleanup(), 10)
 
 
 async def test_a_body_that_cannot_be_encoded_is_a_400_and_nothing_is_forwarded(monkeypatch):
@@ -105,13 +113,8 @@ async def test_a_body_that_cannot_be_encoded_is_a_400_and_nothing_is_forwarded(m
     def refuse(obj):
         raise RecursionError("maximum recursion depth exceeded while encoding a JSON array")
 
-    runners: list[web.AppRunner] = []
-    try:
-        a = RawWorker()
-        router = KVRouter(T)
-        router.add_worker("a", await serve_on(runners, a.app))
-        router_url = await serve_on(runners, build_app(router, refresh_s=None,
-                                                       credential=CREDENTIAL))
+    a = RawWorker()
+    async with routed(a) as (router, router_url):
         async with client() as s:
             monkeypatch.setattr(msgspec.json, "encode", refuse)
             async with s.post(f"{router_url}/v1/generate", json={"token_ids": [1, 2]}) as r:
@@ -122,43 +125,25 @@ async def test_a_body_that_cannot_be_encoded_is_a_400_and_nothing_is_forwarded(m
             async with s.post(f"{router_url}/v1/generate", json={"token_ids": [1, 2]}) as r:
                 assert r.status == 200
         assert len(a.sizes) == 1 and router.worker("a").in_flight == 0
-    finally:
-        for runner in runners:
-            await asyncio.wait_for(runner.cleanup(), 10)
 
 
 async def test_an_unreadable_answer_is_a_502_and_the_worker_stays_healthy():
     """The worker answered (not JSON): the request failed, the worker did not; only a
     worker that cannot be connected to is marked unhealthy."""
-    runners: list[web.AppRunner] = []
-    try:
-        a = RawWorker(answer=b"not json")
-        router = KVRouter(T)
-        router.add_worker("a", await serve_on(runners, a.app))
-        router_url = await serve_on(runners, build_app(router, refresh_s=None,
-                                                       credential=CREDENTIAL))
-        async with client() as s:
-            async with s.post(f"{router_url}/v1/generate", json={"token_ids": [1, 2]}) as r:
-                assert r.status == 502
-                assert "a did not answer" in (await r.json())["error"]
-            assert await healthy(s, router_url) == {"a": True}
-    finally:
-        for runner in runners:
-            await asyncio.wait_for(runner.cleanup(), 10)
+    a = RawWorker(answer=b"not json")
+    async with routed(a) as (router, router_url), client() as s:
+        async with s.post(f"{router_url}/v1/generate", json={"token_ids": [1, 2]}) as r:
+            assert r.status == 502
+            assert "a did not answer" in (await r.json())["error"]
+        assert await healthy(s, router_url) == {"a": True}
 
 
 async def test_busy_worker_forwards_are_bounded_and_its_listing_still_reads():
     """``max_forwards`` forwards held by a busy worker: the next is a 503 naming the bound
     (not queued), and a refresh still reads the worker's listing on its own connection, so
     the worker stays healthy; the held requests then finish."""
-    runners: list[web.AppRunner] = []
-    try:
-        a = HeldWorker()
-        router = KVRouter(T)
-        router.add_worker("a", await serve_on(runners, a.app))
-        router_url = await serve_on(runners, build_app(
-            router, refresh_s=None, credential=CREDENTIAL, max_forwards=2,
-            report_timeout_s=2.0))
+    a = HeldWorker()
+    async with routed(a, max_forwards=2, report_timeout_s=2.0) as (router, router_url):
         async with client() as s:
             async def one(seed: int) -> int:
                 async with s.post(f"{router_url}/v1/generate",
@@ -185,31 +170,19 @@ async def test_busy_worker_forwards_are_bounded_and_its_listing_still_reads():
             async with s.post(f"{router_url}/v1/generate", json={"token_ids": [9]}) as r:
                 assert r.status == 200
         assert router.worker("a").in_flight == 0
-    finally:
-        for runner in runners:
-            await asyncio.wait_for(runner.cleanup(), 10)
 
 
 async def test_a_forward_that_times_out_is_a_502_and_the_worker_stays_healthy():
     """A slow worker is busy, not down: the listing refresh judges its health."""
-    runners: list[web.AppRunner] = []
-    try:
-        a = HeldWorker()
-        router = KVRouter(T)
-        router.add_worker("a", await serve_on(runners, a.app))
-        router_url = await serve_on(runners, build_app(
-            router, refresh_s=None, credential=CREDENTIAL, request_timeout_s=0.3))
-        async with client() as s:
-            async with s.post(f"{router_url}/v1/generate", json={"token_ids": [1, 2]}) as r:
-                assert r.status == 502
-                assert "within 0.3 s" in (await r.json())["error"]
-            assert await healthy(s, router_url) == {"a": True}
-            a.release.set()
-            async with s.post(f"{router_url}/v1/generate", json={"token_ids": [1, 2]}) as r:
-                assert r.status == 200
-    finally:
-        for runner in runners:
-            await asyncio.wait_for(runner.cleanup(), 10)
+    a = HeldWorker()
+    async with routed(a, request_timeout_s=0.3) as (router, router_url), client() as s:
+        async with s.post(f"{router_url}/v1/generate", json={"token_ids": [1, 2]}) as r:
+            assert r.status == 502
+            assert "within 0.3 s" in (await r.json())["error"]
+        assert await healthy(s, router_url) == {"a": True}
+        a.release.set()
+        async with s.post(f"{router_url}/v1/generate", json={"token_ids": [1, 2]}) as r:
+            assert r.status == 200
 
 
 async def test_prompts_and_bodies_are_bounded_before_per_token_work():
@@ -255,13 +228,8 @@ async def test_prompts_and_bodies_are_bounded_before_per_token_work():
                                         "caf\u00e9", "\u20ac", "x" * 257],
                          ids=["crlf", "nul", "tab", "space", "latin1", "euro", "too-long"])
 async def test_request_ids_that_cannot_be_headers_are_refused_before_forwarding(request_id):
-    runners: list[web.AppRunner] = []
-    try:
-        a = FakeWorker()
-        router = KVRouter(T)
-        router.add_worker("a", await serve_on(runners, a.app))
-        router_url = await serve_on(runners, build_app(router, refresh_s=None,
-                                                       credential=CREDENTIAL))
+    a = FakeWorker()
+    async with routed(a) as (router, router_url):
         async with client() as s:
             body = json.dumps({"token_ids": [1, 2, 3, 4], "request_id": request_id})
             async with s.post(f"{router_url}/v1/generate", data=body) as r:
@@ -273,9 +241,6 @@ async def test_request_ids_that_cannot_be_headers_are_refused_before_forwarding(
                 assert r.status == 200 and r.headers["X-Request-Id"] == fine
         assert [b["request_id"] for b in a.seen] == [fine]
         assert router.worker("a").in_flight == 0 and router.worker("a").routed == 1
-    finally:
-        for runner in runners:
-            await asyncio.wait_for(runner.cleanup(), 10)
 
 
 def test_cli_bounds_default_and_parse():

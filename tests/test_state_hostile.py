@@ -10,7 +10,8 @@ import pytest
 from kvkern.xfer.state import MAX_ID_CHARS, parse_state
 
 
-def _doc(**fields: object) -> dict:
+def state_doc(**fields: object) -> dict:
+    """A minimal valid state document, with ``fields`` replaced."""
     doc = {"protocol": "kvkern/1", "worker_id": "w", "incarnation": "i", "hash_scheme": "x",
            "block_size": 16, "codec_fingerprint": "00",
            "topology": {"model": {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8,
@@ -28,8 +29,8 @@ def test_a_long_worker_id_or_incarnation_makes_the_state_invalid(field):
     and its log line) is refused as an invalid state naming the field; one of
     MAX_ID_CHARS characters is taken."""
     with pytest.raises(ValueError, match=rf"state invalid: .*\$\.{field}"):
-        parse_state(json.dumps(_doc(**{field: "x" * 10_000})))
+        parse_state(json.dumps(state_doc(**{field: "x" * 10_000})))
     with pytest.raises(ValueError, match=field):
-        parse_state(_doc(**{field: "x" * (MAX_ID_CHARS + 1)}))
-    state = parse_state(json.dumps(_doc(**{field: "x" * MAX_ID_CHARS})))
+        parse_state(state_doc(**{field: "x" * (MAX_ID_CHARS + 1)}))
+    state = parse_state(json.dumps(state_doc(**{field: "x" * MAX_ID_CHARS})))
     assert getattr(state, field) == "x" * MAX_ID_CHARS
