@@ -338,8 +338,9 @@ def test_pool_directory_created_once_with_what_is_cached():
 def test_the_writer_fences_before_a_slot_counts_and_after_it_is_withdrawn(monkeypatch):
     """The store fence sits where a weakly ordered processor needs one: a publish's slot
     holds its hash and block id, still changing, at the fence before its cached tag; a
-    withdrawal's slot is final (not cached, zeroed, a new tag) at the fence that precedes
-    the block's next writer."""
+    withdrawal's slot is changing, its words untouched, at the fence before they are
+    zeroed, and final (not cached, zeroed, a new tag) at the fence that precedes the
+    block's next writer."""
     d = ReadDirectory(16)
     seen: list[np.ndarray] = []
     monkeypatch.setattr(directory, "store_fence", lambda: seen.append(d.table.copy()))
@@ -349,7 +350,9 @@ def test_the_writer_fences_before_a_slot_counts_and_after_it_is_withdrawn(monkey
     assert at_fence.tolist()[:3] == [0xABC, 3, (1 << 2) | TAG_CHANGING]
     assert d.table.reshape(-1, SLOT_WORDS)[flat, 2] == (1 << 2) | TAG_CACHED
     d.withdraw(3)
-    assert len(seen) == 2
+    assert len(seen) == 3
+    assert seen[1].reshape(-1, SLOT_WORDS)[flat].tolist()[:3] == [0xABC, 3,
+                                                                  (2 << 2) | TAG_CHANGING]
     assert seen[-1].reshape(-1, SLOT_WORDS)[flat].tolist()[:3] == [0, 0, 2 << 2]
     assert np.array_equal(seen[-1], d.table)  # (nothing stored after it)
 

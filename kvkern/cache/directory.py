@@ -264,6 +264,9 @@ class ReadDirectory:
         base = flat * SLOT_WORDS
         seq = (w[base + _TAG] >> 2) + 1
         w[base + _TAG] = seq << 2 | TAG_CHANGING
+        # (changing before the slot's words change: else a weakly ordered processor may show
+        # a reader the old hash and cached tag with the block word zeroed)
+        store_fence()
         w[base + _HASH] = 0
         w[base + _BLOCK] = 0
         w[base + _TAG] = seq << 2
