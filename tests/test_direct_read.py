@@ -673,3 +673,39 @@ def test_each_thread_keeps_its_own_directory_buffers():
     t.start()
     t.join()
     assert other[0] is not mine and other[0] is not receiver.loop_scratch
+
+
+def test_a_script_whose_reads_outlived_their_drain_keeps_its_buffers_itself(monkeypatch):
+    """A direct read's look-up and confirmation buffers are the lane thread's scratch. When
+    its reads outlive their endpoint (the drain ran out) the pull may already have let go of
+    the script (a second cancellation cut its wait short) and kept nothing: the script keeps
+    them in the receiver's stuck buffers itself. Other failures only take them out of reuse."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from kvkern.xfer.read_lanes import _Stuck
+    from kvkern.xfer.transport import ReadsStuck
+
+    for exc, kept in ((_Stuck("lanes did not end"), True), (ReadsStuck("stuck"), True),
+                      (RuntimeError("a read failed"), False)):
+        table, scratch_buf = np.zeros(64, np.uint8), np.zeros(32, np.uint8)
+        scratch: dict = {}
+        receiver = SimpleNamespace(thread_scratch=lambda s=scratch: s, stuck_buffers=[])
+
+        def steps(self, read, t0, exc=exc, buf=scratch_buf, scratch=scratch):
+            scratch[("spans",)] = buf
+            yield
+            raise exc
+
+        monkeypatch.setattr(direct.DirectRead, "_steps", steps)
+        script = direct.DirectRead.__new__(direct.DirectRead)
+        script._receiver, script.buffers = receiver, [table]
+        gen = script(read=None)
+        next(gen)
+        with pytest.raises(type(exc)):
+            next(gen)
+        assert not scratch and any(b is scratch_buf for b in script.kept)
+        stuck = receiver.stuck_buffers
+        assert (any(b is table for b in stuck) and any(b is scratch_buf for b in stuck)) is kept
+        assert kept or not stuck

@@ -88,6 +88,17 @@ BUCKET_WORDS = BUCKET_BYTES // 8
 log = logging.getLogger("kvkern.xfer")
 
 
+def _outlived(exc: BaseException) -> bool:
+    """``exc`` says reads outlived their endpoint (their drain ran out): what they target
+    must never be freed. The pull may have ended before this script did (a cancellation
+    that cut its wait short), so the script keeps its buffers itself (list.extend holds
+    the interpreter lock)."""
+    from kvkern.xfer.read_lanes import _Stuck  # noqa: PLC0415
+    from kvkern.xfer.transport import ReadsStuck  # noqa: PLC0415
+
+    return isinstance(exc, (_Stuck, ReadsStuck))
+
+
 def _on_event_loop() -> bool:
     """Whether this thread is running an event loop (the loop lane's) rather than a read
     lane's thread."""
@@ -278,11 +289,12 @@ class DirectRead:
         self.scratch = receiver.loop_scratch if _on_event_loop() else receiver.thread_scratch()
         try:
             return (yield from self._steps(read, t0))
-        except BaseException:
-            # (a read that failed may still write them: never reused, on this very thread;
-            # read_directly keeps them for good where reads outlived their abort)
+        except BaseException as exc:
+            # (a read that failed may still write them: never reused, on this very thread)
             self.kept = list(self.scratch.values())
             self.scratch.clear()
+            if _outlived(exc):  # kept for good here: the pull may have let go of this script
+                receiver.stuck_buffers.extend([*self.buffers, *self.kept])
             raise
         finally:
             self.t_out = time.perf_counter()
