@@ -313,3 +313,30 @@ def test_a_u64_turned_ambiguous_leaves_the_directory_in_every_block_it_named():
     h = np.array([_u64(key)], np.uint64)
     assert find(directory.table[bucket_of(h, directory.buckets)], h)[1].tolist() == [-1]
     assert directory.published == 0 and blocks.longest_prefix([int(h[0])]) == 0
+
+
+def test_a_prefix_cache_reset_waits_for_peers_pins_and_grants_none_meanwhile(vllm_pool):
+    """vLLM's sleep and pause (clear_cache) reset the prefix cache and fail when a block is
+    still in use: the reset waits for a peer's pin to end, and a pin asked for meanwhile is
+    refused (that peer pulls elsewhere or recomputes)."""
+    pool, _, blocks = vllm_pool
+    req, _ = cached_request(pool, list(range(900, 912)), "p", blocks)
+    hashes = [vllm_u64(h) for h in req.block_hashes]
+    held = blocks.pin(hashes)
+    refused: list = []
+
+    def peer() -> None:
+        time.sleep(0.1)
+        refused.append(blocks.pin(hashes))  # during the reset's wait
+        time.sleep(0.1)
+        blocks.unpin(held)
+
+    t = threading.Thread(target=peer)
+    t.start()
+    t0 = time.monotonic()
+    assert pool.reset_prefix_cache()
+    waited = time.monotonic() - t0
+    t.join()
+    assert refused == [None] and 0.15 <= waited < 5, (refused, waited)
+    assert blocks.longest_prefix(hashes) == 0 and blocks.pins_outstanding == 0
+    assert blocks.pin(hashes) is None  # (forgotten with the reset)

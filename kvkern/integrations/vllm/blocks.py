@@ -54,6 +54,7 @@ from typing import Any
 from kvkern.cache.hashing import vllm_u64
 from kvkern.cache.holders import DIRECTORY_GROUP
 from kvkern.cache.protocol import Lease, PinHandle
+from kvkern.xfer.tuning import DEFAULT_MAX_SEND_S
 
 __all__ = ["VllmBlocks"]
 
@@ -65,6 +66,9 @@ _Cached = tuple[Any, bytes, "tuple[int, int] | None", int]
 #: Steps whose cached blocks may wait for their forward pass: beyond it the oldest step's
 #: blocks are dropped unserved (a worker half that never reports its steps written).
 MAX_UNWRITTEN_STEPS = 1024
+# the longest a prefix-cache reset waits for peers' pins: a pin lasts one send, which the
+# source bounds by its max_send_s (a granted read's hold is shorter)
+RESET_PIN_WAIT_S = DEFAULT_MAX_SEND_S
 
 
 def _u64(key: bytes) -> int:
@@ -92,6 +96,9 @@ class VllmBlocks:
         self._handouts: dict[int, int] = {}
         self._pins: dict[int, list[Any]] = {}
         self._ids = itertools.count(1)
+        # a prefix-cache reset waits for the pins to end (unpin notifies), refusing new ones
+        self._unpinned = threading.Condition(self._lock)
+        self._resetting_now = False
         # blocks cached in the step being scheduled (each with its hash then and its chain
         # record), the steps sealed but not yet written, and the writes reported (step,
         # ready check)
@@ -179,11 +186,19 @@ class VllmBlocks:
     def _resetting(self, reset_prefix_cache: Any) -> Any:
         """``reset_prefix_cache`` (after a weight update, say), which clears every block's
         hash at once: the index and the read directory forget every block with it, or
-        peers would go on reading blocks named by hashes of the old weights' KV."""
+        peers would go on reading blocks named by hashes of the old weights' KV. vLLM
+        refuses a reset while any block is in use, and its pause and sleep then fail: peers'
+        pins (one send or read each, at most ``RESET_PIN_WAIT_S``) are waited out first,
+        and no new one is granted meanwhile (peers then pull elsewhere or recompute)."""
         @functools.wraps(reset_prefix_cache)
         def call(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
-                done = reset_prefix_cache(*args, **kwargs)
+                self._resetting_now = True
+                try:
+                    self._unpinned.wait_for(lambda: not self._pins, RESET_PIN_WAIT_S)
+                    done = reset_prefix_cache(*args, **kwargs)
+                finally:
+                    self._resetting_now = False
                 if done:
                     self._index.clear()
                     self._cached = []
@@ -365,7 +380,7 @@ class VllmBlocks:
 
     def pin(self, hashes: Sequence[int], *, require_all: bool = False) -> PinHandle | None:
         with self._lock:
-            if self._pool is None:
+            if self._pool is None or self._resetting_now:
                 return None
             self._promote()
             blocks = []
@@ -389,6 +404,7 @@ class VllmBlocks:
                 raise ValueError(f"pin {handle.pin_id} is not pinned")
             # vLLM frees a request's blocks tail first, so the tail is evicted first
             self._pool.free_blocks(reversed(blocks))
+            self._unpinned.notify_all()
 
     def allocate_private(self, n: int) -> list[int] | None:
         raise NotImplementedError("vLLM allocates a pull's blocks; kvkern fills them "
