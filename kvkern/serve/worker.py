@@ -205,8 +205,11 @@ def check_options(opts: argparse.Namespace) -> None:
         except ValueError as exc:
             raise UsageError(f"bad allowlist entry: {exc}; use CIDR (10.0.0.0/8), "
                              "host[:port[-port]] or *.suffix[:ports]") from None
-    if opts.worker_id is not None and not 0 < len(opts.worker_id) <= 256:
-        raise UsageError(f"--worker-id must be 1 to 256 characters, got {len(opts.worker_id)}")
+    from kvkern.xfer.state import MAX_ID_CHARS  # noqa: PLC0415
+
+    if opts.worker_id is not None and not 0 < len(opts.worker_id) <= MAX_ID_CHARS:
+        raise UsageError(f"--worker-id must be 1 to {MAX_ID_CHARS} characters, got "
+                         f"{len(opts.worker_id)}")
     accept = accept_specs(opts)
     if accept is not None:
         from kvkern.xfer.networks import Networks  # noqa: PLC0415
@@ -224,18 +227,21 @@ def check_options(opts: argparse.Namespace) -> None:
     check_port_free(opts.host, opts.port)
 
 
+def _specs(given: list[str], env_name: str) -> list[str]:
+    """A repeated flag's entries followed by those of ``env_name`` (commas or spaces)."""
+    env = os.environ.get(env_name, "")
+    return list(given) + [s for s in env.replace(",", " ").split() if s]
+
+
 def accept_specs(opts: argparse.Namespace) -> tuple[str, ...] | None:
     """``--accept-from`` entries followed by those of ``KVKERN_ACCEPT_FROM``; None where
     neither names any (the source's default)."""
-    env = os.environ.get("KVKERN_ACCEPT_FROM", "")
-    specs = list(opts.accept_from) + [s for s in env.replace(",", " ").split() if s]
-    return tuple(specs) or None
+    return tuple(_specs(opts.accept_from, "KVKERN_ACCEPT_FROM")) or None
 
 
 def allow_specs(opts: argparse.Namespace) -> list[str]:
     """``--allow`` entries followed by those of ``KVKERN_ALLOWLIST``."""
-    env = os.environ.get("KVKERN_ALLOWLIST", "")
-    return list(opts.allow) + [s for s in env.replace(",", " ").split() if s]
+    return _specs(opts.allow, "KVKERN_ALLOWLIST")
 
 
 def _check_device(name: str) -> None:

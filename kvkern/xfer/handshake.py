@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvkern.xfer import ucxcompat
-from kvkern.xfer.networks import Networks
+from kvkern.xfer.networks import FirstSeen, Networks
 
 __all__ = ["Gate", "Handshake", "HandshakeError", "abandoned", "connect", "create_listener"]
 
@@ -158,7 +158,6 @@ class Gate:
     dropped (the reason given to :meth:`drop`)."""
 
     PER_ADDRESS = 64  # a quarter of the default limit: four hosts to fill it
-    LOGGED_ADDRESSES = 64  # rejected addresses named in the log (each once), then silence
 
     def __init__(self, limit: int, on_refuse: Callable[[str], None] | None = None, *,
                  per_address: int | None = None, accept_from: Networks | None = None) -> None:
@@ -174,7 +173,7 @@ class Gate:
         self._on_refuse = on_refuse
         self.accept_from = accept_from
         self.rejected = 0
-        self._logged: set[str | None] = set()
+        self._logged = FirstSeen()  # rejected addresses named in the log
 
     def admits(self, address: str | None) -> bool:
         """Whether a connection request from ``address`` (None where unknown) may become a
@@ -184,8 +183,7 @@ class Gate:
     def reject(self, address: str | None) -> None:
         """Count a connection request :meth:`admits` turned down (on the loop)."""
         self.rejected += 1
-        if address not in self._logged and len(self._logged) < self.LOGGED_ADDRESSES:
-            self._logged.add(address)
+        if self._logged.first(address):
             log.warning("rejected a UCX connection from %s: not in accept_from (%s)",
                         address or "an unknown address", self.accept_from)
         self._tell("address_not_accepted")

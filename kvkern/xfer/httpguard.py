@@ -54,6 +54,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from kvkern.xfer.networks import LOGGED_ADDRESSES, FirstSeen
+
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
 else:  # aiohttp depends on async-timeout below 3.11
@@ -409,7 +411,7 @@ class GuardStats:
     def __init__(self) -> None:
         self.body_timeouts = 0
         self.too_large = 0
-        self.refusals_logged: set[str | None] = set()
+        self.refusals_logged = FirstSeen()
 
 
 _REGISTRY: web.AppKey[dict[asyncio.BaseTransport, _Conn]] = web.AppKey(
@@ -490,7 +492,6 @@ def guard_stats(app: web.Application) -> GuardStats:
     return app[_STATS]
 
 
-LOGGED_ADDRESSES = 64  # remote addresses log_refused names in the log (each once), then silence
 _LOGGED_PATH_CHARS = 200
 
 
@@ -503,11 +504,8 @@ def log_refused(logger: logging.Logger, request: web.BaseRequest, why: str) -> N
     no request can write its own log lines nor long ones."""
     stats = request.app.get(_STATS)
     address = request.remote
-    if stats is not None:
-        logged = stats.refusals_logged
-        if address in logged or len(logged) >= LOGGED_ADDRESSES:
-            return
-        logged.add(address)
+    if stats is not None and not stats.refusals_logged.first(address):
+        return
     path = request.raw_path
     cut = f" (+{len(path) - _LOGGED_PATH_CHARS} characters)" \
         if len(path) > _LOGGED_PATH_CHARS else ""

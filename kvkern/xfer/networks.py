@@ -9,7 +9,7 @@ import ipaddress
 import re
 from collections.abc import Iterable, Sequence
 
-__all__ = ["ANY", "LOOPBACK", "Networks", "is_loopback_host"]
+__all__ = ["ANY", "LOGGED_ADDRESSES", "LOOPBACK", "FirstSeen", "Networks", "is_loopback_host"]
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -71,6 +71,27 @@ class Networks:
 
 LOOPBACK = Networks.parse(["127.0.0.0/8", "::1/128"])
 ANY = Networks.parse(["0.0.0.0/0", "::/0"])
+
+
+LOGGED_ADDRESSES = 64  # remote addresses a refusal log names (each once), then silence
+
+
+class FirstSeen:
+    """Remote addresses seen so far: :meth:`first` is True once for each address, for the
+    first ``limit`` addresses only, so a log of refusals names who was refused without
+    growing with each request."""
+
+    __slots__ = ("limit", "_seen")
+
+    def __init__(self, limit: int = LOGGED_ADDRESSES) -> None:
+        self.limit = limit
+        self._seen: set[str | None] = set()
+
+    def first(self, address: str | None) -> bool:
+        if address in self._seen or len(self._seen) >= self.limit:
+            return False
+        self._seen.add(address)
+        return True
 
 
 def is_loopback_host(host: str) -> bool:
