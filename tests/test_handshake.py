@@ -300,6 +300,16 @@ def test_one_address_takes_at_most_its_share_of_the_gate():
     assert handshake.Gate(3).per_address == 3
 
 
+def test_the_addresses_of_one_ipv6_host_share_its_share_of_the_gate():
+    gate = handshake.Gate(8, per_address=2)
+    assert gate.enter("2001:db8::1") and gate.enter("2001:db8::2")
+    assert not gate.enter("2001:db8::ffff:3")  # (the same /64: the same host)
+    assert gate.enter("2001:db8:0:1::1")  # (another /64)
+    gate.leave("2001:db8::1")
+    assert gate.enter("2001:db8::9") and dict(gate._from) == {"2001:db8::/64": 2,
+                                                              "2001:db8:0:1::/64": 1}
+
+
 @aio
 async def test_the_gate_counts_an_accepted_connection_by_its_remote_address(monkeypatch):
     """The listener learns each connection's remote IP from UCX (its sockaddr) and enters

@@ -445,6 +445,32 @@ async def test_one_address_cannot_take_every_connection():
         assert (await request(port, "GET", "/ok"))[0] == 200  # its slots are free again
 
 
+async def test_an_ipv6_host_is_counted_by_its_slash_64():
+    """A host given an IPv6 /64 may connect from any address in it: the per-address bound
+    counts the /64, so changing addresses inside it takes no further slot."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    limits = HttpLimits(header_timeout_s=2.0, max_connections_per_address=1)
+    app = guard_app(_app(), limits)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    try:
+        site = await start_guarded(runner, "::1", 0, limits)
+        port = int(runner.addresses[0][1])
+        reader, writer = await asyncio.open_connection("::1", port)
+        await _until(lambda: site._from == {"::/64": 1})
+        reader2, writer2 = await asyncio.open_connection("::1", port)
+        assert (await read_response(reader2))[0] == 503 and site.refused_limit == 1
+        writer.close()
+        writer2.close()
+        await _until(lambda: not site._from)
+    finally:
+        await asyncio.wait_for(runner.cleanup(), 5.0)
+
+
 async def test_keepalive_idle_connection_is_closed_after_the_timeout():
     async with serve() as (site, port, _app):
         reader, writer = await asyncio.open_connection(HOST, port)

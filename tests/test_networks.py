@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvkern.xfer.networks import ANY, LOOPBACK, Networks, is_loopback_host
+from kvkern.xfer.networks import ANY, LOOPBACK, Networks, host_key, is_loopback_host
 
 
 def test_addresses_in_and_out():
@@ -52,3 +52,22 @@ def test_loopback_hosts():
         assert is_loopback_host(host), host
     for host in ("0.0.0.0", "::", "10.0.0.1", "example.com", ""):
         assert not is_loopback_host(host), host
+
+
+def test_a_host_is_an_ipv4_address_or_an_ipv6_slash_64():
+    assert host_key("10.0.0.1") == "10.0.0.1" and host_key("::ffff:10.0.0.1") == "10.0.0.1"
+    assert host_key("2001:db8:1:2::1") == host_key("2001:db8:1:2:ffff:1:2:3") == "2001:db8:1:2::/64"
+    assert host_key("2001:db8:1:3::1") != host_key("2001:db8:1:2::1")
+    assert host_key("fe80::1%eth0") == "fe80::/64" and host_key("::1") == "::/64"
+    for other in ("", "not-an-ip", "10.0.0.1:80"):
+        assert host_key(other) == other
+
+
+@given(st.integers(0, 2**128 - 1), st.integers(0, 2**64 - 1))
+def test_every_address_of_one_ipv6_slash_64_is_one_host(addr, low):
+    ip = ipaddress.IPv6Address(addr)
+    if ip.ipv4_mapped is not None:
+        return
+    same = ipaddress.IPv6Address((addr >> 64 << 64) | low)
+    assert host_key(str(ip)) == host_key(str(same))
+    assert ip in ipaddress.ip_network(host_key(str(ip)))

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvkern.xfer import ucxcompat
-from kvkern.xfer.networks import FirstSeen, Networks
+from kvkern.xfer.networks import FirstSeen, Networks, host_key
 
 __all__ = ["Gate", "Handshake", "HandshakeError", "abandoned", "connect", "create_listener"]
 
@@ -152,7 +152,8 @@ class Gate:
     At most ``limit`` connections at once between their arrival and :meth:`leave`, which
     the listener's owner calls once it trusts the connection (after its authentication), or
     :meth:`drop` when it turns it away, and at most ``per_address`` of them from one remote
-    address (default ``min(limit, PER_ADDRESS)``: one host cannot take every slot);
+    host (default ``min(limit, PER_ADDRESS)``: one host cannot take every slot; an IPv6
+    host is its /64, :func:`~kvkern.xfer.networks.host_key`);
     ``refused`` counts those turned away at once. ``on_refuse(reason)`` hears of every
     connection rejected (``address_not_accepted``), refused (``untrusted_limit``) or
     dropped (the reason given to :meth:`drop`)."""
@@ -191,21 +192,23 @@ class Gate:
     def enter(self, address: str = "") -> bool:
         """Let a connection from ``address`` (the remote IP; "" where unknown, counted
         against ``limit`` only) in, or refuse it."""
-        if self.inside >= self.limit or (address and self._from[address] >= self.per_address):
+        key = host_key(address) if address else ""
+        if self.inside >= self.limit or (key and self._from[key] >= self.per_address):
             self.refused += 1
             self._tell("untrusted_limit")
             return False
         self.inside += 1
-        if address:
-            self._from[address] += 1
+        if key:
+            self._from[key] += 1
         return True
 
     def leave(self, address: str = "") -> None:
         self.inside -= 1
         if address:
-            self._from[address] -= 1
-            if self._from[address] <= 0:
-                del self._from[address]
+            key = host_key(address)
+            self._from[key] -= 1
+            if self._from[key] <= 0:
+                del self._from[key]
 
     def drop(self, reason: str, address: str = "") -> None:
         """:meth:`leave` for a connection turned away (``reason``)."""

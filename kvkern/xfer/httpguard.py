@@ -20,8 +20,8 @@ Three pieces, used together::
   or of the end of its previous request (keep-alive idle); otherwise it is closed (slowloris).
   While a response is still being written the deadline moves on as long as the peer keeps
   reading. Connections beyond ``max_connections``, or beyond ``max_connections_per_address``
-  from one remote IP address, get a one-line 503 and are closed at once, before aiohttp sees
-  them. Counters: ``connections_open``, ``connections_total``,
+  from one remote host (an IPv4 address, an IPv6 /64), get a one-line 503 and are closed at
+  once, before aiohttp sees them. Counters: ``connections_open``, ``connections_total``,
   ``closed_header_timeout``, ``refused_limit``.
 - :func:`guard_app` installs the outermost middleware. It tells the site when a request is in
   progress (its handler may take as long as it needs) and reads every request body up front
@@ -54,7 +54,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from kvkern.xfer.networks import LOGGED_ADDRESSES, FirstSeen
+from kvkern.xfer.networks import LOGGED_ADDRESSES, FirstSeen, host_key
 
 if sys.version_info >= (3, 11):
     from asyncio import timeout as _timeout
@@ -76,12 +76,12 @@ class HttpLimits:
     body_timeout_s    the whole request body must arrive within this (else 408)
     max_connections   open connections per site; more are answered 503 and closed
     max_connections_per_address
-                      open connections from one remote IP address; more are answered 503
-                      and closed, so that one host cannot take every slot. The default,
-                      half the default ``max_connections``, leaves room for a ``kvkern
-                      router`` at its ``--max-forwards`` (64 to one worker) beside its
-                      block listings; a proxy that forwards many clients from one address
-                      shares this bound
+                      open connections from one remote host (an IPv4 address, an IPv6
+                      /64); more are answered 503 and closed, so that one host cannot take
+                      every slot. The default, half the default ``max_connections``, leaves
+                      room for a ``kvkern router`` at its ``--max-forwards`` (64 to one
+                      worker) beside its block listings; a proxy that forwards many clients
+                      from one address shares this bound
     max_body_bytes    larger request bodies get 413 (Content-Length checked before reading,
                       the running size while reading)
     """
@@ -248,7 +248,7 @@ class _Conn(asyncio.Protocol):
         self._site = site
         self._inner: asyncio.Protocol | None = None
         self.transport: asyncio.Transport | None = None
-        self.address: str | None = None  # the peer's IP address, None where unknown
+        self.address: str | None = None  # the peer's host (host_key), None where unknown
         self.deadline = 0.0
         self.handle: asyncio.TimerHandle | None = None
         self.busy = 0
@@ -257,7 +257,7 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         site = self._site
         peer = transport.get_extra_info("peername")
-        address = peer[0] if isinstance(peer, tuple) and peer else None
+        address = host_key(peer[0]) if isinstance(peer, tuple) and peer else None
         if site.connections_open >= site.limits.max_connections or (
                 address is not None
                 and site._from.get(address, 0) >= site.limits.max_connections_per_address):
@@ -352,9 +352,9 @@ class GuardedSite(web.TCPSite):
     """A :class:`aiohttp.web.TCPSite` that closes connections with no complete request head
     within ``limits.header_timeout_s`` (from connect, or from the end of the previous request)
     and keeps at most ``limits.max_connections`` open, at most
-    ``limits.max_connections_per_address`` of them from one remote IP address. The runner's
-    application must have been passed to :func:`guard_app` (the middleware tells the site when
-    a request is in progress). Counters (plain ints, read them for metrics)::
+    ``limits.max_connections_per_address`` of them from one remote host (an IPv4 address, an
+    IPv6 /64). The runner's application must have been passed to :func:`guard_app` (the
+    middleware tells the site when a request is in progress). Counters (plain ints, read them for metrics)::
 
         connections_open        now
         connections_total       admitted since start
@@ -378,7 +378,7 @@ class GuardedSite(web.TCPSite):
         self.connections_total = 0
         self.closed_header_timeout = 0
         self.refused_limit = 0
-        self._from: dict[str, int] = {}  # open connections by remote IP address
+        self._from: dict[str, int] = {}  # open connections by remote host (host_key)
 
     async def start(self) -> None:
         await web.BaseSite.start(self)  # registers the site; TCPSite.start is replaced here

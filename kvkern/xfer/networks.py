@@ -9,7 +9,8 @@ import ipaddress
 import re
 from collections.abc import Iterable, Sequence
 
-__all__ = ["ANY", "LOGGED_ADDRESSES", "LOOPBACK", "FirstSeen", "Networks", "is_loopback_host"]
+__all__ = ["ANY", "IPV6_HOST_PREFIX", "LOGGED_ADDRESSES", "LOOPBACK", "FirstSeen", "Networks",
+           "host_key", "is_loopback_host"]
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -74,6 +75,24 @@ ANY = Networks.parse(["0.0.0.0/0", "::/0"])
 
 
 LOGGED_ADDRESSES = 64  # remote addresses a refusal log names (each once), then silence
+
+# An IPv6 host is handed a /64 (RFC 7421): per-host bounds key IPv6 addresses by it.
+IPV6_HOST_PREFIX = 64
+
+
+def host_key(address: str) -> str:
+    """The key per-host bounds count ``address`` under: an IPv4 address itself (also when
+    IPv4-mapped), an IPv6 address's /64 network (one host may use every address in it), and
+    anything that is not an IP address unchanged."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv4Address):
+        return address if address == str(ip) else str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    return str(ipaddress.IPv6Network((ip, IPV6_HOST_PREFIX), strict=False))
 
 
 class FirstSeen:
