@@ -571,6 +571,9 @@ async def test_refused_peer_requests_are_logged_once_per_address_and_quoted(capl
         lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
         assert len(lines) == LOGGED_ADDRESSES and svc.auth_refusals == 200 + 2 * 70
         assert "from 127.0.0.64:" in lines[-1] and "no credentials" in lines[-1]
+        scraped = svc.metrics.registry.get_sample_value(
+            "kvkern_source_http_refused_total", {"reason": "unauthenticated"})
+        assert scraped == 200 + 2 * 70
     finally:
         await svc.close()
 
@@ -603,3 +606,42 @@ def test_run_guarded_serves_and_stops_on_sigterm():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_source_reports_every_http_refusal_as_a_metric():
+    """Connections past the limits and heads that never come are counted on the source's
+    ``kvkern_source_http_refused_total``, beside refused credentials."""
+    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
+    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
+    from kvkern.xfer.metrics import HTTP_REFUSALS  # noqa: PLC0415
+    from kvkern.xfer.source import SourceService  # noqa: PLC0415
+
+    model = ModelKVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
+                        dtype="float16")
+    topo = Topology(model=model, parallel=Parallelism())
+    layout = topo.local_layout(0, 4, "trtllm")
+    group = KVGroup(topo, 0, BlockPool(4, block_size=4),
+                    {0: RankKV(0, layout, layout.allocate())})
+    limits = HttpLimits(header_timeout_s=0.3, max_connections_per_address=1, max_body_bytes=8)
+    svc = SourceService([group], worker_id="src", credential=None, http_limits=limits)
+
+    def scraped() -> dict[str, float]:
+        return {r: svc.metrics.registry.get_sample_value(
+            "kvkern_source_http_refused_total", {"reason": r}) for r in HTTP_REFUSALS}
+
+    await svc.start()
+    try:
+        assert set(scraped().values()) == {0}
+        reader, writer = await asyncio.open_connection(HOST, svc.http_port)  # silent
+        reader2, writer2 = await asyncio.open_connection(HOST, svc.http_port)
+        assert (await read_response(reader2))[0] == 503  # one address, one connection
+        assert await closed_by_peer(reader, 2.0)  # no head in time
+        writer.close()
+        writer2.close()
+        await _until(lambda: svc._site.connections_open == 0)
+        assert (await request(svc.http_port, "POST", "/healthz", body=b"x" * 64))[0] == 413
+        assert scraped() == {"unauthenticated": 0, "connection_limit": 1,
+                             "header_timeout": 1, "body_timeout": 0, "body_refused": 1}
+    finally:
+        await svc.close()

@@ -27,7 +27,8 @@ Three pieces, used together::
   progress (its handler may take as long as it needs) and reads every request body up front
   under ``body_timeout_s`` and ``max_body_bytes`` (408 / 413, JSON), so no handler waits on a
   body that never comes; ``request.read()`` / ``read_json_body`` then return the read bytes.
-  Counters on :func:`guard_stats`: ``body_timeouts``, ``too_large``.
+  Counters on :func:`guard_stats`: ``body_timeouts`` (408), ``too_large`` (413: too
+  large, or sent where nothing reads it).
 - :func:`read_json_body` / :func:`read_json_object` / :func:`decode_json`: bounded read and a
   decode (msgspec) whose every failure — syntax, invalid UTF-8, NaN, nesting more than
   :data:`MAX_JSON_DEPTH` (64) arrays and objects deep, integers out of range — is a 400
@@ -404,7 +405,8 @@ class GuardedSite(web.TCPSite):
 
 class GuardStats:
     """Counters of :func:`guard_app`'s middleware: ``body_timeouts`` (408), ``too_large``
-    (413); and the remote addresses :func:`log_refused` has named in the log."""
+    (413: a body too large, or one sent where nothing reads it); and the remote addresses
+    :func:`log_refused` has named in the log."""
 
     __slots__ = ("body_timeouts", "too_large", "refusals_logged")
 
@@ -458,6 +460,7 @@ def guard_app(app: web.Application, limits: HttpLimits) -> web.Application:
             if request.body_exists and (
                     request.method in _NO_BODY_METHODS
                     or request.match_info.http_exception is not None):
+                stats.too_large += 1
                 raise _no_body(request.method)  # (404, 405, a GET: nothing reads it)
             if request.body_exists and not getattr(request.match_info.handler,
                                                    "_kvkern_reads_own_body", False):

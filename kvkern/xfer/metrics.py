@@ -47,6 +47,11 @@ Source side (:class:`kvkern.xfer.source.SourceService`)::
                                                                (handshake unauthenticated
                                                                untrusted_limit
                                                                connection_limit)
+    kvkern_source_http_refused_total{reason}         counter   HTTP requests and connections
+                                                               the source turned away
+                                                               (unauthenticated
+                                                               connection_limit header_timeout
+                                                               body_timeout body_refused)
     kvkern_source_connections                        gauge     authenticated connections
                                                                being served
     kvkern_source_connections_closed_total{reason}   counter   served connections the source
@@ -65,7 +70,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -167,6 +172,37 @@ class _LaneSetSpills:
         yield CounterMetricFamily(self.NAME, self.DOC)
 
 
+HTTP_REFUSALS = ("unauthenticated", "connection_limit", "header_timeout", "body_timeout",
+                 "body_refused")
+
+
+class _HttpRefusals:
+    """``kvkern_source_http_refused_total{reason}``: requests and connections a source's HTTP
+    server turned away, read at each scrape from the counters of whatever
+    :meth:`XferMetrics.watch_http` was given (:data:`HTTP_REFUSALS`: a peer path without
+    a valid credential, a connection past the connection limits, no complete request head in
+    time, a body that came too slowly, one too large or sent where none is read)."""
+
+    NAME = PREFIX + "source_http_refused"
+    DOC = "HTTP requests and connections the source turned away, by reason."
+
+    def __init__(self) -> None:
+        self.sources: list[Callable[[], dict[str, int]]] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        totals = dict.fromkeys(HTTP_REFUSALS, 0)
+        for source in list(self.sources):
+            for reason, n in source().items():
+                totals[reason] += n
+        family = CounterMetricFamily(self.NAME, self.DOC, labels=("reason",))
+        for reason, n in totals.items():
+            family.add_metric((reason,), n)
+        yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.NAME, self.DOC, labels=("reason",))
+
+
 class XferMetrics:
     """Every ``kvkern_`` metric, registered in ``registry`` (a fresh
     :class:`~prometheus_client.CollectorRegistry` by default, so tests can create many).
@@ -208,6 +244,8 @@ class XferMetrics:
         r.register(_LocalReadRefusals())
         r.register(_ReadsPastDrain())
         r.register(_LaneSetSpills())
+        self._http_refusals = _HttpRefusals()
+        r.register(self._http_refusals)
         self.blocks_quarantined = counter("blocks_quarantined", "Private blocks never "
                                           "reused: one-sided reads into them outlived their "
                                           "abort.")
@@ -352,6 +390,15 @@ class XferMetrics:
     def source_connection_closed(self, reason: str) -> None:
         """A served connection closed by the source (:data:`CONNECTION_CLOSES`)."""
         self.source_connections_closed.labels(reason=_label("reason", reason)).inc()
+
+    def watch_http(self, counts: Callable[[], dict[str, int]]) -> None:
+        """Add ``counts()`` (reason of :data:`HTTP_REFUSALS` -> a count that only grows) to
+        ``kvkern_source_http_refused_total`` at each scrape from now on (also once the server
+        closed: a counter never goes down)."""
+        unknown = [k for k in counts() if k not in HTTP_REFUSALS]
+        if unknown:
+            raise ValueError(f"not HTTP refusal reasons: {unknown}")
+        self._http_refusals.sources.append(counts)
 
     def source_pins_changed(self, delta_blocks: int) -> None:
         self.source_pinned_blocks.inc(delta_blocks)

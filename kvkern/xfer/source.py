@@ -191,7 +191,7 @@ from kvkern.xfer.auth import (
     serves_request,
 )
 from kvkern.xfer.auth import resolve as resolve_credential
-from kvkern.xfer.httpguard import GuardedSite, guard_app, log_refused, start_guarded
+from kvkern.xfer.httpguard import GuardedSite, guard_app, guard_stats, log_refused, start_guarded
 from kvkern.xfer.kvgroup import KVGroup
 from kvkern.xfer.messages import (
     DEFAULT_CODEC,
@@ -440,8 +440,13 @@ class SourceService:
         app.router.add_routes(self._extra_routes)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await asyncio.wait_for(self._runner.setup(), 10.0)
-        self._site = await asyncio.wait_for(start_guarded(
+        self._site = site = await asyncio.wait_for(start_guarded(
             self._runner, self.config.host, self.config.http_port, limits), 10.0)
+        stats = guard_stats(app)
+        self.metrics.watch_http(lambda: {
+            "unauthenticated": self.auth_refusals, "connection_limit": site.refused_limit,
+            "header_timeout": site.closed_header_timeout, "body_timeout": stats.body_timeouts,
+            "body_refused": stats.too_large})
         self._http_port = int(self._runner.addresses[0][1])
 
     async def close(self, timeout: float = 10.0) -> None:
