@@ -177,6 +177,22 @@ async def serve(limits: HttpLimits = LIMITS, *, guarded: bool = True):
         await asyncio.wait_for(runner.cleanup(), 5.0)
 
 
+def _tiny_source(**settings):
+    """A SourceService of one 4-block pool (not started)."""
+    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
+    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
+    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
+    from kvkern.xfer.source import SourceService  # noqa: PLC0415
+
+    model = ModelKVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
+                        dtype="float16")
+    topo = Topology(model=model, parallel=Parallelism())
+    layout = topo.local_layout(0, 4, "trtllm")
+    group = KVGroup(topo, 0, BlockPool(4, block_size=4),
+                    {0: RankKV(0, layout, layout.allocate())})
+    return SourceService([group], worker_id="src", **settings)
+
+
 async def read_response(reader: asyncio.StreamReader, timeout: float = 3.0):
     """(status, headers, body) of one HTTP/1.1 response with a Content-Length."""
     async with asyncio.timeout(timeout):
@@ -535,20 +551,9 @@ async def test_refused_peer_requests_are_logged_once_per_address_and_quoted(capl
     the first from each address is logged (for at most 64 addresses), with the path as sent
     (percent-encoded, quoted, cut to 200 characters): a flood of requests whose decoded path
     holds line breaks neither forges log lines nor fills the log."""
-    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
-    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
     from kvkern.xfer.auth import Credential  # noqa: PLC0415
-    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
-    from kvkern.xfer.source import SourceService  # noqa: PLC0415
 
-    model = ModelKVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
-                        dtype="float16")
-    topo = Topology(model=model, parallel=Parallelism())
-    layout = topo.local_layout(0, 4, "trtllm")
-    group = KVGroup(topo, 0, BlockPool(4, block_size=4),
-                    {0: RankKV(0, layout, layout.allocate())})
-    svc = SourceService([group], worker_id="src", credential=Credential("b" * 64,
-                                                                        peer_id="src"))
+    svc = _tiny_source(credential=Credential("b" * 64, peer_id="src"))
     forged = "/kvkern/x%0a2030-01-01%20CRITICAL%20kvkern:%20forged" + "A" * 7000
     caplog.set_level(logging.WARNING, logger="kvkern.xfer.source")
     await svc.start()
@@ -611,20 +616,10 @@ def test_run_guarded_serves_and_stops_on_sigterm():
 async def test_a_source_reports_every_http_refusal_as_a_metric():
     """Connections past the limits and heads that never come are counted on the source's
     ``kvkern_source_http_refused_total``, beside refused credentials."""
-    from kvkern.cache.pool import BlockPool  # noqa: PLC0415
-    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology  # noqa: PLC0415
-    from kvkern.xfer.kvgroup import KVGroup, RankKV  # noqa: PLC0415
     from kvkern.xfer.metrics import HTTP_REFUSALS  # noqa: PLC0415
-    from kvkern.xfer.source import SourceService  # noqa: PLC0415
 
-    model = ModelKVSpec(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4,
-                        dtype="float16")
-    topo = Topology(model=model, parallel=Parallelism())
-    layout = topo.local_layout(0, 4, "trtllm")
-    group = KVGroup(topo, 0, BlockPool(4, block_size=4),
-                    {0: RankKV(0, layout, layout.allocate())})
     limits = HttpLimits(header_timeout_s=0.3, max_connections_per_address=1, max_body_bytes=8)
-    svc = SourceService([group], worker_id="src", credential=None, http_limits=limits)
+    svc = _tiny_source(credential=None, http_limits=limits)
 
     def scraped() -> dict[str, float]:
         return {r: svc.metrics.registry.get_sample_value(
