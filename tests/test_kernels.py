@@ -130,6 +130,22 @@ def test_block_id_sets(name, ids, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_block_ids_as_a_strided_or_expanded_tensor(name, backend):
+    """An id tensor that is a view (every other element, or one element expanded) names the
+    blocks it shows: the kernels index ids densely, so they get a contiguous copy."""
+    layout, pool = make(name)
+    strided = torch.tensor([4, 0, 1, 5, 6, 2], dtype=torch.int64)[::2]  # [4, 1, 6]
+    staging = check_pack(layout, pool, strided, backend)
+    assert bits_equal(staging.cpu(), logical_slab(layout, pool, [4, 1, 6]))
+    _, other = make(name, seed=2)
+    check_unpack(layout, other, strided, staging, backend)
+    expanded = torch.tensor([3, 7, 0], dtype=torch.int64)[:1].expand(3)  # [3, 3, 3]
+    assert bits_equal(pack(pool, layout, expanded, backend=backend).cpu(),
+                      logical_slab(layout, pool, [3, 3, 3]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layers,heads", [((0, 1), None), ((1, 3), (2, 4)), (None, (1, 2)),
                                           ((2, 3), (0, 3)), ((1, 1), None)],
                          ids=["first-layer", "tail-slab", "one-head", "last-layer-3-heads",
