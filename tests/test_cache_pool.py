@@ -505,6 +505,29 @@ def test_claim_turns_lease_into_references():
     assert_leak_free(pool)
 
 
+def test_a_lease_whose_end_the_history_forgot_is_treated_as_expired():
+    """A claim or release that comes after its lease ended and the lease history has moved on
+    falls back as for an expired lease (None), where it raised."""
+    pool, clock = make(8, lease_history=2)
+    priv = pool.allocate_private(1)
+    lease = pool.commit_private(priv, [111], lease_s=1.0)
+    clock.now += 2.0  # expired (applied lazily)
+    for k in range(3):  # three more leases end: the history of two forgets the first
+        other = pool.commit_private(pool.allocate_private(1), [1000 + k], lease_s=100.0)
+        pool.release(pool.claim(other))
+    assert pool.claim(lease) is None
+    pool.release_lease(lease)
+    assert_leak_free(pool)
+
+
+def test_evict_applies_due_lease_expiry_first():
+    pool, clock = make(4)
+    pool.commit_private(pool.allocate_private(1), [42], lease_s=1.0)
+    clock.now += 1.0
+    assert pool.evict([42]) == {"evicted": [42], "held": [], "absent": []}
+    assert_leak_free(pool)
+
+
 def test_unknown_lease_raises():
     pool, _ = make(4)
     bogus = Lease(lease_id=99, block_ids=(0,), hashes=(1,), expires_at=0.0)

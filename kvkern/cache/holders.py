@@ -346,8 +346,10 @@ class LeaseTable:
         return lease
 
     def live(self, lease: Lease, what: str) -> Lease | None:
-        """The live lease ``lease`` names; None if it expired; ValueError if it was claimed
-        or released already, is unknown, or names other blocks."""
+        """The live lease ``lease`` names; None if it expired, or ended so long ago that the
+        history no longer holds its outcome (a late claim falls back, as for an expired
+        lease); ValueError if it was claimed or released already, was never granted, or
+        names other blocks."""
         live = self.leases.get(lease.lease_id)
         if live is not None:
             if live != lease:
@@ -361,6 +363,8 @@ class LeaseTable:
             return None
         if outcome is not None:
             raise ValueError(f"{what} of lease {lease.lease_id} that was already {outcome}")
+        if 0 < lease.lease_id < self.next_id:
+            return None  # (ended, its outcome forgotten)
         raise ValueError(
             f"{what} of unknown lease {lease.lease_id} (next lease id {self.next_id}, "
             f"history keeps {self.history_cap})"

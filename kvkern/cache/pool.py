@@ -292,6 +292,7 @@ class BlockPool:
         operator flush, or a test making hints stale). Held blocks (referenced, pinned,
         leased) stay. Returns the hashes ``evicted``, ``held`` and ``absent``."""
         with self._lock:
+            self._leases.expire()
             return self._table.evict(hashes)
 
     # ------------------------------------------------------------------ transfer protocol
