@@ -225,3 +225,19 @@ def test_dtype_names_come_from_torchs_dtypes_and_import_nothing():
     for bad in ("nn", "Tensor", "dtype", ""):
         with pytest.raises(ValueError, match="unknown dtype name"):
             dtype_itemsize(bad)
+
+
+def test_a_dtype_alias_names_the_same_model_as_its_dtype():
+    """"half" and torch.float16 (or "torch.float" and "float32") are one dtype: workers
+    that spell it differently are compatible."""
+    from kvkern.layout.plan import plan_transfer
+    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+
+    def spec(dtype):
+        return ModelKVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+
+    for alias, dtype in (("half", torch.float16), ("torch.float", torch.float32),
+                         ("bfloat16", torch.bfloat16)):
+        assert spec(alias) == spec(dtype) and spec(alias).dtype == str(dtype)[6:]
+    plan_transfer(Topology(model=spec("half"), parallel=Parallelism()), 0,
+                  Topology(model=spec(torch.float16), parallel=Parallelism()), 0)

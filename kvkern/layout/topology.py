@@ -108,10 +108,8 @@ def dtype_itemsize(name: str) -> int:
 def _dtype_name(dtype) -> str:
     if isinstance(dtype, torch.dtype):
         return str(dtype).removeprefix("torch.")
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        dtype_itemsize(name)  # validates
-        return name
+    if isinstance(dtype, str):  # (an alias, "half", becomes its dtype's name, "float16")
+        return str(_dtype(dtype.removeprefix("torch."))).removeprefix("torch.")
     raise TypeError(f"dtype must be a torch.dtype or its name, got {dtype!r}")
 
 
