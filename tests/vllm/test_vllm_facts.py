@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvkern.integrations.vllm.config import ConnectorConfig
-from kvkern.integrations.vllm.runtime import engine_facts
+from kvkern.integrations.vllm.runtime import check_kv_cache_groups, engine_facts
 
 pytestmark = pytest.mark.vllm
 
@@ -56,3 +56,30 @@ def test_a_preempted_request_keeps_its_sampled_tokens():
     from kvkern.integrations.vllm.connector import KvkernConnector
 
     assert KvkernConnector.requires_kv_delivery.fget(None) is False
+
+
+def _groups(*specs) -> SimpleNamespace:
+    return SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=s) for s in specs])
+
+
+def test_only_one_group_of_full_attention_is_served():
+    """A sliding-window (or chunked-local, or state-space) group hands out vLLM's shared null
+    block for the positions it drops: a pull cannot fill it, and reporting it as a load
+    error would roll back every running request that holds it."""
+    import torch  # noqa: PLC0415
+    from vllm.v1.kv_cache_interface import (  # noqa: PLC0415
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    shape = {"block_size": 16, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float16}
+    full = FullAttentionSpec(**shape)
+    check_kv_cache_groups(_groups(full))
+    check_kv_cache_groups(_groups(FullAttentionSpec(**shape, sliding_window=64)))  # (all blocks)
+    check_kv_cache_groups(None)  # (a worker built without the config: nothing to check)
+    for spec in (SlidingWindowSpec(**shape, sliding_window=64), MLAAttentionSpec(**shape)):
+        with pytest.raises(ValueError, match=f"full attention KV caches; .* {type(spec).__name__}"):
+            check_kv_cache_groups(_groups(spec))
+    with pytest.raises(ValueError, match="one KV cache group, this one has 2"):
+        check_kv_cache_groups(_groups(full, full))

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvkern.integrations.vllm.config import ConnectorConfig
-from kvkern.integrations.vllm.runtime import runtime_for
+from kvkern.integrations.vllm.runtime import check_kv_cache_groups, runtime_for
 from kvkern.integrations.vllm.scheduler import LoadMetadataBase, SchedulerSide
 from kvkern.integrations.vllm.worker import WorkerSide
 
@@ -34,10 +34,7 @@ class KvkernConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         config = ConnectorConfig.from_extra(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
-        groups = getattr(kv_cache_config, "kv_cache_groups", None)
-        if groups is not None and len(groups) != 1:
-            raise ValueError(f"the kvkern connector serves models with one KV cache group, "
-                             f"this one has {len(groups)}")
+        check_kv_cache_groups(kv_cache_config)
         self._rt = runtime_for(vllm_config, config)
         self._scheduler = SchedulerSide(self._rt) if role == KVConnectorRole.SCHEDULER \
             else None

@@ -23,7 +23,7 @@ from kvkern.xfer.auth import FROM_ENV, Credential, CredentialError, resolve
 from kvkern.xfer.metrics import XferMetrics
 from kvkern.xfer.runtime import EventLoopThread
 
-__all__ = ["EngineRuntime", "engine_facts", "runtime_for"]
+__all__ = ["EngineRuntime", "check_kv_cache_groups", "engine_facts", "runtime_for"]
 
 log = logging.getLogger("kvkern.integrations.vllm")
 
@@ -42,6 +42,26 @@ class EngineFacts:
     hash_scheme: str
     model_id: str
     head_dim: int
+
+
+def check_kv_cache_groups(kv_cache_config: Any) -> None:
+    """The engine's KV cache is one group of full attention, the one layout whose block
+    table names a block of its own for every block of a request; ValueError otherwise. A
+    sliding-window, chunked-local or state-space group hands out vLLM's shared null block for
+    the positions it drops, which a pull can neither fill nor report as failed without
+    rolling back every running request that holds it."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: PLC0415
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is None:
+        return
+    if len(groups) != 1:
+        raise ValueError(f"the kvkern connector serves models with one KV cache group, "
+                         f"this one has {len(groups)}")
+    spec = groups[0].kv_cache_spec
+    if type(spec) is not FullAttentionSpec:
+        raise ValueError(f"the kvkern connector serves full attention KV caches; this "
+                         f"model's is {type(spec).__name__}")
 
 
 def engine_facts(vllm_config: Any, config: ConnectorConfig) -> EngineFacts:
