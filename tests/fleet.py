@@ -3,6 +3,7 @@ signed requests to a worker's peer endpoints and router-signed hints."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.parse
 import urllib.request
@@ -28,15 +29,24 @@ def peer_headers(method: str, path: str, base_url: str) -> dict[str, str]:
     return headers
 
 
-def peer_get(base_url: str, path: str, *, timeout: float = 10.0) -> dict:
-    """GET a peer endpoint of a worker as a fleet member would; checks the answer's
-    signature too."""
-    headers, nonce = CREDENTIAL.sign_request("GET", path, to=to_of(base_url))
+def peer_get(base_url: str, path: str, *, timeout: float = 10.0,
+             credential: Credential = CREDENTIAL) -> dict:
+    """GET a peer endpoint of a worker as a fleet member (of ``credential``'s fleet) would;
+    checks the answer's signature too."""
+    headers, nonce = credential.sign_request("GET", path, to=to_of(base_url))
     req = urllib.request.Request(f"{base_url}{path}", headers=headers)
     with _OPENER.open(req, timeout=timeout) as r:
         body = r.read()
-        assert CREDENTIAL.verify_response(nonce, body, r.headers.get("X-Kvkern-Auth-Response"))
+        assert credential.verify_response(nonce, body, r.headers.get("X-Kvkern-Auth-Response"))
     return json.loads(body)
+
+
+async def prove_host(http_port: int, host: str = "127.0.0.1") -> None:
+    """Fetch a source's signed state as a destination does before it connects: the source's
+    UCX listeners then take connections from this host (``SourceConfig.proven_host_ttl_s``)."""
+    from kvkern.xfer.source import STATE_PATH  # noqa: PLC0415
+
+    await asyncio.to_thread(peer_get, f"http://{host}:{http_port}", STATE_PATH)
 
 
 def signed(body: dict, *, cache_salt: str = "", credential: Credential | None = None) -> dict:

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvkern.xfer.networks import ANY, LOOPBACK, Networks, host_key, is_loopback_host
+from kvkern.xfer.networks import (
+    ANY,
+    LOOPBACK,
+    Networks,
+    ProvenHosts,
+    host_key,
+    is_loopback_host,
+)
 
 
 def test_addresses_in_and_out():
@@ -71,3 +78,23 @@ def test_every_address_of_one_ipv6_slash_64_is_one_host(addr, low):
     same = ipaddress.IPv6Address((addr >> 64 << 64) | low)
     assert host_key(str(ip)) == host_key(str(same))
     assert ip in ipaddress.ip_network(host_key(str(ip)))
+
+
+def test_a_proven_host_stays_proven_for_its_time_to_live_only():
+    now = [0.0]
+    proven = ProvenHosts(ttl_s=10.0, max_hosts=3, clock=lambda: now[0])
+    assert "10.0.0.1" not in proven and None not in proven
+    proven.note("10.0.0.1")
+    proven.note("2001:db8::1")
+    proven.note(None)  # (an unknown address proves nothing)
+    assert "10.0.0.1" in proven and "::ffff:10.0.0.1" in proven
+    assert "2001:db8::ffff" in proven and "2001:db8:0:1::1" not in proven  # (its /64)
+    now[0] = 9.9
+    proven.note("10.0.0.1")  # (proven again: its time starts over)
+    now[0] = 10.0
+    assert "2001:db8::1" not in proven and "10.0.0.1" in proven
+    for i in range(2, 6):  # at most three kept: the least recently proven go first
+        proven.note(f"10.0.0.{i}")
+    assert len(proven) == 3 and "10.0.0.1" not in proven and "10.0.0.5" in proven
+    with pytest.raises(ValueError):
+        ProvenHosts(ttl_s=0)

@@ -71,7 +71,7 @@ from kvkern.xfer.transport import (
     tag_for,
 )
 from kvkern.xfer.ucp_rma import coalesce
-from tests.fleet import peer_headers
+from tests.fleet import peer_get, peer_headers, prove_host
 
 PEER = Path(__file__).parent / "peers" / "source_peer.py"
 OPEN = PeerQuotas(max_sends_per_peer=64, peer_pin_fraction=1.0, total_pin_fraction=1.0)
@@ -143,6 +143,8 @@ def peers():
                            # the SIGTERM test's own, started with the others to save time
                            [*common, "--seq", "0:64", "--freeze-after-reply"]])
     try:
+        for _, ready in started:  # (a destination fetches the state before it connects)
+            peer_get(f"http://{HOST}:{ready['http_port']}", STATE_PATH)
         yield started
     finally:
         for proc, _ in started:
@@ -779,6 +781,7 @@ async def test_busy_then_close_leaves_nothing_running(http):
     group, hs = _group()
     svc = _Frozen([group], worker_id="inproc", max_concurrent_sends=1, quotas=OPEN)
     await svc.start()
+    await prove_host(svc.http_port)
     port, ucx_port = svc.http_port, svc.ucx_ports[0]
     try:
         async with ConnectionPool(connect_timeout=10) as own:
@@ -816,6 +819,7 @@ async def test_a_peers_pin_quota_counts_the_groups_pool_across_its_ranks(monkeyp
     group, hs = _group(tp=2)
     svc = _Frozen([group], worker_id="tp-quota")
     await svc.start()
+    await prove_host(svc.http_port)
     heads = HEADS // 2
 
     def piece(rank: int) -> list[PlanPiece]:
@@ -848,6 +852,7 @@ async def test_a_connection_with_too_many_requests_open_is_closed(monkeypatch):
     group, hs = _group()
     svc = _Frozen([group], worker_id="open-requests", quotas=OPEN)
     await svc.start()
+    await prove_host(svc.http_port)
     try:
         async with ConnectionPool(connect_timeout=10) as own, \
                 ConnectionPool(connect_timeout=10) as other:
@@ -881,6 +886,7 @@ async def test_connections_over_the_quota_are_closed_before_they_are_served(quot
     group, hs = _group()
     svc = SourceService([group], config=SourceConfig(worker_id="conn-quota", quotas=quotas))
     await svc.start()
+    await prove_host(svc.http_port)
     pools = [ConnectionPool(connect_timeout=10, credential=Credential.from_env(
         peer_id="dest" if one_peer else f"dest-{i}")) for i in range(4)]
     try:
@@ -920,6 +926,7 @@ async def test_a_source_takes_ucx_connections_only_from_accept_from():
     open_ = SourceService([group], worker_id="loopback", quotas=OPEN)
     await shut.start()
     await open_.start()
+    await prove_host(open_.http_port)
     try:
         async with ConnectionPool(connect_timeout=10) as own:
             with pytest.raises(TransportError) as info:
@@ -947,6 +954,7 @@ async def test_an_idle_connection_is_closed_but_not_one_with_a_request_open():
     cfg = SourceConfig(worker_id="idle", quotas=OPEN, idle_connection_s=0.3)
     svc = _Frozen([group], config=cfg)
     await svc.start()
+    await prove_host(svc.http_port)
     try:
         async with ConnectionPool(connect_timeout=10) as idle, \
                 ConnectionPool(connect_timeout=10) as busy:
@@ -1011,6 +1019,34 @@ async def test_acks_of_unknown_transfers_count_with_the_connections_open_request
 
 
 @aio
+async def test_a_source_takes_ucx_connections_only_from_hosts_that_fetched_its_state(http):
+    """Until this host presents the fleet credential over HTTP (a destination's signed state
+    fetch), the source rejects its UCX connection requests before they exist (counted as
+    ``address_not_proven``); a request without the credential proves nothing."""
+    group, hs = _group()
+    svc = SourceService([group], worker_id="proven", quotas=OPEN)
+    await svc.start()
+    try:
+        async with ConnectionPool(connect_timeout=10) as own:
+            with pytest.raises(TransportError) as info:
+                await own.get(HOST, svc.ucx_ports[0])
+            assert info.value.reason == "connect_failed"
+            async with http.get(f"http://{HOST}:{svc.http_port}{STATE_PATH}") as r:
+                assert r.status == 401
+            with pytest.raises(TransportError):
+                await own.get(HOST, svc.ucx_ports[0])
+            deadline = time.monotonic() + 5
+            while svc.metrics.value("kvkern_source_connections_refused_total",
+                                    reason="address_not_proven") != 2:
+                assert time.monotonic() < deadline, "the rejections were not counted"
+                await asyncio.sleep(0.02)
+            await prove_host(svc.http_port)
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            assert (await ask(conn, request(hs[:1]))).status == Status.OK
+    finally:
+        await svc.close()
+
+
 async def test_sigterm_closes_a_real_source_with_a_frozen_send(frozen_peer):
     """close() in the peer process: a send frozen after its reply holds 16 pins; SIGTERM makes
     the peer close its service (cancelling the send) and report what was left."""
@@ -1052,6 +1088,7 @@ async def test_read_without_read_done_is_released_once_at_the_deadline():
     mgr.unpin = counting_unpin
     svc = SourceService([group], worker_id="inproc-read", remote_read="host", quotas=OPEN)
     await svc.start()
+    await prove_host(svc.http_port)
     try:
         assert READ_CAPABILITY in svc.state()["capabilities"]
         async with ConnectionPool(connect_timeout=10) as own:
@@ -1130,6 +1167,7 @@ async def test_read_request_to_a_source_with_reads_off_gets_the_stream():
     group, hs = _group()
     svc = SourceService([group], worker_id="inproc-noread", remote_read="off", quotas=OPEN)
     await svc.start()
+    await prove_host(svc.http_port)
     try:
         assert READ_CAPABILITY not in svc.state()["capabilities"]
         async with ConnectionPool(connect_timeout=10) as own:
@@ -1158,6 +1196,7 @@ async def test_a_request_for_chunks_below_the_floor_is_refused_before_any_pin():
     group, hs = _group()
     svc = SourceService([group], worker_id="inproc-floor", quotas=OPEN)
     await svc.start()
+    await prove_host(svc.http_port)
     try:
         async with ConnectionPool(connect_timeout=10) as own:
             conn = await own.get(HOST, svc.ucx_ports[0])
@@ -1360,6 +1399,7 @@ async def test_a_granted_read_hold_outlasts_a_lost_connection_and_close():
     svc = SourceService([group], worker_id="inproc-hold", read_hold_s=0.8,
                         remote_read="host", quotas=OPEN)
     await svc.start()
+    await prove_host(svc.http_port)
     try:
         async with ConnectionPool(connect_timeout=10) as own:
             conn = await own.get(HOST, svc.ucx_ports[0])

@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvkern.xfer import ucxcompat
-from kvkern.xfer.networks import FirstSeen, Networks, host_key
+from kvkern.xfer.networks import FirstSeen, Networks, ProvenHosts, host_key
 
 __all__ = ["Gate", "Handshake", "HandshakeError", "abandoned", "connect", "create_listener"]
 
@@ -145,7 +145,8 @@ async def connect(host: str, port: int, timeout: float) -> Any:
 
 
 class Gate:
-    """Only connection requests from ``accept_from`` (any address where None) become
+    """Only connection requests from ``accept_from`` (any address where None) and, with
+    ``proven``, from a host that presented the fleet credential over HTTP lately become
     connections: :meth:`admits` is asked on UCX's progress thread, before any endpoint
     exists, and :meth:`reject` counts each one it turned down (``rejected``).
 
@@ -155,13 +156,15 @@ class Gate:
     host (default ``min(limit, PER_ADDRESS)``: one host cannot take every slot; an IPv6
     host is its /64, :func:`~kvkern.xfer.networks.host_key`);
     ``refused`` counts those turned away at once. ``on_refuse(reason)`` hears of every
-    connection rejected (``address_not_accepted``), refused (``untrusted_limit``) or
+    connection rejected (``address_not_accepted``, ``address_not_proven``), refused
+    (``untrusted_limit``) or
     dropped (the reason given to :meth:`drop`)."""
 
     PER_ADDRESS = 64  # a quarter of the default limit: four hosts to fill it
 
     def __init__(self, limit: int, on_refuse: Callable[[str], None] | None = None, *,
-                 per_address: int | None = None, accept_from: Networks | None = None) -> None:
+                 per_address: int | None = None, accept_from: Networks | None = None,
+                 proven: ProvenHosts | None = None) -> None:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.limit = limit
@@ -173,21 +176,30 @@ class Gate:
         self._from: collections.Counter[str] = collections.Counter()
         self._on_refuse = on_refuse
         self.accept_from = accept_from
+        self.proven = proven
         self.rejected = 0
         self._logged = FirstSeen()  # rejected addresses named in the log
 
     def admits(self, address: str | None) -> bool:
         """Whether a connection request from ``address`` (None where unknown) may become a
         connection at all; called on UCX's progress thread."""
-        return self.accept_from is None or address in self.accept_from
+        return ((self.accept_from is None or address in self.accept_from)
+                and (self.proven is None or address in self.proven))
 
     def reject(self, address: str | None) -> None:
         """Count a connection request :meth:`admits` turned down (on the loop)."""
         self.rejected += 1
+        accepted = self.accept_from is None or address in self.accept_from
         if self._logged.first(address):
-            log.warning("rejected a UCX connection from %s: not in accept_from (%s)",
-                        address or "an unknown address", self.accept_from)
-        self._tell("address_not_accepted")
+            if accepted:
+                log.warning("rejected a UCX connection from %s: the host has not presented "
+                            "the fleet credential over HTTP lately (a destination fetches "
+                            "the source's state before it connects)",
+                            address or "an unknown address")
+            else:
+                log.warning("rejected a UCX connection from %s: not in accept_from (%s)",
+                            address or "an unknown address", self.accept_from)
+        self._tell("address_not_proven" if accepted else "address_not_accepted")
 
     def enter(self, address: str = "") -> bool:
         """Let a connection from ``address`` (the remote IP; "" where unknown, counted

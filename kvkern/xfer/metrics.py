@@ -44,7 +44,9 @@ Source side (:class:`kvkern.xfer.source.SourceService`)::
     kvkern_source_packed_bytes_total                 counter   bytes packed into staging
     kvkern_source_connections_refused_total{reason}  counter   UCX connections turned away
                                                                before they were served
-                                                               (handshake unauthenticated
+                                                               (address_not_accepted
+                                                               address_not_proven
+                                                               handshake unauthenticated
                                                                untrusted_limit
                                                                connection_limit)
     kvkern_source_http_refused_total{reason}         counter   HTTP requests and connections
@@ -94,7 +96,8 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 SOURCE_STATUSES: tuple[str, ...] = ("ok", "partial", "miss", "rejected", "busy", "error")
 DIRECT_READ_RESULTS: tuple[str, ...] = ("used", "missing", "changed", "failed")
 PAIR_PATHS: tuple[str, ...] = ("direct", "read", "stream")
-CONNECTION_REFUSALS: tuple[str, ...] = ("handshake", "unauthenticated", "untrusted_limit",
+CONNECTION_REFUSALS: tuple[str, ...] = ("address_not_accepted", "address_not_proven",
+                                        "handshake", "unauthenticated", "untrusted_limit",
                                         "connection_limit")
 CONNECTION_CLOSES: tuple[str, ...] = ("idle", "too_many_requests")
 _LABEL_RE = re.compile(r"[a-z0-9_]{1,64}")

@@ -1,16 +1,18 @@
 """Who may open a connection to a source's UCX listeners at all: ``accept_from``, a set of IP
-networks that each connection request's client address is checked against before UCX makes
-an endpoint for it (:class:`~kvkern.xfer.ucxcompat.ListenerRelay`). A request from outside is
-rejected, so its sender can make the source receive, or queue, nothing."""
+networks, and :class:`ProvenHosts`, the hosts that presented the fleet credential over HTTP
+lately, that each connection request's client address is checked against before UCX makes
+an endpoint for it (:class:`~kvkern.xfer.ucxcompat.ListenerRelay`). A request from elsewhere
+is rejected, so its sender can make the source receive, or queue, nothing."""
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = ["ANY", "IPV6_HOST_PREFIX", "LOGGED_ADDRESSES", "LOOPBACK", "FirstSeen", "Networks",
-           "host_key", "is_loopback_host"]
+           "ProvenHosts", "host_key", "is_loopback_host"]
 
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -121,3 +123,48 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+class ProvenHosts:
+    """Hosts (:func:`host_key`) that presented the fleet credential in an HTTP request within
+    the last ``ttl_s`` seconds: a source's UCX listeners take connection requests from these
+    only, so a host without the credential cannot make a listener queue anything (UCX keeps
+    every message that no receive matches, from any endpoint, before kvkern can check it).
+
+    A destination fetches a source's state, signed and over HTTP, before it connects, and
+    again at least every ``XferConfig.state_cache_ttl_s`` while it pulls; a connection
+    refused after a long pause drops its cached state, and the next pull fetches it again.
+    :meth:`note` runs on the event loop, ``in`` on UCX's progress thread. At most
+    ``max_hosts`` are kept, the least recently proven dropped first."""
+
+    __slots__ = ("ttl_s", "max_hosts", "_until", "_clock")
+
+    def __init__(self, ttl_s: float = 3600.0, max_hosts: int = 4096, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not ttl_s > 0 or max_hosts < 1:
+            raise ValueError(f"ProvenHosts: ttl_s must be > 0 and max_hosts >= 1, got "
+                             f"{ttl_s!r}, {max_hosts!r}")
+        self.ttl_s = ttl_s
+        self.max_hosts = max_hosts
+        self._until: dict[str, float] = {}
+        self._clock = clock
+
+    def note(self, address: str | None) -> None:
+        """``address`` presented the credential just now."""
+        if not address:
+            return
+        key = host_key(address)
+        until = self._until
+        until.pop(key, None)  # (to the end: the most recent)
+        until[key] = self._clock() + self.ttl_s
+        while len(until) > self.max_hosts:
+            del until[next(iter(until))]
+
+    def __contains__(self, address: object) -> bool:
+        if not isinstance(address, str):
+            return False
+        deadline = self._until.get(host_key(address))
+        return deadline is not None and self._clock() < deadline
+
+    def __len__(self) -> int:
+        return len(self._until)

@@ -207,7 +207,7 @@ from kvkern.xfer.messages import (
     Status,
 )
 from kvkern.xfer.metrics import CONTENT_TYPE_LATEST, XferMetrics
-from kvkern.xfer.networks import ANY
+from kvkern.xfer.networks import ANY, ProvenHosts
 from kvkern.xfer.regions import RegionRegistry
 from kvkern.xfer.runtime import spawn
 from kvkern.xfer.send import PeerLedger, RankCtx, Sender, SendSession
@@ -274,6 +274,9 @@ class SourceService:
         self._http_auth = HttpVerifier(self.credential) if self.credential is not None \
             else None
         self.auth_refusals = 0  # HTTP requests refused for missing or bad credentials
+        # hosts that presented the credential over HTTP lately: the UCX listeners take no one else
+        self.proven_hosts = (ProvenHosts(config.proven_host_ttl_s)
+                             if config.proven_host_ttl_s is not None else None)
         self.groups = tuple(sorted(groups, key=lambda g: g.dp_rank))
         self.topology = groups[0].topology
         self.model_id = groups[0].model_id
@@ -427,7 +430,7 @@ class SourceService:
                            port=self._ucx_ports.get(rank, 0), codec=self.codec,
                            credential=self.credential,
                            on_refused=self.metrics.source_connection_refused,
-                           accept_from=accept)
+                           accept_from=accept, proven=self.proven_hosts)
             await asyncio.wait_for(lst.start(), 10.0)
             self._listeners[rank] = lst
 
@@ -513,6 +516,8 @@ class SourceService:
             self.auth_refusals += 1
             log_refused(log, request, verdict.why)  # (once per address: a flood logs little)
             return web.json_response({"error": "unauthorized"}, status=401)
+        if self.proven_hosts is not None:
+            self.proven_hosts.note(request.remote)
         resp = await handler(request)
         body = resp.body if isinstance(resp, web.Response) else None
         if isinstance(body, (bytes, bytearray)):

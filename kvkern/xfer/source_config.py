@@ -88,7 +88,12 @@ class SourceConfig:
     endpoint for it. UCX listens on every interface whatever ``host`` says, so the default
     is loopback only when ``host`` is a loopback address, and any address otherwise (name
     the fleet's networks: UCX queues, without bound, what a connected peer sends before it
-    authenticates; see SECURITY.md). :attr:`accept_networks` is the result."""
+    authenticates; see SECURITY.md). :attr:`accept_networks` is the result.
+
+    ``proven_host_ttl_s``: of those, only hosts that presented the fleet credential in an
+    HTTP request (a destination's signed state fetch) within this many seconds may connect
+    (:class:`~kvkern.xfer.networks.ProvenHosts`); None lets every host of ``accept_from``
+    connect and prove itself on the connection."""
 
     worker_id: str
     host: str = "127.0.0.1"
@@ -109,6 +114,7 @@ class SourceConfig:
     quotas: PeerQuotas = field(default_factory=PeerQuotas)
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     accept_from: tuple[str, ...] | None = None
+    proven_host_ttl_s: float | None = 3600.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not 0 < len(self.worker_id) <= MAX_ID_CHARS:
@@ -134,6 +140,8 @@ class SourceConfig:
                              f"{self.read_hold_s!r}")
         for name in ("max_send_s", "progress_timeout_s", "idle_connection_s"):
             check_finite_positive(name, getattr(self, name))
+        if self.proven_host_ttl_s is not None:
+            check_finite_positive("proven_host_ttl_s", self.proven_host_ttl_s)
         if self.peer_host in _WILDCARD_HOSTS:
             raise ValueError(f"host {self.host!r} binds every interface; pass the address "
                              f"peers should dial as advertise_host (got "

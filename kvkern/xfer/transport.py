@@ -147,7 +147,7 @@ if TYPE_CHECKING:
     from ucxx._lib_async import Endpoint as UcxEndpoint
     from ucxx._lib_async import Listener as UcxListener
 
-    from kvkern.xfer.networks import Networks
+    from kvkern.xfer.networks import Networks, ProvenHosts
     from kvkern.xfer.seam import Buffer, BufferT
 
 log = logging.getLogger(__name__)
@@ -838,9 +838,12 @@ class Listener:
     ``max_untrusted`` connections are held between arrival and authentication; more are
     closed as they arrive. With ``accept_from``, a connection request from an address
     outside those networks is rejected before UCX makes an endpoint for it (nothing its
-    sender writes is received or queued). ``on_refused(reason)`` hears of every connection
-    turned away: ``address_not_accepted``, ``untrusted_limit``, ``handshake`` (its first
-    exchange failed or timed out) or ``unauthenticated``.
+    sender writes is received or queued), and with ``proven`` one from a host that has not
+    presented the fleet credential over HTTP lately
+    (:class:`~kvkern.xfer.networks.ProvenHosts`). ``on_refused(reason)`` hears of every
+    connection turned away:
+    ``address_not_accepted``, ``address_not_proven``, ``untrusted_limit``, ``handshake`` (its
+    first exchange failed or timed out) or ``unauthenticated``.
     """
 
     def __init__(self, handler: Handler, *, host: str = "127.0.0.1", port: int = 0,
@@ -849,12 +852,13 @@ class Listener:
                  max_frame_bytes: int = MAX_CONTROL_FRAME_BYTES,
                  max_untrusted: int = MAX_UNTRUSTED_CONNECTIONS,
                  on_refused: Callable[[str], None] | None = None,
-                 accept_from: Networks | None = None) -> None:
+                 accept_from: Networks | None = None,
+                 proven: ProvenHosts | None = None) -> None:
         self._handler = handler
         # connections between their arrival and their authentication (the handshake and
         # the proof, each bounded in time): more are closed as they arrive
         self._gate = handshake.Gate(max_untrusted, on_refuse=on_refused,
-                                    accept_from=accept_from)
+                                    accept_from=accept_from, proven=proven)
         self.credential = resolve_credential(credential)
         self.max_frame_bytes = max_frame_bytes
         self.auth_failures = 0
@@ -894,7 +898,8 @@ class Listener:
 
     @property
     def rejected_connections(self) -> int:
-        """Connection requests rejected because their address is not in ``accept_from``."""
+        """Connection requests rejected for their address (not in ``accept_from``, or its
+        host not proven)."""
         return self._gate.rejected
 
     @property

@@ -1,8 +1,10 @@
 """A UCX listener under a flood of tagged messages that nothing will ever receive.
 
-Run as ``python tests/peers/flood_peer.py ACCEPT_FROM SECONDS SIZE``. The process starts a
-kvkern :class:`~kvkern.xfer.transport.Listener` on 127.0.0.1 whose ``accept_from`` is
-``ACCEPT_FROM`` ("any" for none), then a second process (``--attack HOST PORT SECONDS
+Run as ``python tests/peers/flood_peer.py ACCEPT_FROM SECONDS SIZE [unproven]``. The process
+starts a kvkern :class:`~kvkern.xfer.transport.Listener` on 127.0.0.1 whose ``accept_from`` is
+``ACCEPT_FROM`` ("any" for none) and, with ``unproven``, whose
+:class:`~kvkern.xfer.networks.ProvenHosts` names no host yet (as a source's before any
+destination fetched its state), then a second process (``--attack HOST PORT SECONDS
 SIZE``) that connects with a UCX context of its own and, without any exchange of kvkern's,
 sends ``SIZE``-byte messages with random tags for ``SECONDS``. UCX keeps each such message in
 the listening worker's queue of unexpected messages. One JSON line is printed when the
@@ -56,15 +58,17 @@ def _rss_mib() -> int:
     return 0
 
 
-async def listen(accept_from: str, seconds: float, size: int) -> None:
-    from kvkern.xfer.networks import Networks
+async def listen(accept_from: str, seconds: float, size: int, unproven: bool) -> None:
+    from kvkern.xfer.networks import Networks, ProvenHosts
     from kvkern.xfer.transport import Listener
 
     async def hold(conn) -> None:
         await asyncio.sleep(60)
 
     networks = None if accept_from == "any" else Networks.parse(accept_from)
-    async with Listener(hold, accept_from=networks, connect_timeout=30.0) as lst:
+    proven = ProvenHosts() if unproven else None
+    async with Listener(hold, accept_from=networks, connect_timeout=30.0,
+                        proven=proven) as lst:
         await asyncio.sleep(0.3)
         before = _rss_mib()
         proc = await asyncio.create_subprocess_exec(
@@ -84,4 +88,5 @@ if __name__ == "__main__":
     if sys.argv[1] == "--attack":
         attack(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
     else:
-        asyncio.run(listen(sys.argv[1], float(sys.argv[2]), int(sys.argv[3])))
+        asyncio.run(listen(sys.argv[1], float(sys.argv[2]), int(sys.argv[3]),
+                           sys.argv[4:] == ["unproven"]))

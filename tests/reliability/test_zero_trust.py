@@ -856,6 +856,10 @@ def test_cache_poisoning(fleet, record, client, rng):
         rec["relay_requests"], rec["replay_requests"] = len(relay.requests), len(replay.requests)
         assert relay.requests and replay.requests and resigned.requests  # asked, not believed
 
+        # R's own fleet lets this host connect (it fetched R's state with R's secret): what
+        # is checked is that this fleet's client refuses R's proof
+        peer_get(R.url, STATE_PATH, credential=OTHER)
+
         async def handshake():
             try:
                 await client.pool(CREDENTIAL).get("127.0.0.1", ucx_port(R))
