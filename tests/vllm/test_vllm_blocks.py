@@ -340,3 +340,19 @@ def test_a_prefix_cache_reset_waits_for_peers_pins_and_grants_none_meanwhile(vll
     assert refused == [None] and 0.15 <= waited < 5, (refused, waited)
     assert blocks.longest_prefix(hashes) == 0 and blocks.pins_outstanding == 0
     assert blocks.pin(hashes) is None  # (forgotten with the reset)
+
+
+def test_a_prefix_cache_reset_that_vllm_refuses_anyway_waits_for_no_pin(vllm_pool):
+    """While vLLM's own requests hold blocks it refuses a reset whatever peers pin: the reset
+    answers at once instead of holding the engine for a pin's time."""
+    pool, _, blocks = vllm_pool
+    req, _ = cached_request(pool, list(range(920, 932)), "q", blocks)
+    hashes = [vllm_u64(h) for h in req.block_hashes]
+    held = blocks.pin(hashes)
+    running = pool.get_new_blocks(2)  # a request's blocks, in use
+    t0 = time.monotonic()
+    assert not pool.reset_prefix_cache()
+    assert time.monotonic() - t0 < 1.0 and blocks.pins_outstanding == len(hashes)
+    pool.free_blocks(running)
+    blocks.unpin(held)
+    assert pool.reset_prefix_cache()

@@ -189,13 +189,16 @@ class VllmBlocks:
         peers would go on reading blocks named by hashes of the old weights' KV. vLLM
         refuses a reset while any block is in use, and its pause and sleep then fail: peers'
         pins (one send or read each, at most ``RESET_PIN_WAIT_S``) are waited out first,
-        and no new one is granted meanwhile (peers then pull elsewhere or recompute)."""
+        and no new one is granted meanwhile (peers then pull elsewhere or recompute). Where
+        vLLM's own requests hold blocks too, it refuses whatever the pins do: nothing is
+        waited for."""
         @functools.wraps(reset_prefix_cache)
         def call(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 self._resetting_now = True
                 try:
-                    self._unpinned.wait_for(lambda: not self._pins, RESET_PIN_WAIT_S)
+                    if self._pins and not self._requests_hold_blocks():
+                        self._unpinned.wait_for(lambda: not self._pins, RESET_PIN_WAIT_S)
                     done = reset_prefix_cache(*args, **kwargs)
                 finally:
                     self._resetting_now = False
@@ -207,6 +210,13 @@ class VllmBlocks:
                         self._directory.withdraw_hash(None)
                 return done
         return call
+
+    def _requests_hold_blocks(self) -> bool:
+        """Whether blocks are in use beyond the null block and the ones peers pinned (under
+        the lock; vLLM refuses a prefix-cache reset then)."""
+        pool = self._pool
+        pinned = {b.block_id for blocks in self._pins.values() for b in blocks}
+        return pool.num_gpu_blocks - pool.get_num_free_blocks() - 1 > len(pinned)
 
     def _evicting(self, evict_blocks: Any) -> Any:
         """``evict_blocks`` (blocks whose KV vLLM found invalid), which clears their hashes
