@@ -760,7 +760,7 @@ class _Frozen(SourceService):
         await asyncio.Event().wait()
 
 
-def _group(tp: int = 1, num_blocks: int = 16) -> tuple[KVGroup, list[int]]:
+def _group(tp: int = 1, num_blocks: int = 16, tokens: int = 32) -> tuple[KVGroup, list[int]]:
     topo = Topology(model=ModelKVSpec(num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM,
                                       block_size=BLOCK, dtype="float16"),
                     parallel=Parallelism(tp_size=tp))
@@ -769,7 +769,7 @@ def _group(tp: int = 1, num_blocks: int = 16) -> tuple[KVGroup, list[int]]:
     for r in topo.ranks_of_dp(0):
         layout = topo.local_layout(r, num_blocks)
         ranks[r] = RankKV(r, layout, layout.allocate(fill="random"))
-    hs = sequence_hashes(list(range(32)), BLOCK)
+    hs = sequence_hashes(list(range(tokens)), BLOCK)
     ids = bp.allocate(len(hs))
     bp.commit(ids, hs)
     bp.release(ids)
@@ -1043,6 +1043,42 @@ async def test_a_source_takes_ucx_connections_only_from_hosts_that_fetched_its_s
             await prove_host(svc.http_port)
             conn = await own.get(HOST, svc.ucx_ports[0])
             assert (await ask(conn, request(hs[:1]))).status == Status.OK
+    finally:
+        await svc.close()
+
+
+async def test_a_peer_that_stops_receiving_holds_its_requests_for_a_refusals_time(
+        monkeypatch):
+    """A peer that never receives a large reply holds the connection's sends; its requests
+    behind it, each padded with 50,000 hashes it does not ask for, keep only the hashes they
+    ask for, and their refusals wait REFUSAL_SEND_S at most: then the connection is cut, and
+    every request, pin and byte of it goes."""
+    from kvkern.xfer import source as source_mod  # noqa: PLC0415
+
+    monkeypatch.setattr(source_mod, "REFUSAL_SEND_S", 0.5)
+    group, hs = _group(num_blocks=9000, tokens=8500 * BLOCK)
+    svc = SourceService([group], worker_id="stall",
+                        quotas=PeerQuotas(max_sends_per_peer=1, peer_pin_fraction=1.0,
+                                          total_pin_fraction=1.0))
+    await svc.start()
+    await prove_host(svc.http_port)
+    try:
+        async with ConnectionPool(connect_timeout=10) as own:
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            await conn.send_msg(request(hs, deadline_ms=60_000), timeout=5)  # ~68 KB reply
+            padding = list(range(1, 50_001))
+            for _ in range(20):  # each refused (one send per peer), behind the stalled reply
+                await conn.send_msg(request([hs[0], *padding], count=1, deadline_ms=60_000),
+                                    timeout=5)
+            deadline = time.monotonic() + 5
+            while len(svc._sends) < 21 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert sum(len(s.req.block_hashes) for s in svc._sends) <= len(hs) + 20
+            t0 = time.monotonic()
+            while svc._sends:
+                assert time.monotonic() - t0 < 5, "requests held past their refusal's time"
+                await asyncio.sleep(0.05)
+        assert group.manager.num_pinned == 0 and svc.pins_outstanding == 0
     finally:
         await svc.close()
 

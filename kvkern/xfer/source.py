@@ -232,6 +232,7 @@ from kvkern.xfer.state import (
     StateDoc,
 )
 from kvkern.xfer.transport import CONTROL_TAG, Connection, Lane, Listener, TransportError, tag_for
+from kvkern.xfer.tuning import REFUSAL_SEND_S
 
 if TYPE_CHECKING:
     from aiohttp.typedefs import Handler
@@ -605,7 +606,7 @@ class SourceService:
                 with contextlib.suppress(TransportError):
                     await conn.send_msg(ReadAck(transfer_id=tid, held=False,
                                                 reason="no read of this transfer is pinned"),
-                                        tag_for(tid, Lane.REPLY, 1), timeout=5.0)
+                                        tag_for(tid, Lane.REPLY, 1), timeout=REFUSAL_SEND_S)
             finally:
                 self.connections.ended(conn)
 
@@ -614,6 +615,10 @@ class SourceService:
     def _accept(self, conn: Connection, ctx: RankCtx, conn_sends: dict[int, SendSession],
                 req: PullRequest) -> None:
         """Synchronous admission (no await between the check and the count)."""
+        if req.start or len(req.block_hashes) != req.count:
+            # only the requested hashes are kept while the request is open: the rest of a
+            # frame of up to 1 MiB would stay in memory for as long as its answer waits
+            req = msgspec.structs.replace(req, block_hashes=req.requested_hashes, start=0)
         now = time.monotonic()
         max_send_s = self.config.max_send_s
         budget = req.deadline_ms / 1000 if req.deadline_ms else max_send_s
@@ -665,8 +670,13 @@ class SourceService:
     # -------------------------------------------- replies and hooks (test peers override)
 
     async def _reply(self, s: SendSession, reply: PullReply) -> None:
+        """Send ``reply`` within the request's deadline; one that pins nothing (a refusal)
+        within ``REFUSAL_SEND_S`` at most: a peer that stops receiving holds the connection's
+        sends, and each request waiting behind them stays open meanwhile."""
         self.metrics.source_request(reply.status.value)
         timeout = max(s.deadline - time.monotonic(), 0.001)
+        if reply.status not in (Status.OK, Status.PARTIAL):
+            timeout = min(timeout, REFUSAL_SEND_S)
         await s.conn.send_msg(reply, tag_for(s.req.transfer_id, Lane.REPLY), timeout=timeout)
         s.replied = True
 

@@ -28,7 +28,7 @@ __all__ = [
     "MAX_HINT_TTL_S", "MAX_LANE_PEERS", "MAX_SEEN_NONCES", "MAX_UNTRUSTED_CONNECTIONS",
     "OWNED_DRAIN_POLL_S",
     "PACK_WAIT_S", "QUOTA_POLL_S",
-    "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S",
+    "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "REFUSAL_SEND_S",
     "SCATTER_MAX_BYTES",
     "SCATTER_MAX_PIECES",
     "SPLIT_ALIGN",
@@ -143,6 +143,8 @@ CANCEL_SEND_TIMEOUT_S = 1.0
 
 # A send may take this long at most: TRT-LLM's kv_transfer_timeout_ms default.
 DEFAULT_MAX_SEND_S = 60.0
+# a source's answer that pins nothing (a refusal, an ack) is sent within this at most
+REFUSAL_SEND_S = 5.0
 # Requests of one connection answered or served at once, at most; one more aborts the
 # connection. A destination shares a connection between its concurrent pulls (one request
 # each), and each task here holds its decoded request (up to a megabyte) until it ends.
