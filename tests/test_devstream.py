@@ -193,6 +193,33 @@ async def test_wait_never_blocks_the_loop_and_is_bounded():
     release.set()
 
 
+async def test_a_helper_thread_waits_on_an_event_with_its_device_current(monkeypatch):
+    """An event of GPU 3 is synchronised with device 3 current on the helper thread, so the
+    wait makes no context on device 0 for a process that serves another GPU."""
+    log: list = []
+    current: list = []
+
+    @contextlib.contextmanager
+    def device(d):
+        current.append(d)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+    class OnDevice3(FakeEvent):
+        device = torch.device("cuda", 3)
+
+        def synchronize(self) -> None:
+            log.append(list(current))
+            super().synchronize()
+
+    await wait_ready(OnDevice3([], "gpu3"), 5)
+    assert log == [[torch.device("cuda", 3)]] and current == []
+
+
 def test_staging_pool_keeps_a_buffer_until_its_event_fired():
     log: list = []
     cpu = torch.device("cpu")
@@ -537,6 +564,12 @@ def test_gpu_pack_on_a_side_stream_overlaps_a_matmul(no_device_sync):
     ds = CudaStream.create(dev)
     assert ds.side != torch.cuda.default_stream(dev) and ds.max_programs >= 1
     rkv = rank_kv("cuda", seed=3)
+    # compiled first (a first launch compiles on the host for about a second, longer than
+    # the matmuls below run), so that the launch below only enqueues
+    pack(rkv.pool, rkv.layout, BLOCK_IDS, max_programs=ds.max_programs)
+    warm = torch.cuda.Event()
+    warm.record(torch.cuda.default_stream(dev))
+    warm.synchronize()  # (an event: the test allows no device or stream synchronisation)
     fence = ds.fence()  # taken before the forward pass below is enqueued
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     for _ in range(40):  # tens of milliseconds of work on the compute stream

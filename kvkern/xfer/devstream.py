@@ -170,8 +170,20 @@ async def wait_ready(ready: Ready, timeout: float) -> None:
     device finishes)."""
     if ready.query():
         return
-    fut = asyncio.wrap_future(_waiters().submit(ready.synchronize))
+    fut = asyncio.wrap_future(_waiters().submit(_synchronize_on_its_device, ready))
     await asyncio.wait_for(fut, timeout)
+
+
+def _synchronize_on_its_device(ready: Ready) -> None:
+    """``ready.synchronize()`` with the event's device current on this helper thread: a CUDA
+    call on a thread with no device set makes device 0's context there, which a rank serving
+    another GPU would otherwise create (and hold memory on) on GPU 0."""
+    device = getattr(ready, "device", None)
+    if getattr(device, "type", None) == "cuda":
+        with torch.cuda.device(device):
+            ready.synchronize()
+    else:
+        ready.synchronize()
 
 
 class CudaStream:
