@@ -7,7 +7,9 @@
 # check, the stream with a wider in-flight window, the autotuner if time is left; then
 # targets.json and summary.json. A failing step is recorded in its JSON and the next one
 # runs. $OUT defaults to a new temporary directory.
-# Interpreter: $PYTHON, else the project's .venv, else python3.
+# Interpreter: $PYTHON, else the project's .venv, else python3. On a machine that reaches no
+# package index, the wheels bench/device_wheels.sh put in .whl/ (carried along) are installed
+# first, into a directory of their own on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d "${TMPDIR:-/tmp}/kvkern-device.XXXXXX")}
@@ -17,6 +19,15 @@ elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else PY=python3
 fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1 OUT
+if compgen -G ".whl/*.whl" >/dev/null; then
+  SITE=${TMPDIR:-/tmp}/kvkern-site
+  if "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+       --target "$SITE" .whl/*.whl; then
+    PYTHONPATH=".:$SITE"
+  else
+    echo "run_device: the wheels in .whl did not install; going on without them"
+  fi
+fi
 KVKERN_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 export KVKERN_COMMIT
 echo "run_device: $PY, results in $OUT"

@@ -67,21 +67,24 @@ def test_dry_run_writes_every_steps_json(tmp_path):
     assert summary["seconds"] < summary["budget_s"]
 
 
-def _row(name, run, pack, unpack, loop=20.0, heads="0:8", unit=8192):
+def _row(name, run, pack, unpack, loop=20.0, heads="0:8", unit=8192, max_programs=""):
     return {"name": name, "run_bytes": run, "pack_vs_copy": pack, "unpack_vs_copy": unpack,
-            "pack_vs_loop": loop, "heads": heads, "H": 8, "loop_unit_bytes": unit}
+            "pack_vs_loop": loop, "heads": heads, "H": 8, "loop_unit_bytes": unit,
+            "max_programs": max_programs}
 
 
 def test_targets_pick_the_worst_case_of_each_class():
     rows = [_row("run-4096B", 4096, 0.97, 0.99), _row("run-2048B", 2048, 0.99, 0.94),
             _row("run-256B", 256, 0.9, 0.86, loop=9.0), _row("big", 65536, 1.0, 1.0, loop=2.0,
                                                              unit=65536),
-            _row("tp4", 4096, 0.91, 0.96, heads="2:4")]
+            _row("tp4", 4096, 0.91, 0.96, heads="2:4"),
+            _row("32prog", 4096, 0.5, 0.5, max_programs=32)]
     t = device_run.evaluate_targets(rows, {"ratio": 0.93, "pull_gbps": 93.0, "raw_gbps": 100.0},
                                     device_pools=True, meaningful=True)
+    # whole-head packs on the whole device: the head slice and the capped launch are not in it
     ge2k = t["pack_unpack_vs_copy_runs_ge_2KiB"]
     assert (ge2k["pass"], ge2k["worst"], ge2k["worst_case"], ge2k["cases"]) == (
-        False, 0.91, "tp4", 4)
+        False, 0.94, "run-2048B", 3)
     assert (t["pack_unpack_vs_copy_runs_256B"]["pass"], t["pack_unpack_vs_copy_runs_256B"]["worst"]) \
         == (True, 0.86)
     # the 64 KiB loop unit is outside the <= 32 KiB target; the 256 B case is the worst inside
