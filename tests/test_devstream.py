@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import importlib
 import itertools
 import threading
 from types import SimpleNamespace
@@ -218,6 +219,24 @@ async def test_a_helper_thread_waits_on_an_event_with_its_device_current(monkeyp
 
     await wait_ready(OnDevice3([], "gpu3"), 5)
     assert log == [[torch.device("cuda", 3)]] and current == []
+
+
+def test_the_kernels_of_device_pools_compile_on_a_thread_of_their_own(monkeypatch, caplog):
+    """A puller's or source's device pools get their kernels compiled at start, off the
+    threads that pull; a host pool gets nothing, and a failure is a warning."""
+    pack_mod = importlib.import_module("kvkern.kernels.pack")  # (kvkern.kernels.pack: the function)
+    done: list = []
+    monkeypatch.setattr(pack_mod, "warm_up", lambda pool, layout: done.append(
+        (pool, threading.current_thread().name)) or pool == "bad" and 1 / 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    rank = lambda pool, kind: SimpleNamespace(pool=pool, layout=None,  # noqa: E731
+                                              device=torch.device(kind, 0))
+    assert devstream.warm_kernels([rank("host", "cpu")]) is None
+    thread = devstream.warm_kernels([rank("gpu0", "cuda"), rank("host", "cpu"),
+                                     rank("bad", "cuda")], "warm-test")
+    thread.join(5)
+    assert done == [("gpu0", "warm-test"), ("bad", "warm-test")]
+    assert "compiling the kernels of cuda:0 ahead failed: ZeroDivisionError" in caplog.text
 
 
 def test_staging_pool_keeps_a_buffer_until_its_event_fired():

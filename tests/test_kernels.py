@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvkern import KVLayout, pack, reference_pack, reference_unpack, staging_shape, unpack
+from kvkern.kernels.pack import warm_up
 from kvkern.kernels.reference import as_bits
 from kvkern.layout import LAYOUT_CONSTRUCTORS, LayoutMismatchError
 
@@ -143,6 +144,24 @@ def test_block_ids_as_a_strided_or_expanded_tensor(name, backend):
     expanded = torch.tensor([3, 7, 0], dtype=torch.int64)[:1].expand(3)  # [3, 3, 3]
     assert bits_equal(pack(pool, layout, expanded, backend=backend).cpu(),
                       logical_slab(layout, pool, [3, 3, 3]))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_a_warm_up_compiles_and_writes_nothing(name, monkeypatch):
+    """The warm-up launches the pack and the unpack (on CPU: only when asked for Triton, under
+    the interpreter) and leaves every byte of the pool as it was."""
+    layout, pool = make(name)
+    before = layout.logical(pool).clone()
+    assert warm_up(pool, layout) is (DEVICE == "cuda")
+    pack_mod = importlib.import_module("kvkern.kernels.pack")  # (kvkern.kernels.pack: the function)
+    launched: list = []
+    launch = pack_mod._launch_triton
+    monkeypatch.setattr(pack_mod, "_launch_triton",
+                        lambda *a, **k: (launched.append(a[8]), launch(*a, **k)))
+    assert warm_up(pool, layout, backend="triton")  # (CPU: the interpreter, tests/conftest.py)
+    assert launched == [True, False]  # (pack, unpack)
+    assert bits_equal(layout.logical(pool), before)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

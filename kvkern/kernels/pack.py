@@ -45,7 +45,8 @@ except ImportError:  # pragma: no cover - exercised only on installs without tri
     triton = None
     tl = None
 
-__all__ = ["pack", "unpack", "Backend", "launch_config", "config_override", "tuning_key"]
+__all__ = ["pack", "unpack", "warm_up", "Backend", "launch_config", "config_override",
+           "tuning_key"]
 
 Backend = str  # "auto" | "triton" | "torch"
 _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -497,3 +498,19 @@ def unpack(staging: torch.Tensor, pool, layout: KVLayout, block_ids, *,
         _launch_triton(tensors, layout, ids, staging, l0, l1, h0, h1, False, max_programs)
     else:
         _torch_copy(tensors, layout, ids, staging, l0, l1, h0, h1, False)
+
+
+def warm_up(pool, layout: KVLayout, *, max_programs: int | None = None,
+            backend: Backend = "auto") -> bool:
+    """Compile the Triton pack and unpack of ``layout`` over ``pool`` now, for whole blocks:
+    a kernel's first launch compiles on the host, about a second per specialisation, on
+    whatever thread launches it (otherwise a first pull's, which then holds up every other
+    pull on its event loop). Reads block 0 into a scratch buffer and writes nothing into the
+    pool (the unpack names padding only). False where the torch path serves the pool's
+    device (CPU, with ``backend="auto"``)."""
+    device = (pool[0] if isinstance(pool, (list, tuple)) else pool).device
+    if layout.num_blocks == 0 or _dispatch(backend, device) != "triton":
+        return False
+    staging = pack(pool, layout, [0], max_programs=max_programs, backend=backend)
+    unpack(staging, pool, layout, [-1], max_programs=max_programs, backend=backend)
+    return True

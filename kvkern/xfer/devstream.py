@@ -41,17 +41,17 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from kvkern.xfer.tuning import DEFAULT_PROGRAM_FRACTION
 
 __all__ = ["DONE", "HOST", "CudaStream", "DeviceStream", "HostStream", "Ready", "StreamConfig",
-           "for_device", "install"]
+           "for_device", "install", "warm_kernels"]
 
 T = TypeVar("T")
 
@@ -306,3 +306,29 @@ def installed(device: torch.device | str, stream: DeviceStream):
         yield stream
     finally:
         install(device, prev)
+
+
+def warm_kernels(ranks: Iterable[Any], name: str = "kvkern-warm-up") -> threading.Thread | None:
+    """Compile the pack and unpack kernels of every device pool among ``ranks`` (objects with
+    ``pool``, ``layout`` and ``device``, as :class:`~kvkern.xfer.kvgroup.RankKV`) on a thread
+    of their own, started now: a first launch compiles on the host for about a second, on the
+    thread that launches it, which is otherwise a first pull's or send's. The thread (None
+    where no pool is on a device); a failure is logged, never raised."""
+    from kvkern.kernels.pack import warm_up  # noqa: PLC0415
+
+    todo = [r for r in ranks if r.device.type == "cuda"]
+    if not todo:
+        return None
+
+    def run() -> None:
+        for r in todo:
+            try:
+                with torch.cuda.device(r.device):
+                    warm_up(r.pool, r.layout)
+            except Exception as exc:  # noqa: BLE001 (the first pull compiles instead)
+                log.warning("kvkern: compiling the kernels of %s ahead failed: %s: %s",
+                            r.device, type(exc).__name__, exc)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    return thread

@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 from kvkern.cache.hashing import normalize_hashes
 from kvkern.xfer.admission import Admitted, Skip, WorkerFacts, admit, read_hint
 from kvkern.xfer.config import XferConfig
+from kvkern.xfer.devstream import warm_kernels
 from kvkern.xfer.discovery import SourceDiscovery, bounded_put
 from kvkern.xfer.hints import HintLimits, HintRejected, KvHint
 from kvkern.xfer.kvgroup import KVGroup
@@ -170,8 +171,9 @@ class Puller:
         import kvkern.xfer.endpoint  # noqa: F401, PLC0415
 
         # and the read lanes' UCX workers, each made on its own thread meanwhile (one took
-        # 7-10 ms of the first direct pull's look-up)
+        # 7-10 ms of the first direct pull's look-up), and the kernels of device pools
         self._reads.open_lanes(self._loop.loop, group.ranks.values())
+        warm_kernels(group.ranks.values())
 
     @staticmethod
     def _make_staging(group: KVGroup, config: XferConfig) -> StagingPool:

@@ -66,6 +66,11 @@ class StagingPool:
         fresh = [self.take(device, size) for _ in range(max(0, count - have))]
         for b in fresh:
             b.zero_()
+        if fresh and torch.device(device).type == "cuda":
+            # done before UCX or a side stream, which this stream does not order, writes them
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(device))
+            done.synchronize()
         self.give(fresh)
 
     def give(self, bufs: Iterable[torch.Tensor], ready: Ready | None = None) -> None:
