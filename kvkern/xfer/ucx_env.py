@@ -56,6 +56,10 @@ depend on the UCX version; no effect on host memory):
 * ``UCX_CUDA_IPC_CACHE=y``: a peer keeps the IPC mappings it opened (opening one costs up to
   hundreds of milliseconds); pools and pooled staging buffers live as long as the worker, so
   every pull after the first reuses them.
+* ``UCX_RCACHE_MAX_UNRELEASED=1024``: UCX's registration cache cleans up the regions of
+  freed memory once they pass this many bytes, instead of never (1.21's default, ``inf``):
+  unbounded, that garbage grew a serving process without end (vLLM issue 24264); NIXL
+  applies the same value.
 * ``UCXPY_PROGRESS_MODE=thread`` (the ucxx default, made explicit): see
   :mod:`kvkern.xfer.transport` for the measurement behind the choice.
 * ``UCXPY_ENABLE_PYTHON_FUTURE=1``: without it every pending ucxx request (a source's idle
@@ -85,6 +89,7 @@ UCX_DEFAULTS: dict[str, str] = {
     "UCXPY_ENABLE_PYTHON_FUTURE": "1",
     "UCX_MEMTYPE_REG_WHOLE_ALLOC_TYPES": "cuda",
     "UCX_CUDA_IPC_CACHE": "y",
+    "UCX_RCACHE_MAX_UNRELEASED": "1024",
 }
 
 # UCX transports that carry device memory, and what a pull loses without each (docstring).
