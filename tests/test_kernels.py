@@ -146,6 +146,18 @@ def test_block_ids_as_a_strided_or_expanded_tensor(name, backend):
                       logical_slab(layout, pool, [3, 3, 3]))
 
 
+
+def test_a_host_id_tensor_is_copied_before_it_goes_to_a_device():
+    """A caller's host tensor of ids (pinned, as an engine's block table) is copied, never
+    used in place: the copy to a device may run after pack returns, and the caller rewrites
+    its table at the next step."""
+    pack_mod = importlib.import_module("kvkern.kernels.pack")
+    layout, _ = make("trtllm")
+    table = torch.tensor([4, 1, 6], dtype=torch.int64)
+    ids = pack_mod._ids_tensor(table, layout, torch.device("cpu"), False, True)
+    assert ids.tolist() == [4, 1, 6] and ids.data_ptr() != table.data_ptr()
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_a_warm_up_compiles_and_writes_nothing(name, monkeypatch):

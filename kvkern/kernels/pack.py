@@ -363,7 +363,9 @@ def _ids_tensor(block_ids, layout: KVLayout, device: torch.device, unique: bool,
             raise TypeError(f"block_ids must be an integer tensor, got dtype {block_ids.dtype}")
         if block_ids.dim() != 1:
             raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
-        ids = block_ids.to(dtype=torch.int64).contiguous()  # (the kernels index it densely)
+        # the kernels index ids densely; a host tensor is copied, since the copy to a device
+        # may run after this returns (pinned memory), while the caller rewrites its tensor
+        ids = block_ids.to(dtype=torch.int64, copy=block_ids.device.type == "cpu").contiguous()
     else:
         values = []
         for v in block_ids:
