@@ -423,6 +423,50 @@ async def test_a_stalled_sources_later_pulls_wait_for_its_set_not_the_spares(
 
 
 @aio
+async def test_a_same_host_source_holds_one_set_whatever_worker_addresses_it_announces(
+        source, second_worker, lanes, monkeypatch):
+    """Three pulls from one process on this host whose reads stall, each under another read
+    worker address of its announcing: they wait for one set, keyed by the process (which it
+    cannot vary), so a pull from another source still finds a spare set."""
+    from kvkern.xfer import local_reads  # noqa: PLC0415
+
+    src, region, address = source
+    monkeypatch.setattr(read_lanes, "LANE_DUE_S", 0.05)
+    stalled_process = local_reads.LocalSource(pid=4242, at=0, token=b"t" * 16)
+    monkeypatch.setattr(local_reads, "usable", lambda local: True)
+    release = threading.Event()
+    reading = read_lanes._Lane.reading
+
+    def maybe_stalled(self, address, parts, timeout, stop, local=None, *args):
+        if local is stalled_process:  # its memory stops answering, then reads nothing
+            while not release.is_set():
+                if stop.is_set():
+                    raise TimeoutError("stalled source")
+                yield 0.001
+            return time.perf_counter()
+        return (yield from reading(self, address, parts, timeout, stop, local, *args))
+
+    monkeypatch.setattr(read_lanes._Lane, "reading", maybe_stalled)
+    rl = lanes(1, min_bytes=1, sets=3)
+    await opened(rl)
+    dst = poisoned(2 * 8 * 4096)
+    runs, want = shuffled_blocks(src, region, dst, 8, 4096, seed=80)
+    stalled = [asyncio.ensure_future(rl.read(announced, [(region.rkey, runs)], timeout=5,
+                                             local=stalled_process, same_host=True))
+               for announced in (address, second_worker, b"announced-3")]
+    await until(lambda: rl._dispatch.sets[0].busy)
+    try:
+        await asyncio.sleep(0.2)  # set 0 overdue by now
+        await asyncio.wait_for(rl.read(address, [(region.rkey, runs)], timeout=5,
+                                       same_host=True), 2.5)
+        assert torch.equal(dst, want)
+        assert [st.busy for st in rl._dispatch.sets] == [True, False, False]
+    finally:
+        release.set()
+    await asyncio.gather(*stalled)
+
+
+@aio
 async def test_a_stalled_sources_waiting_pull_arms_no_timer_beside_a_free_set(lanes,
                                                                              monkeypatch):
     """Set 1 overdue on a stalled source, set 0 free: a pull from that source waits for its

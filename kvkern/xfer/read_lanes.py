@@ -567,7 +567,7 @@ class ReadLanes:
                 loop, lambda lanes: run_blocking(script(
                     lambda parts: self._reading_all(lanes, address, parts, deadline, stop,
                                                     local, owned, same_host))),
-                stop, source=address, wait=left(),
+                stop, source=_dispatch_key(address, local), wait=left(),
                 due=LANE_DUE_S + (nbytes or 0) / LANE_DUE_BYTES_PER_S, until_done=owned)
         if isinstance(error, _Stuck):
             raise ReadsStuck(str(error))
@@ -743,6 +743,13 @@ class _Waiter:
 
     def __init__(self, fut: asyncio.Future[_LaneSet], source: bytes, due: float) -> None:
         self.fut, self.source, self.due = fut, source, due
+
+
+def _dispatch_key(address: bytes, local: LocalSource | None) -> bytes:
+    """The source a script's lane set is held for (:class:`_Dispatch`): a process on this
+    host read with its own calls by its process id, which it cannot vary, not by the worker
+    address it announces (one process announcing several would hold a set for each)."""
+    return address if local is None else b"pid:%d" % local.pid
 
 
 class _Dispatch:
