@@ -157,8 +157,7 @@ class Gate:
     host is its /64, :func:`~kvkern.xfer.networks.host_key`);
     ``refused`` counts those turned away at once. ``on_refuse(reason)`` hears of every
     connection rejected (``address_not_accepted``, ``address_not_proven``), refused
-    (``untrusted_limit``) or
-    dropped (the reason given to :meth:`drop`)."""
+    (``untrusted_limit``) or dropped (the reason given to :meth:`drop`)."""
 
     PER_ADDRESS = 64  # a quarter of the default limit: four hosts to fill it
 
