@@ -179,10 +179,38 @@ def test_a_failed_connection_keeps_the_state_its_pull_was_planned_with(monkeypat
         assert job.state is first and job.state_cached
         assert job.state.ranks.keys() == {(0, 0), (0, 1)}
         assert job.state.read_workers[(0, 0)] == b"\xaa"
-        (cached, _), = d._state_cache.values()
+        (cached, *_), = d._state_cache.values()
         assert cached is not first and cached.incarnation == first.incarnation
         later = _pull_job()
         assert await d.discover(later) is cached and len(fetched) == 2
+        await d.aclose()
+
+    asyncio.run(main())
+
+
+def test_the_cached_states_are_bounded_in_bytes_not_only_in_count(monkeypatch):
+    """Sources whose state documents are large (up to max_state_bytes, each parsed to several
+    times that) are kept to STATE_CACHE_BYTES together, the oldest dropped first, whatever
+    number of source strings the hints name."""
+    import asyncio
+    import json
+
+    from kvkern.xfer import discovery as discovery_mod
+
+    monkeypatch.setattr(discovery_mod, "STATE_CACHE_BYTES", 1 << 20)
+    doc = _state_doc()
+    doc["padding"] = "x" * (300 << 10)  # (an unknown field: ignored, but fetched and kept)
+    _fake_fetches(monkeypatch, [json.dumps(doc).encode()])
+    d = SourceDiscovery(XferConfig(allowlist="10.0.0.0/8"), credential=object(),
+                        resolver=lambda host, port: ["10.1.2.3"])
+
+    async def main() -> None:
+        for i in range(10):
+            await d.discover(_pull_job(f"http://src{i}.example:8600/kvkern/v1/state?v={i}"))
+        sizes = [entry[2] for entry in d._state_cache.values()]
+        assert len(sizes) == 3 and sum(sizes) <= 1 << 20, sizes
+        assert all(key[1] in ("src7.example", "src8.example", "src9.example")
+                   for key in d._state_cache)
         await d.aclose()
 
     asyncio.run(main())

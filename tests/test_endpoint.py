@@ -102,6 +102,7 @@ HOSTILE = [
     ("http://[::ffff:a9fe:a9fe]/", "metadata_address"),
     ("http://[2002:a9fe:a9fe::1]:9000", "metadata_address"),
     ("http://[fd00:ec2::254]/", "metadata_address"),
+    ("http://[fd20:ce::254]/", "metadata_address"),
     ("http://100.100.100.200/", "metadata_address"),
     ("http://169.254.170.2/v2/credentials", "metadata_address"),
     ("http://metadata.google.internal/computeMetadata/v1/", "metadata_address"),
@@ -139,6 +140,7 @@ HOSTILE = [
     ("http://08.0.0.1:8000", "bad_host"),
     ("0x1g.1:8000", "bad_host"),  # (a hex part that is not hex, before the last)
     ("tcp://0x-1.5:9000", "bad_host"),
+    ("1" * 4400, "bad_host"),  # (int() of 4301+ digits raises)
     ("1.0x1g.2", "bad_host"),
     ("http://[fe80::1%25eth0]:8000/", "bad_host"),
     ("http://%31%32%37.0.0.1:8000/", "bad_host"),
@@ -186,7 +188,7 @@ def test_corpus_is_large_and_covers_reasons():
                        "unspecified", "bad_host", "bad_port", "bad_url"}
 
 
-@pytest.mark.parametrize("endpoint,reason", HOSTILE, ids=[e or "<empty>" for e, _ in HOSTILE])
+@pytest.mark.parametrize("endpoint,reason", HOSTILE, ids=[e[:60] or "<empty>" for e, _ in HOSTILE])
 def test_hostile_endpoint_refused(endpoint, reason):
     v = verdict(endpoint)
     assert not v.allowed and v.endpoint is None

@@ -366,7 +366,7 @@ def test_a_state_keeps_only_the_announcement_of_the_process_that_served_it(
                                              port=port, path="/kvkern/v1/state",
                                              addresses=("127.0.0.1",))
         discovery = SourceDiscovery(XferConfig(), Credential("k" * 32))
-        state = asyncio.run(discovery._fetch(resolved, 5.0))
+        state, _ = asyncio.run(discovery._fetch(resolved, 5.0))
     assert state.read_workers == {(0, 0): b"\xab\xcd"}
     if served_by == "announced":
         assert state.read_locals == {(0, 0): parse(child.doc)}

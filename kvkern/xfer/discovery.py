@@ -35,7 +35,7 @@ from kvkern.xfer.hints import KvHint
 from kvkern.xfer.outcome import Reason
 from kvkern.xfer.pulljob import Fallback, PullJob
 from kvkern.xfer.state import PROTOCOL, SourceState, parse_state
-from kvkern.xfer.tuning import MAX_CACHED_SOURCES, REFRESH_AHEAD
+from kvkern.xfer.tuning import MAX_CACHED_SOURCES, REFRESH_AHEAD, STATE_CACHE_BYTES
 
 if TYPE_CHECKING:
     from kvkern.xfer.endpoint import Allowlist, ResolvedEndpoint, Resolver
@@ -93,7 +93,9 @@ class SourceDiscovery:
         self.credential = credential
         self._resolver = resolver  # kvkern.xfer.endpoint resolver (tests pass a fake DNS)
         self._endpoint_config = None
-        self._state_cache: dict[tuple, tuple[SourceState, float]] = {}
+        # key -> (state, time cached, bytes of its document): at most MAX_CACHED_SOURCES,
+        # their documents at most STATE_CACHE_BYTES together (the oldest go first)
+        self._state_cache: dict[tuple, tuple[SourceState, float, int]] = {}
         self._state_fetches: dict[tuple, asyncio.Future] = {}
         self._refreshes: dict[tuple, asyncio.Task] = {}  # verdicts resolved again meanwhile
         self._resolving: dict[tuple, asyncio.Task] = {}  # first resolutions, shared by pulls
@@ -161,7 +163,7 @@ class SourceDiscovery:
         self._refreshes[key] = task
         task.add_done_callback(lambda t, k=key: self._resolved_again(k, t))
 
-    def _cached(self, hit: tuple[object, float] | None) -> tuple[bool, bool]:
+    def _cached(self, hit: tuple | None) -> tuple[bool, bool]:
         """Whether a cached ``(value, time cached)`` may be used, and whether to fetch it
         again meanwhile (past REFRESH_AHEAD of its time to live, stale ones included)."""
         if hit is None:
@@ -216,7 +218,7 @@ class SourceDiscovery:
                 job.refreshes.append(lambda: self._fetch_again(key, hit, resolved, md_t))
             job.state, job.state_cached = hit[0], True
             return hit[0]
-        state = await asyncio.shield(self._fetching(key, resolved, md_t))
+        state, _ = await asyncio.shield(self._fetching(key, resolved, md_t))
         job.state = state
         return state
 
@@ -252,13 +254,19 @@ class SourceDiscovery:
         if fut.cancelled() or fut.exception() is not None:
             self._state_cache.pop(key, None)
             return
+        state, nbytes = fut.result()
         old = self._state_cache.get(key)
-        if old is not None and old[0].incarnation != fut.result().incarnation:
+        if old is not None and old[0].incarnation != state.incarnation:
             log.info("source %s restarted: incarnation %s -> %s", key[1],
-                     old[0].incarnation, fut.result().incarnation)
-        bounded_put(self._state_cache, key, (fut.result(), time.monotonic()))
+                     old[0].incarnation, state.incarnation)
+        cache = self._state_cache
+        bounded_put(cache, key, (state, time.monotonic(), nbytes))
+        total = sum(entry[2] for entry in cache.values())
+        while total > STATE_CACHE_BYTES and len(cache) > 1:
+            total -= cache.pop(next(iter(cache)))[2]
 
-    async def _fetch(self, resolved: ResolvedEndpoint, md_t: float) -> SourceState:
+    async def _fetch(self, resolved: ResolvedEndpoint, md_t: float) -> tuple[SourceState, int]:
+        """The source's state and the bytes of its document."""
         from kvkern.xfer.endpoint import FetchError, fetch_state  # noqa: PLC0415
 
         if self.credential is None:
@@ -286,7 +294,7 @@ class SourceDiscovery:
                 raise Fallback(Reason.METADATA_TIMEOUT, f"{resolved.display_url}: checking "
                                f"its same-host announcements took the state's fetch over "
                                f"{md_t} s") from None
-        return state
+        return state, len(body)
 
     async def connect_failed(self, job: PullJob, exc: Exception) -> None:
         """A connection to a source rank failed before any data, or a direct read of it
@@ -299,7 +307,7 @@ class SourceDiscovery:
         old = job.state
         if not job.state_cached or old is None:
             return
-        for key, (state, _) in list(self._state_cache.items()):
+        for key, (state, *_) in list(self._state_cache.items()):
             if state is old:
                 del self._state_cache[key]
                 break

@@ -119,6 +119,7 @@ METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "169.254.169.254",  # AWS, GCP, Azure, OCI, OpenStack, DigitalOcean
     "169.254.170.2",    # AWS ECS task metadata
     "fd00:ec2::254",    # AWS IMDS over IPv6
+    "fd20:ce::254",     # GCP metadata over IPv6
     "100.100.100.200",  # Alibaba Cloud
     "192.0.0.192",      # Oracle Cloud Classic
 ))
@@ -155,6 +156,9 @@ def _legacy_ipv4(host: str) -> ipaddress.IPv4Address | None:
         raise _Refuse("bad_host", f"host {host!r} ends in a number but has {len(parts)} parts")
     values = []
     for part in parts:
+        if len(part) > 34:  # (int() of 4301+ digits raises; no IPv4 spelling needs this)
+            raise _Refuse("bad_host", f"host {host[:40]!r}... has a numeric part of "
+                          f"{len(part)} characters")
         if re.fullmatch(r"0x[0-9a-f]*", part):
             values.append(int(part[2:] or "0", 16))
         elif re.fullmatch(r"0[0-7]*", part):

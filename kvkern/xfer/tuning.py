@@ -29,7 +29,7 @@ __all__ = [
     "OWNED_DRAIN_POLL_S",
     "PACK_WAIT_S", "QUOTA_POLL_S",
     "QUOTA_WAIT_S", "READ_CANCEL_GRACE_S", "READ_DRAIN_S", "REFUSAL_SEND_S",
-    "SCATTER_MAX_BYTES",
+    "SCATTER_MAX_BYTES", "STATE_CACHE_BYTES",
     "SCATTER_MAX_PIECES",
     "SPLIT_ALIGN",
 ]
@@ -127,6 +127,9 @@ ZERO_COPY_CHUNK_BYTES = 256 << 20
 
 # Hints name arbitrary sources, so the per-source caches (state, verdicts) stay bounded.
 MAX_CACHED_SOURCES = 4096
+# The state documents a puller keeps, together: a source's is a few KiB, one of up to
+# XferConfig.max_state_bytes (1 MiB) parses to about 5 MiB
+STATE_CACHE_BYTES = 64 << 20
 # A cached source state or endpoint verdict older than this share of its time to live is
 # still used, and fetched again meanwhile: a source pulled from steadily never makes a pull
 # wait for its state (a state fetch took 3-10 ms on loopback).
