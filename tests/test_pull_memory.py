@@ -284,6 +284,77 @@ def test_close_survives_a_pull_ending_while_it_cancels(fleet, monkeypatch):
     assert p._reads.lanes is None
 
 
+def _submitting_slowly(p: Puller, monkeypatch, toks: list[int]):
+    """``p.submit("r", toks)`` on a thread descheduled for 0.2 s between handing the pull
+    to the loop and publishing its future; returns the thread, started."""
+    import threading
+
+    real = p._loop.submit
+
+    def slow(coro):
+        fut = real(coro)
+        time.sleep(0.2)
+        return fut
+
+    monkeypatch.setattr(p._loop, "submit", slow)
+    t = threading.Thread(target=p.submit, args=("r", toks, HINT))
+    t.start()
+    time.sleep(0.1)
+    assert not p.is_schedulable("r")
+    return t
+
+
+@pytest.mark.parametrize("started", [True, False], ids=["pull_started", "pull_not_started"])
+def test_a_cancel_while_submit_still_schedules_the_pull_cancels_it(fleet, monkeypatch,
+                                                                  started):
+    """A cancel that comes while an engine thread's submit is still scheduling the pull:
+    the pull has started (its future is cancelled once published) or has not (the loop is
+    busy: it ends at its start); either way it ends ``cancelled``."""
+    src, make = fleet
+    toks = tokens(4, 31)
+    commit(src.group, toks)
+    src.faults.delay_s = 0.3 if started else 0.0
+    p = make()
+    if not started:
+        p._loop.call_soon(time.sleep, 0.4)  # (the loop runs nothing else meanwhile)
+    t = _submitting_slowly(p, monkeypatch, toks)
+    assert p.cancel("r")
+    t.join(5)
+    o = p.result("r", 5)
+    assert o.reason is Reason.CANCELLED and not o.used, o
+    assert p.group.manager.num_leased == 0
+    assert p.group.manager.num_free == p.group.manager.num_blocks
+
+
+def test_close_while_submit_still_schedules_a_pull_ends_it_first(fleet, monkeypatch):
+    src, make = fleet
+    toks = tokens(4, 32)
+    commit(src.group, toks)
+    src.faults.delay_s = 0.3
+    p = make()
+    t = _submitting_slowly(p, monkeypatch, toks)
+    p.close()
+    assert p.result("r", 0).reason is Reason.CANCELLED  # (delivered before close returned)
+    t.join(5)
+    assert p.group.manager.num_leased == 0 and src.pins_outstanding == 0
+
+
+def test_one_long_pull_does_not_stop_the_records_from_being_trimmed(fleet):
+    """max_tracked_requests bounds the records while a pull older than all of them still
+    runs: the running one is kept, the finished ones beyond the bound go."""
+    src, make = fleet
+    toks = tokens(4, 33)
+    commit(src.group, toks)
+    src.faults.delay_s = 0.5
+    p = make(max_tracked_requests=8)
+    p.submit("slow", toks, HINT)
+    for i in range(50):  # requests without a hint: each leaves a record
+        p.submit(f"plain{i}", tokens(1, 100 + i), {})
+    assert len(p._records) == 8 and "slow" in p._records and "plain49" in p._records
+    assert p.result("slow", 5).used
+    p.release("slow")
+
+
 def test_a_rejected_request_names_the_source_code(fleet):
     src, make = fleet
     toks = tokens(3, 8)

@@ -475,6 +475,33 @@ def test_a_rejected_address_cannot_fill_the_queue_of_unexpected_messages():
 
 
 @aio
+async def test_a_connection_made_while_the_pool_closes_is_not_kept(monkeypatch):
+    """A get() whose connect is still running when the pool closes fails ``closed`` and
+    leaves no live connection behind in the closed pool."""
+    async def handler(conn):
+        await asyncio.sleep(5)
+
+    async with Listener(handler) as listener:
+        pool = ConnectionPool()
+        real, started, go = pool._connect, asyncio.Event(), asyncio.Event()
+
+        async def slow_connect(key):
+            conn = await real(key)
+            started.set()
+            await go.wait()
+            return conn
+
+        monkeypatch.setattr(pool, "_connect", slow_connect)
+        getting = asyncio.ensure_future(pool.get(HOST, listener.port))
+        await asyncio.wait_for(started.wait(), 10)
+        await pool.close()
+        go.set()
+        with pytest.raises(TransportError) as info:
+            await getting
+        assert info.value.reason == "closed" and len(pool) == 0 and not pool._conns
+
+
+@aio
 async def test_send_timeout_aborts_endpoint():
     """A rendezvous send nobody receives: the send times out, the endpoint is aborted (UCX
     does not cancel a timed-out send), so the buffer is ours again."""

@@ -326,15 +326,20 @@ class Puller:
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(rec.done)), timeout)
 
     def cancel(self, request_id: str) -> bool:
-        """Cancel a running pull (UCX operations cancelled, blocks freed, ``Cancel`` sent,
-        reason ``cancelled``). False when the request is not prefetching."""
+        """Cancel a prefetching pull (UCX operations cancelled, blocks freed, ``Cancel``
+        sent, reason ``cancelled``), also one whose submit is still scheduling it. False when
+        the request is not prefetching. True does not promise ``cancelled``: a pull that
+        ended meanwhile keeps its outcome (``ok``, with its lease to claim or release)."""
         with self._lock:
             rec = self._records.get(request_id)
-            if rec is None or rec.state.schedulable or rec.future is None:
+            if rec is None or rec.state.schedulable:
                 return False
             rec.cancel_requested = True
-            fut = rec.future
-        fut.cancel()
+            # (a pull not started yet ends at its start; one whose future is not published
+            # yet is cancelled when it is: see _schedule)
+            fut = rec.future if rec.state is RequestState.CONTEXT_PREFETCH_IN_PROGRESS else None
+        if fut is not None:
+            fut.cancel()
         return True
 
     def claim(self, request_id: str) -> list[int] | None:
@@ -376,15 +381,19 @@ class Puller:
             if self._closed:
                 return
             self._closed = True
-            # (each with its future as it is now: a pull ending meanwhile clears the field)
-            running = [(r, r.future) for r in self._records.values()
-                       if r.future is not None and not r.done.done()]
-        for r, fut in running:
-            r.cancel_requested = True
+            # every prefetching pull, also one whose submit is still scheduling it (it then
+            # ends at its start, or is cancelled when its future is published)
+            running = [r for r in self._records.values()
+                       if not r.state.schedulable and not r.done.done()]
+            for r in running:
+                r.cancel_requested = True
+            futures = [r.future for r in running if r.future is not None
+                       and r.state is RequestState.CONTEXT_PREFETCH_IN_PROGRESS]
+        for fut in futures:
             fut.cancel()
         deadline = time.monotonic() + timeout
         try:
-            for r, _ in running:
+            for r in running:
                 with contextlib.suppress(Exception):
                     r.done.result(max(0.0, deadline - time.monotonic()))
             with self._lock:
@@ -448,10 +457,19 @@ class Puller:
         return rec
 
     def _trim_locked(self) -> None:
-        while len(self._records) > self.config.max_tracked_requests:
-            rid, old = next(iter(self._records.items()))
-            if not old.state.schedulable:
-                break  # never drop a running pull's record
+        """The oldest records beyond ``max_tracked_requests`` go, but for those of requests
+        being admitted or prefetching (never dropped; at most ``max_inflight_pulls`` pulls
+        and their followers)."""
+        excess = len(self._records) - self.config.max_tracked_requests
+        if excess <= 0:
+            return
+        drop = []
+        for rid, old in self._records.items():
+            if old.state.schedulable and not old.admitting:
+                drop.append((rid, old))
+                if len(drop) == excess:
+                    break
+        for rid, old in drop:
             if old.lease is not None:
                 self._release_lease_locked(old)
             del self._records[rid]
@@ -505,9 +523,18 @@ class Puller:
             self._finish(rec, job_outcome(job, Reason.CLOSED, str(exc)))
             return rec.state
         with self._lock:
+            cancel_now = False
             if rec.outcome is None:  # (a pull that ended already keeps no future)
                 rec.future = fut
+                if self._closed:
+                    rec.cancel_requested = True
+                # a cancel that came while this was scheduling, once the pull has started
+                # (before, the pull sees it at its start)
+                cancel_now = (rec.cancel_requested
+                              and rec.state is RequestState.CONTEXT_PREFETCH_IN_PROGRESS)
             state = rec.state
+        if cancel_now:
+            fut.cancel()
         if self.metrics is not None:
             self.metrics.hint_accepted()
         return state

@@ -141,17 +141,22 @@ class PullRunner:
         self._spawn = spawn
         self._tids = itertools.count(random.randrange(1, 1 << 29))
 
-    def _started(self, rec: PullRecord) -> None:
+    def _started(self, rec: PullRecord) -> bool:
+        """The pull's first step: it is in progress now; False when a cancel (or a close)
+        came before it started (it then ends ``cancelled`` at once)."""
         with self._lock:
             rec.state = RequestState.CONTEXT_PREFETCH_IN_PROGRESS
+            return not rec.cancel_requested
 
     async def follow(self, job: PullJob, leader: PullRecord) -> None:
         """A de-duplicated request: wait for the identical pull, then end ``duplicate``."""
         rec = job.rec
-        self._started(rec)
+        go = self._started(rec)
         t0 = time.perf_counter()
         reason, detail = Reason.DUPLICATE, ""
         try:
+            if not go:
+                raise asyncio.CancelledError
             first = await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(leader.done)),
                                            job.timeouts[2])
             detail = f"attached to {leader.request_id!r} ({first.reason.value})"
@@ -169,7 +174,7 @@ class PullRunner:
         from kvkern.xfer.transport import TransportError  # noqa: PLC0415
 
         rec = job.rec
-        self._started(rec)
+        go = self._started(rec)
         t0 = job.t_submit
         deadline_s = job.timeouts[2]
         remaining = job.remaining_s(time.perf_counter())
@@ -180,6 +185,8 @@ class PullRunner:
             m.pull_started()
         try:
             try:
+                if not go:
+                    raise asyncio.CancelledError
                 async with asyncio.timeout(max(remaining, 1e-3)) as cm:
                     lease, reason, detail, result = await self._pull(job)
             except TimeoutError:

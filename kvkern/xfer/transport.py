@@ -1041,6 +1041,9 @@ class ConnectionPool:
             if conn is not None:
                 conn.abort(conn.failure or "closed")
             conn = await self._connect(key)
+            if self._closed:  # (closed while this connected: the pool keeps nothing now)
+                conn.abort("closed")
+                raise TransportError("closed", "connection pool closed while connecting")
             self._conns[key] = conn
             return conn
 
