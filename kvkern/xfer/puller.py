@@ -214,7 +214,11 @@ class Puller:
         ``block_hashes``: the engine's own chained hashes of the prompt's full blocks, as
         its block manager indexes them (its scheme, under ``cache_salt``), when it has
         them already: the pull asks for those and the prompt is not hashed again (a hint in
-        another scheme is still checked against the tokens)."""
+        another scheme is still checked against the tokens).
+
+        ``ValueError`` for a request id that is still being admitted or prefetching. A
+        request id that ended before starts afresh: its unclaimed lease, if any, is
+        released (claim it first to keep its blocks)."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
         t_submit = time.perf_counter()
