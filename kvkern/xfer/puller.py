@@ -563,12 +563,14 @@ class Puller:
             if rec.into:
                 self._finished_into.append((rec.request_id, outcome))
                 self._into_done.notify_all()
-        if self.metrics is not None and outcome.reason is not Reason.NO_HINT:
-            self._count(outcome, ignored)
-        if log.isEnabledFor(logging.INFO):  # (formatting the line costs ~0.05 ms)
-            log.info(outcome.to_log())
-        if not rec.done.done():
-            rec.done.set_result(outcome)
+        try:
+            if self.metrics is not None and outcome.reason is not Reason.NO_HINT:
+                self._count(outcome, ignored)
+            if log.isEnabledFor(logging.INFO):  # (formatting the line costs ~0.05 ms)
+                log.info(outcome.to_log())
+        finally:  # (whatever the metrics or the log do, the outcome is delivered)
+            if not rec.done.done():
+                rec.done.set_result(outcome)
 
     def _count(self, outcome: PullOutcome, ignored: bool) -> None:
         m, r = self.metrics, outcome.reason.value
