@@ -333,12 +333,16 @@ class Puller:
         """Cancel a prefetching pull (UCX operations cancelled, blocks freed, ``Cancel``
         sent, reason ``cancelled``), also one whose submit is still scheduling it. False when
         the request is not prefetching. True does not promise ``cancelled``: a pull that
-        ended meanwhile keeps its outcome (``ok``, with its lease to claim or release)."""
+        ended meanwhile keeps its outcome (``ok``), and a pull that identical requests wait
+        for (de-duplication) goes on for them (cancelled once the last of them left); either
+        way a cancelled request's lease is released (its blocks stay cached)."""
         with self._lock:
             rec = self._records.get(request_id)
             if rec is None or rec.state.schedulable:
                 return False
             rec.cancel_requested = True
+            if rec.followers:  # identical requests wait for this pull: it goes on for them
+                return True  # (PullRunner.follow cancels it once the last of them left)
             # (a pull not started yet ends at its start; one whose future is not published
             # yet is cancelled when it is: see _schedule)
             fut = rec.future if rec.state is RequestState.CONTEXT_PREFETCH_IN_PROGRESS else None
@@ -516,6 +520,7 @@ class Puller:
                     self._leaders[rec.request_id] = rec
                 else:
                     rec.leader = leader
+                    leader.followers += 1
         if reason is not None:
             self._finish(rec, job_outcome(job, reason, detail), ignored=True)
             return rec.state
@@ -534,7 +539,7 @@ class Puller:
                     rec.cancel_requested = True
                 # a cancel that came while this was scheduling, once the pull has started
                 # (before, the pull sees it at its start)
-                cancel_now = (rec.cancel_requested
+                cancel_now = (rec.cancel_requested and not rec.followers
                               and rec.state is RequestState.CONTEXT_PREFETCH_IN_PROGRESS)
             state = rec.state
         if cancel_now:
@@ -553,6 +558,8 @@ class Puller:
             if lease is not None and (self._closed
                                       or self._records.get(rec.request_id) is not rec):
                 self._release_lease_locked(rec)  # no claim can reach it any more
+            if rec.lease is not None and rec.cancel_requested:
+                self._release_lease_locked(rec)  # (a cancelled request claims nothing)
             rec.state = (RequestState.CONTEXT_PREFETCH_COMPLETE
                          if outcome.used and not rec.into else RequestState.CONTEXT_INIT)
             if rec.key is not None and self._keys.get(rec.key) is rec:

@@ -43,6 +43,7 @@ class PullRecord:
     future: concurrent.futures.Future | None = None  # the loop task (cancel() cancels it)
     key: tuple | None = None  # dedup key while leading a pull
     leader: PullRecord | None = None  # set on dedup followers
+    followers: int = 0  # dedup followers waiting for this pull (while it leads one)
     cancel_requested: bool = False
     into: bool = False  # a pull into the engine's own blocks (Puller.pull_into)
     # registered, and neither scheduled nor finished yet (its hint is being admitted)

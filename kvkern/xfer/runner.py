@@ -143,10 +143,11 @@ class PullRunner:
 
     def _started(self, rec: PullRecord) -> bool:
         """The pull's first step: it is in progress now; False when a cancel (or a close)
-        came before it started (it then ends ``cancelled`` at once)."""
+        came before it started (it then ends ``cancelled`` at once), unless identical
+        requests wait for it (it goes on for them)."""
         with self._lock:
             rec.state = RequestState.CONTEXT_PREFETCH_IN_PROGRESS
-            return not rec.cancel_requested
+            return not rec.cancel_requested or rec.followers > 0
 
     async def follow(self, job: PullJob, leader: PullRecord) -> None:
         """A de-duplicated request: wait for the identical pull, then end ``duplicate``."""
@@ -165,6 +166,15 @@ class PullRunner:
                                                         f"identical pull {leader.request_id!r}")
         except asyncio.CancelledError:
             reason, detail = Reason.CANCELLED, "cancelled while attached"
+        finally:
+            with self._lock:
+                leader.followers -= 1
+                # a leader its own request cancelled went on for its followers only
+                orphan = (leader.future if not leader.followers and leader.cancel_requested
+                          and leader.state is RequestState.CONTEXT_PREFETCH_IN_PROGRESS
+                          else None)
+            if orphan is not None:
+                orphan.cancel()
         local = self.group.manager.longest_prefix(job.chained)
         self._finish(rec, job_outcome(job, reason, detail, blocks_local=local,
                                       phases={"total": time.perf_counter() - t0}))
