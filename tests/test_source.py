@@ -1007,9 +1007,9 @@ async def test_acks_of_unknown_transfers_count_with_the_connections_open_request
 
     conn = Conn()
     for tid in range(1, 4):
-        svc._ack_unknown(conn, tid)
+        svc.connections.ack_unknown(conn, tid)
     assert svc.connections.open[conn] == 3 and not conn.aborted
-    svc._ack_unknown(conn, 4)
+    svc.connections.ack_unknown(conn, 4)
     assert conn.aborted == ["too_many_requests"] and svc.connections.open[conn] == 3
     assert svc.metrics.value("kvkern_source_connections_closed_total",
                              reason="too_many_requests") == 1

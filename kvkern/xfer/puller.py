@@ -153,7 +153,7 @@ class Puller:
             block_size=group.block_size, hash_scheme=group.hash_scheme,
             bytes_per_block=sum(r.layout.bytes_per_block for r in group.ranks.values()),
             longest_prefix=group.manager.longest_prefix)
-        self._staging = self._make_staging(group, config)
+        self._staging = _staging_for(group, config)
         self._reads = ReadReceiver(config, closed=lambda: self._closed, spawn=self._spawn)
         self._runner = PullRunner(
             group, config, pool=pool,
@@ -174,22 +174,6 @@ class Puller:
         # 7-10 ms of the first direct pull's look-up), and the kernels of device pools
         self._reads.open_lanes(self._loop.loop, group.ranks.values())
         warm_kernels(group.ranks.values())
-
-    @staticmethod
-    def _make_staging(group: KVGroup, config: XferConfig) -> StagingPool:
-        """Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot
-        cost page faults and 4 KiB-page CMA writes on every pull (unpack path 5 ms per
-        64 MiB). Faulted in now, one ring per hosted rank that would stream: with remote_read
-        a host rank whose blocks are whole segments (TRT-LLM rows, per-layer HND) reads
-        instead, so its ring is only made if a source that offers no read streams to it."""
-        staging = StagingPool(4 * config.chunks_in_flight * config.chunk_bytes)
-        streaming = [r for r in group.ranks.values()
-                     if not (config.remote_read and r.device.type == "cpu"
-                             and r.read_segments is not None)]
-        devices = collections.Counter(r.device for r in streaming)
-        for device, n_ranks in devices.items():
-            staging.prewarm(device, config.chunk_bytes, config.chunks_in_flight * n_ranks)
-        return staging
 
     @property
     def quarantined_blocks(self) -> int:
@@ -247,7 +231,7 @@ class Puller:
                                               dialect=hint.dialect, detail=verdict.detail,
                                               **verdict.fields), ignored=True)
                 return rec.state
-            return self._schedule(self._job(rec, hint, verdict, t_submit))
+            return self._schedule(_job(rec, hint, verdict, t_submit))
 
     def pull_into(self, request_id: str, hint: KvHint, admitted: Admitted,
                   block_ids: Sequence[int]) -> RequestState:
@@ -276,7 +260,7 @@ class Puller:
         rec = self._register(request_id)
         with self._admitting(rec):
             rec.into = True  # (the caller's admission counted the hint as received)
-            job = self._job(rec, hint, admitted, time.perf_counter())
+            job = _job(rec, hint, admitted, time.perf_counter())
             job.into = ids
             return self._schedule(job)
 
@@ -465,9 +449,8 @@ class Puller:
         return rec
 
     def _trim_locked(self) -> None:
-        """The oldest records beyond ``max_tracked_requests`` go, but for those of requests
-        being admitted or prefetching (never dropped; at most ``max_inflight_pulls`` pulls
-        and their followers)."""
+        """The oldest records beyond ``max_tracked_requests`` go, but for requests being
+        admitted or prefetching (at most ``max_inflight_pulls`` pulls and their followers)."""
         excess = len(self._records) - self.config.max_tracked_requests
         if excess <= 0:
             return
@@ -488,12 +471,6 @@ class Puller:
             self.group.manager.release_lease(lease)
         except ValueError as exc:  # already expired and forgotten by the manager
             log.debug("release of lease %s of %r: %s", lease.lease_id, rec.request_id, exc)
-
-    @staticmethod
-    def _job(rec: PullRecord, hint: KvHint, admitted: Admitted, t_submit: float) -> PullJob:
-        return PullJob(rec=rec, hint=hint, policy=hint.policy, chained=admitted.chained,
-                       hinted=admitted.hinted, local=admitted.local, t_submit=t_submit,
-                       timeouts=admitted.timeouts, base=admitted.base)
 
     def _schedule(self, job: PullJob) -> RequestState:
         """De-duplication and the concurrency cap, then the pull (or its follower) on the
@@ -572,33 +549,57 @@ class Puller:
                 self._into_done.notify_all()
         try:
             if self.metrics is not None and outcome.reason is not Reason.NO_HINT:
-                self._count(outcome, ignored)
+                _count(self.metrics, outcome, ignored)
             if log.isEnabledFor(logging.INFO):  # (formatting the line costs ~0.05 ms)
                 log.info(outcome.to_log())
         finally:  # (whatever the metrics or the log do, the outcome is delivered)
             if not rec.done.done():
                 rec.done.set_result(outcome)
 
-    def _count(self, outcome: PullOutcome, ignored: bool) -> None:
-        m, r = self.metrics, outcome.reason.value
-        if ignored:
-            m.hint_ignored(r)
-        if outcome.used:
-            m.pull_finished(r)
-            m.transferred(outcome.blocks_transferred, outcome.bytes_transferred)
-        else:
-            m.fallback(r)
-            if not ignored:
-                m.pull_finished("fallback")
-                if r in _METADATA_REASONS:
-                    m.metadata_fetch_failed(r)
-                elif r not in ("cancelled", "duplicate", "closed"):
-                    m.transfer_failed(r)
-        if outcome.blocks_local and outcome.reason is not Reason.LOCAL_PREFIX_SUFFICIENT:
-            m.skipped(outcome.blocks_local)
-        for ph, s in outcome.phases.items():
-            if ph in _METRIC_PHASES:
-                m.observe_phase(ph, s)
-
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         spawn(self._bg, coro)
+
+
+def _staging_for(group: KVGroup, config: XferConfig) -> StagingPool:
+    """Receive rings reused across pulls (loop thread only): a fresh 16 MiB ring slot
+    cost page faults and 4 KiB-page CMA writes on every pull (unpack path 5 ms per
+    64 MiB). Faulted in now, one ring per hosted rank that would stream: with remote_read
+    a host rank whose blocks are whole segments (TRT-LLM rows, per-layer HND) reads
+    instead, so its ring is only made if a source that offers no read streams to it."""
+    staging = StagingPool(4 * config.chunks_in_flight * config.chunk_bytes)
+    streaming = [r for r in group.ranks.values()
+                 if not (config.remote_read and r.device.type == "cpu"
+                         and r.read_segments is not None)]
+    devices = collections.Counter(r.device for r in streaming)
+    for device, n_ranks in devices.items():
+        staging.prewarm(device, config.chunk_bytes, config.chunks_in_flight * n_ranks)
+    return staging
+
+
+def _job(rec: PullRecord, hint: KvHint, admitted: Admitted, t_submit: float) -> PullJob:
+    return PullJob(rec=rec, hint=hint, policy=hint.policy, chained=admitted.chained,
+                   hinted=admitted.hinted, local=admitted.local, t_submit=t_submit,
+                   timeouts=admitted.timeouts, base=admitted.base)
+
+
+def _count(m: XferMetrics, outcome: PullOutcome, ignored: bool) -> None:
+    """Count a finished request's outcome in ``m``."""
+    r = outcome.reason.value
+    if ignored:
+        m.hint_ignored(r)
+    if outcome.used:
+        m.pull_finished(r)
+        m.transferred(outcome.blocks_transferred, outcome.bytes_transferred)
+    else:
+        m.fallback(r)
+        if not ignored:
+            m.pull_finished("fallback")
+            if r in _METADATA_REASONS:
+                m.metadata_fetch_failed(r)
+            elif r not in ("cancelled", "duplicate", "closed"):
+                m.transfer_failed(r)
+    if outcome.blocks_local and outcome.reason is not Reason.LOCAL_PREFIX_SUFFICIENT:
+        m.skipped(outcome.blocks_local)
+    for ph, s in outcome.phases.items():
+        if ph in _METRIC_PHASES:
+            m.observe_phase(ph, s)

@@ -12,13 +12,16 @@ closed under it is sent once more on a new connection.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from kvkern.xfer.messages import ReadAck
 from kvkern.xfer.send import count_down
-from kvkern.xfer.tuning import IDLE_SWEEP_MAX_S, MAX_OPEN_REQUESTS_PER_CONNECTION
+from kvkern.xfer.transport import Lane, TransportError, tag_for
+from kvkern.xfer.tuning import IDLE_SWEEP_MAX_S, MAX_OPEN_REQUESTS_PER_CONNECTION, REFUSAL_SEND_S
 
 if TYPE_CHECKING:
     from kvkern.xfer.metrics import XferMetrics
@@ -92,6 +95,25 @@ class ServedConnections:
         count_down(self.open, conn)
         if conn in self._seen:
             self._seen[conn] = time.monotonic()
+
+    def ack_unknown(self, conn: Connection, tid: int) -> None:
+        """Answer a ReadDone that asks for an ack of a transfer nothing is pinned for. These
+        answers count with the connection's open requests: a peer that asks for more than
+        MAX_OPEN_REQUESTS_PER_CONNECTION at once (and reads none) loses the connection."""
+        if not self.may_open(conn, "requests and acks"):
+            return
+        self.opened(conn)
+
+        async def send() -> None:
+            try:
+                with contextlib.suppress(TransportError):
+                    await conn.send_msg(ReadAck(transfer_id=tid, held=False,
+                                                reason="no read of this transfer is pinned"),
+                                        tag_for(tid, Lane.REPLY, 1), timeout=REFUSAL_SEND_S)
+            finally:
+                self.ended(conn)
+
+        self._spawn(send())
 
     async def _close_idle(self) -> None:
         """While connections are served: close each one with no request open and no

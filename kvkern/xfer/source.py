@@ -202,7 +202,6 @@ from kvkern.xfer.messages import (
     PlanPiece,
     PullReply,
     PullRequest,
-    ReadAck,
     ReadDone,
     Refusal,
     Status,
@@ -593,26 +592,7 @@ class SourceService:
                 self._release(s)  # before the next request counts this quota
             s.read_done.set()
         elif msg.ack:  # nothing pinned for it (any more): say so, not silence
-            self._ack_unknown(conn, msg.transfer_id)
-
-    def _ack_unknown(self, conn: Connection, tid: int) -> None:
-        """Answer a ReadDone that asks for an ack of a transfer nothing is pinned for. These
-        answers count with the connection's open requests: a peer that asks for more than
-        MAX_OPEN_REQUESTS_PER_CONNECTION at once (and reads none) loses the connection."""
-        if not self.connections.may_open(conn, "requests and acks"):
-            return
-        self.connections.opened(conn)
-
-        async def send() -> None:
-            try:
-                with contextlib.suppress(TransportError):
-                    await conn.send_msg(ReadAck(transfer_id=tid, held=False,
-                                                reason="no read of this transfer is pinned"),
-                                        tag_for(tid, Lane.REPLY, 1), timeout=REFUSAL_SEND_S)
-            finally:
-                self.connections.ended(conn)
-
-        spawn(self._bg, send())
+            self.connections.ack_unknown(conn, msg.transfer_id)
 
     def _accept(self, conn: Connection, ctx: RankCtx, conn_sends: dict[int, SendSession],
                 req: PullRequest) -> None:
