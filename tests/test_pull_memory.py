@@ -123,38 +123,30 @@ def test_an_identical_pull_attaches_to_the_first(fleet):
     assert p.release("first")
 
 
-def test_a_cancelled_leader_goes_on_for_the_requests_attached_to_it(fleet):
+@pytest.mark.parametrize("follower_stays", [True, False])
+def test_a_cancelled_leader_goes_on_for_the_requests_still_attached_to_it(fleet,
+                                                                       follower_stays):
     """Cancelling the request that leads a de-duplicated pull detaches it: the pull goes on
-    for the identical request attached to it, whose engine then finds the blocks cached, and
-    the cancelled request holds no lease."""
+    for the identical request attached to it, whose engine then finds the blocks cached,
+    and the cancelled request holds no lease; once that request is cancelled too, the pull
+    is."""
     src, make = fleet
     toks = tokens(4, 34)
     commit(src.group, toks)
-    src.faults.delay_s = 0.2
+    src.faults.delay_s = 0.2 if follower_stays else 0.5
     p = make()
     p.submit("lead", toks, HINT)
     p.submit("follow", toks, HINT)
     time.sleep(0.05)
-    assert p.cancel("lead")
+    assert p.cancel("lead") and (follower_stays or p.cancel("follow"))
     lead, follow = p.result("lead", 5), p.result("follow", 5)
-    assert lead.used and follow.reason is Reason.DUPLICATE and follow.blocks_local == 4
+    if follower_stays:
+        assert lead.used and follow.reason is Reason.DUPLICATE and follow.blocks_local == 4
+        assert p.group.manager.longest_prefix(sequence_hashes(toks, BS)) == 4
+    else:
+        assert lead.reason is Reason.CANCELLED and follow.reason is Reason.CANCELLED
+        assert p.group.manager.num_free == p.group.manager.num_blocks
     assert p.claim("lead") is None and p.group.manager.num_leased == 0
-    assert p.group.manager.longest_prefix(sequence_hashes(toks, BS)) == 4
-
-
-def test_a_cancelled_leader_whose_followers_left_is_cancelled(fleet):
-    src, make = fleet
-    toks = tokens(4, 35)
-    commit(src.group, toks)
-    src.faults.delay_s = 0.5
-    p = make()
-    p.submit("lead", toks, HINT)
-    p.submit("follow", toks, HINT)
-    time.sleep(0.05)
-    assert p.cancel("lead") and p.cancel("follow")
-    assert p.result("follow", 5).reason is Reason.CANCELLED
-    assert p.result("lead", 5).reason is Reason.CANCELLED
-    assert p.group.manager.num_free == p.group.manager.num_blocks
 
 
 def test_the_concurrency_cap_answers_busy(fleet):
