@@ -149,6 +149,28 @@ def test_a_cancelled_leader_goes_on_for_the_requests_still_attached_to_it(fleet,
     assert p.claim("lead") is None and p.group.manager.num_leased == 0
 
 
+def test_an_outcome_is_delivered_when_counting_it_fails(fleet, monkeypatch):
+    from kvkern.xfer import puller as puller_mod
+    from kvkern.xfer.metrics import XferMetrics
+
+    src, make = fleet
+    toks = tokens(2, 36)
+    commit(src.group, toks)
+    p = make()
+    p.metrics = XferMetrics()
+
+    def broken(*_):
+        raise RuntimeError("a metrics backend that fails")
+
+    monkeypatch.setattr(puller_mod, "_count", broken)
+    with pytest.raises(RuntimeError):  # (the submitting thread counts its own refusal)
+        p.submit("skip", toks, {"kv_hint": {"source": "not a url"}})
+    assert p.result("skip", 1).used is False
+    p.submit("r", toks, HINT)
+    assert p.result("r", 5).used  # (counted on the loop thread, which logs the error)
+    p.release("r")
+
+
 def test_the_concurrency_cap_answers_busy(fleet):
     src, make = fleet
     a, b = tokens(3, 3), tokens(3, 4)
