@@ -184,6 +184,30 @@ def test_the_concurrency_cap_answers_busy(fleet):
     assert p.result("a", 5).reason is Reason.OK
 
 
+def test_a_source_whose_pulls_stall_leaves_a_slot_to_the_others(fleet):
+    """One source holds at most max_inflight_per_source of the puller's slots (by default
+    all but one): while its pulls stall, a pull from another source still runs."""
+    src, make = fleet
+    slow = [tokens(2, 40 + i) for i in range(3)]
+    for i, t in enumerate(slow):
+        commit(src.group, t, seed=i)
+    other = tokens(2, 45)
+    commit(src.group, other, seed=5)
+    src.faults.delay_s = 0.3
+    p = make(max_inflight_pulls=3)
+    assert p.config.per_source_pulls == 2
+    for i, t in enumerate(slow):
+        p.submit(f"slow{i}", t, HINT)
+    assert p.result("slow2", 5).reason is Reason.BUSY
+    assert "max_inflight_per_source 2" in p.outcome("slow2").detail
+    elsewhere = {"kv_hint": {"source": "http://127.0.0.1:8001/kvkern/v1/state"}}
+    p.submit("other", other, elsewhere)
+    assert p.result("other", 5).reason is Reason.OK
+    assert all(p.result(f"slow{i}", 5).used for i in range(2))
+    for rid in ("slow0", "slow1", "other"):
+        p.release(rid)
+
+
 @pytest.mark.parametrize("policy,reason,kept", [("strict", Reason.SOURCE_MISS, 0),
                                                 ("best_effort", Reason.PARTIAL, 3)])
 def test_policies_on_a_source_short_of_blocks(fleet, policy, reason, kept):

@@ -75,6 +75,9 @@ class XferConfig:
 
     # ---- admission
     max_inflight_pulls: int = 4  # more concurrent pulls -> busy (the seed's TRT-LLM limit)
+    # of those, from one source (as the hint names it; None: all but one of them, so a source
+    # whose pulls stall leaves a slot to the others)
+    max_inflight_per_source: int | None = None
     dedup: bool = True  # an identical in-flight pull (same source, same hash range) -> duplicate
     max_tracked_requests: int = 65536  # finished outcomes kept for result(); oldest dropped
 
@@ -168,6 +171,8 @@ class XferConfig:
             _pos(name, getattr(self, name))
         for name in ("prefill_s_per_token", "prefill_prior_s_per_token"):
             _pos(name, getattr(self, name), allow_none=True)
+        if self.max_inflight_per_source is not None:
+            _pos("max_inflight_per_source", self.max_inflight_per_source, integer=True)
         for name in ("max_inflight_pulls", "max_state_bytes", "chunk_bytes",
                      "chunks_in_flight", "min_blocks", "max_tracked_requests",
                      "default_state_port", "dp_port_stride"):
@@ -225,6 +230,13 @@ class XferConfig:
                              f"{type(allow).__name__}")
 
     # ------------------------------------------------------------------ helpers
+
+    @property
+    def per_source_pulls(self) -> int:
+        """Pulls in flight from one source at most (``max_inflight_per_source``)."""
+        if self.max_inflight_per_source is not None:
+            return self.max_inflight_per_source
+        return max(1, self.max_inflight_pulls - 1)
 
     def replace(self, **changes: Any) -> XferConfig:
         return dataclasses.replace(self, **changes)

@@ -488,9 +488,15 @@ class Puller:
                 reason, detail = Reason.BUSY, (f"{len(self._leaders)} pulls in flight, "
                                                f"max_inflight_pulls "
                                                f"{self.config.max_inflight_pulls}")
+            elif (n := sum(r.source == hint.source for r in self._leaders.values())) \
+                    >= self.config.per_source_pulls:
+                reason, detail = Reason.BUSY, (f"{n} pulls in flight from this source, "
+                                               f"max_inflight_per_source "
+                                               f"{self.config.per_source_pulls}")
             if reason is None:
                 rec.state = RequestState.CONTEXT_PREFETCH_INIT
                 if leader is None:
+                    rec.source = hint.source
                     if job.into is None:
                         rec.key = key
                         self._keys[key] = rec

@@ -44,6 +44,7 @@ class PullRecord:
     key: tuple | None = None  # dedup key while leading a pull
     leader: PullRecord | None = None  # set on dedup followers
     followers: int = 0  # dedup followers waiting for this pull (while it leads one)
+    source: str = ""  # the hint's source, while this request leads a pull
     cancel_requested: bool = False
     into: bool = False  # a pull into the engine's own blocks (Puller.pull_into)
     # registered, and neither scheduled nor finished yet (its hint is being admitted)
