@@ -1216,7 +1216,7 @@ def test_concurrent_pulls_dedup_and_cap(src, make_puller):
     seqs = [fresh_tokens(6 * BS) for _ in range(5)]
     hashes = [src.commit(t) for t in seqs]
     group = make_group(num_blocks=128)
-    p = make_puller(group, max_inflight_pulls=4, max_inflight_per_source=4)
+    p = make_puller(group, max_inflight_pulls=4)
     src.faults(slow_send_ms=60)  # keep the first four in flight while the rest arrive
     try:
         # 0-3 lead; 4 is a fifth distinct pull (busy); 5-7 duplicate 0-2 (attach)

@@ -185,8 +185,8 @@ def test_the_concurrency_cap_answers_busy(fleet):
 
 
 def test_a_source_whose_pulls_stall_leaves_a_slot_to_the_others(fleet):
-    """One source holds at most max_inflight_per_source of the puller's slots (by default
-    all but one): while its pulls stall, a pull from another source still runs."""
+    """With max_inflight_per_source, one source holds at most that many of the puller's
+    slots: while its pulls stall, a pull from another source still runs."""
     src, make = fleet
     slow = [tokens(2, 40 + i) for i in range(3)]
     for i, t in enumerate(slow):
@@ -194,8 +194,8 @@ def test_a_source_whose_pulls_stall_leaves_a_slot_to_the_others(fleet):
     other = tokens(2, 45)
     commit(src.group, other, seed=5)
     src.faults.delay_s = 0.3
-    p = make(max_inflight_pulls=3)
-    assert p.config.per_source_pulls == 2
+    assert make(max_inflight_pulls=3).config.per_source_pulls == 3  # (no share by default)
+    p = make(max_inflight_pulls=3, max_inflight_per_source=2)
     for i, t in enumerate(slow):
         p.submit(f"slow{i}", t, HINT)
     assert p.result("slow2", 5).reason is Reason.BUSY

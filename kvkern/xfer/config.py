@@ -75,8 +75,9 @@ class XferConfig:
 
     # ---- admission
     max_inflight_pulls: int = 4  # more concurrent pulls -> busy (the seed's TRT-LLM limit)
-    # of those, from one source (as the hint names it; None: all but one of them, so a source
-    # whose pulls stall leaves a slot to the others)
+    # of those, from one source (as the hint names it; None: no share of its own). Below
+    # max_inflight_pulls, a source whose pulls stall leaves slots to the others; one source
+    # under load then gets fewer (a 512-request load of one source: 68 busy, one slot fewer)
     max_inflight_per_source: int | None = None
     dedup: bool = True  # an identical in-flight pull (same source, same hash range) -> duplicate
     max_tracked_requests: int = 65536  # finished outcomes kept for result(); oldest dropped
@@ -236,7 +237,7 @@ class XferConfig:
         """Pulls in flight from one source at most (``max_inflight_per_source``)."""
         if self.max_inflight_per_source is not None:
             return self.max_inflight_per_source
-        return max(1, self.max_inflight_pulls - 1)
+        return self.max_inflight_pulls
 
     def replace(self, **changes: Any) -> XferConfig:
         return dataclasses.replace(self, **changes)
