@@ -327,8 +327,7 @@ class Puller:
             rec.cancel_requested = True
             if rec.followers:  # identical requests wait for this pull: it goes on for them
                 return True  # (PullRunner.follow cancels it once the last of them left)
-            # (a pull not started yet ends at its start; one whose future is not published
-            # yet is cancelled when it is: see _schedule)
+            # (not started yet: it ends at its start; future not published: see _schedule)
             fut = rec.future if rec.state is RequestState.CONTEXT_PREFETCH_IN_PROGRESS else None
         if fut is not None:
             fut.cancel()
@@ -373,8 +372,7 @@ class Puller:
             if self._closed:
                 return
             self._closed = True
-            # every prefetching pull, also one whose submit is still scheduling it (it then
-            # ends at its start, or is cancelled when its future is published)
+            # every prefetching pull, also one a submit is still scheduling (as cancel())
             running = [r for r in self._records.values()
                        if not r.state.schedulable and not r.done.done()]
             for r in running:
@@ -520,8 +518,7 @@ class Puller:
                 rec.future = fut
                 if self._closed:
                     rec.cancel_requested = True
-                # a cancel that came while this was scheduling, once the pull has started
-                # (before, the pull sees it at its start)
+                # a cancel that came meanwhile, once the pull started (else it sees it then)
                 cancel_now = (rec.cancel_requested and not rec.followers
                               and rec.state is RequestState.CONTEXT_PREFETCH_IN_PROGRESS)
             state = rec.state
