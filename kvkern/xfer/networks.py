@@ -49,15 +49,8 @@ class Networks:
         return cls(out)
 
     def __contains__(self, address: object) -> bool:
-        if not isinstance(address, str):
-            return False
-        try:
-            ip = ipaddress.ip_address(address.split("%", 1)[0])  # (no IPv6 zone)
-        except ValueError:
-            return False
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        return any(ip in n for n in self.networks)
+        ip = _ip(address)
+        return ip is not None and any(ip in n for n in self.networks)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Networks) and other.networks == self.networks
@@ -82,18 +75,29 @@ LOGGED_ADDRESSES = 64  # remote addresses a refusal log names (each once), then 
 IPV6_HOST_PREFIX = 64
 
 
+def _ip(address: object) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``address`` as an IP address (an IPv4-mapped IPv6 one as its IPv4 address, an IPv6
+    zone dropped); None for anything else."""
+    if not isinstance(address, str):
+        return None
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
 def host_key(address: str) -> str:
     """The key per-host bounds count ``address`` under: an IPv4 address itself (also when
     IPv4-mapped), an IPv6 address's /64 network (one host may use every address in it), and
     anything that is not an IP address unchanged."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
+    ip = _ip(address)
+    if ip is None:
         return address
     if isinstance(ip, ipaddress.IPv4Address):
-        return address if address == str(ip) else str(ip)
-    if ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
+        return str(ip)
     return str(ipaddress.IPv6Network((ip, IPV6_HOST_PREFIX), strict=False))
 
 
