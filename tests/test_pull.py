@@ -497,6 +497,37 @@ def test_a_source_on_this_host_whose_own_reads_fail_is_never_read_through_ucx(sr
     src.wait_no_pins()
 
 
+def late_batch_class(done: threading.Event, made: list) -> type:
+    """A ReadBatch of real reads, seen complete only once ``done`` is set; each one made is
+    appended to ``made``."""
+
+    class Late(ucp_rma.ReadBatch):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+        def poll(self):
+            return done.is_set() and super().poll()
+
+    return Late
+
+
+def late_reads_puller(src, make_puller, direct: bool, n: int):
+    """A puller reading through UCX with a short transfer timeout, warmed by one pull (the
+    state and the lanes made), and ``n`` blocks committed at the source: (puller, group,
+    tokens, hashes)."""
+    tokens = fresh_tokens(n * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    p = make_puller(group, local_reads=False, ucx_same_host_reads=True,
+                    transfer_timeout_s=0.3, direct_reads=direct)
+    warm = fresh_tokens(BS)
+    src.commit(warm)
+    assert pull(p, "warm", warm, hint_for(src, warm)).used
+    p.release("warm")
+    return p, group, tokens, hashes
+
+
 @pytest.mark.parametrize("direct", [False, True], ids=["streamed", "direct"])
 def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_puller,
                                                                       monkeypatch, direct):
@@ -507,26 +538,10 @@ def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_
     directly (the directory look-up's reads are the ones held then)."""
 
     done, done_at, made = threading.Event(), [], []
-
-    class Late(ucp_rma.ReadBatch):  # real reads, seen complete only once ``done`` is set
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            made.append(self)
-
-        def poll(self):
-            return done.is_set() and super().poll()
-
     n = 6
-    tokens = fresh_tokens(n * BS)
-    hashes = src.commit(tokens)
-    group = make_group()
+    p, group, tokens, hashes = late_reads_puller(src, make_puller, direct, n)
     engine = group.manager.allocate(n)
-    p = make_puller(group, local_reads=False, ucx_same_host_reads=True,
-                    transfer_timeout_s=0.3, direct_reads=direct)
-    warm = fresh_tokens(BS)  # the state and the lanes made
-    src.commit(warm)
-    assert pull(p, "warm", warm, hint_for(src, warm)).used
-    p.release("warm")
+    Late = late_batch_class(done, made)
     before = snapshot(group)
     monkeypatch.setattr(ucp_rma, "ReadBatch", Late)
     monkeypatch.setattr(tuning, "READ_DRAIN_S", 0.05)
@@ -551,6 +566,45 @@ def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_
     assert o.used and o.blocks_transferred == n, o
     check_bytes(src, group, hashes, engine)
     group.manager.release(engine)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["granted", "direct"])
+def test_blocks_quarantined_for_reads_that_outlived_their_abort_are_freed_once_they_end(
+        src, make_puller, monkeypatch, direct):
+    """Reads into the puller's own blocks through UCX still running after their endpoint's
+    forced close and the drain: the pull ends at once, its private blocks quarantined (the
+    pool runs that many short); while the reads run they stay held, and once the reads
+    complete the blocks go back to the pool, counted, and a later pull reads again."""
+    from kvkern.xfer import quarantine
+
+    done, made = threading.Event(), []
+    n = 6
+    p, group, tokens, hashes = late_reads_puller(src, make_puller, direct, n)
+    Late = late_batch_class(done, made)
+    free = group.manager.num_free
+    monkeypatch.setattr(ucp_rma, "ReadBatch", Late)
+    monkeypatch.setattr(tuning, "READ_DRAIN_S", 0.05)
+    monkeypatch.setattr(quarantine, "QUARANTINE_POLL_S", 0.05)
+    o = pull(p, "late", tokens, hint_for(src, tokens))
+    assert not o.used and o.blocks_transferred == 0, o
+    assert made and p.quarantined_blocks == n
+    assert group.manager.num_free == free - n
+    time.sleep(0.3)  # six checks: the reads still run
+    assert p.quarantined_blocks == n and group.manager.num_free == free - n
+    done.set()
+    deadline = time.monotonic() + 10
+    while p.quarantined_blocks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.quarantined_blocks == 0 and group.manager.num_free == free
+    assert p.metrics.value("kvkern_blocks_quarantined_total") == n
+    assert p.metrics.value("kvkern_blocks_quarantine_freed_total") == n
+    assert p._lanes.stuck_reads == 0
+    monkeypatch.undo()
+    o = pull(p, "after", tokens, hint_for(src, tokens))
+    assert o.used and o.blocks_transferred == n, o
+    claim_check_release(p, group, src, "after", hashes)
     assert_clean(group)
     src.wait_no_pins()
 

@@ -942,6 +942,33 @@ async def test_a_ucx_read_into_engine_memory_ends_only_after_its_reads(source, l
     assert read_lanes.reads_past_drain() == dict(past, **{memory: past[memory] + 1})
 
 
+@aio
+async def test_reads_that_outlived_their_drain_are_named_and_retired_once_they_end(
+        source, lanes, monkeypatch, on):
+    """The ReadsStuck of reads outliving the drain names them (its ``outstanding``): while
+    they run they stay their lane's, and nudging retires nothing; once they complete, a
+    nudge has their lane retire them (on its own thread, or the loop lane on the loop) and
+    they count as ended."""
+    _, region, address = source
+    late = type("Late", (LateBatch,), {"done": threading.Event()})
+    monkeypatch.setattr(ucp_rma, "ReadBatch", late)
+    monkeypatch.setattr(tuning, "READ_DRAIN_S", 0.05)
+    rl = lanes(2, min_bytes=1, **on)
+    with pytest.raises(ReadsStuck) as info:
+        await rl.read(address, [(region.rkey, [(1, 2, 4096), (3, 4, 4096)])], timeout=0.01,
+                      same_host=True)
+    held = info.value.outstanding
+    stuck = len(held.batches)
+    assert stuck and rl.stuck_reads == stuck and not held.ended()
+    held.nudge()
+    await asyncio.sleep(0.05)
+    assert rl.stuck_reads == stuck and not held.ended()
+    late.done.set()
+    held.nudge()
+    await until(lambda: rl.stuck_reads == 0)
+    assert held.ended()
+
+
 @pytest.mark.parametrize("owned,cancels", [(False, 1), (True, 1), (True, 3)],
                          ids=["private", "engine", "engine-cancelled-thrice"])
 @aio

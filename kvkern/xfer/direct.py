@@ -90,9 +90,10 @@ log = logging.getLogger("kvkern.xfer")
 
 def _outlived(exc: BaseException) -> bool:
     """``exc`` says reads outlived their endpoint (their drain ran out): what they target
-    must never be freed. The pull may have ended before this script did (a cancellation
-    that cut its wait short), so the script keeps its buffers itself (list.extend holds
-    the interpreter lock)."""
+    must not be freed before they end. The pull may have ended before this script did (a
+    cancellation that cut its wait short), so the script hands its buffers to the reads'
+    :class:`~kvkern.xfer.quarantine.Outstanding` itself (list.extend holds the interpreter
+    lock)."""
     from kvkern.xfer.read_lanes import _Stuck  # noqa: PLC0415
     from kvkern.xfer.transport import ReadsStuck  # noqa: PLC0415
 
@@ -293,8 +294,10 @@ class DirectRead:
             # (a read that failed may still write them: never reused, on this very thread)
             self.kept = list(self.scratch.values())
             self.scratch.clear()
-            if _outlived(exc):  # kept for good here: the pull may have let go of this script
-                receiver.stuck_buffers.extend([*self.buffers, *self.kept])
+            if _outlived(exc):  # kept here: the pull may have let go of this script
+                held = getattr(exc, "outstanding", None)
+                (receiver.stuck_buffers if held is None else held.kept).extend(
+                    [*self.buffers, *self.kept])
             raise
         finally:
             self.t_out = time.perf_counter()
@@ -497,10 +500,10 @@ async def read_directly(receiver: ReadReceiver, job: PullJob,
                                        owned=job.into is not None,
                                        same_host=all(receiver.near_reads(job.state, k)
                                                      for k in keys))
-    except ReadsStuck:
-        job.quarantined = True
-        # UCX may still write the directory buffers: never reuse (or free) them
-        receiver.stuck_buffers.extend([*direct.buffers, *direct.kept])
+    except ReadsStuck as exc:
+        # UCX may still write the directory buffers: never reuse (or free) them until then
+        if not job.outlived(exc, [*direct.buffers, *direct.kept]):
+            receiver.stuck_buffers.extend([*direct.buffers, *direct.kept])
         raise
     except TransportError as exc:
         if exc.reason != "transfer_failed":

@@ -19,8 +19,9 @@ Every metric is prefixed ``kvkern_``. Destination side (the puller calls these):
     kvkern_reads_past_drain_total{memory}            counter   aborted reads still running after
                                                                their drain (private: quarantined,
                                                                engine: waited for; process-wide)
-    kvkern_blocks_quarantined_total                  counter   private blocks never reused: reads
-                                                               into them outlived their abort
+    kvkern_blocks_quarantined_total                  counter   private blocks held out of reuse:
+                                                               reads into them outlived their abort
+    kvkern_blocks_quarantine_freed_total             counter   ... freed once those reads ended
     kvkern_pulls_in_flight                           gauge
     kvkern_phase_seconds{phase}                      histogram metadata, plan, allocate,
                                                                transfer, unpack, validate,
@@ -249,9 +250,12 @@ class XferMetrics:
         r.register(_LaneSetSpills())
         self._http_refusals = _HttpRefusals()
         r.register(self._http_refusals)
-        self.blocks_quarantined = counter("blocks_quarantined", "Private blocks never "
-                                          "reused: one-sided reads into them outlived their "
+        self.blocks_quarantined = counter("blocks_quarantined", "Private blocks held out "
+                                          "of reuse: one-sided reads into them outlived their "
                                           "abort.")
+        self.blocks_quarantine_freed = counter("blocks_quarantine_freed", "Quarantined "
+                                               "blocks freed once every read into them "
+                                               "ended.")
         self.pulls_in_flight = Gauge(p + "pulls_in_flight", "Pulls in progress.", registry=r)
         self.phase_seconds = Histogram(p + "phase_seconds", "Latency of each pull phase.",
                                        ("phase",), buckets=LATENCY_BUCKETS, registry=r)

@@ -177,8 +177,9 @@ class Puller:
 
     @property
     def quarantined_blocks(self) -> int:
-        """Private blocks never reused (one-sided reads outlived their abort)."""
-        return self._runner.quarantined_blocks
+        """Private blocks held out of reuse now: one-sided reads into them outlived their
+        abort and have not ended yet (:mod:`kvkern.xfer.quarantine`)."""
+        return self._runner.quarantine.blocks
 
     @property
     def _lanes(self) -> ReadLanes | None:
@@ -403,6 +404,7 @@ class Puller:
     async def _aclose(self) -> None:
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=2.0)
+        self._runner.quarantine.close()
         await self._runner.discovery.aclose()
         if self._own_pool is not None:
             await self._own_pool.close()

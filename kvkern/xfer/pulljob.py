@@ -13,10 +13,12 @@ from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.state import SourceState
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from kvkern.cache.protocol import Lease
+    from kvkern.xfer.quarantine import Outstanding
     from kvkern.xfer.seam import TransferConnection
+    from kvkern.xfer.transport import ReadsStuck
 
 __all__ = ["Fallback", "PullJob", "PullRecord"]
 
@@ -83,6 +85,8 @@ class PullJob:
     unpack_s: float = 0.0
     allocated: bool = False
     quarantined: bool = False  # reads outlived their abort: never reuse the private blocks
+    # ... until these have ended (kvkern.xfer.quarantine); None: reads not tracked, for good
+    outstanding: list[Outstanding] | None = field(default_factory=list)
     # cached source facts this pull found due for a refresh: started once it has ended
     # (kvkern.xfer.discovery.SourceDiscovery.after_pull)
     refreshes: list[Callable[[], None]] = field(default_factory=list)
@@ -94,6 +98,21 @@ class PullJob:
     @property
     def source_dp(self) -> int:
         return self.hint.source_dp_rank or 0
+
+    def outlived(self, exc: ReadsStuck, kept: Sequence[object] = ()) -> bool:
+        """Reads of this pull outlived their abort (``exc``): its private blocks are
+        quarantined until those reads have ended, and ``kept`` (buffers they may write) held
+        with them. False when ``exc`` does not say which reads: the caller keeps ``kept``
+        for good."""
+        self.quarantined = True
+        held = exc.outstanding
+        if held is None:
+            self.outstanding = None
+            return False
+        held.kept.extend(kept)
+        if self.outstanding is not None:
+            self.outstanding.append(held)
+        return True
 
     def remaining_s(self, now: float) -> float:
         """Seconds left of the pull's overall deadline at ``now`` (perf_counter)."""

@@ -45,7 +45,8 @@ endpoint to that source (a forced close: UCX cancels the reads still running), d
 requests for up to ``READ_DRAIN_S`` and raises; the next read opens a new endpoint. A
 cancelled :meth:`ReadLanes.read` lets the reads finish for up to ``READ_CANCEL_GRACE_S``,
 then stops the lanes. Reads that outlive the drain raise :class:`ReadsStuck` (quarantine the
-local memory).
+local memory) naming them (:class:`~kvkern.xfer.quarantine.Outstanding`): their lane keeps
+them and retires them when asked (:meth:`_Lane.retire_later`) once they have completed.
 
 Memory the engine owns (``owned``: :meth:`Puller.pull_into
 <kvkern.xfer.puller.Puller.pull_into>`) has no quarantine: the engine reuses its blocks once
@@ -84,6 +85,7 @@ from typing import TYPE_CHECKING, TypeVar
 from kvkern.checks import check_non_negative_int, check_positive_int
 from kvkern.xfer import local_reads, tuning, ucxcompat
 from kvkern.xfer.pauses import Steps, run_blocking
+from kvkern.xfer.quarantine import Outstanding
 from kvkern.xfer.runtime import through_cancels
 from kvkern.xfer.transport import ReadsStuck, TransportError
 from kvkern.xfer.tuning import (
@@ -116,6 +118,9 @@ T = TypeVar("T")
 
 MAX_PEERS = MAX_LANE_PEERS
 MAX_WORKER_ADDRESS_BYTES = 16 << 10  # a UCX worker address is ~0.1-2 KiB
+# progress calls a lane makes before it looks at its stuck reads again (each completes what
+# the transport finished; a worker with nothing to do returns at once)
+RETIRE_PROGRESS_CALLS = 64
 # UCX transports that read any address of a process on this host, whatever the remote key
 NEAR_TRANSPORTS = frozenset({"cma", "knem", "xpmem"})
 
@@ -231,7 +236,12 @@ def _lane_context() -> UCXContext:
 
 
 class _Stuck(Exception):
-    """Reads still running after their endpoint was closed and the drain ran out."""
+    """Reads still running after their endpoint was closed and the drain ran out (or a lane
+    call still running when its wait gave up): ``outstanding`` says which."""
+
+    def __init__(self, what: str, outstanding: Outstanding | None = None) -> None:
+        super().__init__(what)
+        self.outstanding = outstanding if outstanding is not None else Outstanding()
 
 
 class _Peer:
@@ -361,9 +371,11 @@ class _Lane:
                 with _counts_lock:
                     _past_drain["engine" if owned else "private"] += 1
                 if not owned:
-                    self.stuck_batches.extend(b for b in batches if b.stuck)
+                    stuck = [b for b in batches if b.stuck]
+                    self.stuck_batches.extend(stuck)
                     raise _Stuck(f"{running} reads still running after their endpoint was "
-                                 f"closed (waited {tuning.READ_DRAIN_S} s)")
+                                 f"closed (waited {tuning.READ_DRAIN_S} s)",
+                                 Outstanding(batches=[(self, b) for b in stuck]))
                 log.error("%d reads into memory the engine owns still running %s s after "
                           "their endpoint was closed; the read ends when they have",
                           running, tuning.READ_DRAIN_S)
@@ -428,6 +440,34 @@ class _Lane:
                 else:
                     yield from closing
             raise
+
+    def retire_stuck(self) -> None:
+        """Retire the stuck batches whose reads have completed since (on the lane's thread):
+        :class:`~kvkern.xfer.quarantine.Outstanding` then sees them ended."""
+        if not self.stuck_batches or not self._worker_handle:
+            return
+        progress = ucxcompat.request_calls()[2]
+        for _ in range(RETIRE_PROGRESS_CALLS):
+            if not progress(self._worker_handle):
+                break
+        self.stuck_batches = [b for b in self.stuck_batches if not b.poll()]
+        if not self.stuck_batches and self._closed:  # (kept only for them: see close)
+            self._worker = self._context = None
+
+    def retire_later(self) -> None:
+        """:meth:`retire_stuck` on the lane's thread (here, for the loop lane: on the event
+        loop's thread, which alone calls this); nothing once the lane is closed for good."""
+        if self.executor is None:
+            self.retire_stuck()
+            return
+        with contextlib.suppress(RuntimeError):  # (closed: its reads stay held)
+            self.submit(self._retire_logged)
+
+    def _retire_logged(self) -> None:
+        try:
+            self.retire_stuck()
+        except Exception:  # noqa: BLE001 (the reads stay held)
+            log.exception("read lane %d: stuck reads not retired", self.index)
 
     def close(self) -> None:
         self._closed = True
@@ -570,7 +610,7 @@ class ReadLanes:
                 stop, source=_dispatch_key(address, local), wait=left(),
                 due=LANE_DUE_S + (nbytes or 0) / LANE_DUE_BYTES_PER_S, until_done=owned)
         if isinstance(error, _Stuck):
-            raise ReadsStuck(str(error))
+            raise ReadsStuck(str(error), error.outstanding)
         if cancelled:
             raise asyncio.CancelledError
         if error is None:
@@ -636,7 +676,7 @@ class ReadLanes:
                           "stop; the pull ends when it does", tuning.READ_DRAIN_S + 1.0)
                 await through_cancels(fut)
             return None, (fut.exception() if fut.done() and not fut.cancelled()
-                          else _Stuck("lanes did not end")), True
+                          else _Stuck("lanes did not end", Outstanding(calls=[cf]))), True
         except BaseException as exc:  # noqa: BLE001 (mapped by the caller)
             return None, exc, False
 
@@ -683,9 +723,11 @@ class ReadLanes:
                 stop.set()
                 errors.append(exc)
         if errors:
-            raise next((e for e in errors if isinstance(e, _Stuck)),
-                       next((e for e in errors if not isinstance(e, TimeoutError)),
-                            errors[0]))
+            stuck = [e for e in errors if isinstance(e, _Stuck)]
+            for e in stuck[1:]:  # (every lane's reads that outlived it, in the one raised)
+                stuck[0].outstanding.absorb(e.outstanding)
+            raise next(iter(stuck), next((e for e in errors if not isinstance(e, TimeoutError)),
+                                         errors[0]))
         return min((f for f in firsts if f is not None), default=None)
 
     def close(self, timeout: float = 5.0) -> None:

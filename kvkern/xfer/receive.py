@@ -327,7 +327,8 @@ class ReadReceiver:
         # event loop's (the loop lane, one script at a time)
         self._thread_scratch = threading.local()
         self.loop_scratch: dict[tuple, np.ndarray] = {}
-        self.stuck_buffers: list[np.ndarray] = []  # written by reads that outlived their abort
+        # written by reads that outlived their abort, not tracked (kvkern.xfer.quarantine)
+        self.stuck_buffers: list[np.ndarray] = []
         self._lanes_down: dict[bytes, float] = {}  # source worker -> when its lanes failed
 
     def thread_scratch(self) -> dict[tuple, np.ndarray]:
@@ -555,8 +556,8 @@ class ReadReceiver:
                 raise TransportError("transfer_failed", "no read lanes for this read "
                                      "(see read_allowed)")
             return await conn.read_parts(keyed, timeout=xfer_t)
-        except ReadsStuck:
-            job.quarantined = True
+        except ReadsStuck as exc:
+            job.outlived(exc)
             raise
 
     async def _confirm(self, job: PullJob, pair: PeerTransfer, conn: TransferConnection,

@@ -34,6 +34,7 @@ from kvkern.xfer.messages import Message, PullReply, PullRequest, ReadGrant
 from kvkern.xfer.outcome import PullOutcome, Reason, RequestState
 from kvkern.xfer.policy import CostGuard, apply_policy
 from kvkern.xfer.pulljob import Fallback, PullJob, PullRecord
+from kvkern.xfer.quarantine import Quarantine
 from kvkern.xfer.receive import ReadReceiver, StreamReceiver
 from kvkern.xfer.seam import Connector, TransferConnection
 from kvkern.xfer.tuning import (
@@ -135,7 +136,9 @@ class PullRunner:
         self.reads = reads
         self.cost_guard = cost_guard
         self.metrics = metrics
-        self.quarantined_blocks = 0  # private blocks never reused (see ReadsStuck)
+        # private blocks that reads outlived, held until those reads end (see ReadsStuck)
+        self.quarantine = Quarantine(group.manager.free_private, released=(
+            metrics.blocks_quarantine_freed.inc if metrics is not None else None))
         self._lock = lock
         self._finish = finish
         self._spawn = spawn
@@ -233,11 +236,12 @@ class PullRunner:
             job.private = None  # the engine's blocks: it recomputes them (Puller.pull_into)
         if job.private is not None and job.quarantined:
             ids, job.private = job.private, None
-            self.quarantined_blocks += len(ids)
+            self.quarantine.hold(ids, job.outstanding)
             if self.metrics is not None:
                 self.metrics.blocks_quarantined.inc(len(ids))
             log.error("pull %r: %d private blocks quarantined (one-sided reads still "
-                      "running after their endpoint was aborted)", job.rec.request_id, len(ids))
+                      "running after their endpoint was aborted%s)", job.rec.request_id,
+                      len(ids), "" if job.outstanding is not None else ", for good")
         if job.private is not None:  # not committed: free every block exactly once
             ids, job.private = job.private, None
             self.group.manager.free_private(ids)

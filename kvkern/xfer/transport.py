@@ -148,6 +148,7 @@ if TYPE_CHECKING:
     from ucxx._lib_async import Listener as UcxListener
 
     from kvkern.xfer.networks import Networks, ProvenHosts
+    from kvkern.xfer.quarantine import Outstanding
     from kvkern.xfer.seam import Buffer, BufferT
 
 log = logging.getLogger(__name__)
@@ -694,10 +695,13 @@ async def _call_maybe_async(fn: Callable[..., Awaitable[None] | None] | None,
 
 class ReadsStuck(TransportError):
     """One-sided reads outlived the abort of their endpoint: the local memory they target
-    must not be reused (the caller quarantines it)."""
+    must not be reused (the caller quarantines it). ``outstanding``: those reads
+    (:class:`kvkern.xfer.quarantine.Outstanding`), to free the memory once they have ended;
+    None: not tracked, held for good."""
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, outstanding: Outstanding | None = None) -> None:
         super().__init__("transfer_failed", detail)
+        self.outstanding = outstanding
 
 
 def _check_config() -> None:
