@@ -93,7 +93,7 @@ def test_a_puller_opens_its_read_lanes_before_the_first_pull(src, make_puller, m
         made.append(threading.current_thread().name), real(context))[1])
     group = make_group()
     p = make_puller(group, direct_reads=True, loop_read_bytes=4096)
-    lanes = p._lanes
+    lanes = p._reads.lanes
     for fut in lanes.open(p._loop.loop):  # (already open: these do nothing)
         fut.result(10)
     n = lanes.n
@@ -113,7 +113,7 @@ def test_a_puller_opens_its_read_lanes_before_the_first_pull(src, make_puller, m
 @pytest.mark.parametrize("cfg", [{"remote_read": False}, {"read_lanes": 0}],
                          ids=["streams-only", "no-lanes"])
 def test_a_puller_that_cannot_read_opens_no_lanes(make_puller, cfg):
-    assert make_puller(make_group(), **cfg)._lanes is None
+    assert make_puller(make_group(), **cfg)._reads.lanes is None
 
 
 def test_a_puller_closed_at_once_leaves_no_lane_open(make_puller):
@@ -121,7 +121,7 @@ def test_a_puller_closed_at_once_leaves_no_lane_open(make_puller):
     close runs after its opening, on its thread, so nothing is left open."""
     for _ in range(5):
         p = make_puller(make_group(), direct_reads=True)
-        lanes = p._lanes
+        lanes = p._reads.lanes
         p.close()
         assert not any(lane.opened for lane in lanes._all)
 

@@ -600,7 +600,7 @@ def test_blocks_quarantined_for_reads_that_outlived_their_abort_are_freed_once_t
     assert p.quarantined_blocks == 0 and group.manager.num_free == free
     assert p.metrics.value("kvkern_blocks_quarantined_total") == n
     assert p.metrics.value("kvkern_blocks_quarantine_freed_total") == n
-    assert p._lanes.stuck_reads == 0
+    assert p._reads.lanes.stuck_reads == 0
     monkeypatch.undo()
     o = pull(p, "after", tokens, hint_for(src, tokens))
     assert o.used and o.blocks_transferred == n, o
@@ -1640,7 +1640,7 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert all(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)), ids
     check_bytes(src, group, hashes, ids)
     assert source_block_ids(src, hashes) == remote  # what was read is still there
-    lane_set = p._lanes
+    lane_set = p._reads.lanes
     two = min(2, len(os.sched_getaffinity(0)))  # lanes are capped at the usable CPUs
     if reads == "ucx":
         assert not threads
@@ -1662,7 +1662,7 @@ def test_read_scattered_source_blocks_into_scattered_private_blocks(src, make_pu
     assert_clean(group)
     src.wait_no_pins()
     p.close()  # closes the lanes' endpoints and workers too
-    assert p._lanes is None and (lane_set is None or lane_set.peers == 0)
+    assert p._reads.lanes is None and (lane_set is None or lane_set.peers == 0)
 
 
 def fail_read_lanes(monkeypatch) -> list[bool]:

@@ -96,7 +96,6 @@ if TYPE_CHECKING:
     from kvkern.xfer.auth import Credential
     from kvkern.xfer.endpoint import Resolver
     from kvkern.xfer.metrics import XferMetrics
-    from kvkern.xfer.read_lanes import ReadLanes
     from kvkern.xfer.runtime import EventLoopThread
     from kvkern.xfer.seam import Connector
     from kvkern.xfer.transport import ConnectionPool
@@ -177,13 +176,8 @@ class Puller:
 
     @property
     def quarantined_blocks(self) -> int:
-        """Private blocks held out of reuse now: one-sided reads into them outlived their
-        abort and have not ended yet (:mod:`kvkern.xfer.quarantine`)."""
+        """Private blocks held now for reads that outlived their abort (kvkern.xfer.quarantine)."""
         return self._runner.quarantine.blocks
-
-    @property
-    def _lanes(self) -> ReadLanes | None:
-        return self._reads.lanes
 
     # ------------------------------------------------------------------ engine-facing API
 
