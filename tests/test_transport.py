@@ -305,6 +305,30 @@ async def test_a_receive_cancelled_mid_chunk_writes_nothing_after_it_returns(pee
 
 
 @aio
+async def test_a_stream_whose_sender_aborted_and_reused_its_buffers_is_never_complete(
+        solo_peer):
+    """A sender that gives up while the receiver still copies a chunk (its progress timeout
+    shorter than the copy), aborts, and then reuses the chunk's memory for other bytes: on
+    this host the receiver's rendezvous copies the sender's memory itself, and the abort does
+    not stop that copy, so a trailer sent with the chunks would complete a stream that is
+    partly the reused bytes. The trailer follows the chunks' completion instead: the stream
+    fails, and nothing it received counts."""
+    async with ConnectionPool(connect_timeout=10) as own:
+        conn = await own.get(HOST, solo_peer[1])
+        total = 64 << 20  # one rendezvous chunk, copied in several milliseconds
+        for _ in range(3):
+            req = request("reuse", total, total)
+            await conn.send_msg(req, timeout=5)
+            reply = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY), timeout=5)
+            assert reply.chunk_sizes == [total]
+            buf = np.full(total, 0xA5, dtype=np.uint8)
+            with pytest.raises(TransportError):
+                await conn.recv_chunks(req.transfer_id, [buf], timeout=2)
+            assert not conn.alive
+            conn = await own.get(HOST, solo_peer[1])
+
+
+@aio
 async def test_control_reply_timeout(peer, pool):
     conn = await pool.get(HOST, peer[1])
     req = request("noreply", 10, 10)

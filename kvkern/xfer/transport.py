@@ -31,6 +31,13 @@ a chunk that stopped short leaves them in place and fails the stream even behind
 that lies, and one that stopped fewer than :data:`CANARY_BYTES` short leaves random bytes,
 never the buffer's old tail. The trailer's receive is posted right after the last chunk's.
 
+The sender posts the trailer only once every chunk's send has completed. A receiver that
+takes the same host's rendezvous chunks copies them out of the sender's memory itself, and
+an abort of the sender's endpoint does not stop that copy: a buffer the sender reuses after
+an abort (a staging slot packed again, a pool block unpinned and rewritten) could otherwise
+still be read into a stream whose trailer had been sent. A completed send is one the
+receiver has finished reading, so a stream that has its trailer holds every chunk as sent.
+
 A control frame of up to ``CONTROL_FRAME_BYTES`` (64 KiB: every reply, cancel and ack, and
 requests of up to ~7,000 block hashes) is ONE message on its tag, received into a buffer of
 that size; its 20-byte preamble (:mod:`kvkern.xfer.messages`) is checked before the body is
@@ -59,7 +66,8 @@ Every operation is bounded. Failures raise :class:`TransportError` whose ``reaso
 ``connect_failed``, ``protocol_error``, ``auth_failed``, ``closed``. Any failure in the middle of an operation
 aborts the connection before the error is raised: UCX may still own the buffers of
 outstanding requests (a timed-out send is *not* cancelled by UCX) and only an endpoint abort
-cancels them, so after the raise every caller buffer is free to reuse. A
+cancels them, so after the raise every caller buffer is free to reuse (a receiver on the same
+host may still copy from a send's buffer, but no stream it counts: see "Stream trailers"). A
 :class:`ConnectionPool` then reconnects on the next ``get``. The same rule holds before a
 connection exists: connects and accepts run their first exchange through
 :mod:`kvkern.xfer.handshake`, whose buffers outlive an exchange that ends early.
@@ -560,6 +568,9 @@ class Connection:
                 tag = tag_for(transfer_id, Lane.DATA, first_index + i)
                 inflight.append((i, asyncio.ensure_future(self._post_send(ubuf, tag))))
             if n_chunks and trailer:
+                # (after every chunk's send completed: see "Stream trailers")
+                while inflight:
+                    await self._retire_oldest(inflight, timeout, "send")
                 tag = tag_for(transfer_id, Lane.TRAILER, first_index)
                 inflight.append((n_chunks, asyncio.ensure_future(
                     self._post_send(as_send_buffer(lengths.pack()), tag))))

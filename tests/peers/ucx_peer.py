@@ -14,6 +14,9 @@ cut into ``chunk_bytes`` chunks. ``request_id`` picks a behaviour:
     stop      reply, send the first chunk, then SIGSTOP itself (frozen, connection open)
     sink      reply, then *receive* the stream from the requester and answer with a second
               PullReply whose reason is the hex sha256 of what arrived
+    reuse     reply, send every chunk with a 1 ms progress timeout (less than a large chunk's
+              copy); once that fails (an abort), overwrite the chunks' memory, as a source
+              reusing its staging does
 """
 
 from __future__ import annotations
@@ -70,6 +73,12 @@ async def serve_one(conn, req: PullRequest) -> None:
             os.kill(os.getpid(), signal.SIGKILL if mode == "die" else signal.SIGSTOP)
         return data[offsets[i]:offsets[i + 1]]
 
+    if mode == "reuse":
+        try:
+            await conn.send_stream(req.transfer_id, produce, len(sizes), timeout=0.001)
+        except TransportError:
+            np.bitwise_not(data, out=data)  # the next request's bytes, in the same memory
+        return
     await conn.send_stream(req.transfer_id, produce, len(sizes), timeout=10,
                            max_in_flight=1 if mode in ("die", "stop") else 4)
 
