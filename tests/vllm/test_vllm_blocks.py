@@ -356,3 +356,20 @@ def test_a_prefix_cache_reset_that_vllm_refuses_anyway_waits_for_no_pin(vllm_poo
     pool.free_blocks(running)
     blocks.unpin(held)
     assert pool.reset_prefix_cache()
+
+
+def test_a_reset_refused_for_a_request_sharing_a_pinned_block_waits_for_no_pin(vllm_pool):
+    """A request that hit the very blocks a peer pinned holds them too (a second reference,
+    no block more in use): vLLM refuses the reset whatever the pin does, and the reset
+    answers at once instead of holding the engine for the pin's time."""
+    pool, _, blocks = vllm_pool
+    req, got = cached_request(pool, list(range(940, 952)), "s", blocks)
+    hashes = [vllm_u64(h) for h in req.block_hashes]
+    held = blocks.pin(hashes)
+    pool.touch(got)  # a running request's prefix-cache hit on the same blocks
+    t0 = time.monotonic()
+    assert not pool.reset_prefix_cache()
+    assert time.monotonic() - t0 < 1.0 and blocks.pins_outstanding == len(hashes)
+    pool.free_blocks(got)
+    blocks.unpin(held)
+    assert pool.reset_prefix_cache()

@@ -212,11 +212,19 @@ class VllmBlocks:
         return call
 
     def _requests_hold_blocks(self) -> bool:
-        """Whether blocks are in use beyond the null block and the ones peers pinned (under
-        the lock; vLLM refuses a prefix-cache reset then)."""
+        """Whether vLLM's own requests hold blocks (under the lock; vLLM refuses a
+        prefix-cache reset then): blocks in use beyond the null block and the pinned ones,
+        or a pinned block with more references than pins (a request hit its prefix)."""
         pool = self._pool
-        pinned = {b.block_id for blocks in self._pins.values() for b in blocks}
-        return pool.num_gpu_blocks - pool.get_num_free_blocks() - 1 > len(pinned)
+        pins: collections.Counter[int] = collections.Counter()
+        refs = {}
+        for blocks in self._pins.values():
+            for b in blocks:
+                pins[b.block_id] += 1
+                refs[b.block_id] = b.ref_cnt
+        if pool.num_gpu_blocks - pool.get_num_free_blocks() - 1 > len(pins):
+            return True
+        return any(refs[i] > n for i, n in pins.items())
 
     def _evicting(self, evict_blocks: Any) -> Any:
         """``evict_blocks`` (blocks whose KV vLLM found invalid), which clears their hashes
