@@ -87,6 +87,16 @@ def test_a_load_that_cannot_start_is_still_reported():
     assert load.admitted is None and load.block_ids == (1, 2)  # the worker fails it at once
 
 
+def test_a_load_vllm_waits_for_without_a_pull_fails_only_the_external_blocks():
+    """vLLM holding a request for external tokens the connector did not offer (no admitted
+    pull): the load is reported failed for the blocks of those tokens only, never for the
+    local prefix hit before them, which other requests share."""
+    s, req = side(), request()
+    s.update_state_after_alloc(req, blocks([7, 8, 40, 41, 42]), 3 * BS)
+    (load,) = s.build_connector_meta(LoadMetadataBase, 0).loads
+    assert load.admitted is None and load.block_ids == (40, 41, 42)
+
+
 def test_unsigned_wrong_and_missing_hints_load_nothing():
     s = side()
     assert s.get_num_new_matched_tokens(request("u", sign=False), 0) == (0, False)

@@ -143,7 +143,8 @@ class SchedulerSide:
             return
         bs = self.rt.facts.block_size
         ids = blocks.get_block_ids()[0]
-        local = request.num_computed_tokens // bs
+        # the blocks before the external tokens' (vLLM sets num_computed_tokens only later)
+        local = max(0, len(ids) - -(-num_external_tokens // bs))
         load = None
         if entry is not None:
             _, hint, adm = entry
