@@ -123,6 +123,27 @@ def test_an_identical_pull_attaches_to_the_first(fleet):
     assert p.release("first")
 
 
+def test_an_identical_pull_due_sooner_than_the_request_does_not_hold_it(fleet):
+    """A request whose identical pull in flight has an earlier deadline pulls itself (and
+    later identical requests attach to its pull): the first pull's deadline ending it does
+    not end the request that had time for its own."""
+    src, make = fleet
+    toks = tokens(4, 3)
+    commit(src.group, toks)
+    src.faults.delay_s = 0.4
+    p = make()
+    short = {"kv_hint": dict(HINT["kv_hint"], deadline_s=0.2)}
+    p.submit("short", toks, short)
+    p.submit("long", toks, HINT)
+    p.submit("third", toks, HINT)
+    short_o, long_o, third = p.result("short", 5), p.result("long", 5), p.result("third", 5)
+    assert short_o.reason is Reason.DEADLINE_EXCEEDED, short_o
+    assert long_o.used and long_o.reason is Reason.OK, long_o
+    assert third.reason is Reason.DUPLICATE and third.blocks_local == 4, third
+    assert len(src.requests) == 2
+    assert p.release("long")
+
+
 @pytest.mark.parametrize("follower_stays", [True, False])
 def test_a_cancelled_leader_goes_on_for_the_requests_still_attached_to_it(fleet,
                                                                        follower_stays):

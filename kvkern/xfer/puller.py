@@ -476,7 +476,8 @@ class Puller:
             reason = None
             if self._closed:
                 reason, detail = Reason.CLOSED, "puller is closed"
-            elif self.config.dedup and job.into is None and key in self._keys:
+            elif self.config.dedup and job.into is None and key in self._keys \
+                    and self._keys[key].deadline_s >= job.timeouts[2]:  # (else: its own pull)
                 leader = self._keys[key]
             elif len(self._leaders) >= self.config.max_inflight_pulls:
                 reason, detail = Reason.BUSY, (f"{len(self._leaders)} pulls in flight, "
@@ -490,7 +491,7 @@ class Puller:
             if reason is None:
                 rec.state = RequestState.CONTEXT_PREFETCH_INIT
                 if leader is None:
-                    rec.source = hint.source
+                    rec.source, rec.deadline_s = hint.source, job.timeouts[2]
                     if job.into is None:
                         rec.key = key
                         self._keys[key] = rec

@@ -47,6 +47,7 @@ class PullRecord:
     leader: PullRecord | None = None  # set on dedup followers
     followers: int = 0  # dedup followers waiting for this pull (while it leads one)
     source: str = ""  # the hint's source, while this request leads a pull
+    deadline_s: float = float("inf")  # its pull's deadline (seconds), while it leads one
     cancel_requested: bool = False
     into: bool = False  # a pull into the engine's own blocks (Puller.pull_into)
     # registered, and neither scheduled nor finished yet (its hint is being admitted)
