@@ -713,3 +713,81 @@ def test_a_script_whose_reads_outlived_their_drain_keeps_its_buffers_itself(monk
         assert (any(b is table for b in stuck) and any(b is scratch_buf for b in stuck)) is kept
         assert kept or not stuck
         assert held is None or not receiver.stuck_buffers
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["spans", "whole"])
+@pytest.mark.parametrize("order", ["torn", "in-order"])
+def test_a_slot_read_whose_words_straddle_two_publishes_keeps_no_wrong_bytes(whole, order):
+    """A read of a slot takes each word whole but not the slot at one moment, its words in
+    any order (a copy's loads, an RDMA read's fragments). The look-up takes the slot's hash
+    and block words, then the slot is withdrawn, its block rewritten and another hash
+    published there, then the look-up takes the tag; the confirmation takes the tag, then
+    the first hash is published again into the same block and slot, then the confirmation
+    takes the hash and block words. Both reads then show the same hash, block and tag while
+    the block read between them held other bytes: the check word, which only the publish
+    of that tag wrote to fit it, leaves the block unkept."""
+    import ctypes
+
+    import numpy as np
+
+    from kvkern.cache.directory import ReadDirectory
+    from kvkern.xfer.direct import DirectRead
+    from kvkern.xfer.pauses import run_blocking
+    from kvkern.xfer.state import ReadIndex
+
+    nb, blk = 8, 64
+    d = ReadDirectory(nb, group=1)
+    pool = np.zeros((nb, blk), np.uint8)
+    h = 0x1234_5678_9ABC_DEF0 | 1
+    h2 = (0x0BAD_F00D << 8) | (h & (d.buckets - 1))  # the same (plain) bucket
+    pool[3] = 0xAA  # h's bytes
+    assert d.publish(3, h)
+    flat = d.slot_of(3)
+    at = d.slot_address(flat)
+    index = ReadIndex(keys=(b"k",), bases=(pool.ctypes.data,), stride=blk, segment_bytes=blk,
+                      blocks=nb, dir_key=b"d", dir_base=d.address, dir_buckets=d.buckets)
+    dr = object.__new__(DirectRead)
+    dr.index, dr.want, dr.whole = index, np.array([h], np.uint64), whole
+    dr._home_plan = dr._plain = dr._home = dr.job = None
+    dr._rounds, dr._raw, dr.scratch, dr.buffers, dr.kept = [], [], {}, [], []
+
+    def reuse():  # during the look-up's read of the slot
+        d.withdraw(3)
+        pool[3] = 0x55  # block 3 handed to a writer
+        assert d.publish(5, h2) and d.slot_of(5) == flat
+
+    def again():  # during the confirmation's read
+        d.withdraw(5)
+        pool[3] = 0xAA  # h computed again into block 3
+        assert d.publish(3, h) and d.slot_of(3) == flat
+
+    during = [reuse]
+
+    def read(parts):
+        for key, runs in parts:
+            for local, remote, n in runs:
+                ctypes.memmove(local, remote, n)
+                if key == b"d" and remote <= at < remote + n and during:
+                    lo = local + at - remote
+                    word = [(lo + 8 * i, at + 8 * i) for i in range(4)]
+                    event = during.pop(0)
+                    if order == "torn" and event is again:  # tag and check first
+                        first, last = (word[2], word[3]), (word[0], word[1])
+                    else:  # hash and block first
+                        first, last = (word[0], word[1]), (word[2], word[3])
+                    for w in first:
+                        ctypes.memmove(*w, 8)
+                    event()
+                    for w in last:
+                        ctypes.memmove(*w, 8)
+        return 0.0
+        yield  # (steps)
+
+    rows, slot, block, where = run_blocking(dr._look_up(read))
+    if block[0] < 0:  # (the torn look-up found nothing: a grant is asked for)
+        return
+    assert block[0] == 3
+    data = pool[3].copy()  # step 2: the block's bytes
+    during.append(again)
+    kept = run_blocking(dr._confirm(read, rows, slot, where))
+    assert not kept[0] or (data == 0xAA).all(), "kept bytes that are not h's"

@@ -190,11 +190,16 @@ def test_check_names_disagreements():
 # ------------------------------------------------------------------------------ reader
 
 
+def ref_check(h: int, b: int, t: int) -> int:
+    """A slot's check word, as the wire format defines it."""
+    return (h * 0x9E3779B97F4A7C15 ^ b * 0xC2B2AE3D27D4EB4F ^ t * 0x165667B19E3779F9) % 2**64
+
+
 def ref_find(rows, want):
     slots, blocks, tags = [], [], []
     for row, w in zip(rows.tolist(), want.tolist(), strict=True):
-        for j, (h, b, t, _) in enumerate(row):
-            if h == w and t & 3 == TAG_CACHED:
+        for j, (h, b, t, c) in enumerate(row):
+            if h == w and t & 3 == TAG_CACHED and c == ref_check(h, b, t):
                 slots.append(j)
                 blocks.append(b)
                 tags.append(t)
@@ -207,7 +212,7 @@ def ref_find(rows, want):
 
 
 def ref_stable(pre, post, want):
-    return [p == q and p[0] == w and p[2] & 3 == TAG_CACHED
+    return [p == q and p[0] == w and p[2] & 3 == TAG_CACHED and p[3] == ref_check(*p[:3])
             for p, q, w in zip(pre.tolist(), post.tolist(), want.tolist(), strict=True)]
 
 
@@ -221,6 +226,9 @@ def test_find_and_stable_match_a_plain_reference(seed):
     rows[:, :, 1] = rng.integers(0, 50, size=(k, BUCKET_SLOTS), dtype=np.uint64)
     rows[:, :, 2] = (rng.integers(0, 4, size=(k, BUCKET_SLOTS), dtype=np.uint64) << np.uint64(2)
                      | rng.integers(0, 4, size=(k, BUCKET_SLOTS), dtype=np.uint64))
+    for i, j in np.ndindex(k, BUCKET_SLOTS):  # mostly the right check word, else a torn one
+        h, b, t = (int(x) for x in rows[i, j, :3])
+        rows[i, j, 3] = ref_check(h, b, t) if rng.random() < 0.8 else ref_check(h, b, t ^ 4)
     want = rng.choice(pool_of_hashes, size=k)
 
     slot, block, tag = find(rows, want)
@@ -622,8 +630,8 @@ def test_stable_refuses_a_block_reused_between_the_reads(again):
     assert pool.commit([bid], [8 if again == "same hash" else 12]) == [True]
     post = reread(d, where, slot)
     assert post[0, 1] == bid and post[0, 2] & 3 == TAG_CACHED
-    if again == "same hash":  # only the seq tells the reads apart
-        assert np.array_equal(post[0, [0, 1, 3]], pre[0, [0, 1, 3]])
+    if again == "same hash":  # only the seq (and the check word that covers it) differ
+        assert np.array_equal(post[0, [0, 1]], pre[0, [0, 1]]) and post[0, 3] != pre[0, 3]
         assert post[0, 2] >> np.uint64(2) == (pre[0, 2] >> np.uint64(2)) + np.uint64(2)
     assert stable(pre, post, want).tolist() == [False]
     # A fresh read finds the block again and is stable until the next change.

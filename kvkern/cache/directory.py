@@ -10,7 +10,8 @@ Layout
 One C-contiguous ``uint64`` array of shape ``(buckets, BUCKET_SLOTS, SLOT_WORDS)``, 4096-byte
 aligned; ``buckets`` is a power of two, so a bucket is 256 bytes and a slot 32 bytes::
 
-    slot   [ hash | block_id | tag | 0 ]          tag = seq << 2 | cached << 1 | changing
+    slot   [ hash | block_id | tag | check ]      tag = seq << 2 | cached << 1 | changing
+                                                   check = check_word(hash, block_id, tag)
 
 A hash ``h`` lives in any slot of its *home* bucket or, when that is full, of its *plain*
 bucket ``h & (buckets - 1)``. A block whose position ``p`` in its sequence is known sits
@@ -31,9 +32,10 @@ the rest go to their plain buckets.
 Writer (the pool, under its lock; ``s`` is the slot's current seq)
 ------------------------------------------------------------------
 * publish ``(h, b)`` into a free slot: ``tag = (s+1) << 2 | CHANGING``; ``hash = h``;
-  ``block_id = b``; ``tag = (s+1) << 2 | CACHED``. The pool publishes a block only once its
-  bytes are final (a commit).
-* withdraw ``b``: ``tag = (s+1) << 2 | CHANGING``; ``hash = block_id = 0``;
+  ``block_id = b``; ``check = check_word(h, b, T)``; ``tag = T``, where
+  ``T = (s+1) << 2 | CACHED``. The pool publishes a block only once its bytes are final (a
+  commit).
+* withdraw ``b``: ``tag = (s+1) << 2 | CHANGING``; ``hash = block_id = check = 0``;
   ``tag = (s+1) << 2``. The pool withdraws a block before it can hand it to a writer
   (allocation's eviction, :meth:`~kvkern.cache.pool.BlockPool.evict`).
 
@@ -46,18 +48,23 @@ nothing); weakly ordered processors (Arm, POWER) get one.
 Reader
 ------
 1. Read the home buckets of the wanted hashes (:func:`home_buckets`), :func:`find` each
-   hash's slot; read the plain buckets (:func:`bucket_of`) of those not found there.
+   hash's slot (its check word right); read the plain buckets (:func:`bucket_of`) of those
+   not found there.
 2. Read the found blocks' bytes.
 3. Read the same slots again; keep a block iff :func:`stable`: both reads show the wanted
-   hash, the same block id and the same tag, and that tag is cached and not changing.
+   hash, the same block id, the same tag and check word, the tag cached and not changing,
+   and the check word right.
 
 Why that is enough: a slot's seq goes up by one at every change, so a given cached tag value
-is held by the slot over one unbroken interval, during which the slot names one block and
-that block holds the final bytes of its hash and is given to no writer. Both reads seeing the
-tag puts the block read inside that interval. A read of a slot need not see it at one moment,
-only each 8-byte word whole: a change that ran between the first read's hash (or block) word
-and its tag word shows in the second read, taken after the block, which must then equal the
-first word for word.
+``T`` is held by the slot over one unbroken interval, during which the slot names one block
+and that block holds the final bytes of its hash and is given to no writer. Both reads
+seeing ``T`` puts the block read inside that interval. A read of a slot need not see it at
+one moment, only each 8-byte word whole, its words in any order (a copy's loads, an RDMA
+read's fragments): it may pair ``T`` with the hash and block words of an earlier or a later
+publish of the slot. Only the publish that wrote ``T`` wrote a check word that fits ``T``,
+and the check word fits one hash and block id with that tag (for a given tag, distinct
+pairs with the same hash or the same block give distinct words, and others collide with
+probability 2**-64), so words that pass the check are that publish's own.
 """
 
 from __future__ import annotations
@@ -72,19 +79,22 @@ from kvkern.cache.holders import DIRECTORY_GROUP, MAX_GROUP
 from kvkern.checks import check_non_negative_int, check_positive_int
 
 __all__ = ["BUCKET_BYTES", "BUCKET_SLOTS", "DIRECTORY_GROUP", "MAX_GROUP", "SLOT_BYTES",
-           "SLOT_WORDS", "TAG_CACHED", "TAG_CHANGING", "ReadDirectory", "bucket_of", "entries",
+           "SLOT_WORDS", "TAG_CACHED", "TAG_CHANGING", "ReadDirectory", "bucket_of",
+           "check_word", "entries",
            "fence_for", "find", "home_buckets", "home_runs", "slot_offsets", "stable",
            "store_fence"]
 
 BUCKET_SLOTS = 8
-SLOT_WORDS = 4  # hash, block_id, tag, reserved (0)
+SLOT_WORDS = 4  # hash, block_id, tag, check
 SLOT_BYTES = SLOT_WORDS * 8
 BUCKET_BYTES = BUCKET_SLOTS * SLOT_BYTES
 TAG_CHANGING = 1
 TAG_CACHED = 2
 ALIGN = 4096
 
-_HASH, _BLOCK, _TAG = 0, 1, 2
+_HASH, _BLOCK, _TAG, _CHECK = 0, 1, 2, 3
+# check_word's odd multipliers (each a bijection of the 64-bit words)
+_K_HASH, _K_BLOCK, _K_TAG = 0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9
 # Up to this many hashes the reader's functions loop in Python, below numpy's fixed cost per
 # call. A pull's critical path runs them cold, where the loops win up to about 64 items (32
 # hashes, a direct read's five reader calls: 163 us looped, 227 us vectorized; hot, even).
@@ -231,11 +241,13 @@ class ReadDirectory:
         w = self._words
         base = flat * SLOT_WORDS
         seq = (w[base + _TAG] >> 2) + 1
+        tag = seq << 2 | TAG_CACHED
         w[base + _TAG] = seq << 2 | TAG_CHANGING
         w[base + _HASH] = h
         w[base + _BLOCK] = bid
-        store_fence()  # (the slot's hash and block before its cached tag)
-        w[base + _TAG] = seq << 2 | TAG_CACHED
+        w[base + _CHECK] = check_word(h, bid, tag)
+        store_fence()  # (the slot's other words before its cached tag)
+        w[base + _TAG] = tag
         self._used[bucket] = used | 1 << j
         self._slot_of[bid] = flat
         self._hash_of[bid] = h
@@ -269,6 +281,7 @@ class ReadDirectory:
         store_fence()
         w[base + _HASH] = 0
         w[base + _BLOCK] = 0
+        w[base + _CHECK] = 0
         w[base + _TAG] = seq << 2
         store_fence()  # (the new tag before anything the block's next writer stores)
         bucket, j = divmod(flat, BUCKET_SLOTS)
@@ -296,10 +309,10 @@ class ReadDirectory:
               chains: dict[int, tuple[int, int] | None] | None = None) -> None:
         """Raise AssertionError naming the first disagreement with ``index`` (``{hash:
         block_id}``, the pool's prefix index): every slot in use names a block indexed under
-        its hash, in that hash's home or plain bucket, and is the block's recorded slot;
-        every block with a slot is indexed under its hash (and, given ``chains``, ``{block_id:
-        chain}``, has the home its chain record gives); free slots are zero; no tag is
-        changing."""
+        its hash, in that hash's home or plain bucket, with its check word, and is the
+        block's recorded slot; every block with a slot is indexed under its hash (and, given
+        ``chains``, ``{block_id: chain}``, has the home its chain record gives); free slots
+        are zero but for their tag; no tag is changing."""
         t = self.table
         tags = t[:, :, _TAG]
         if np.any(tags & TAG_CHANGING):
@@ -307,8 +320,10 @@ class ReadDirectory:
                                  f"{np.flatnonzero(tags & TAG_CHANGING).tolist()}")
         cached = (tags & TAG_CACHED) != 0
         free = t[~cached]
-        if np.any(free[:, [_HASH, _BLOCK]]) or np.any(t[:, :, 3]):
-            raise AssertionError("a free slot or a reserved word is not zero")
+        if np.any(free[:, [_HASH, _BLOCK, _CHECK]]):
+            raise AssertionError("a free slot's hash, block or check word is not zero")
+        if np.any(t[cached][:, _CHECK] != _checks(t[cached])):
+            raise AssertionError("a slot in use has a check word that does not fit it")
         masks = (cached.astype(np.int64) << np.arange(BUCKET_SLOTS)).sum(axis=1)
         wrong = np.flatnonzero(masks != np.array(self._used, dtype=np.int64))
         if len(wrong):
@@ -340,6 +355,19 @@ class ReadDirectory:
                 if self._home_of[bid] != home:
                     raise AssertionError(f"block {bid} (chain {c}) has home bucket "
                                          f"{self._home_of[bid]}, not {home}")
+
+
+def check_word(h: int, block_id: int, tag: int) -> int:
+    """A slot's check word: of its hash, block id and tag, as one publish writes them."""
+    return ((h * _K_HASH) ^ (block_id * _K_BLOCK) ^ (tag * _K_TAG)) & _U64
+
+
+def _checks(slots: np.ndarray) -> np.ndarray:
+    """:func:`check_word` of each slot of a uint64 array whose last axis is a slot's words."""
+    with np.errstate(over="ignore"):
+        return ((slots[..., _HASH] * np.uint64(_K_HASH))
+                ^ (slots[..., _BLOCK] * np.uint64(_K_BLOCK))
+                ^ (slots[..., _TAG] * np.uint64(_K_TAG)))
 
 
 def _words_of(a: np.ndarray) -> memoryview:
@@ -441,7 +469,8 @@ def find(rows: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
 
     Returns per hash the slot in its bucket (int64, -1 when absent), the block id (int64, -1
     when absent) and the slot's tag (uint64, 0 when absent). A slot matches when its hash is
-    ``want[i]`` and its tag is cached and not changing; of several, the first."""
+    ``want[i]``, its tag is cached and not changing and its check word fits it; of several,
+    the first."""
     r, w = _rows(rows, want)
     return _find_small(r, w) if len(w) <= SMALL else _find_numpy(r, w)
 
@@ -449,8 +478,8 @@ def find(rows: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, np
 def _find_small(r: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     slots, blocks, tags = [], [], []
     for bucket, h in zip(r.tolist(), w.tolist(), strict=True):
-        for i, (sh, sb, st, _) in enumerate(bucket):
-            if sh == h and st & _STATE == TAG_CACHED:
+        for i, (sh, sb, st, sc) in enumerate(bucket):
+            if sh == h and st & _STATE == TAG_CACHED and sc == check_word(sh, sb, st):
                 slots.append(i)
                 blocks.append(sb - (1 << 64) if sb >> 63 else sb)  # as int64, like numpy's
                 tags.append(st)
@@ -466,6 +495,7 @@ def _find_small(r: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, n
 def _find_numpy(r: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     match = r[:, :, _HASH] == w[:, None]
     match &= (r[:, :, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED)
+    match &= r[:, :, _CHECK] == _checks(r)
     slot = match.argmax(axis=1).astype(np.int64, copy=False)  # (0 where none matches)
     at = np.arange(len(w))
     picked = r[at, slot]
@@ -505,7 +535,7 @@ def entries(rows: np.ndarray, slot: np.ndarray) -> np.ndarray:
 def stable(pre: np.ndarray, post: np.ndarray, want: np.ndarray) -> np.ndarray:
     """Which reads to keep: ``pre[i]`` and ``post[i]`` are the words of the slot found for
     ``want[i]``, read before and after its block's bytes. True iff both are identical, name
-    ``want[i]``, and their tag is cached and not changing."""
+    ``want[i]``, and their tag is cached and not changing and their check word fits them."""
     a = np.asarray(pre)
     b = np.asarray(post)
     w = np.asarray(want, dtype=np.uint64)
@@ -517,7 +547,9 @@ def stable(pre: np.ndarray, post: np.ndarray, want: np.ndarray) -> np.ndarray:
                              f"{x.dtype} {x.shape}")
     if len(w) <= SMALL:
         return np.array([x == y and h == x[_HASH] and x[_TAG] & _STATE == TAG_CACHED
+                         and x[_CHECK] == check_word(*x[:_CHECK])
                          for x, y, h in zip(a.tolist(), b.tolist(), w.tolist(), strict=True)],
                         dtype=bool).reshape(len(w))
     return ((a == b).all(axis=1) & (a[:, _HASH] == w)
-            & ((a[:, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED)))
+            & ((a[:, _TAG] & np.uint64(_STATE)) == np.uint64(TAG_CACHED))
+            & (a[:, _CHECK] == _checks(a)))
