@@ -1167,6 +1167,52 @@ async def test_read_without_read_done_is_released_once_at_the_deadline():
 
 
 @aio
+async def test_a_read_done_after_the_wait_for_it_ran_out_is_answered_held_false(monkeypatch):
+    """A ReadDone that arrives once the source's wait for it has run out, before the waiting
+    task resumed (or after it ended, before the request was forgotten): the source answers
+    held=False at once, as for a read it no longer holds, rather than nothing, which would
+    keep the destination waiting for the ack and then cost it the connection."""
+    import types
+
+    from kvkern.xfer import send
+
+    late = types.ModuleType("asyncio")
+    late.__dict__.update(asyncio.__dict__)
+
+    async def resuming_late(aw, timeout):  # the task resumes 0.5 s after its wait ran out
+        try:
+            return await asyncio.wait_for(aw, timeout)
+        except TimeoutError:
+            await asyncio.sleep(0.5)
+            raise
+
+    late.wait_for = resuming_late
+    monkeypatch.setattr(send, "asyncio", late)
+    group, hs = _group()
+    svc = SourceService([group], worker_id="late-done", remote_read="host", quotas=OPEN)
+    svc.read_hold_s = 0.2  # a hold shorter than the request's deadline
+    await svc.start()
+    await prove_host(svc.http_port)
+    try:
+        async with ConnectionPool(connect_timeout=10) as own:
+            conn = await own.get(HOST, svc.ucx_ports[0])
+            req = request(hs, read=True, deadline_ms=10_000)
+            reply = await ask(conn, req)
+            assert isinstance(reply, ReadGrant) and reply.status == Status.OK
+            await asyncio.sleep(0.4)  # past the wait, before its task resumed
+            await conn.send_msg(ReadDone(transfer_id=req.transfer_id), timeout=5)
+            ack = await conn.recv_msg(tag_for(req.transfer_id, Lane.REPLY, 1), timeout=0.5)
+            assert isinstance(ack, ReadAck) and not ack.held, ack
+            assert conn.alive
+            deadline = time.monotonic() + 5
+            while svc.pins_outstanding:
+                assert time.monotonic() < deadline, "pins not released"
+                await asyncio.sleep(0.02)
+    finally:
+        await svc.close()
+
+
+@aio
 async def test_a_device_pool_is_not_offered_for_same_host_calls():
     """kvkern's same-host reads copy host memory with ``process_vm_readv``; a rank whose
     pool is in device memory (``remote_read="all"``) names no process to read that way, so

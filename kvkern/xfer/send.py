@@ -96,7 +96,7 @@ class SendSession:
 
     __slots__ = ("req", "conn", "ctx", "conn_sends", "deadline", "admitted", "handle",
                  "released", "replied", "completed", "cancel_reason", "task", "pack_cf",
-                 "started", "staging", "read_done", "hold_until", "ack_read")
+                 "started", "staging", "read_done", "hold_until", "read_until", "ack_read")
 
     def __init__(self, req: PullRequest, conn: Connection, ctx: RankCtx,
                  conn_sends: dict[int, SendSession], deadline: float, admitted: bool) -> None:
@@ -117,6 +117,7 @@ class SendSession:
         self.staging: list[torch.Tensor] = []  # ring slots taken from the StagingPool
         self.read_done: asyncio.Event | None = None  # set by ReadDone (read replies only)
         self.hold_until: float | None = None  # read pins are kept at least until then
+        self.read_until: float | None = None  # ... and a ReadDone is waited for until then
         self.ack_read = True  # the destination's ReadDone asked for a ReadAck
 
     @property
@@ -536,7 +537,7 @@ class Sender:
         await svc._after_reply(req, reply)
         # The pins last as long as the reply says and no longer; a source that grants no
         # hold (read_hold_s=0) keeps them until ReadDone within the request's deadline.
-        until = s.hold_until if hold_s > 0 else s.deadline
+        until = s.read_until = s.hold_until if hold_s > 0 else s.deadline
         try:
             await asyncio.wait_for(s.read_done.wait(), max(until - time.monotonic(), 0.0))
         except asyncio.TimeoutError:

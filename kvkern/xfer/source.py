@@ -585,6 +585,9 @@ class SourceService:
     def _read_done(self, conn: Connection, conn_sends: dict[int, SendSession],
                    msg: ReadDone) -> None:
         s = conn_sends.get(msg.transfer_id)
+        if s is not None and s.read_done is not None and not s.read_done.is_set() \
+                and s.read_until is not None and time.monotonic() >= s.read_until:
+            s = None  # the wait for it ran out (its task may not have resumed yet): no hold
         if s is not None and s.read_done is not None:
             s.ack_read = msg.ack
             if not s.read_done.is_set():
