@@ -15,6 +15,7 @@ from kvkern.xfer.hints import (
     HintRejected,
     KvHint,
     decode_hint,
+    strip_hints,
 )
 
 U64 = (1 << 64) - 1
@@ -154,11 +155,39 @@ def test_llmd_real_vllm_p2p_shape():
     assert (h.dialect, h.source, h.hashes_local, h.message_id) == (
         "llm-d", "10.1.2.3:8200", True, "cmpl-7")
     for bad in ({"remote_host": "h"}, {"remote_host": "h", "remote_port": 0},
-                {"remote_host": "h", "remote_port": 1, "extra": 1},
                 {"remote_host": "h", "remote_port": 1, "kv_request_id": "x" * 300},
                 {"remote_host": "h", "remote_port": 1, "host": "g"}):
         got = decode_hint({"kv_transfer_params": {"remote_kv_source": bad}})
         assert got.reason == "hint_invalid", (bad, got)
+    # a field vLLM or llm-d may add is not ours to refuse
+    more = decode_hint({"kv_transfer_params": {"remote_kv_source": {
+        "remote_host": "h", "remote_port": 1, "remote_engine_id": "e"}}})
+    assert more.ok and more.source == "h:1"
+
+
+def test_dynamos_kv_hint_envelope_where_dynamo_puts_it():
+    """Dynamo names its request's envelope field ``kv_hint`` (kvkern's own dialect's name)
+    and its vLLM worker puts it in ``kv_transfer_params["kv_hint"]``: both decode as the
+    envelope; kvkern's flat ``kv_hint`` (it has a ``source``) as before."""
+    envelope = kv_hints([fetch_action()])["kv_hints"]
+    for body in ({"token_ids": [1, 2], "kv_hint": envelope},
+                 {"kv_transfer_params": {"kv_hint": envelope}},
+                 {"extra_args": {"kv_transfer_params": {"kv_hint": envelope}}}):
+        h = decode_hint(body)
+        assert isinstance(h, KvHint), (body, h)
+        assert (h.dialect, h.source, h.block_hashes, h.hash_scheme) == (
+            "kv_hints", "tcp://10.0.0.7:5600", tuple(HASHES), "engine")
+    assert decode_hint(kvkern_hint()).dialect == "kvkern"
+    bad = dict(envelope, actions=[fetch_action(payload={"source_control_endpoint": "x"})])
+    assert decode_hint({"kv_hint": bad}).reason == "hint_invalid"
+    assert decode_hint({"kv_transfer_params": {"kv_hint": {"x": 1}}}).reason == "no_hint"
+    assert "kv_hint" not in strip_hints({"kv_transfer_params": {"kv_hint": envelope}})[
+        "kv_transfer_params"]
+
+
+def test_the_fetch_actions_earlier_name_is_read():
+    h = decode_hint(kv_hints([fetch_action(action_type="kv.source_locations")]))
+    assert isinstance(h, KvHint) and h.source == "tcp://10.0.0.7:5600"
 
 
 def test_i64_hashes_normalised():

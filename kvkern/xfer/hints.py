@@ -10,9 +10,13 @@ Where hints are found
 Each location is looked up in the body itself and then in ``body["extra_args"]`` (Dynamo's
 pass-through), in this order of dialects::
 
-    kvkern     kv_hint                                   this module's own schema (below)
+    kvkern     kv_hint                                   this module's own schema (below), or
+                                                         the kv_hints envelope (Dynamo's field
+                                                         name for it)
     kv_hints   kv_hints                                  envelope, protocol "0.1", kv.fetch 1.0
-    dynamo     kv_transfer_params.router_hint            {source_control_endpoint, block_hashes}
+    dynamo     kv_transfer_params.kv_hint                the kv_hints envelope, where Dynamo's vLLM
+                                                         worker puts the request's ``kv_hint``
+               kv_transfer_params.router_hint            {source_control_endpoint, block_hashes}
     llm-d      kv_transfer_params.remote_kv_source       {kv_request_id, remote_host, remote_port}
                                                          (vLLM's P2P tier; the older {host, port}
                                                          too); hashes computed locally
@@ -54,8 +58,11 @@ block hash, for TRT-LLM its block key), so those hints carry ``hash_scheme`` :da
 and are checked in the worker's own scheme. vLLM's ``Request.kv_hints`` (a msgspec
 ``KvHintsEnvelope``) decodes like the ``kv_hints`` field once turned into builtins.
 
-For ``kv_hints`` the first ``kv.fetch`` 1.0 action is used; other action types and versions
-are skipped. ``message_id`` and ``action_id`` are carried on the hint for logs.
+For ``kv_hints`` the first ``kv.fetch`` 1.0 action is used (``kv.source_locations`` 1.0, its
+earlier name, too); other action types and versions are skipped. ``message_id`` and
+``action_id`` are carried on the hint for logs. An object at ``kv_hint`` that has no
+``source`` but a ``protocol_version`` or ``actions`` is that envelope (Dynamo names its
+request field ``kv_hint``) and decodes as ``kv_hints``.
 """
 
 from __future__ import annotations
@@ -103,6 +110,8 @@ DIALECTS: tuple[str, ...] = ("kvkern", "kv_hints", "dynamo", "llm-d")
 
 KV_HINTS_PROTOCOL = "0.1"
 KV_FETCH = ("kv.fetch", "1.0")
+# the fetch action as Dynamo named it before it was kv.fetch (same payload)
+KV_FETCH_ACTIONS = frozenset({KV_FETCH, ("kv.source_locations", "1.0")})
 KVKERN_HINT_VERSION = 1
 MAX_KV_REQUEST_ID = 256
 
@@ -203,9 +212,9 @@ class _FetchPayload(msgspec.Struct, kw_only=True):
     source_dp_rank: int | None = None
 
 
-class _RemoteKvSource(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class _RemoteKvSource(msgspec.Struct, kw_only=True):
     """vLLM's P2P tier (the shape llm-d drives): ``{kv_request_id, remote_host,
-    remote_port}``."""
+    remote_port}`` (unknown fields ignored)."""
 
     remote_host: str
     remote_port: int
@@ -302,7 +311,15 @@ def _get(container: Any, *path: str) -> Any:
 # -------------------------------------------------------------------------------- dialects
 
 
+def _is_envelope(raw: Any) -> bool:
+    """A ``kv_hints`` envelope where a ``kv_hint`` was looked for (Dynamo's field name)."""
+    return isinstance(raw, dict) and "source" not in raw and (
+        "protocol_version" in raw or "actions" in raw)
+
+
 def _decode_kvkern(raw: Any, limits: HintLimits) -> KvHint:
+    if _is_envelope(raw):
+        return _decode_kv_hints(raw, limits)
     hashes: tuple[int, ...] | None = None
     if isinstance(raw, dict):
         version = raw.get("version", KVKERN_HINT_VERSION)
@@ -399,7 +416,7 @@ def _decode_kv_hints(raw: Any, limits: HintLimits) -> KvHint:
         if not isinstance(kind, str) or not isinstance(kind_version, str):
             raise _Reject(HINT_INVALID, f"{where}: action_type {kind!r} / action_version "
                           f"{kind_version!r} must be strings")
-        if (kind, kind_version) != KV_FETCH:
+        if (kind, kind_version) not in KV_FETCH_ACTIONS:
             skipped.append(f"{kind}@{kind_version}")
             continue
         action_id = action.get("action_id")
@@ -417,8 +434,17 @@ def _decode_dynamo(raw: Any, limits: HintLimits) -> KvHint:
     return _decode_fetch_payload(raw, "router_hint", "dynamo", limits)
 
 
+def _decode_dynamo_envelope(raw: Any, limits: HintLimits) -> KvHint:
+    if not _is_envelope(raw):
+        raise _Ignored("kv_transfer_params.kv_hint is not a kv_hints envelope")
+    return _decode_kv_hints(raw, limits)
+
+
 def _decode_llmd(raw: Any, limits: HintLimits) -> KvHint:
     if isinstance(raw, dict) and ("remote_host" in raw or "remote_port" in raw):
+        if "host" in raw or "port" in raw:
+            raise _Reject(HINT_INVALID, "remote_kv_source: both the {remote_host, "
+                          "remote_port} and the {host, port} shapes")
         real = _convert(raw, _RemoteKvSource, "remote_kv_source")
         src_host, port, kv_request_id = real.remote_host, real.remote_port, real.kv_request_id
     else:
@@ -447,6 +473,7 @@ def _decode_llmd(raw: Any, limits: HintLimits) -> KvHint:
 _DIALECTS = (
     ("kvkern", ("kv_hint",), _decode_kvkern),
     ("kv_hints", ("kv_hints",), _decode_kv_hints),
+    ("dynamo", ("kv_transfer_params", "kv_hint"), _decode_dynamo_envelope),
     ("dynamo", ("kv_transfer_params", "router_hint"), _decode_dynamo),
     ("llm-d", ("kv_transfer_params", "remote_kv_source"), _decode_llmd),
 )
@@ -524,7 +551,7 @@ def strip_hints(request_body: dict) -> dict:
     for key in ("kv_transfer_params",):
         if isinstance(out.get(key), dict):
             out[key] = {k: v for k, v in out[key].items()
-                        if k not in ("router_hint", "remote_kv_source")}
+                        if k not in ("kv_hint", "router_hint", "remote_kv_source")}
     extra = out.get("extra_args")
     if isinstance(extra, dict):
         out["extra_args"] = strip_hints(extra)

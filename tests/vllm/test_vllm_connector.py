@@ -50,6 +50,8 @@ def hint_params(dialect: str, engine, tokens: list[int]) -> tuple[dict, dict | N
         return {"kv_hint": {"source": src}}, None
     if dialect == "kv_hints":
         return {"kv_hints": envelope}, None
+    if dialect == "dynamo.kv_hint":  # where Dynamo's vLLM worker puts its request's envelope
+        return {"kv_hint": envelope}, None
     if dialect == "request.kv_hints":
         return {}, envelope
     if dialect == "router_hint":
@@ -142,8 +144,8 @@ def test_a_prefix_read_through_ucx_into_vllms_blocks_continues_bit_identically(e
     assert unpinned(a)["pins"] == 0
 
 
-@pytest.mark.parametrize("dialect", ["kv_hints", "request.kv_hints", "router_hint",
-                                     "remote_kv_source"])
+@pytest.mark.parametrize("dialect", ["kv_hints", "dynamo.kv_hint", "request.kv_hints",
+                                     "router_hint", "remote_kv_source"])
 def test_every_hint_dialect_pulls(engines, dialect):
     a, b = engines["a"], engines["b"]
     toks = prompt(10 + len(dialect))
