@@ -497,6 +497,9 @@ def test_a_source_on_this_host_whose_own_reads_fail_is_never_read_through_ucx(sr
     src.wait_no_pins()
 
 
+LATE = {"transfer_timeout_s": 0.3}  # a late pull's reads time out, then drain
+
+
 def late_batch_class(done: threading.Event, made: list) -> type:
     """A ReadBatch of real reads, seen complete only once ``done`` is set; each one made is
     appended to ``made``."""
@@ -513,14 +516,13 @@ def late_batch_class(done: threading.Event, made: list) -> type:
 
 
 def late_reads_puller(src, make_puller, direct: bool, n: int):
-    """A puller reading through UCX with a short transfer timeout, warmed by one pull (the
-    state and the lanes made), and ``n`` blocks committed at the source: (puller, group,
-    tokens, hashes)."""
+    """A puller reading through UCX, warmed by one pull (the state and the lanes made), and
+    ``n`` blocks committed at the source: (puller, group, tokens, hashes). Its late pulls
+    state a short transfer timeout (:data:`LATE`)."""
     tokens = fresh_tokens(n * BS)
     hashes = src.commit(tokens)
     group = make_group()
-    p = make_puller(group, local_reads=False, ucx_same_host_reads=True,
-                    transfer_timeout_s=0.3, direct_reads=direct)
+    p = make_puller(group, local_reads=False, ucx_same_host_reads=True, direct_reads=direct)
     warm = fresh_tokens(BS)
     src.commit(warm)
     assert pull(p, "warm", warm, hint_for(src, warm)).used
@@ -554,7 +556,7 @@ def test_a_ucx_read_into_the_engines_blocks_ends_only_after_its_reads(src, make_
         done.set()
 
     threading.Thread(target=complete_later, daemon=True).start()
-    o = pull_into(p, "into-late", tokens, hint_for(src, tokens), engine)
+    o = pull_into(p, "into-late", tokens, hint_for(src, tokens, **LATE), engine)
     ended = time.monotonic()
     assert done_at and ended >= done_at[0], "the pull ended before its reads had"
     assert not o.used and o.reason is Reason.TRANSFER_TIMEOUT and o.blocks_transferred == 0, o
@@ -587,7 +589,7 @@ def test_blocks_quarantined_for_reads_that_outlived_their_abort_are_freed_once_t
     monkeypatch.setattr(ucp_rma, "ReadBatch", Late)
     monkeypatch.setattr(tuning, "READ_DRAIN_S", 0.05)
     monkeypatch.setattr(quarantine, "QUARANTINE_POLL_S", 0.05)
-    o = pull(p, "late", tokens, hint_for(src, tokens))
+    o = pull(p, "late", tokens, hint_for(src, tokens, **LATE))
     assert not o.used and o.blocks_transferred == 0, o
     assert made and p.quarantined_blocks == n
     assert group.manager.num_free == free - n

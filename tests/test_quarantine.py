@@ -115,3 +115,64 @@ def test_a_closed_quarantine_checks_no_more_and_a_failed_free_holds_for_good(fas
         assert not freed and q2.blocks == 1
 
     run(main())
+
+
+class FailingLane(Lane):
+    """A lane that fails when asked to retire (a poll or progress call that raises)."""
+
+    def retire_later(self) -> None:
+        self.nudged += 1
+        raise OSError("progress failed")
+
+
+def test_a_lane_that_fails_to_retire_frees_nothing_twice_and_checking_goes_on(fast):
+    async def main():
+        freed = []
+        q = Quarantine(freed.append)
+        b = Batch()
+        lane = FailingLane(b)
+        q.hold([1, 2, 3], [Outstanding()])  # ended: freed at the next check
+        q.hold([9], [Outstanding(batches=[(lane, b)])])  # its lane fails every nudge
+        await until(lambda: lane.nudged >= 3)
+        assert freed == [[1, 2, 3]] and q.blocks == 1 and q._timer is not None
+        q.hold([7], [Outstanding()])
+        await until(lambda: len(freed) == 2)
+        await asyncio.sleep(0.05)
+        assert freed == [[1, 2, 3], [7]] and q.blocks == 1
+        q.close()
+
+    run(main())
+
+
+def test_a_busy_lane_holds_one_retire_however_often_it_is_asked():
+    """A lane whose thread is busy (a call that does not return) is asked to retire at
+    every check of every lot: one retire waits on its thread, never more."""
+    import threading
+
+    from kvkern.xfer.read_lanes import _Lane
+
+    lane = _Lane(1, name="kvkern-test-lane")
+    release = threading.Event()
+    lane.submit(release.wait, 10)
+    try:
+        for _ in range(100):
+            lane.retire_later()
+        assert lane.executor._work_queue.qsize() == 1
+    finally:
+        release.set()
+        lane.executor.shutdown(wait=True)
+    assert not lane._retiring
+
+
+def test_reads_untracked_once_keep_later_buffers_for_good():
+    """Once a pull's stuck reads were not tracked its blocks are held for good; a tracked
+    ReadsStuck after that must not let the caller drop the buffers its reads may write."""
+    from types import SimpleNamespace
+
+    from kvkern.xfer.pulljob import PullJob
+    from kvkern.xfer.transport import ReadsStuck
+
+    job = SimpleNamespace(quarantined=False, outstanding=[])
+    assert not PullJob.outlived(job, ReadsStuck("untracked"))
+    assert not PullJob.outlived(job, ReadsStuck("tracked", Outstanding()), [bytearray(8)])
+    assert job.quarantined and job.outstanding is None

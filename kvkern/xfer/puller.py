@@ -396,9 +396,9 @@ class Puller:
                     self._loop.close()
 
     async def _aclose(self) -> None:
+        self._runner.quarantine.close()  # (first: the waits below are bounded)
         if self._bg:
             await asyncio.wait(list(self._bg), timeout=2.0)
-        self._runner.quarantine.close()
         await self._runner.discovery.aclose()
         if self._own_pool is not None:
             await self._own_pool.close()

@@ -107,7 +107,7 @@ class PullJob:
         for good."""
         self.quarantined = True
         held = exc.outstanding
-        if held is None:
+        if held is None or self.outstanding is None:  # (untracked reads: held for good)
             self.outstanding = None
             return False
         held.kept.extend(kept)

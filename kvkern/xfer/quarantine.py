@@ -68,9 +68,13 @@ class Outstanding:
         return True
 
     def nudge(self) -> None:
-        """Ask the lanes of the batches still posted to retire those that completed."""
+        """Ask the lanes of the batches still posted to retire those that completed (a lane
+        that fails to is logged: its reads stay held)."""
         for lane in {id(lane): lane for lane, _ in self.batches}.values():
-            lane.retire_later()
+            try:
+                lane.retire_later()
+            except Exception:  # noqa: BLE001
+                log.exception("a read lane was not asked to retire its stuck reads")
 
 
 class Quarantine:
@@ -116,23 +120,32 @@ class Quarantine:
 
     def _check(self) -> None:
         self._timer = None
-        kept = []
-        for ids, tracked in self._lots:
-            if tracked is None or not all(o.ended() for o in tracked):
-                kept.append((ids, tracked))
-                for o in tracked or ():
-                    o.nudge()
-                continue
-            try:
-                self._free(ids)
-            except Exception:  # noqa: BLE001 (a pool that forgot them)
-                log.exception("blocks %s out of quarantine could not be freed: held for good",
-                              ids[:16])
-                kept.append((ids, None))
-                continue
-            log.info("%d quarantined blocks freed: every read into them has ended", len(ids))
-            if self._released is not None:
-                self._released(len(ids))
-        self._lots = kept
-        if any(tracked is not None for _, tracked in kept):
-            self._arm()
+        lots, self._lots = self._lots, []  # (each lot is put back or freed exactly once)
+        try:
+            for ids, tracked in lots:
+                self._check_lot(ids, tracked)
+        finally:
+            if any(tracked is not None for _, tracked in self._lots):
+                self._arm()
+
+    def _check_lot(self, ids: list[int], tracked: list[Outstanding] | None) -> None:
+        try:
+            ended = tracked is not None and all(o.ended() for o in tracked)
+        except Exception:  # noqa: BLE001 (not known to have ended: held, checked again)
+            log.exception("quarantined blocks %s: their reads could not be checked", ids[:16])
+            ended = False
+        if not ended:
+            self._lots.append((ids, tracked))
+            for o in tracked or ():
+                o.nudge()
+            return
+        try:
+            self._free(ids)
+        except Exception:  # noqa: BLE001 (a pool that forgot them)
+            log.exception("blocks %s out of quarantine could not be freed: held for good",
+                          ids[:16])
+            self._lots.append((ids, None))
+            return
+        log.info("%d quarantined blocks freed: every read into them has ended", len(ids))
+        if self._released is not None:
+            self._released(len(ids))

@@ -298,6 +298,8 @@ class _Lane:
         self._worker_handle = 0
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
         self.stuck_batches: list[ReadBatch] = []  # never freed: UCX may still write their memory
+        self._stuck_peers: list[tuple[_Peer, list[ReadBatch]]] = []  # keys kept for them
+        self._retiring = False  # a retire_stuck is queued on the lane's thread
         self._closed = False
 
     def submit(self, fn: Callable[..., T], *args: object) -> concurrent.futures.Future[T]:
@@ -373,6 +375,7 @@ class _Lane:
                 if not owned:
                     stuck = [b for b in batches if b.stuck]
                     self.stuck_batches.extend(stuck)
+                    self._stuck_peers.append((peer, stuck))
                     raise _Stuck(f"{running} reads still running after their endpoint was "
                                  f"closed (waited {tuning.READ_DRAIN_S} s)",
                                  Outstanding(batches=[(self, b) for b in stuck]))
@@ -443,7 +446,9 @@ class _Lane:
 
     def retire_stuck(self) -> None:
         """Retire the stuck batches whose reads have completed since (on the lane's thread):
-        :class:`~kvkern.xfer.quarantine.Outstanding` then sees them ended."""
+        :class:`~kvkern.xfer.quarantine.Outstanding` then sees them ended; an endpoint whose
+        stuck reads all ended gives up its keys."""
+        self._retiring = False
         if not self.stuck_batches or not self._worker_handle:
             return
         progress = ucxcompat.request_calls()[2]
@@ -451,17 +456,28 @@ class _Lane:
             if not progress(self._worker_handle):
                 break
         self.stuck_batches = [b for b in self.stuck_batches if not b.poll()]
+        for peer, batches in list(self._stuck_peers):
+            if not any(b.stuck for b in batches):
+                self._stuck_peers.remove((peer, batches))
+                peer.destroy_keys()
+                peer.ep = peer.address = None
         if not self.stuck_batches and self._closed:  # (kept only for them: see close)
             self._worker = self._context = None
 
     def retire_later(self) -> None:
         """:meth:`retire_stuck` on the lane's thread (here, for the loop lane: on the event
-        loop's thread, which alone calls this); nothing once the lane is closed for good."""
+        loop's thread, which alone calls this), once however often it is asked before it
+        runs; nothing once the lane is closed for good."""
         if self.executor is None:
-            self.retire_stuck()
+            self._retire_logged()
             return
-        with contextlib.suppress(RuntimeError):  # (closed: its reads stay held)
+        if self._retiring:  # (one queued already: a busy lane's queue does not grow)
+            return
+        self._retiring = True
+        try:
             self.submit(self._retire_logged)
+        except RuntimeError:  # (closed: its reads stay held)
+            self._retiring = False
 
     def _retire_logged(self) -> None:
         try:
