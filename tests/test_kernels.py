@@ -270,6 +270,14 @@ def test_out_of_range_ids():
     staging = pack(pool, layout, [0, 1])
     with pytest.raises(ValueError, match="block id 100 out of range"):
         unpack(staging, pool, layout, [100, 1])
+    # an unsigned id past int64 is refused, not taken for the padding id it would wrap to
+    huge = torch.tensor([1, 2**63 + 2], dtype=torch.uint64)
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        pack(pool, layout, huge)
+    with pytest.raises(ValueError, match="2\\*\\*63"):
+        unpack(staging, pool, layout, huge)
+    assert bits_equal(pack(pool, layout, torch.tensor([3, 1], dtype=torch.uint64)),
+                      reference_pack(pool, layout, [3, 1]))
 
 
 @pytest.mark.interpreter

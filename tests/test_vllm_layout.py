@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvkern.integrations.vllm.layout import rank_kv
+from kvkern.integrations.vllm.layout import check_kv_layout, rank_kv
 
 NB, H, T, D, L = 6, 2, 32, 8, 3
 
@@ -63,3 +63,13 @@ def test_unusable_caches_are_refused_by_name():
         rank_kv(shared, head_dim=D)
     with pytest.raises(ValueError, match="kv_layout must be"):
         rank_kv(kv, head_dim=D, layout="trtllm")
+
+
+def test_a_connector_layout_setting_that_is_not_the_devices_is_refused():
+    """A ``kv_layout`` of the other device's backends would put keys where vLLM keeps
+    values, unseen by peers: the connector refuses it at start."""
+    kv = caches()
+    with pytest.raises(ValueError, match="not the layout of vLLM's cache on cpu"):
+        check_kv_layout(kv, "vllm_v1")
+    check_kv_layout(kv, "vllm_cpu")
+    check_kv_layout(kv, None)

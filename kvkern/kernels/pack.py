@@ -366,6 +366,9 @@ def _ids_tensor(block_ids, layout: KVLayout, device: torch.device, unique: bool,
         # the kernels index ids densely; a host tensor is copied, since the copy to a device
         # may run after this returns (pinned memory), while the caller rewrites its tensor
         ids = block_ids.to(dtype=torch.int64, copy=block_ids.device.type == "cpu").contiguous()
+        if block_ids.dtype == torch.uint64 and ids.numel() and bool((ids < 0).any()):
+            # (an unsigned id past int64 would wrap to a negative, the padding id)
+            raise ValueError("block_ids holds an unsigned id of 2**63 or more")
     else:
         values = []
         for v in block_ids:

@@ -21,7 +21,7 @@ from kvkern.layout.kv_layout import KVLayout
 from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
 from kvkern.xfer.kvgroup import RankKV
 
-__all__ = ["kv_layout_name", "rank_kv"]
+__all__ = ["check_kv_layout", "kv_layout_name", "rank_kv"]
 
 _LAYER = re.compile(r"\.(\d+)\.")
 
@@ -33,6 +33,20 @@ def kv_layout_name(device: torch.device, override: str | None = None) -> str:
             raise ValueError(f"kv_layout must be 'vllm_cpu' or 'vllm_v1', got {override!r}")
         return override
     return "vllm_cpu" if device.type == "cpu" else "vllm_v1"
+
+
+def check_kv_layout(kv_caches: Mapping[str, torch.Tensor], setting: str | None) -> None:
+    """Refuse a connector's ``kv_layout`` setting that is not the layout of vLLM's cache on
+    its device: ``vllm_cpu`` on the CPU (its one attention backend stores a head's keys,
+    then its values), ``vllm_v1`` on a GPU (every backend splits each token's last dimension
+    into key, then value). Another would write keys where vLLM keeps something else, and
+    its peers could not tell."""
+    if not setting or not kv_caches:
+        return
+    device = next(iter(kv_caches.values())).device
+    if setting != kv_layout_name(device):
+        raise ValueError(f"kv_layout {setting!r} is not the layout of vLLM's cache on "
+                         f"{device.type} ({kv_layout_name(device)!r})")
 
 
 def _ordered(kv_caches: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:

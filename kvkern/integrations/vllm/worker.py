@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvkern.integrations.vllm.layout import rank_kv
+from kvkern.integrations.vllm.layout import check_kv_layout, rank_kv
 from kvkern.integrations.vllm.runtime import EngineRuntime
 from kvkern.integrations.vllm.scheduler import Load, xfer_config
 from kvkern.xfer.kvgroup import KVGroup
@@ -48,6 +48,7 @@ class WorkerSide:
         from kvkern.xfer.source import SourceService  # noqa: PLC0415
 
         rt, facts = self.rt, self.rt.facts
+        check_kv_layout(kv_caches, rt.config.kv_layout)
         topology, rank = rank_kv(kv_caches, head_dim=facts.head_dim, layout=rt.config.kv_layout)
         if rank.layout.block_size != facts.block_size:
             raise ValueError(f"vLLM's KV cache holds {rank.layout.block_size} tokens a block, "
