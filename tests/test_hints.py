@@ -159,6 +159,10 @@ def test_llmd_real_vllm_p2p_shape():
                 {"remote_host": "h", "remote_port": 1, "host": "g"}):
         got = decode_hint({"kv_transfer_params": {"remote_kv_source": bad}})
         assert got.reason == "hint_invalid", (bad, got)
+    # llm-d's decode leg names its prefill worker the same way
+    pre = decode_hint({"kv_transfer_params": {"remote_prefiller": {
+        "kv_request_id": "pd-1", "remote_host": "10.1.2.4", "remote_port": 5710}}})
+    assert (pre.dialect, pre.source, pre.hashes_local) == ("llm-d", "10.1.2.4:5710", True)
     # a field vLLM or llm-d may add is not ours to refuse
     more = decode_hint({"kv_transfer_params": {"remote_kv_source": {
         "remote_host": "h", "remote_port": 1, "remote_engine_id": "e"}}})

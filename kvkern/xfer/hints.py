@@ -20,6 +20,8 @@ pass-through), in this order of dialects::
     llm-d      kv_transfer_params.remote_kv_source       {kv_request_id, remote_host, remote_port}
                                                          (vLLM's P2P tier; the older {host, port}
                                                          too); hashes computed locally
+               kv_transfer_params.remote_prefiller       the same shape: the prefill worker of
+                                                         llm-d's prefill/decode split
 
 A location holding ``null`` counts as absent. The first dialect that yields a hint or a
 rejection decides; a dialect that is *ignored* (unknown ``version`` / ``protocol_version``, no
@@ -476,6 +478,7 @@ _DIALECTS = (
     ("dynamo", ("kv_transfer_params", "kv_hint"), _decode_dynamo_envelope),
     ("dynamo", ("kv_transfer_params", "router_hint"), _decode_dynamo),
     ("llm-d", ("kv_transfer_params", "remote_kv_source"), _decode_llmd),
+    ("llm-d", ("kv_transfer_params", "remote_prefiller"), _decode_llmd),
 )
 
 
@@ -551,7 +554,8 @@ def strip_hints(request_body: dict) -> dict:
     for key in ("kv_transfer_params",):
         if isinstance(out.get(key), dict):
             out[key] = {k: v for k, v in out[key].items()
-                        if k not in ("kv_hint", "router_hint", "remote_kv_source")}
+                        if k not in ("kv_hint", "router_hint", "remote_kv_source",
+                                     "remote_prefiller")}
     extra = out.get("extra_args")
     if isinstance(extra, dict):
         out["extra_args"] = strip_hints(extra)
