@@ -342,34 +342,23 @@ def test_a_prefix_cache_reset_waits_for_peers_pins_and_grants_none_meanwhile(vll
     assert blocks.pin(hashes) is None  # (forgotten with the reset)
 
 
-def test_a_prefix_cache_reset_that_vllm_refuses_anyway_waits_for_no_pin(vllm_pool):
-    """While vLLM's own requests hold blocks it refuses a reset whatever peers pin: the reset
-    answers at once instead of holding the engine for a pin's time."""
+@pytest.mark.parametrize("held", ["other blocks", "the pinned blocks"])
+def test_a_prefix_cache_reset_that_vllm_refuses_anyway_waits_for_no_pin(vllm_pool, held):
+    """While vLLM's own requests hold blocks it refuses a reset whatever peers pin, also
+    when a request hit the very blocks a peer pinned (a second reference, no block more in
+    use): the reset answers at once instead of holding the engine for a pin's time."""
     pool, _, blocks = vllm_pool
-    req, _ = cached_request(pool, list(range(920, 932)), "q", blocks)
+    req, got = cached_request(pool, list(range(920, 932)), "q", blocks)
     hashes = [vllm_u64(h) for h in req.block_hashes]
-    held = blocks.pin(hashes)
-    running = pool.get_new_blocks(2)  # a request's blocks, in use
+    pinned = blocks.pin(hashes)
+    if held == "other blocks":
+        running = pool.get_new_blocks(2)  # a request's blocks, in use
+    else:
+        pool.touch(got)  # a running request's prefix-cache hit on the pinned blocks
+        running = got
     t0 = time.monotonic()
     assert not pool.reset_prefix_cache()
     assert time.monotonic() - t0 < 1.0 and blocks.pins_outstanding == len(hashes)
     pool.free_blocks(running)
-    blocks.unpin(held)
-    assert pool.reset_prefix_cache()
-
-
-def test_a_reset_refused_for_a_request_sharing_a_pinned_block_waits_for_no_pin(vllm_pool):
-    """A request that hit the very blocks a peer pinned holds them too (a second reference,
-    no block more in use): vLLM refuses the reset whatever the pin does, and the reset
-    answers at once instead of holding the engine for the pin's time."""
-    pool, _, blocks = vllm_pool
-    req, got = cached_request(pool, list(range(940, 952)), "s", blocks)
-    hashes = [vllm_u64(h) for h in req.block_hashes]
-    held = blocks.pin(hashes)
-    pool.touch(got)  # a running request's prefix-cache hit on the same blocks
-    t0 = time.monotonic()
-    assert not pool.reset_prefix_cache()
-    assert time.monotonic() - t0 < 1.0 and blocks.pins_outstanding == len(hashes)
-    pool.free_blocks(got)
-    blocks.unpin(held)
+    blocks.unpin(pinned)
     assert pool.reset_prefix_cache()
