@@ -111,8 +111,7 @@ class PullJob:
             self.outstanding = None
             return False
         held.kept.extend(kept)
-        if self.outstanding is not None:
-            self.outstanding.append(held)
+        self.outstanding.append(held)
         return True
 
     def remaining_s(self, now: float) -> float:

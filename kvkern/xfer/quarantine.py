@@ -52,8 +52,8 @@ class Outstanding:
             self.kept += other.kept
 
     def ended(self) -> bool:
-        """Whether nothing can write the memory any more (on any thread: it only reads
-        what the lanes' threads retired)."""
+        """Whether nothing can write the memory any more (on the event loop's thread: of
+        the batches it reads only what their lanes' threads retired)."""
         while self.calls:
             call = self.calls[-1]
             if not call.done():
