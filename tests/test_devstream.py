@@ -683,3 +683,51 @@ def test_first_device_stream_logs_what_ucx_tls_takes_away(monkeypatch, caplog):
     text = caplog.text
     assert "rules out cuda_ipc" in text and "rules out rc" in text
     assert "rules out cuda_copy" not in text and text.count("rules out cuda_ipc") == 1
+
+
+def test_a_run_that_raises_hands_over_the_event_after_what_it_launched():
+    """An unpack or pack that raises after launching kernels (a later piece's check, an
+    allocation that fails): the event after them is recorded on the side stream and rides
+    on the exception, for the caller to wait on before it reuses what they touch."""
+    log: list = []
+    ds = fake_cuda_stream(log)
+
+    def launch_then_fail():
+        log.append(("kernel",))
+        raise ValueError("a later piece does not fit")
+
+    with pytest.raises(ValueError) as info:
+        ds.run(launch_then_fail, after=ds.fence())
+    ready = devstream.launched(info.value)
+    assert ready is not None and ready.name == "ev1"
+    assert at(log, ("kernel",)) < at(log, ("record", "ev1", "side")) < at(log, ("exit", "side"))
+    assert devstream.launched(ValueError("from a host stream")) is None
+
+
+async def test_a_stream_whose_unpack_raises_gives_its_ring_back_only_after_the_launched_unpacks(
+        no_device_sync, monkeypatch):
+    """The destination's unpack of a chunk raises after launching (the second chunk): the
+    pull fails, and its ring slots go back, and the engine is ordered, after the event of
+    what that unpack launched, not the chunk before's."""
+    from kvkern.xfer import receive
+
+    log: list = []
+    fake = fake_cuda_stream(log)
+    feed = receive.StreamUnpacker.feed
+    calls = []
+
+    def feed_then_fail(self, buf):
+        calls.append(1)
+        out = feed(self, buf)
+        if len(calls) == 2:
+            log.append(("launched then failed",))
+            raise ValueError("a piece beyond the plan")
+        return out
+
+    monkeypatch.setattr(receive.StreamUnpacker, "feed", feed_then_fail)
+    with devstream.installed("cpu", fake), pytest.raises(Exception):
+        await receive_all("cpu", log)
+    failed = at(log, ("launched then failed",))
+    ev = next(e[1] for e in log[failed:] if e[0] == "record" and e[2] == "side")
+    assert at(log, ("wait_event", "compute", ev)) > failed  # the engine waits for it
+    assert ("sync", ev) in [e[:2] for e in log]  # and the pair ended only after it

@@ -51,7 +51,7 @@ import torch
 from kvkern.xfer.tuning import DEFAULT_PROGRAM_FRACTION
 
 __all__ = ["DONE", "HOST", "CudaStream", "DeviceStream", "HostStream", "Ready", "StreamConfig",
-           "for_device", "install", "warm_kernels"]
+           "for_device", "install", "launched", "warm_kernels"]
 
 T = TypeVar("T")
 
@@ -186,6 +186,12 @@ def _synchronize_on_its_device(ready: Ready) -> None:
         ready.synchronize()
 
 
+def launched(exc: BaseException) -> Ready | None:
+    """The event after the kernels a failed :meth:`DeviceStream.run` launched (None for a
+    host stream, whose work was done when it raised)."""
+    return getattr(exc, "ready", None)
+
+
 class CudaStream:
     """A CUDA device's side stream for pull kernels, and the engine's compute stream it
     orders against (see the module docstring). Build it with :meth:`create`; the
@@ -194,12 +200,18 @@ class CudaStream:
 
     def __init__(self, *, side: torch.cuda.Stream, compute: torch.cuda.Stream,
                  max_programs: int | None, new_event: Callable[[], torch.cuda.Event],
-                 use: Callable[[torch.cuda.Stream], AbstractContextManager[object]]) -> None:
+                 use: Callable[[torch.cuda.Stream], AbstractContextManager[object]],
+                 on_device: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+                 ) -> None:
         self.side = side
         self.compute = compute
         self.max_programs = max_programs
         self._new_event = new_event
         self._use = use  # context manager making a stream current (torch.cuda.stream)
+        # ... and one making the side stream's device current (torch.cuda.device): leaving a
+        # stream restores the previous stream of the current device, which on a thread whose
+        # device is another GPU's makes that GPU's context
+        self._on_device = on_device
 
     @classmethod
     def create(cls, device: torch.device | str, *, compute: torch.cuda.Stream | None = None,
@@ -225,7 +237,8 @@ class CudaStream:
             return torch.cuda.Event(blocking=True)
 
         return cls(side=side, compute=compute, max_programs=config.max_programs(sms),
-                   new_event=new_event, use=torch.cuda.stream)
+                   new_event=new_event, use=torch.cuda.stream,
+                   on_device=lambda: torch.cuda.device(device))
 
     def fence(self) -> Ready:
         ev = self._new_event()
@@ -233,16 +246,28 @@ class CudaStream:
         return ev
 
     def run(self, fn: Callable[[], T], *, after: Ready | None = None) -> tuple[T, Ready]:
-        if after is not None:
-            self.side.wait_event(after)
-        with self._use(self.side):
-            out = fn()
-            ready = self._new_event()
-            ready.record(self.side)
+        """``fn()`` on the side stream, after ``after``; its result and the event after it.
+        When ``fn`` raises, kernels it launched before may still run: the event after them
+        rides on the exception as ``ready`` (:func:`launched`), for the caller to wait on
+        before it reuses what they touch."""
+        with self._on_device():
+            if after is not None:
+                self.side.wait_event(after)
+            with self._use(self.side):
+                try:
+                    out = fn()
+                except BaseException as exc:
+                    ready = self._new_event()
+                    ready.record(self.side)
+                    exc.ready = ready  # type: ignore[attr-defined]
+                    raise
+                ready = self._new_event()
+                ready.record(self.side)
         return out, ready
 
     def synchronize(self, ready: Ready) -> None:
-        ready.synchronize()
+        with self._on_device():
+            ready.synchronize()
 
     async def wait(self, ready: Ready, timeout: float) -> None:
         await wait_ready(ready, timeout)

@@ -247,7 +247,11 @@ class StreamReceiver:
                 unpacker.skip(n)
             else:
                 t = time.perf_counter()
-                _, ready = ds.run(functools.partial(unpacker.feed, buf), after=fence)
+                try:
+                    _, ready = ds.run(functools.partial(unpacker.feed, buf), after=fence)
+                except BaseException as exc:  # (unpacks it launched: waited for below)
+                    last[0] = devstream.launched(exc) or last[0]
+                    raise
                 last[0] = ready
                 job.unpack_s += time.perf_counter() - t
                 if i + ring_n < reply.n_chunks:  # recv_stream reuses this slot next

@@ -593,10 +593,15 @@ class Sender:
             shape = (b1 - b0, p.layer_stop - p.layer_start, 2, p.head_stop - p.head_start,
                      layout.block_size, layout.head_dim)
             view = None if out is None else out.view(layout.dtype).view(shape)
-            staged, ready = ds.run(functools.partial(
-                pack, rank_kv.pool, layout, block_ids[b0:b1], out=view,
-                layers=(p.layer_start, p.layer_stop), heads=(p.head_start, p.head_stop),
-                max_programs=ds.max_programs), after=fence)
+            try:
+                staged, ready = ds.run(functools.partial(
+                    pack, rank_kv.pool, layout, block_ids[b0:b1], out=view,
+                    layers=(p.layer_start, p.layer_stop), heads=(p.head_start, p.head_stop),
+                    max_programs=ds.max_programs), after=fence)
+            except BaseException as exc:  # (a pack it launched ends before the slot is free)
+                if (started := devstream.launched(exc)) is not None:
+                    ds.synchronize(started)
+                raise
             ds.synchronize(ready)
             flat = staged.reshape(-1).view(torch.uint8)
             svc.metrics.source_packed(flat.numel(), time.perf_counter() - t0)

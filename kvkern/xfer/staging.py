@@ -68,9 +68,12 @@ class StagingPool:
             b.zero_()
         if fresh and torch.device(device).type == "cuda":
             # done before UCX or a side stream, which this stream does not order, writes them
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(device))
-            done.synchronize()
+            # (with their device current: a CUDA call on a thread with none makes GPU 0's
+            # context)
+            with torch.cuda.device(device):
+                done = torch.cuda.Event()
+                done.record(torch.cuda.current_stream(device))
+                done.synchronize()
         self.give(fresh)
 
     def give(self, bufs: Iterable[torch.Tensor], ready: Ready | None = None) -> None:
