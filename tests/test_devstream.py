@@ -710,6 +710,7 @@ async def test_a_stream_whose_unpack_raises_gives_its_ring_back_only_after_the_l
     pull fails, and its ring slots go back, and the engine is ordered, after the event of
     what that unpack launched, not the chunk before's."""
     from kvkern.xfer import receive
+    from kvkern.xfer.pulljob import Fallback
 
     log: list = []
     fake = fake_cuda_stream(log)
@@ -725,7 +726,7 @@ async def test_a_stream_whose_unpack_raises_gives_its_ring_back_only_after_the_l
         return out
 
     monkeypatch.setattr(receive.StreamUnpacker, "feed", feed_then_fail)
-    with devstream.installed("cpu", fake), pytest.raises(Exception):
+    with devstream.installed("cpu", fake), pytest.raises(Fallback, match="beyond the plan"):
         await receive_all("cpu", log)
     failed = at(log, ("launched then failed",))
     ev = next(e[1] for e in log[failed:] if e[0] == "record" and e[2] == "side")
