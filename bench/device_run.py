@@ -8,7 +8,8 @@ Run through ``bench/run_device.sh`` (which picks the interpreter and ``$OUT``)::
 Steps, in order; each runs in its own process with a time limit taken from one overall
 budget, and a step that fails or times out is recorded and the next one runs:
 
-* env: interpreter, torch, Triton, CUDA, kvkern commit -> ``env.json``
+* env: interpreter, torch, Triton, CUDA, kvkern commit -> ``env.json`` (failed, outside a
+  dry run, when this Python sees no CUDA device)
 * gpu_facts: NVML (nvidia-ml-py): name, max SM and memory clocks, memory bus width, peak
   memory bandwidth = 2 x memory clock x bus width / 8 -> ``gpu_facts.json``
 * ucx_transports: ``ucx_info -d`` of ucxx's UCX under kvkern's UCX settings (on a GPU node
@@ -18,8 +19,8 @@ budget, and a step that fails or times out is recorded and the next one runs:
   against a contiguous copy and a per-block copy loop; each GB/s figure also as a fraction
   of the peak -> ``kernels.json``
 * pytest_gpu: ``pytest -m gpu tests`` (every gpu-marked test, the device-stream ones of
-  ``tests/test_devstream.py`` included), with the name of each test it ran
-  -> ``pytest_gpu.json``
+  ``tests/test_devstream.py`` included), with the name of each test it ran; failed, outside
+  a dry run, when every one of them skipped -> ``pytest_gpu.json``
 * xfer: ``kvkern bench xfer``, a 256 MiB pull between two processes against a raw UCXX
   send of the same bytes (pools on the GPU where the command offers ``--device``), then
   the TP and PP reshards (``--reshards all``), with the targets judged on that run
@@ -333,6 +334,30 @@ def _env_info(dry_run: bool) -> dict:
     return info
 
 
+def env_result(cuda: bool, dry: bool) -> dict:
+    """The env step: failed outside a dry run when this Python sees no CUDA device (every
+    GPU step would then skip or run on the CPU, and look fine)."""
+    if cuda or dry:
+        return {"rc": 0, "seconds": 0.0}
+    return {"rc": 1, "seconds": 0.0, "error": "CUDA is not available to this Python: every "
+            "GPU step would skip or run on the CPU"}
+
+
+def gpu_tests_result(res: dict, counts: dict, dry: bool) -> dict:
+    """The pytest_gpu step's result: pytest exits 0 when every test skipped, and 5 when none
+    was collected; outside a dry run either is a failure (on a GPU none may skip)."""
+    if res["rc"] == 5:
+        res["note"] = "no gpu-marked test collected"
+    if dry or res["rc"] not in (0, 5):
+        return res
+    ran = counts.get("tests", 0) - counts.get("skipped", 0)
+    if ran <= 0:
+        res["rc"] = 1
+        res["error"] = (f"{counts.get('skipped', 0)} of {counts.get('tests', 0)} gpu tests "
+                        "skipped, none ran")
+    return res
+
+
 def _help_offers(cmd: list[str], option: str) -> bool:
     try:
         out = subprocess.run(cmd + ["--help"], cwd=ROOT, capture_output=True, text=True,
@@ -366,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # env ---------------------------------------------------------------------------------
     env = _env_info(dry)
-    record("env", {"rc": 0, "seconds": 0.0}, env)
     cuda = bool(env.get("cuda_available"))
+    record("env", env_result(cuda, dry), env)
 
     # GPU facts ---------------------------------------------------------------------------
     peak = None
@@ -416,9 +441,7 @@ def main(argv: list[str] | None = None) -> int:
                                   if c.find("failure") is not None or c.find("error") is not None]
         counts["test_names"] = sorted(f"{c.get('classname')}::{c.get('name')}"
                                       for s in suites for c in s.iter("testcase"))
-    if res["rc"] == 5:  # no test collected after deselection is not a failure of the run
-        res["note"] = "no gpu-marked test collected"
-    record("pytest_gpu", res, counts)
+    record("pytest_gpu", gpu_tests_result(res, counts, dry), counts)
 
     # two-process pull --------------------------------------------------------------------
     xcmd = [PY, "-m", "kvkern", "bench", "xfer"]

@@ -129,3 +129,19 @@ def test_a_failing_or_hanging_step_is_recorded(tmp_path):
     ok = device_run.run_step([sys.executable, "-c", "print('{\"a\": 1}')"], tmp_path / "o.log", 30)
     assert ok["rc"] == 0 and "error" not in ok
     assert device_run.last_json_line((tmp_path / "o.log").read_text()) == {"a": 1}
+
+
+def test_outside_a_dry_run_no_cuda_and_every_gpu_test_skipped_are_failures():
+    """pytest exits 0 when every test skipped, so on a machine (or a Python) without CUDA
+    the device check would otherwise report its GPU steps fine."""
+    assert device_run.env_result(cuda=False, dry=False)["rc"] == 1
+    assert device_run.env_result(cuda=False, dry=True)["rc"] == 0
+    assert device_run.env_result(cuda=True, dry=False)["rc"] == 0
+    skipped = {"tests": 4, "skipped": 4, "failures": 0, "errors": 0}
+    res = device_run.gpu_tests_result({"rc": 0}, skipped, dry=False)
+    assert res["rc"] == 1 and "none ran" in res["error"]
+    assert device_run.gpu_tests_result({"rc": 0}, skipped, dry=True)["rc"] == 0
+    assert device_run.gpu_tests_result({"rc": 5}, {}, dry=False)["rc"] == 1
+    ran = device_run.gpu_tests_result({"rc": 0}, dict(skipped, skipped=1), dry=False)
+    assert ran["rc"] == 0 and "error" not in ran
+    assert device_run.gpu_tests_result({"rc": 1}, skipped, dry=False)["rc"] == 1
