@@ -331,6 +331,13 @@ def _env_info(dry_run: bool) -> dict:
         info["triton"] = triton.__version__
     except Exception as e:  # noqa: BLE001
         info["triton_error"] = repr(e)
+    # ucxx's progress thread makes device 0's context current with cuda-core at its start
+    # (thread progress mode): without it that start fails on a GPU machine
+    try:
+        import importlib.metadata
+        info["cuda_core"] = importlib.metadata.version("cuda-core")
+    except Exception as e:  # noqa: BLE001
+        info["cuda_core_error"] = repr(e)
     return info
 
 
