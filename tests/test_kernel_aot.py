@@ -55,14 +55,18 @@ def test_compiles_without_spills_and_moves_16_byte_words(case):
 
 def test_specialisation_is_the_launchers():
     """Constexprs are the launcher's keyword arguments; pointers of 512-byte aligned
-    allocations are known 16-aligned; a head slice's start (2) is not 16-divisible."""
+    allocations are known 16-aligned; the counts and starts of a pull's pieces are never
+    specialised, so a head slice, another layer range or another number of blocks runs the
+    kernel already compiled (no compile on the request path)."""
     layout, grid, args, kwargs = aot.launch_spec(Case(layout="trtllm", heads=(2, 4)))
     spec = aot.specialised(Case(layout="trtllm", heads=(2, 4)))
     assert spec["num_warps"] == kwargs["num_warps"]
     assert spec["constexprs"] == {k: v for k, v in kwargs.items() if k != "num_warps"}
     assert {"pool_ptr", "staging_ptr", "block_ids_ptr", "layer_off_ptr"} <= set(spec["aligned16"])
-    assert "head_start" not in spec["aligned16"]
-    assert "head_start" in aot.specialised(Case(layout="trtllm"))["aligned16"]
+    assert not set(spec["aligned16"]) & {"head_start", "n_heads", "n_rows", "n_groups"}
+    for other in (Case(layout="trtllm"), Case(layout="trtllm", n_ids=16),
+                  Case(layout="trtllm", heads=(0, 1))):
+        assert aot.specialised(other) == spec, other
     assert grid[0] >= 1 and layout.name == "trtllm"
 
 

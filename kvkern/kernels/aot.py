@@ -129,7 +129,8 @@ def _jit_kernel():
     from triton.runtime.jit import JITFunction  # noqa: PLC0415
 
     k = _pack_mod._kv_copy_kernel
-    return k if isinstance(k, JITFunction) else JITFunction(k.fn)
+    return k if isinstance(k, JITFunction) else JITFunction(
+        k.fn, do_not_specialize=list(_pack_mod.NOT_SPECIALISED))
 
 
 def specialise(case: Case):

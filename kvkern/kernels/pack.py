@@ -55,9 +55,15 @@ _WORD_DTYPES = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 # jit kernel
 # --------------------------------------------------------------------------------------
 
+# The counts and starts change with every pull's pieces (layers and heads of a reshard, rows
+# of a chunk): specialised on their values (1, multiples of 16), each new mix would compile
+# again on the request path. The strides and the pool size stay specialised: they are fixed
+# per pool and give the vector width.
+NOT_SPECIALISED = ("layer_start", "head_start", "n_layers", "n_heads", "n_rows", "n_groups")
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=list(NOT_SPECIALISED))
     def _kv_copy_kernel(
         pool_ptr,        # [*] word view of the pool, based at layer 0's tensor
         staging_ptr,     # [n_rows, T, DW] contiguous words
