@@ -217,7 +217,10 @@ def _launch_triton(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.
     launch = _launch_args(tensors, layout, ids, staging, l0, l1, h0, h1, pack_dir, max_programs)
     if launch is not None:
         grid, args, kwargs = launch
-        _kv_copy_kernel[grid](*args, **kwargs)
+        # (launched on the tensors' device, whatever device the calling thread has current)
+        with (torch.cuda.device(staging.device) if staging.device.type == "cuda"
+              else contextlib.nullcontext()):
+            _kv_copy_kernel[grid](*args, **kwargs)
 
 
 def _launch_args(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Tensor,
