@@ -182,6 +182,9 @@ def test_dynamos_kv_hint_envelope_where_dynamo_puts_it():
         assert (h.dialect, h.source, h.block_hashes, h.hash_scheme) == (
             "kv_hints", "tcp://10.0.0.7:5600", tuple(HASHES), "engine")
     assert decode_hint(kvkern_hint()).dialect == "kvkern"
+    # a kv_hint of a later kvkern version stays ignored, whatever else it carries
+    later = decode_hint({"kv_hint": dict(envelope, version=2)})
+    assert later.reason == "no_hint" and "version 2" in later.detail
     bad = dict(envelope, actions=[fetch_action(payload={"source_control_endpoint": "x"})])
     assert decode_hint({"kv_hint": bad}).reason == "hint_invalid"
     assert decode_hint({"kv_transfer_params": {"kv_hint": {"x": 1}}}).reason == "no_hint"

@@ -124,9 +124,10 @@ def test_an_identical_pull_attaches_to_the_first(fleet):
 
 
 def test_an_identical_pull_due_sooner_than_the_request_does_not_hold_it(fleet):
-    """A request whose identical pull in flight has an earlier deadline pulls itself (and
-    later identical requests attach to its pull): the first pull's deadline ending it does
-    not end the request that had time for its own."""
+    """A request whose identical pull in flight ends much sooner than it must (a shorter
+    deadline, or the same deadline started long before) pulls itself, and later identical
+    requests attach to its pull: the first pull's deadline ending it does not end a request
+    that had time for its own."""
     src, make = fleet
     toks = tokens(4, 3)
     commit(src.group, toks)
@@ -140,8 +141,22 @@ def test_an_identical_pull_due_sooner_than_the_request_does_not_hold_it(fleet):
     assert short_o.reason is Reason.DEADLINE_EXCEEDED, short_o
     assert long_o.used and long_o.reason is Reason.OK, long_o
     assert third.reason is Reason.DUPLICATE and third.blocks_local == 4, third
-    assert len(src.requests) == 2
+    sent = [r.request_id for r in src.requests]
+    assert sent.count("long") == 1 and "third" not in sent, sent
     assert p.release("long")
+    # the same stated deadline, the first pull started long before: its source never answers
+    toks = tokens(4, 4)
+    commit(src.group, toks)
+    src.faults.delay_s, src.faults.drop = 0.0, True
+    same = {"kv_hint": dict(HINT["kv_hint"], deadline_s=1.0, transfer_timeout_s=1.0)}
+    p.submit("early", toks, same)
+    time.sleep(0.8)
+    src.faults.drop = False  # the source answers again
+    p.submit("late", toks, same)  # 1 s from now: the early pull has 0.2 s left
+    early, late = p.result("early", 5), p.result("late", 5)
+    assert early.reason is Reason.DEADLINE_EXCEEDED, early
+    assert late.used and late.reason is Reason.OK, late
+    assert p.release("late")
 
 
 @pytest.mark.parametrize("follower_stays", [True, False])

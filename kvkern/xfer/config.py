@@ -79,8 +79,8 @@ class XferConfig:
     # max_inflight_pulls, a source whose pulls stall leaves slots to the others; one source
     # under load then gets fewer (a 512-request load of one source: 68 busy, one slot fewer)
     max_inflight_per_source: int | None = None
-    # an identical in-flight pull (same source, same hash range) with a deadline no shorter
-    # than this request's: the request waits for it and ends ``duplicate``
+    # an identical in-flight pull (same source, same hash range) with at least half the time
+    # left that this request has: the request waits for it and ends ``duplicate``
     dedup: bool = True
     max_tracked_requests: int = 65536  # finished outcomes kept for result(); oldest dropped
 

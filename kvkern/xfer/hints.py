@@ -63,8 +63,8 @@ and are checked in the worker's own scheme. vLLM's ``Request.kv_hints`` (a msgsp
 For ``kv_hints`` the first ``kv.fetch`` 1.0 action is used (``kv.source_locations`` 1.0, its
 earlier name, too); other action types and versions are skipped. ``message_id`` and
 ``action_id`` are carried on the hint for logs. An object at ``kv_hint`` that has no
-``source`` but a ``protocol_version`` or ``actions`` is that envelope (Dynamo names its
-request field ``kv_hint``) and decodes as ``kv_hints``.
+``source`` and no ``version`` but a ``protocol_version`` or ``actions`` is that envelope
+(Dynamo names its request field ``kv_hint``) and decodes as ``kv_hints``.
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ def _get(container: Any, *path: str) -> Any:
 
 def _is_envelope(raw: Any) -> bool:
     """A ``kv_hints`` envelope where a ``kv_hint`` was looked for (Dynamo's field name)."""
-    return isinstance(raw, dict) and "source" not in raw and (
+    return isinstance(raw, dict) and "source" not in raw and "version" not in raw and (
         "protocol_version" in raw or "actions" in raw)
 
 

@@ -107,6 +107,9 @@ log = logging.getLogger("kvkern.xfer")
 _METRIC_PHASES = frozenset({"metadata", "plan", "allocate", "transfer", "unpack", "validate",
                             "commit", "total"})
 _METADATA_REASONS = ("metadata_fetch_failed", "metadata_timeout", "metadata_invalid")
+# A request waits for an identical pull in flight that has at least this share of the time
+# the request has left; else it pulls itself (and leads later identical requests).
+DEDUP_TIME_SHARE = 0.5
 
 
 class Puller:
@@ -477,7 +480,7 @@ class Puller:
             if self._closed:
                 reason, detail = Reason.CLOSED, "puller is closed"
             elif self.config.dedup and job.into is None and key in self._keys \
-                    and self._keys[key].deadline_s >= job.timeouts[2]:  # (else: its own pull)
+                    and _time_enough(self._keys[key], job):  # (else: a pull of its own)
                 leader = self._keys[key]
             elif len(self._leaders) >= self.config.max_inflight_pulls:
                 reason, detail = Reason.BUSY, (f"{len(self._leaders)} pulls in flight, "
@@ -491,7 +494,7 @@ class Puller:
             if reason is None:
                 rec.state = RequestState.CONTEXT_PREFETCH_INIT
                 if leader is None:
-                    rec.source, rec.deadline_s = hint.source, job.timeouts[2]
+                    rec.source, rec.deadline = hint.source, job.deadline
                     if job.into is None:
                         rec.key = key
                         self._keys[key] = rec
@@ -574,6 +577,14 @@ def _staging_for(group: KVGroup, config: XferConfig) -> StagingPool:
     for device, n_ranks in devices.items():
         staging.prewarm(device, config.chunk_bytes, config.chunks_in_flight * n_ranks)
     return staging
+
+
+def _time_enough(leader: PullRecord, job: PullJob) -> bool:
+    """Whether ``job`` waits for ``leader``'s identical pull: it has at least half the time
+    ``job`` has left (a pull due much sooner, by a shorter deadline or an earlier start, would
+    end a request that had time for a pull of its own)."""
+    now = time.perf_counter()
+    return leader.deadline - now >= DEDUP_TIME_SHARE * job.remaining_s(now)
 
 
 def _job(rec: PullRecord, hint: KvHint, admitted: Admitted, t_submit: float) -> PullJob:

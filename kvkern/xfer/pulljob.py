@@ -47,7 +47,7 @@ class PullRecord:
     leader: PullRecord | None = None  # set on dedup followers
     followers: int = 0  # dedup followers waiting for this pull (while it leads one)
     source: str = ""  # the hint's source, while this request leads a pull
-    deadline_s: float = float("inf")  # its pull's deadline (seconds), while it leads one
+    deadline: float = float("inf")  # perf_counter time its pull ends by, while it leads one
     cancel_requested: bool = False
     into: bool = False  # a pull into the engine's own blocks (Puller.pull_into)
     # registered, and neither scheduled nor finished yet (its hint is being admitted)
@@ -113,6 +113,11 @@ class PullJob:
         held.kept.extend(kept)
         self.outstanding.append(held)
         return True
+
+    @property
+    def deadline(self) -> float:
+        """The ``perf_counter`` time by which the pull ends (its overall deadline)."""
+        return self.t_submit + self.timeouts[2]
 
     def remaining_s(self, now: float) -> float:
         """Seconds left of the pull's overall deadline at ``now`` (perf_counter)."""
