@@ -297,8 +297,9 @@ class _Lane:
         self._worker: UCXWorker | None = None
         self._worker_handle = 0
         self._peers: collections.OrderedDict[bytes, _Peer] = collections.OrderedDict()
-        self.stuck_batches: list[ReadBatch] = []  # never freed: UCX may still write their memory
-        self._stuck_peers: list[tuple[_Peer, list[ReadBatch]]] = []  # keys kept for them
+        # reads that outlived their endpoint's close, with its peer (its keys kept for them):
+        # never freed while UCX may still write their memory
+        self._stuck: list[tuple[_Peer, list[ReadBatch]]] = []
         self._retiring = False  # a retire_stuck is queued on the lane's thread
         self._closed = False
 
@@ -374,8 +375,7 @@ class _Lane:
                     _past_drain["engine" if owned else "private"] += 1
                 if not owned:
                     stuck = [b for b in batches if b.stuck]
-                    self.stuck_batches.extend(stuck)
-                    self._stuck_peers.append((peer, stuck))
+                    self._stuck.append((peer, stuck))
                     raise _Stuck(f"{running} reads still running after their endpoint was "
                                  f"closed (waited {tuning.READ_DRAIN_S} s)",
                                  Outstanding(batches=[(self, b) for b in stuck]))
@@ -449,20 +449,28 @@ class _Lane:
         :class:`~kvkern.xfer.quarantine.Outstanding` then sees them ended; an endpoint whose
         stuck reads all ended gives up its keys."""
         self._retiring = False
-        if not self.stuck_batches or not self._worker_handle:
+        if not self._stuck or not self._worker_handle:
             return
         progress = ucxcompat.request_calls()[2]
         for _ in range(RETIRE_PROGRESS_CALLS):
             if not progress(self._worker_handle):
                 break
-        self.stuck_batches = [b for b in self.stuck_batches if not b.poll()]
-        for peer, batches in list(self._stuck_peers):
-            if not any(b.stuck for b in batches):
-                self._stuck_peers.remove((peer, batches))
+        left = []
+        for peer, batches in self._stuck:
+            batches = [b for b in batches if not b.poll()]
+            if batches:
+                left.append((peer, batches))
+            else:  # (every read through that endpoint ended: its keys may go)
                 peer.destroy_keys()
                 peer.ep = peer.address = None
-        if not self.stuck_batches and self._closed:  # (kept only for them: see close)
+        self._stuck = left
+        if not self._stuck and self._closed:  # (kept only for them: see close)
             self._worker = self._context = None
+
+    @property
+    def stuck_batches(self) -> list[ReadBatch]:
+        """The read batches still running past their endpoint's close."""
+        return [b for _, batches in self._stuck for b in batches]
 
     def retire_later(self) -> None:
         """:meth:`retire_stuck` on the lane's thread (here, for the loop lane: on the event
@@ -491,7 +499,7 @@ class _Lane:
             _, peer = self._peers.popitem(last=False)
             with contextlib.suppress(_Stuck):
                 self._close_peer(peer, [])
-        if not self.stuck_batches:  # (else UCX still owns requests of this worker: keep it)
+        if not self._stuck:  # (else UCX still owns requests of this worker: keep it)
             self._worker = self._context = None
 
     @property
