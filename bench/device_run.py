@@ -331,8 +331,8 @@ def _env_info(dry_run: bool) -> dict:
         info["triton"] = triton.__version__
     except Exception as e:  # noqa: BLE001
         info["triton_error"] = repr(e)
-    # ucxx's progress thread makes device 0's context current with cuda-core at its start
-    # (thread progress mode): without it that start fails on a GPU machine
+    # whether cuda-core is there: ucxx's own start of its progress thread uses it, which
+    # kvkern replaces (kvkern.xfer.ucxcompat.install_progress_start), so nothing needs it
     try:
         import importlib.metadata
         info["cuda_core"] = importlib.metadata.version("cuda-core")

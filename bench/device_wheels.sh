@@ -4,9 +4,8 @@
 # prometheus-client, xxhash, nvidia-ml-py and pytest) lacks, at the versions of this
 # checkout's .venv, into .whl/ (git-ignored; about 51 MB). Run it where PyPI is reachable,
 # then carry .whl with the working tree: run_device.sh installs what it finds there.
-# ucxx's progress thread also wants cuda-core (with cuda-bindings and cuda-pathfinder, 14 MB
-# more), which would take the carried tree past its 64 MiB: the env step records whether the
-# image has it.
+# cuda-core, which ucxx's own progress thread start would use, is left out (14 MB more with
+# cuda-bindings and cuda-pathfinder): kvkern starts that thread without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

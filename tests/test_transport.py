@@ -834,3 +834,62 @@ def test_a_ucxx_context_made_with_rma_before_kvkern_is_named():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("created with RMA before kvkern used it") == 1, out.stderr
+
+
+# ------------------------------------------------------------ ucxx's progress thread's device
+
+_PROGRESS_THREAD_PROBE = r"""
+import asyncio, json, sys, threading
+import torch
+import ucxx._cuda_context as cuda_context
+from kvkern.xfer import devstream, ucxcompat
+
+made = []  # what ucxx's own start callback would do: make GPU 0's context current
+cuda_context.ensure_cuda_context = lambda device=0: made.append(device)
+current = []
+torch.cuda.set_device = lambda device: current.append(
+    (device, threading.current_thread() is threading.main_thread()))
+devstream.warm_kernels = lambda ranks, name="": None
+if sys.argv[1] == "cuda":  # a rank serving GPU 3, named as a puller or source names it
+    devstream.serve_devices([type("Rank", (), {"device": torch.device("cuda", 3)})()])
+async def main():
+    ctx = ucxcompat._app_context()
+    ctx.continuous_ucx_progress()  # starts ucxx's progress thread, as a first connection does
+    for _ in range(500):
+        if ucxcompat._progress_started.is_set():
+            break
+        await asyncio.sleep(0.01)
+asyncio.run(main())
+print(json.dumps({"started": ucxcompat._progress_started.is_set(), "made": made,
+                  "current": current}))
+"""
+
+
+@pytest.mark.parametrize("pools", ["cpu", "cuda"])
+def test_ucxx_progress_thread_makes_only_the_pools_device_current(pools):
+    """ucxx's progress thread starts by making GPU 0's CUDA context current in every process
+    (through cuda-core): a context on GPU 0 for each rank of a multi-GPU host. kvkern's start
+    makes no CUDA call for host pools, and for device pools makes the pools' device current,
+    on that thread."""
+    proc = subprocess.run([sys.executable, "-c", _PROGRESS_THREAD_PROBE, pools],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["started"] and seen["made"] == []
+    assert seen["current"] == ([] if pools == "cpu" else [[3, False]])
+
+
+def test_a_progress_thread_start_that_fails_is_logged_not_raised(monkeypatch, caplog):
+    """A device that cannot be made current (a driver error) leaves UCX's thread running."""
+    monkeypatch.setattr(ucxcompat, "_progress_device", [1])
+    monkeypatch.setattr(ucxcompat, "_progress_started", threading.Event())
+
+    def fail(device):
+        raise RuntimeError("CUDA driver error: no device")
+
+    monkeypatch.setattr(torch.cuda, "set_device", fail)
+    ucxcompat._progress_thread_started()
+    assert ucxcompat._progress_started.is_set()
+    assert "could not make CUDA device 1 current: CUDA driver error" in caplog.text
+    ucxcompat.note_cuda_device(torch.device("cuda", 2))  # the first named stays
+    assert ucxcompat._progress_device == [1]

@@ -1145,6 +1145,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     ns = parser.parse_args(argv)
+    if getattr(ns, "device", "cpu") == "cuda":  # the raw sends' buffers, before any pool
+        from kvkern.xfer.ucxcompat import note_cuda_device  # noqa: PLC0415
+
+        note_cuda_device(ns.device)
 
     if ns.what == "_peer":
         engineload.from_env()  # the source's engine, when the run asks for one

@@ -51,7 +51,7 @@ import torch
 from kvkern.xfer.tuning import DEFAULT_PROGRAM_FRACTION
 
 __all__ = ["DONE", "HOST", "CudaStream", "DeviceStream", "HostStream", "Ready", "StreamConfig",
-           "for_device", "install", "launched", "warm_kernels"]
+           "for_device", "install", "launched", "serve_devices", "warm_kernels"]
 
 T = TypeVar("T")
 
@@ -331,6 +331,19 @@ def installed(device: torch.device | str, stream: DeviceStream):
         yield stream
     finally:
         install(device, prev)
+
+
+def serve_devices(ranks: Iterable[Any], name: str = "kvkern-warm-up") -> threading.Thread | None:
+    """Ready this process for the device pools among ``ranks`` (as :func:`warm_kernels`
+    takes them), before its first connection: the first pool's device is the one ucxx's
+    progress thread makes current (:func:`kvkern.xfer.ucxcompat.note_cuda_device`), and every
+    pool's kernels compile now (:func:`warm_kernels`, whose thread is returned)."""
+    from kvkern.xfer import ucxcompat  # noqa: PLC0415
+
+    ranks = list(ranks)
+    for r in ranks:
+        ucxcompat.note_cuda_device(r.device)
+    return warm_kernels(ranks, name)
 
 
 def warm_kernels(ranks: Iterable[Any], name: str = "kvkern-warm-up") -> threading.Thread | None:

@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, Any
 from kvkern.cache.hashing import normalize_hashes
 from kvkern.xfer.admission import Admitted, Skip, WorkerFacts, admit, read_hint
 from kvkern.xfer.config import XferConfig
-from kvkern.xfer.devstream import warm_kernels
+from kvkern.xfer.devstream import serve_devices
 from kvkern.xfer.discovery import SourceDiscovery, bounded_put
 from kvkern.xfer.hints import HintLimits, HintRejected, KvHint
 from kvkern.xfer.kvgroup import KVGroup
@@ -175,7 +175,7 @@ class Puller:
         # and the read lanes' UCX workers, each made on its own thread meanwhile (one took
         # 7-10 ms of the first direct pull's look-up), and the kernels of device pools
         self._reads.open_lanes(self._loop.loop, group.ranks.values())
-        warm_kernels(group.ranks.values())
+        serve_devices(group.ranks.values())
 
     @property
     def quarantined_blocks(self) -> int:

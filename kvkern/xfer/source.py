@@ -191,7 +191,7 @@ from kvkern.xfer.auth import (
     serves_request,
 )
 from kvkern.xfer.auth import resolve as resolve_credential
-from kvkern.xfer.devstream import warm_kernels
+from kvkern.xfer.devstream import serve_devices
 from kvkern.xfer.httpguard import GuardedSite, guard_app, guard_stats, log_refused, start_guarded
 from kvkern.xfer.kvgroup import KVGroup
 from kvkern.xfer.messages import (
@@ -404,7 +404,7 @@ class SourceService:
         try:
             for device in {ctx.rkv.device for ctx in self._ctx.values()}:
                 self.staging.prewarm(device, cfg.chunk_bytes, cfg.chunks_in_flight)
-            warm_kernels((ctx.rkv for ctx in self._ctx.values()), "kvkern-source-warm-up")
+            serve_devices((ctx.rkv for ctx in self._ctx.values()), "kvkern-source-warm-up")
             if self.credential is not None:  # no credential: peers are not served at all
                 self.regions.register((ctx.rkv for ctx in self._ctx.values()),
                                       self.groups if cfg.read_directory else ())

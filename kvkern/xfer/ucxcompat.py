@@ -8,6 +8,7 @@ application context        :data:`APP_FEATURES`, :func:`app_features`,
                            :func:`worker_address`
 notifier thread            :func:`install_notifier`, :func:`rebind_notifier`,
                            :func:`stop_notifier`
+progress thread            :func:`note_cuda_device`, :func:`install_progress_start`
 read contexts (``_lib``)   :func:`new_rma_context`, :func:`read_target`,
                            :func:`new_worker`, :func:`endpoint_to_address`
 connection handshake       :func:`new_client_endpoint`, :func:`new_listener`,
@@ -26,7 +27,9 @@ The private pieces used: ucxx's application context (``ucxx.core._get_ctx()`` /
 ``ucxx.core._ctx``: its ``context.feature_flags``, ``worker.address``, the ``ucx_api`` module
 its constructor makes the context with (replaced by :func:`_restrict_app_features`),
 notifier thread, its body ``_notifierThread`` (replaced by :func:`_notifier`) and the
-Python-future pool), the Cython binding ``ucxx._lib.libucxx``
+Python-future pool), the progress thread's start callback
+(``ucxx._lib_async.continuous_ucx_progress._create_context``, replaced by
+:func:`_progress_thread_started`), the Cython binding ``ucxx._lib.libucxx``
 (``UCXContext``, ``UCXWorker``, ``UCXAddress``, ``Feature``, ``UCXEndpoint``,
 ``UCXListener``; the dict a ``UCXListener`` keeps its callback in, found with
 :func:`gc.get_referents`), the C++ ``ucxx::Listener::getHandle`` of libucxx (through
@@ -63,9 +66,9 @@ if TYPE_CHECKING:
     from ucxx._lib_async import ApplicationContext
 
 __all__ = ["APP_FEATURES", "MemMapParams", "ReadTarget", "RequestParam", "UCS_OK",
-           "app_features", "destroy_rkey",
-           "endpoint_to_address", "libucp", "map_for_remote_read", "new_rma_context",
-           "new_worker", "pack_rkey", "ptr_status", "read_poster", "rebind_notifier", "request_calls",
+           "app_features", "destroy_rkey", "endpoint_to_address", "libucp",
+           "map_for_remote_read", "new_rma_context", "new_worker", "note_cuda_device",
+           "pack_rkey", "ptr_status", "read_poster", "rebind_notifier", "request_calls",
            "read_target", "stop_notifier", "unmap", "unpack_rkey", "worker_address"]
 
 UCS_OK = 0
@@ -97,6 +100,7 @@ def _app_context() -> ApplicationContext:
     (:func:`stop_notifier_at_exit`)."""
     ucxx = import_ucxx()
     install_notifier()
+    install_progress_start()
     _restrict_app_features()
     ctx = ucxx.core._get_ctx()
     stop_notifier_at_exit()
@@ -214,6 +218,61 @@ def install_notifier() -> None:
     from ucxx._lib_async import application_context  # noqa: PLC0415
 
     application_context._notifierThread = _notifier
+
+
+# ---------------------------------------------------------------- progress thread
+
+# The CUDA device this process's pools are on, for ucxx's progress thread (first named kept),
+# and whether that thread has started (what it made current is fixed then).
+_progress_device: list[int] = []
+_progress_started = threading.Event()
+
+
+def note_cuda_device(device: object) -> None:
+    """Name a device whose pools this process serves (a ``torch.device`` or its string): the
+    first CUDA device named becomes current on ucxx's progress thread when it starts
+    (:func:`_progress_thread_started`); host devices, and devices named later, change nothing.
+    Name it before the first connection or listener, which start that thread."""
+    import torch  # noqa: PLC0415
+
+    device = torch.device(device)
+    if device.type != "cuda" or _progress_device:
+        return
+    if device.index is None and not torch.cuda.is_available():
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    _progress_device.append(index)
+    if _progress_started.is_set():
+        logging.getLogger("kvkern.xfer").info(
+            "ucxx's progress thread started before CUDA device %d was named: it runs with "
+            "no device current", index)
+
+
+def _progress_thread_started() -> None:
+    """The first thing ucxx's progress thread runs, in place of ucxx's own, which makes GPU 0's
+    CUDA context current through cuda-core in every process (a context on GPU 0 for each
+    rank of a multi-GPU host, and an error where cuda-core is absent): the device named by
+    :func:`note_cuda_device` current, where UCX's CUDA transports then work on this
+    process's pools; no CUDA call at all for host pools. Never raises."""
+    _progress_started.set()
+    if not _progress_device:
+        return
+    try:
+        import torch  # noqa: PLC0415
+
+        torch.cuda.set_device(_progress_device[0])
+    except Exception as exc:  # noqa: BLE001 (on UCX's thread: logged, the thread goes on)
+        logging.getLogger("kvkern.xfer").warning(
+            "ucxx's progress thread could not make CUDA device %d current: %s",
+            _progress_device[0], exc)
+
+
+def install_progress_start() -> None:
+    """Make ucxx's progress thread start with :func:`_progress_thread_started` (each thread
+    ucxx starts from now on). Idempotent."""
+    from ucxx._lib_async import continuous_ucx_progress  # noqa: PLC0415
+
+    continuous_ucx_progress._create_context = _progress_thread_started
 
 
 def rebind_notifier(loop: asyncio.AbstractEventLoop) -> bool:
