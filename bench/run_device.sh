@@ -2,9 +2,10 @@
 # The one prepared call that validates kvkern's GPU path; every result is JSON under $OUT.
 #   GPU machine:  bash bench/run_device.sh            (under 8 minutes on an H200)
 #   CPU check:    bash bench/run_device.sh --dry-run  (every step end to end, tiny sizes)
-# Steps (bench/device_run.py): env, NVML facts, UCX transports, kernel sweep with bit-exact
-# checks, the gpu-marked tests, a two-process pull against raw UCXX, the demo's exactness
-# check, the stream with a wider in-flight window, the autotuner if time is left; then
+# Steps (bench/device_run.py): env, NVML facts, UCX transports, two-process pulls of 16-256 MiB
+# against raw UCXX with the reshards, the demo's exactness check, the gpu-marked tests, the
+# kernel sweep with bit-exact checks, the stream with a wider in-flight window, the autotuner
+# if time is left; then
 # targets.json and summary.json. A failing step is recorded in its JSON and the next one
 # runs. $OUT defaults to a new temporary directory.
 # Interpreter: $PYTHON, else the project's .venv, else python3. On a machine that reaches no
