@@ -17,6 +17,7 @@ import contextlib
 import importlib
 import itertools
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -348,7 +349,7 @@ async def send_all(device: str, log: list, ids: list[int] = BLOCK_IDS,
                           staging=StagingPool(1 << 20), executor=executor,
                           _before_chunk=before_chunk, metrics=XferMetrics())
     s = SimpleNamespace(ctx=SimpleNamespace(rkv=rkv), req=SimpleNamespace(transfer_id=9),
-                        pack_cf=None, staging=[])
+                        pack_cf=None, staging=[], deadline=time.monotonic() + 30)
     ep = FakeEp(log)
     conn = Connection(ep, peer=None, codec=DEFAULT_CODEC)
     try:
@@ -399,6 +400,25 @@ async def test_host_source_sends_its_runs_from_the_pool_and_packs_the_rest():
     assert [(c.b0, c.b1) for c in chunks] == [(0, 3), (3, 5), (5, 6)]
     log: list = []
     await send_all("cpu", log, ids, chunks, packed=2)
+
+
+async def test_device_source_sends_its_runs_from_the_pool_once_the_fence_fired(no_device_sync):
+    """A device pool's run of consecutive pinned blocks leaves from the pool, unstaged, as a
+    host pool's does, but only once the fence after the engine's kernels that wrote them has
+    fired (UCX reads device memory outside any stream's order), waited off the loop's
+    thread and once per send; the blocks between are packed on the side stream after the
+    same fence."""
+    ids = [4, 5, 6, 0, 2, 7]
+    chunks = send_chunks(BLOCK_BYTES, ids, 2 * BLOCK_BYTES, 8 * BLOCK_BYTES, [], 3)
+    log: list = []
+    with devstream.installed("cpu", fake_cuda_stream(log)):
+        await send_all("cpu", log, ids, chunks, packed=2)
+    fence = at(log, ("record", "ev0", "compute"))
+    synced = at(log, ("sync", "ev0"))
+    assert fence < synced < at(log, ("send", 0))
+    assert log[synced][2] != threading.current_thread().name  # not the loop's thread
+    assert sum(e[:2] == ("sync", "ev0") for e in log) == 1  # once, not per zero-copy chunk
+    assert at(log, ("wait_event", "side", "ev0")) < at(log, ("send", 1))  # the packed chunk
 
 
 async def receive_all(device: str, log: list, private: list[int] = BLOCK_IDS,
@@ -571,6 +591,9 @@ async def test_a_host_pools_read_offer_needs_no_wait():
 async def test_gpu_source_and_destination_on_side_streams_are_bit_exact(no_device_sync):
     assert devstream.for_device("cuda").max_programs is not None
     await send_all("cuda", [])  # bytes checked against the pack of the same pool
+    ids = [4, 5, 6, 0, 2, 7]  # a run of the device pool leaves from it, the rest packed
+    await send_all("cuda", [], ids, send_chunks(BLOCK_BYTES, ids, 2 * BLOCK_BYTES,
+                                               8 * BLOCK_BYTES, [], 3), packed=2)
     log: list = []
     await receive_all("cuda", log)
     assert [e for e in log if e[0] == "recv"]  # ran through the ring

@@ -147,8 +147,9 @@ def whole_blocks(rank_kv: RankKV, pieces: Sequence[PlanPiece]) -> bool:
 
 def direct_rows(rank_kv: RankKV, pieces: Sequence[PlanPiece]) -> torch.Tensor | None:
     """The pool's byte rows when a chunk of consecutive pinned blocks can be sent straight
-    from the pool (:meth:`RankKV.stream_rows` of a CPU pool), else None (packed to staging)."""
-    if rank_kv.device.type != "cpu" or len(pieces) != 1:
+    from the pool (:meth:`RankKV.stream_rows`, host or device), else None (packed to
+    staging)."""
+    if len(pieces) != 1:
         return None
     return rank_kv.stream_rows(pieces[0].layers, pieces[0].heads, pieces[0].length)
 
@@ -582,8 +583,10 @@ class Sender:
         tid = s.req.transfer_id
         ds = devstream.for_device(device)
         # The pinned blocks were written by engine kernels enqueued before the pin: every
-        # pack of this send starts after them (kvkern.xfer.devstream).
+        # pack of this send starts after them (kvkern.xfer.devstream), and UCX, which
+        # follows no stream, reads them in place only once they have run.
         fence = ds.fence()
+        fenced = [False]
 
         def pack_slab(p: PlanPiece, b0: int, b1: int, out: torch.Tensor | None) -> torch.Tensor:
             """Runs on a packing thread: launches the pack on the device's side stream and
@@ -619,6 +622,9 @@ class Sender:
             p = pieces[c.piece]
             first = from_pool(c)
             if first is not None:  # zero-copy: the pinned blocks are the chunk
+                if not fenced[0]:  # (off the loop's thread; a host pool's fence has fired)
+                    await ds.wait(fence, max(s.deadline - time.monotonic(), 0.001))
+                    fenced[0] = True
                 return rows[first:first + c.b1 - c.b0].reshape(-1)[c.lo:c.hi]
             if c.lo == 0 and c.hi == (c.b1 - c.b0) * p.length:
                 k = i % ring

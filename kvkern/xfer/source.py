@@ -122,9 +122,10 @@ whole (piece, block range) units: for each piece in offset order, runs of
 a chunk never spans two pieces). A request's ``chunk_blocks`` (one piece only) replaces the
 runs by the destination's plan, each planned chunk cut again to ``limit``. If one block of a
 piece is larger than ``limit``, that block is cut into ``ceil(length / limit)`` byte slices.
-A stream of whole pool blocks from a host pool (:meth:`RankKV.stream_rows`) sends each run of
-consecutive pinned blocks of at least ``STREAM_MIN_RUN_BYTES`` straight from the pool, in
-chunks of its own of up to ``request.chunk_bytes`` (no staging holds them); only the packed
+A stream of whole pool blocks (:meth:`RankKV.stream_rows`) sends each run of consecutive
+pinned blocks of at least ``STREAM_MIN_RUN_BYTES`` straight from the pool (a device pool's
+once the fence after the engine's kernels has fired), in chunks of its own of up to
+``request.chunk_bytes`` (no staging holds them); only the packed
 chunks keep to ``limit`` (:func:`kvkern.layout.chunks.send_chunks`). So chunks are **not all
 equal**: the destination sizes its buffers from ``StreamReply.chunk_sizes``. Chunk ``k + 1``
 is packed (on a small packing thread pool, so the event loop stays free) into a ring of
