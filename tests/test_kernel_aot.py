@@ -68,6 +68,10 @@ def test_specialisation_is_the_launchers():
                   Case(layout="trtllm", heads=(0, 1))):
         assert aot.specialised(other) == spec, other
     assert grid[0] >= 1 and layout.name == "trtllm"
+    # the launcher marks the cached layer offsets (its fourth argument) used by the
+    # launch's stream, so an evicted entry is not reused under a running kernel
+    assert args[3] is aot._pack_mod._layer_offsets_tensor(
+        tuple(args[3].tolist()), args[3].device)
 
 
 # ---------------------------------------------------------------------------------------

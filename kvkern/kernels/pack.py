@@ -200,7 +200,10 @@ def _as_words(t: torch.Tensor, word_bytes: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=64)
 def _layer_offsets_tensor(offsets: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """Layer offsets on the device, cached per pool (an H2D copy per call cost ~10 us)."""
+    """Layer offsets on the device, cached per pool (an H2D copy per call cost ~10 us).
+    Each launch that reads it marks it used by its stream (:func:`_launch_triton`): an
+    entry evicted while a kernel on another stream still reads it keeps its memory until
+    that kernel has run."""
     return torch.tensor(offsets, dtype=torch.int64, device=device)
 
 
@@ -221,6 +224,8 @@ def _launch_triton(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.
         with (torch.cuda.device(staging.device) if staging.device.type == "cuda"
               else contextlib.nullcontext()):
             _kv_copy_kernel[grid](*args, **kwargs)
+            if staging.device.type == "cuda":  # the cached layer offsets (_launch_args)
+                args[3].record_stream(torch.cuda.current_stream(staging.device))
 
 
 def _launch_args(tensors, layout: KVLayout, ids: torch.Tensor, staging: torch.Tensor,
