@@ -176,6 +176,29 @@ def test_a_source_that_announces_no_group_is_read_by_plain_bucket(src, make_pull
     src.wait_no_pins()
 
 
+def test_a_source_that_announces_no_check_words_is_asked_for_grants_unread(
+        src, make_puller, monkeypatch, rounds):
+    """A source whose directory slots carry no check words (its index has no ``dir_check``:
+    an older source in a rolling upgrade) has no slot a reader may use: its blocks are
+    granted, without a directory read first."""
+    from kvkern.xfer import state as state_mod  # noqa: PLC0415
+
+    parse = state_mod.parse_read_index
+    monkeypatch.setattr(state_mod, "parse_read_index", lambda doc: parse(
+        {k: v for k, v in doc.items() if k != "dir_check"} if isinstance(doc, dict) else doc))
+    monkeypatch.setattr(direct, "read_whole", lambda dir_buckets, k: False)
+    tokens = fresh_tokens(6 * BS)
+    hashes = src.commit(tokens)
+    group = make_group()
+    p = make_puller(group, direct_reads=True)
+    o = pull(p, "unchecked", tokens, hint_for(src, tokens))
+    assert o.used and o.blocks_transferred == 6 and o.messages > 0, o
+    assert rounds == []  # its directory was never read
+    claim_check_release(p, group, src, "unchecked", hashes)
+    assert_clean(group)
+    src.wait_no_pins()
+
+
 def test_a_hash_missing_from_the_directory_asks_for_a_grant(src, make_puller):
     tokens = fresh_tokens(8 * BS)
     hashes = src.commit(tokens)
@@ -329,6 +352,10 @@ def test_read_index_is_advisory_and_bounded():
     assert index.dir_buckets == 128 and index.blocks == 256
     assert index.dir_group == 0  # (a source that places every hash in its plain bucket)
     assert parse_read_index({**good, "dir_group": 16}).dir_group == 16
+    assert not index.dir_check  # (a source whose slots carry no check words)
+    assert parse_read_index({**good, "dir_check": 1}).dir_check
+    assert not any(parse_read_index({**good, "dir_check": v}).dir_check
+                   for v in (True, 2, "1", 1.0))
     bad = [None, [], {**good, "keys": []}, {**good, "keys": ["zz"]},
            {**good, "dir_group": MAX_GROUP + 1}, {**good, "dir_group": True},
            {**good, "dir_group": -1}, {**good, "dir_group": "16"},

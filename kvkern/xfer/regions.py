@@ -49,7 +49,7 @@ class RegisteredPool:
                 "stride": segs.stride, "segment_bytes": segs.nbytes,
                 "blocks": d.directory.num_blocks, "dir_key": d.region.rkey.hex(),
                 "dir_base": d.directory.address, "dir_buckets": d.directory.buckets,
-                "dir_group": d.directory.group}
+                "dir_group": d.directory.group, "dir_check": 1}
 
 
 def worker_address_hex() -> str:

@@ -488,13 +488,13 @@ class PullRunner:
 
     def _direct(self, job: PullJob, pair: PeerTransfer, rank_kv: RankKV) -> bool:
         """This pair may read directly (:mod:`kvkern.xfer.direct`): allowed on both sides,
-        the source rank publishes its directory and read worker, and a granted read would
-        be allowed too, but for the size of its reads (which the pairs of one source rank
-        have together: :meth:`_direct_groups`)."""
+        the source rank publishes its directory (with check words) and read worker, and a
+        granted read would be allowed too, but for the size of its reads (which the pairs
+        of one source rank have together: :meth:`_direct_groups`)."""
         state, key = job.state, (job.source_dp, pair.src_rank)
         return (self.config.direct_reads and state is not None
-                and key in state.read_indexes and key in state.read_workers
-                and self.reads.read_allowed(job, pair, rank_kv))
+                and key in state.read_indexes and state.read_indexes[key].dir_check
+                and key in state.read_workers and self.reads.read_allowed(job, pair, rank_kv))
 
     async def _connect(self, job: PullJob, addr: tuple[str, int],
                        xfer_t: float) -> TransferConnection:

@@ -84,7 +84,9 @@ class ReadIndex:
     ``j`` of block ``b`` is ``segment_bytes`` at ``bases[j] + b * stride`` under the packed
     remote key ``keys[j]``; the directory's ``dir_buckets`` buckets
     (:mod:`kvkern.cache.directory`) are at ``dir_base`` under ``dir_key``, and it places
-    ``dir_group`` positions of a chain together (0: every hash in its plain bucket)."""
+    ``dir_group`` positions of a chain together (0: every hash in its plain bucket);
+    ``dir_check``: its slots carry check words (a directory without them has no slot a
+    reader uses, so its ranks are asked for grants without reading it)."""
 
     keys: tuple[bytes, ...]
     bases: tuple[int, ...]
@@ -95,6 +97,7 @@ class ReadIndex:
     dir_base: int
     dir_buckets: int
     dir_group: int = 0
+    dir_check: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,8 +207,10 @@ def parse_read_index(doc: object) -> ReadIndex | None:
         stride, seg = _u64(doc["stride"]), _u64(doc["segment_bytes"])
         blocks, buckets = _u64(doc["blocks"]), _u64(doc["dir_buckets"])
         group = _u64(doc.get("dir_group", 0))  # (absent: a source that places by hash alone)
+        check = doc.get("dir_check", 0)  # (absent: slots without check words)
+        check = type(check) is int and check == 1
         index = ReadIndex(keys, bases, stride, seg, blocks, _hex(doc["dir_key"], MAX_RKEY_BYTES),
-                          _u64(doc["dir_base"]), buckets, group)
+                          _u64(doc["dir_base"]), buckets, group, check)
     except (KeyError, TypeError, ValueError):
         return None
     top = (blocks - 1) * stride + seg
