@@ -846,50 +846,61 @@ from kvkern.xfer import devstream, ucxcompat
 
 made = []  # what ucxx's own start callback would do: make GPU 0's context current
 cuda_context.ensure_cuda_context = lambda device=0: made.append(device)
-current = []
-torch.cuda.set_device = lambda device: current.append(
-    (device, threading.current_thread() is threading.main_thread()))
+calls = []  # (call, device, on the main thread)
+torch.cuda.set_device = lambda device: calls.append(
+    ("set_device", device, threading.current_thread() is threading.main_thread()))
+torch.cuda.mem_get_info = lambda device: calls.append(
+    ("mem_get_info", device, threading.current_thread() is threading.main_thread()))
 devstream.warm_kernels = lambda ranks, name="": None
 if sys.argv[1] == "cuda":  # a rank serving GPU 3, named as a puller or source names it
     devstream.serve_devices([type("Rank", (), {"device": torch.device("cuda", 3)})()])
+elif sys.argv[1] == "cuda-unnamed":  # a process that uses CUDA but names no pool's device
+    torch.cuda.is_initialized = lambda: True
 async def main():
     ctx = ucxcompat._app_context()
     ctx.continuous_ucx_progress()  # starts ucxx's progress thread, as a first connection does
     for _ in range(500):
-        if ucxcompat._progress_started.is_set():
+        if ucxcompat._progress_applied:
             break
         await asyncio.sleep(0.01)
 asyncio.run(main())
-print(json.dumps({"started": ucxcompat._progress_started.is_set(), "made": made,
-                  "current": current}))
+print(json.dumps({"applied": ucxcompat._progress_applied, "made": made, "calls": calls}))
 """
 
 
-@pytest.mark.parametrize("pools", ["cpu", "cuda"])
-def test_ucxx_progress_thread_makes_only_the_pools_device_current(pools):
+@pytest.mark.parametrize(("pools", "device"), [("cpu", None), ("cuda", 3), ("cuda-unnamed", 0)])
+def test_ucxx_progress_thread_makes_only_the_pools_device_current(pools, device):
     """ucxx's progress thread starts by making GPU 0's CUDA context current in every process
     (through cuda-core): a context on GPU 0 for each rank of a multi-GPU host. kvkern's start
-    makes no CUDA call for host pools, and for device pools makes the pools' device current,
-    on that thread."""
+    makes no CUDA call in a process with host pools alone, and makes the pools' device
+    current (its context bound by a call that needs one) on that thread; a process that uses
+    CUDA without naming a device gets GPU 0's, as ucxx's start gives it."""
     proc = subprocess.run([sys.executable, "-c", _PROGRESS_THREAD_PROBE, pools],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert seen["started"] and seen["made"] == []
-    assert seen["current"] == ([] if pools == "cpu" else [[3, False]])
+    assert seen["made"] == []
+    assert seen["applied"] == [-1 if device is None else device]
+    assert seen["calls"] == ([] if device is None else [["set_device", device, False],
+                                                         ["mem_get_info", device, False]])
 
 
 def test_a_progress_thread_start_that_fails_is_logged_not_raised(monkeypatch, caplog):
-    """A device that cannot be made current (a driver error) leaves UCX's thread running."""
+    """A device that cannot be made current (a driver error) leaves UCX's thread running;
+    a device named only after the thread started is a warning."""
     monkeypatch.setattr(ucxcompat, "_progress_device", [1])
-    monkeypatch.setattr(ucxcompat, "_progress_started", threading.Event())
+    monkeypatch.setattr(ucxcompat, "_progress_applied", [])
 
     def fail(device):
         raise RuntimeError("CUDA driver error: no device")
 
     monkeypatch.setattr(torch.cuda, "set_device", fail)
     ucxcompat._progress_thread_started()
-    assert ucxcompat._progress_started.is_set()
+    assert ucxcompat._progress_applied == [1]
     assert "could not make CUDA device 1 current: CUDA driver error" in caplog.text
     ucxcompat.note_cuda_device(torch.device("cuda", 2))  # the first named stays
     assert ucxcompat._progress_device == [1]
+    monkeypatch.setattr(ucxcompat, "_progress_device", [])
+    monkeypatch.setattr(ucxcompat, "_progress_applied", [-1])  # started with nothing named
+    ucxcompat.note_cuda_device("cuda:2")
+    assert "started before CUDA device 2 was named (current there: none)" in caplog.text

@@ -223,48 +223,59 @@ def install_notifier() -> None:
 # ---------------------------------------------------------------- progress thread
 
 # The CUDA device this process's pools are on, for ucxx's progress thread (first named kept),
-# and whether that thread has started (what it made current is fixed then).
+# and what that thread made current when it started (-1: nothing), under one lock.
 _progress_device: list[int] = []
-_progress_started = threading.Event()
+_progress_applied: list[int] = []
+_progress_lock = threading.Lock()
 
 
 def note_cuda_device(device: object) -> None:
     """Name a device whose pools this process serves (a ``torch.device`` or its string): the
     first CUDA device named becomes current on ucxx's progress thread when it starts
     (:func:`_progress_thread_started`); host devices, and devices named later, change nothing.
-    Name it before the first connection or listener, which start that thread."""
+    Name it before the first connection or listener, which start that thread (a warning
+    otherwise)."""
     import torch  # noqa: PLC0415
 
     device = torch.device(device)
-    if device.type != "cuda" or _progress_device:
-        return
-    if device.index is None and not torch.cuda.is_available():
+    if device.type != "cuda" or (device.index is None and not torch.cuda.is_available()):
         return
     index = device.index if device.index is not None else torch.cuda.current_device()
-    _progress_device.append(index)
-    if _progress_started.is_set():
-        logging.getLogger("kvkern.xfer").info(
-            "ucxx's progress thread started before CUDA device %d was named: it runs with "
-            "no device current", index)
+    with _progress_lock:
+        if _progress_device:
+            return
+        _progress_device.append(index)
+        late = bool(_progress_applied) and _progress_applied[0] != index
+    if late:
+        logging.getLogger("kvkern.xfer").warning(
+            "ucxx's progress thread started before CUDA device %d was named (current there: "
+            "%s): name the pools' device before the first connection", index,
+            _progress_applied[0] if _progress_applied[0] >= 0 else "none")
 
 
 def _progress_thread_started() -> None:
     """The first thing ucxx's progress thread runs, in place of ucxx's own, which makes GPU 0's
     CUDA context current through cuda-core in every process (a context on GPU 0 for each
-    rank of a multi-GPU host, and an error where cuda-core is absent): the device named by
-    :func:`note_cuda_device` current, where UCX's CUDA transports then work on this
-    process's pools; no CUDA call at all for host pools. Never raises."""
-    _progress_started.set()
-    if not _progress_device:
+    rank of a multi-GPU host, and an error where cuda-core is absent): the context of the
+    device named by :func:`note_cuda_device` current, where UCX's CUDA transports then work
+    on this process's pools; in a process that uses CUDA but named no device, GPU 0's, as
+    ucxx would; in any other process no CUDA call at all. Never raises."""
+    with _progress_lock:
+        index = _progress_device[0] if _progress_device else None
+        torch = sys.modules.get("torch")
+        if index is None and torch is not None and torch.cuda.is_initialized():
+            index = 0
+        _progress_applied[:] = [-1 if index is None else index]
+    if index is None:
         return
     try:
-        import torch  # noqa: PLC0415
-
-        torch.cuda.set_device(_progress_device[0])
+        torch.cuda.set_device(index)
+        # (set_device alone binds no context when the device is the thread's default, 0:
+        # a runtime call that needs one makes the device's primary context current here)
+        torch.cuda.mem_get_info(index)
     except Exception as exc:  # noqa: BLE001 (on UCX's thread: logged, the thread goes on)
         logging.getLogger("kvkern.xfer").warning(
-            "ucxx's progress thread could not make CUDA device %d current: %s",
-            _progress_device[0], exc)
+            "ucxx's progress thread could not make CUDA device %d current: %s", index, exc)
 
 
 def install_progress_start() -> None:
