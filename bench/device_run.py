@@ -293,12 +293,13 @@ def evaluate_targets(rows: list[dict], xfer: dict | None, device_pools: bool,
         "head_sliced_pack_vs_copy": _worst(sliced, lambda r: r["pack_vs_copy"],
                                            TARGETS["head_sliced_pack_vs_copy"][0]),
     }
-    if not xfer or "ratio" not in xfer:
-        found["d2d_pull_vs_raw_ucxx"] = {"pass": None, "reason": "no pull result (see xfer.json)"}
+    # every size of the run (its top level holds the largest), judged on the worst
+    sizes = (xfer.get("by_size") or {str(xfer.get("bytes")): xfer}) if xfer else {}
+    missing = [k for k, v in sizes.items() if not isinstance(v.get("ratio"), (int, float))]
+    if not xfer or "ratio" not in xfer or missing:
+        found["d2d_pull_vs_raw_ucxx"] = {"pass": None, "reason": "no pull result" + (
+            f" at {', '.join(missing)} B" if missing and xfer else "") + " (see xfer.json)"}
     else:
-        # the worst size of the run (its top level holds the largest)
-        sizes = {k: v for k, v in (xfer.get("by_size") or {}).items()
-                 if isinstance(v.get("ratio"), (int, float))} or {str(xfer.get("bytes")): xfer}
         worst = min(sizes.values(), key=lambda v: v["ratio"])
         ok = worst["ratio"] >= TARGETS["d2d_pull_vs_raw_ucxx"][0]
         found["d2d_pull_vs_raw_ucxx"] = {

@@ -330,11 +330,13 @@ def whole_piece() -> PlanPiece:
 
 
 async def send_all(device: str, log: list, ids: list[int] = BLOCK_IDS,
-                   chunks: list | None = None, packed: int | None = None) -> FakeEp:
+                   chunks: list | None = None, packed: int | None = None,
+                   rkv: RankKV | None = None) -> FakeEp:
     """The source's producer over ``send_stream``: by default 6 blocks in 3 chunks, a ring
     of 2; the stream fakes, the producer's hook and the endpoint all append to ``log``.
-    ``packed``: how many blocks go through staging (default: all)."""
-    rkv = rank_kv(device, seed=1)
+    ``packed``: how many blocks go through staging (default: all); ``rkv``: the source's
+    pool (default: random bytes on ``device``)."""
+    rkv = rkv or rank_kv(device, seed=1)
     if chunks is None:
         chunks = plan_chunks([BLOCK_BYTES], len(ids), 2 * BLOCK_BYTES)
         assert len(chunks) == 3
@@ -598,6 +600,29 @@ async def test_gpu_source_and_destination_on_side_streams_are_bit_exact(no_devic
     await receive_all("cuda", log)
     assert [e for e in log if e[0] == "recv"]  # ran through the ring
     await receive_all("cuda", [], private=[1, 2, 3, 4, 5, 6], sizes=[2 * BLOCK_BYTES] * 3)
+
+
+@pytest.mark.gpu
+async def test_gpu_source_sends_a_run_only_after_the_engines_kernels_wrote_it(no_device_sync):
+    """On real streams: the engine's compute stream (not the default one) writes the pool's
+    blocks behind a long sleep. A run that leaves from the pool carries the written bytes,
+    because the source waited for the fence recorded on that stream before UCX read them
+    (the fake endpoint reads on the default stream, ordered after nothing on it)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    compute = torch.cuda.Stream(dev)
+    rkv = rank_kv(str(dev), seed=1)
+    written = rkv.pool.clone()
+    rkv.pool.zero_()
+    zeroed = torch.cuda.Event()
+    zeroed.record()
+    zeroed.synchronize()
+    with torch.cuda.stream(compute):
+        torch.cuda._sleep(1 << 28)  # the compute stream busy for about 0.1 s first
+        rkv.pool.copy_(written)
+    ids = [4, 5, 6, 0, 2, 7]  # the run 4..6 leaves from the pool, 0 and 2 are packed
+    chunks = send_chunks(BLOCK_BYTES, ids, 2 * BLOCK_BYTES, 8 * BLOCK_BYTES, [], 3)
+    with devstream.installed(dev, CudaStream.create(dev, compute=compute)):
+        await send_all(str(dev), [], ids, chunks, packed=2, rkv=rkv)  # bit-exact inside
 
 
 @pytest.mark.gpu

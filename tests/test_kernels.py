@@ -377,6 +377,29 @@ def test_cuda_matches_torch_path(name):
     assert bits_equal(staging.cpu(), pack(cpu_pool, layout, ids))
 
 
+@pytest.mark.gpu
+def test_gpu_launch_marks_the_cached_layer_offsets_used_by_its_stream(monkeypatch):
+    """A pack launched on a side stream marks the cached layer offsets it reads as used by
+    that stream, so that an entry evicted from the cache keeps its memory until the kernel
+    has run (torch's caching allocator reuses a freed block on its own stream's order)."""
+    seen: list[tuple[torch.dtype, torch.cuda.Stream]] = []
+    real = torch.Tensor.record_stream
+
+    def spy(self, stream):
+        seen.append((self.dtype, stream))
+        return real(self, stream)
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", spy)
+    layout, pool = make("vllm_hnd", nb=16, nl=4, nh=2, t=16, d=64)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        staging = pack(pool, layout, [3, 1, 2], backend="triton")
+    side.synchronize()
+    cpu_pool = [t.cpu() for t in layout.tensors(pool)]
+    assert bits_equal(staging.cpu(), pack(cpu_pool, layout, [3, 1, 2]))
+    assert (torch.int64, side) in seen
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("name,t,d,dtype", [
     ("vllm_hnd", 256, 128, torch.bfloat16),   # a row spans several token tiles

@@ -99,6 +99,10 @@ def test_targets_pick_the_worst_case_of_each_class():
     d2d = device_run.evaluate_targets([], sizes, device_pools=True,
                                       meaningful=True)["d2d_pull_vs_raw_ucxx"]
     assert (d2d["pass"], d2d["worst"], d2d["bytes"]) == (False, 0.71, 16 << 20)
+    sizes["by_size"][str(16 << 20)] = {"error": "the pull failed"}  # not judged on the rest
+    d2d = device_run.evaluate_targets([], sizes, device_pools=True,
+                                      meaningful=True)["d2d_pull_vs_raw_ucxx"]
+    assert d2d["pass"] is None and f"at {16 << 20} B" in d2d["reason"]
     host = device_run.evaluate_targets([], {"ratio": 0.5}, device_pools=False, meaningful=True)
     assert host["d2d_pull_vs_raw_ucxx"]["pass"] is None and "host memory" in host[
         "d2d_pull_vs_raw_ucxx"]["reason"]
