@@ -321,8 +321,11 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
            "NIXL's block-list READ (descriptors prepared once, no per-transfer control "
            "message, as vLLM's connector uses it) between two processes on pools of the same "
            "512 KiB blocks and sizes, interleaved with kvkern's pulls where the run records it "
-           "and in a run of its own right after; every transfer of both verified. Cells: "
-           "GB/s median [min-max] of the run's repeats.", ""]
+           "and in a run of its own right after. Every NIXL READ is compared with the "
+           "target's bytes; kvkern's timed pulls are not, but each variant pulls once more "
+           "per size, untimed, into poisoned blocks, every block compared (records with "
+           "`checked`). Cells: GB/s median [min-max] of the run's repeats (interleaved "
+           "rows: [p20-p80] where the record has them, for both).", ""]
     runs = [(name, r) for name, r in records
             if isinstance(r.get("compare", {}).get("nixl", {}).get("cases"), dict)]
     if not runs:
@@ -394,8 +397,13 @@ def _interleaved_lines(pull: dict) -> list[str]:
         return []
 
     def gb(c: dict) -> str:
-        lo, hi = c["gbps_range"]
+        lo, hi = (c["gbps_p20"], c["gbps_p80"]) if "gbps_p20" in c else c["gbps_range"]
         return f"{_fmt(c['gbps'])} [{_fmt(lo)}-{_fmt(hi)}]"
+
+    def ours(row: dict, key: str) -> str:  # kvkern's, with its p20-p80 where recorded
+        lo, hi = row.get(f"{key}_p20"), row.get(f"{key}_p80")
+        got = _two(row.get(key))
+        return got if lo is None or hi is None else f"{got} [{_fmt(lo)}-{_fmt(hi)}]"
 
     out = ["NIXL's READ of the same blocks as one more variant of the pull case, in the same "
            "shuffled rounds as kvkern's pulls (lean agent; per request: descriptor ids and "
@@ -414,8 +422,8 @@ def _interleaved_lines(pull: dict) -> list[str]:
 
         out.append(f"| {_size(size)} | {gb(ways['consecutive'])} "
                    f"| {gb(ways['consecutive_per_request'])} | {gb(ways['scattered'])} "
-                   f"| {gb(ways['scattered_per_request'])} | {_two(row.get('pull_gbps'))} "
-                   f"| {_two(row.get('scattered_pull_gbps'))} | {worst('')} "
+                   f"| {gb(ways['scattered_per_request'])} | {ours(row, 'pull_gbps')} "
+                   f"| {ours(row, 'scattered_pull_gbps')} | {worst('')} "
                    f"| {worst('_scattered')} |")
     return [*out, "", "NIXL's own run after kvkern's, both agent configurations:", ""]
 
@@ -491,8 +499,9 @@ def _targets_section(records: list[tuple[str, dict]]) -> list[str]:
         met = sum(1 for t in rec["targets"] if t["met"])
         out += [f"{_record(name, rec)}: {met} of {len(rec['targets'])} met.",
                 "", "| target | where | value | wanted | met |", "|---|---|---|---|---|"]
-        out += [f"| {t['what']} | {t['where']} | {t['value']:.3f} | {t['bound']} | "
-                f"{'yes' if t['met'] else 'no'} |" for t in rec["targets"]]
+        out += [f"| {t['what']} | {t['where']} | "
+                f"{'not measured' if t['value'] is None else format(t['value'], '.3f')} | "
+                f"{t['bound']} | {'yes' if t['met'] else 'no'} |" for t in rec["targets"]]
         out.append("")
     return out
 

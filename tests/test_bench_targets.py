@@ -28,7 +28,8 @@ MiB16 = str(16 << 20)
 
 def _result() -> dict:
     return {
-        "cases": {"pull": {MiB16: {"stream_ratio": 0.95, "stream_scattered_ratio": 0.4},
+        "cases": {"pull": {MiB16: {"stream_ratio": 0.95, "stream_scattered_ratio": 0.4,
+                                   "overhead_ms": 1.04},
                            MiB64: {"stream_ratio": 0.85},
                            "hint_to_first_byte_ms": 0.45, "one_block_overhead_ms": 0.51}},
         "compare": {"nixl": {"cases": {MiB64: {
@@ -50,11 +51,31 @@ def test_every_measured_place_gets_a_verdict_from_its_own_figure():
         ("kvkern_vs_nixl_scattered", "64 MiB (NIXL's own run)"): (0.99, False),  # NIXL's faster
         ("hint_to_first_byte_ms", "1 block"): (0.45, True),
         ("one_block_overhead_ms", "1 block"): (0.51, False),
+        ("pull_overhead_ms", "16 MiB"): (1.04, False),  # every size's, not one block's alone
         ("stream_ratio", "16 MiB"): (0.95, True),
         ("stream_scattered_ratio", "16 MiB"): (0.4, False),
         ("stream_ratio", "64 MiB"): (0.85, False),
         ("reshard_vs_raw", "TP 2:1, 64 MiB"): (0.7, False),
     }  # nothing for what was not measured (64 MiB scattered stream, the failed reshard)
+
+
+def test_a_targets_run_names_every_place_it_did_not_measure_as_not_met():
+    """A targets run (``--compare``) that lacks a figure (a size not run, a reshard that
+    failed, NIXL gone) does not pass by leaving the place out: each such place is a verdict,
+    not met, with no value."""
+    full = benchtargets.evaluate(_result(), complete=True)
+    assert benchtargets.evaluate(_result()) == full[:len(benchtargets.evaluate(_result()))]
+    missing = {(v["target"], v["where"]) for v in full if v.get("measured") is False}
+    assert all(v["value"] is None and not v["met"] for v in full if v.get("measured") is False)
+    assert ("reshard_vs_raw", "PP 1:2, 64 MiB") in missing  # its run failed
+    assert ("kvkern_vs_nixl", "16 MiB") in missing and ("stream_ratio", "256 MiB") in missing
+    assert ("stream_scattered_ratio", "64 MiB") in missing
+    assert ("kvkern_vs_nixl", "64 MiB") not in missing  # NIXL's own run's figure counts
+    assert ("stream_ratio", "64 MiB") not in missing and ("hint_to_first_byte_ms",
+                                                          "1 block") not in missing
+    # 2 one-block places and 5 + 4 reshards per size, less the 9 measured
+    assert len(full) == 2 + 3 * (5 + len(benchtargets.RESHARDS))
+    assert "    none  (want >= 0.9)" in "\n".join(benchtargets.format_lines(full))
 
 
 def test_nixl_is_judged_by_its_faster_way():
@@ -109,10 +130,12 @@ def test_the_report_shows_the_targets_and_the_reshard_runs(tmp_path):
     rec = _result()
     rec["reshards"]["tp2:1"]["by_size"] = {MiB64: {"ratio": 0.7, "raw_gbps": 6.0}}
     rec |= {"by_size": {}, "env": {"commit": "abc1234"},
-            "targets": benchtargets.evaluate(rec)}
+            "targets": benchtargets.evaluate(rec, complete=True)}
     (tmp_path / "xfer" / "run.json").write_text(json.dumps(rec))
     text = report.render(report.load(tmp_path))
-    assert "Record `run.json` (commit abc1234): 3 of 8 met." in text
+    assert f"Record `run.json` (commit abc1234): 3 of {len(rec['targets'])} met." in text
+    assert "| stream / raw send, scattered blocks | 256 MiB | not measured | >= 0.8 | no |" \
+        in text
     assert ("| a reshard's pull / raw send of its bytes | TP 2:1, 64 MiB | 0.700 | >= 0.9 "
             "| no |") in text
     assert "### Reshard TP 2 → 1, pool layout `trtllm` (1 run, 1 record)" in text

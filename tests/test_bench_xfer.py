@@ -50,6 +50,9 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
     # as an engine connector pulls (Puller.pull_into), read and streamed
     assert one["into_pull_gbps"] > 0 and one["into_stream_pull_gbps"] > 0
     assert one["into_ucx_pull_gbps"] > 0  # and through UCX, as from a source on another host
+    # every variant also pulled once, untimed, into poisoned blocks, each block checked
+    assert {"pull", "scattered", "stream", "stream_scattered", "into", "into_stream",
+            "into_ucx"} <= set(one["checked"]), one["checked"]
     # the scattered source packs its streams: the time it took, from its own metrics
     assert one["stream_scattered_pack_ms"] > 0 and one["stream_scattered_pack_gbps"] > 0
     assert pull["hint_to_first_byte_ms"] > 0 and pull["one_block_cpu_ms"] > 0
@@ -162,3 +165,44 @@ def test_bench_xfer_interleaves_nixl_with_the_pulls():
                                                        row["kvkern_vs_nixl_per_request"])
     assert "consecutive" in res["compare"]["nixl"].get("cases", {}).get(str(1 << 20), {}), \
         res["compare"]
+
+
+@pytest.mark.parametrize("into", [False, True])
+async def test_a_checked_bench_pull_catches_a_block_in_anothers_place(into):
+    """The bench's checked pull poisons every destination block, then compares each pulled
+    block word for word with the source's: a pull that lands block 1's bytes in block 0's
+    place, or leaves a block untouched, fails the run."""
+    import torch
+
+    from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
+    from kvkern.tools import benchcli
+    from kvkern.xfer.kvgroup import RankKV
+
+    topo = Topology(model=ModelKVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
+                                      dtype="bfloat16"), parallel=Parallelism())
+    layout = topo.local_layout(0, 6)
+    rkv = RankKV(0, layout, layout.allocate("cpu", fill="zeros"))
+    manager = type("Manager", (), {"evict": lambda self, hs: None,
+                                   "match_prefix": lambda self, hs: list(range(len(hs)))})()
+    pb = type("Bench", (), {})()
+    pb.ranks, pb.n_max, pb.bs = {0: rkv}, 3, 4
+    pb.group = type("Group", (), {"manager": manager, "hash_scheme": "kvkern-blake2b-v1"})()
+
+    def land(values):
+        async def pull(n, port=None, via=None, *, into=False, check=None):
+            for b, v in enumerate(values):
+                if v is not None:
+                    benchcli._fill_block(layout, rkv.pool, b, v)
+            if into:
+                check(list(range(n)))
+            return "outcome"
+        return pull
+
+    pb.pull = land([benchcli._block_value(i) for i in range(3)])
+    assert await benchcli._PullBench.checked(pb, 3, into=into) == "outcome"
+    for wrong in ([benchcli._block_value(1), benchcli._block_value(1), benchcli._block_value(2)],
+                  [benchcli._block_value(0), None, benchcli._block_value(2)]):
+        pb.pull = land(wrong)
+        with pytest.raises(RuntimeError, match="wrong bytes in block"):
+            await benchcli._PullBench.checked(pb, 3, into=into)
+    assert torch.all(benchcli._words(layout.canonical_view(rkv.pool)[1]) == benchcli.POISON)

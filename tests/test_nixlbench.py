@@ -105,3 +105,25 @@ def test_a_nixl_server_that_fails_is_dropped_and_its_figures_with_it():
                                        "kvkern_vs_nixl_per_request_scattered": 0.4}}
     benchcli._drop_nixl_figures(out)
     assert out == {"layout": "trtllm", str(16 << 20): {"pull_gbps": 3.0}}
+
+
+def test_nixls_scattered_read_takes_the_positions_of_kvkerns_scattered_source():
+    """A READ of n scattered blocks reads where kvkern's scattered source keeps the first n
+    blocks of its pool of n_max (not a shuffle of n blocks among themselves: those sit
+    closer together than kvkern's), and the ratios beside the judged ones say what the
+    pull through UCX and its copy alone give against NIXL's READ."""
+    from kvkern.tools import nixlbench
+
+    order = nixlbench.scattered_order(512)
+    assert sorted(order) == list(range(512)) and order != sorted(order)
+    assert nixlbench._remote_ids(32, "scattered", 512) == order[:32]
+    assert nixlbench._remote_ids(3, "consecutive", 512) == [0, 1, 2]
+    ways = {"consecutive": {"gbps": 10.0}, "scattered": {"gbps": 8.0},
+            "consecutive_per_request": {"gbps": 9.0}}
+    got = nixlbench.kvkern_ratios({"pull_gbps": 7.0, "scattered_pull_gbps": 4.0,
+                                   "ucx_pull_gbps": 5.0, "copy_gbps": 12.0}, ways)
+    assert got == {"kvkern_vs_nixl": 0.7, "kvkern_vs_nixl_per_request": 0.778,
+                   "kvkern_vs_nixl_scattered": 0.5, "kvkern_ucx_vs_nixl": 0.5,
+                   "kvkern_copy_vs_nixl": 1.2}
+    s = nixlbench.summary(1 << 20, [0.001, 0.002, 0.003, 0.004, 0.005])
+    assert s["gbps_range"][0] < s["gbps_p20"] <= s["gbps"] <= s["gbps_p80"] < s["gbps_range"][1]

@@ -189,17 +189,31 @@ def _rank_pools(topo: Any, n_blocks: int, layout_name: str,
 
 
 def _block_value(i: int) -> int:
-    """The value every element of the source's block ``i`` (in request order) holds."""
-    return i % 251 + 1
+    """The 32-bit word every word of the source's block ``i`` (in request order) holds: one
+    per block, so a block landing in another's place is caught, whatever the reshard (a
+    destination block's head or layer slices all come from source blocks of the same
+    ``i``). Never :data:`POISON`."""
+    return i + 1
+
+
+POISON = -1  # the word a destination's blocks hold before a checked pull
+
+
+def _words(view: Any) -> Any:
+    """A block's slice of a canonical view as 32-bit words (its last dim is contiguous)."""
+    import torch  # noqa: PLC0415
+
+    return view.view(torch.int32)
 
 
 def _fill_block(layout: Any, kv: Any, b: int, value: int) -> None:
     for t in layout.tensors(kv):  # any layout: the block's slice of each canonical view
-        layout.canonical_view(t)[b].fill_(value)
+        _words(layout.canonical_view(t)[b]).fill_(value)
 
 
 def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
-    return all(bool((layout.canonical_view(t)[b] == value).all()) for t in layout.tensors(kv))
+    return all(bool((_words(layout.canonical_view(t)[b]) == value).all())
+               for t in layout.tensors(kv))
 
 
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
@@ -211,7 +225,6 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
     engine's pool size, its read directory as large, without its memory). With
     ``scattered`` the request's blocks sit at shuffled pool ids (as in a long-running engine),
     so every chunk goes through the pack kernel instead of the zero-copy send."""
-    import torch  # noqa: PLC0415
 
     from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
     from kvkern.cache.pool import BlockPool  # noqa: PLC0415
@@ -225,11 +238,10 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
     pool = BlockPool(total, block_size=bs)
     hashes = sequence_hashes(list(range(n_blocks * bs)), bs)
     ids = pool.allocate(n_blocks)
-    if scattered:
-        order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-        if order == sorted(order):  # (a few blocks can shuffle into their own order)
-            order.reverse()
-        ids = [ids[k] for k in order]
+    if scattered:  # (NIXL's scattered READ reads the same positions)
+        from kvkern.tools.nixlbench import scattered_order  # noqa: PLC0415
+
+        ids = [ids[k] for k in scattered_order(n_blocks)]
     for i, b in enumerate(ids):
         for rkv in ranks.values():
             _fill_block(rkv.layout, rkv.pool, b, _block_value(i))
@@ -517,11 +529,39 @@ class _PullBench:
                             *self.past_ttl.values())
                 if p is not None]
 
+    async def checked(self, n: int, port: int | None = None, via: Any = None, *,
+                      into: bool = False) -> Any:
+        """:meth:`pull`, untimed, into a pool whose every block was poisoned first (nothing
+        cached), then every block of the ``n`` checked word for word against the source's;
+        RuntimeError on any difference. The pulled blocks are evicted after, so the next
+        pull's commit keeps its own."""
+        from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
+
+        hashes = sequence_hashes(list(range(self.n_max * self.bs)), self.bs,
+                                 self.group.hash_scheme)
+        self.group.manager.evict(hashes)
+        for r in self.ranks.values():
+            for t in r.layout.tensors(r.pool):
+                _words(r.layout.canonical_view(t)).fill_(POISON)
+
+        def check(ids: list[int]) -> None:
+            for i, b in enumerate(ids):
+                if not all(_block_holds(r.layout, r.pool, b, _block_value(i))
+                           for r in self.ranks.values()):
+                    raise RuntimeError(f"bench pull of {n} blocks delivered wrong bytes in "
+                                       f"block {i} (pool block {b})")
+
+        o = await self.pull(n, port, via, into=into, check=check)
+        if not into:
+            check(self.group.manager.match_prefix(hashes[:n]))
+            self.group.manager.evict(hashes)
+        return o
+
     async def pull(self, n: int, port: int | None = None, via: Any = None, *,
-                   into: bool = False) -> Any:
+                   into: bool = False, check: Any = None) -> Any:
         """One pull of ``n`` blocks through ``via``; ``into``: as an engine connector pulls,
         into blocks taken from the pool beforehand (``Puller.pull_into``, admitted first,
-        untimed), given back after."""
+        untimed), given back after, ``check(ids)`` called on them first."""
         via = via or self.puller
         r = f"bench-{next(self._rid)}"
         hint = {"kv_hint": {"source": f"127.0.0.1:{port or self.bench.pull_http_port}",
@@ -533,13 +573,13 @@ class _PullBench:
 
             hashes = self._hashes[n] = sequence_hashes(tokens, self.bs, self.group.hash_scheme)
         if into:
-            return await self._pull_into(via, r, tokens, hint, hashes)
+            return await self._pull_into(via, r, tokens, hint, hashes, check)
         via.submit(r, tokens, hint, block_hashes=hashes)
         o = await via.wait(r, 60)
         return self._used(o, n)
 
     async def _pull_into(self, via: Any, r: str, tokens: list[int], hint: dict,
-                         hashes: list[int]) -> Any:
+                         hashes: list[int], check: Any = None) -> Any:
         from kvkern.xfer.admission import Admitted, WorkerFacts, admit  # noqa: PLC0415
         from kvkern.xfer.hints import decode_hint  # noqa: PLC0415
 
@@ -557,6 +597,8 @@ class _PullBench:
             via.pull_into(r, decoded, admitted, ids)
             o = await via.wait(r, 60)
             via.take_finished()
+            if check is not None and o.used:
+                check(ids)
         finally:
             self.group.manager.release(ids)
         return self._used(o, len(hashes))
@@ -691,27 +733,19 @@ async def _past_ttl(pb: _PullBench, s: Settings) -> dict[str, Any]:
 
 
 async def _check_pulls(pb: _PullBench) -> dict[str, Any]:
-    """Warm-up (connection, state cache) and a correctness check of every puller; returns
-    the headline puller's first pull (the process's first: state fetch, connections, the
-    lanes' endpoints to the source) as ``total_ms`` and ``phases_ms``."""
-    from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
-
-    n_max, bench = pb.n_max, pb.bench
-    all_hashes = sequence_hashes(list(range(n_max * pb.bs)), pb.bs)
+    """Warm-up (connection, state cache) and a checked pull (:meth:`_PullBench.checked`) of
+    every puller, from each source; returns the headline puller's first pull (the process's
+    first: state fetch, connections, the lanes' endpoints to the source) as ``total_ms`` and
+    ``phases_ms``."""
+    bench = pb.bench
     ports = [None] + ([bench.scattered_http_port] if bench.scattered_http_port else [])
     first: dict[str, Any] = {}
     for via in pb.pullers:
         for port in ports:
-            o = await pb.pull(n_max, port, via)
+            o = await pb.checked(pb.n_max, port, via)
             if not first:
-                first = {"blocks": n_max, "total_ms": round(o.total_s * 1e3, 3),
+                first = {"blocks": pb.n_max, "total_ms": round(o.total_s * 1e3, 3),
                          "phases_ms": {k: round(v * 1e3, 3) for k, v in o.phases.items()}}
-            ids = pb.group.manager.match_prefix(all_hashes)
-            for i in sorted({0, n_max // 2, n_max - 1}):
-                if not all(_block_holds(r.layout, r.pool, ids[i], _block_value(i))
-                           for r in pb.ranks.values()):
-                    raise RuntimeError(f"bench pull delivered wrong bytes in block {i}")
-            pb.group.manager.evict(all_hashes)  # the next check sees the next pull's bytes
     return first
 
 
@@ -818,7 +852,8 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
         row["overhead_ms"] = round(statistics.median(over) * 1e3, 3)
     if times["scattered"]:  # source blocks at shuffled ids: one read (or pack) per block
         ss = _summary(nbytes, times["scattered"])
-        row.update(scattered_pull_gbps=ss["gbps"],
+        row.update(scattered_pull_gbps=ss["gbps"], scattered_pull_gbps_p20=ss["gbps_p20"],
+                   scattered_pull_gbps_p80=ss["gbps_p80"],
                    scattered_ratio=round(ss["gbps"] / rs["gbps"], 3))
     for key in ("stream", "stream_scattered", "into", "into_ucx", "into_stream", *pb.fewer):
         if times[key]:  # the stream path and fewer lanes in the same run, for comparison
@@ -835,6 +870,13 @@ async def _pull_size(pb: _PullBench, s: Settings, size: int) -> dict[str, Any]:
             row["stream_scattered_pack_ms"] = round(secs / len(times["stream_scattered"])
                                                     * 1e3, 3)
             row["stream_scattered_pack_gbps"] = round(nb / secs / 1e9, 3)
+    # then, untimed, one pull of every variant into poisoned blocks, each block checked
+    checked = []
+    for kind, port, via in sorted(variants, key=lambda v: v[0]):
+        if kind != "raw" and not kind.startswith("nixl"):
+            await pb.checked(n, port, via, into=kind.startswith("into"))
+            checked.append(kind)
+    row["checked"] = checked
     return row
 
 
@@ -863,7 +905,7 @@ def _drop_nixl_figures(out: dict[str, Any]) -> None:
     figures stand (the targets then take NIXL's own run's)."""
     for size, row in out.items():
         if size.isdigit():
-            for key in [k for k in row if k == "nixl" or k.startswith("kvkern_vs_nixl")]:
+            for key in [k for k in row if k == "nixl" or k.startswith("kvkern_") and "nixl" in k]:
                 del row[key]
 
 
@@ -889,8 +931,12 @@ def _environment(s: Settings) -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                            "machine": platform.machine(), "device": s.device,
                            "progress_mode": s.progress_mode,
-                           "ucx_env": {k: os.environ.get(k) for k in UCX_DEFAULTS
-                                       | {"UCX_TLS": ""}}}
+                           # kvkern's UCX settings, and every other UCX_ variable this
+                           # process has (ucxx sets some when imported; NIXL inherits them)
+                           "ucx_env": {**{k: os.environ.get(k) for k in UCX_DEFAULTS
+                                          | {"UCX_TLS": ""}},
+                                       **{k: v for k, v in os.environ.items()
+                                          if k.startswith("UCX_")}}}
     with contextlib.suppress(Exception):
         import ucxx  # noqa: PLC0415 (already imported by the transport at this point)
 
@@ -998,6 +1044,7 @@ def _run_xfer(s: Settings) -> dict[str, Any]:
 
 
 def _print_human(res: dict[str, Any]) -> None:
+    nan = float("nan")
     env = res["env"]
     print(f"kvkern bench xfer: progress={env['progress_mode']} "
           f"ucx={env.get('libucx')} ucxx={env.get('ucxx')} connect={res['connect_ms']} ms")
@@ -1028,11 +1075,27 @@ def _print_human(res: dict[str, Any]) -> None:
                   f"{past['stale']['total_ms']} ms, waiting for its fetch "
                   f"{past['refetch']['total_ms']} ms (metadata {past['refetch']['metadata_ms']} "
                   f"ms), fresh {past['fresh']['total_ms']} ms (medians)")
+    for size, r in cases.get("pull", {}).items():  # interleaved: what the targets judge
+        if size.isdigit() and "nixl" in r:
+            w = r["nixl"]
+
+            def judged(suffix: str, r: dict = r) -> float:  # the lower of its two ways
+                got = [r[k] for k in (f"kvkern_vs_nixl{suffix}",
+                                      f"kvkern_vs_nixl_per_request{suffix}") if k in r]
+                return min(got, default=nan)
+
+            print(f"  nixl     {int(size) // MiB:5d} MiB  interleaved READ "
+                  f"{w['consecutive']['gbps']:.2f} GB/s (scattered {w['scattered']['gbps']:.2f}"
+                  f", per request {w['consecutive_per_request']['gbps']:.2f} / "
+                  f"{w['scattered_per_request']['gbps']:.2f})  kvkern / NIXL "
+                  f"{judged(''):.2f} (scattered {judged('_scattered'):.2f}; through UCX "
+                  f"{r.get('kvkern_ucx_vs_nixl', nan):.2f}, copy alone "
+                  f"{r.get('kvkern_copy_vs_nixl', nan):.2f})")
     nixl = res.get("compare", {}).get("nixl")
     if nixl is not None and "error" in nixl:
         print(f"  nixl     {nixl['error']}")
-    for size, r in (nixl or {}).get("cases", {}).items():
-        print(f"  nixl     {int(size) // MiB:5d} MiB  READ {r['consecutive']['gbps']:.2f} GB/s "
+    for size, r in (nixl or {}).get("cases", {}).items():  # NIXL's own run, minutes later
+        print(f"  nixl     {int(size) // MiB:5d} MiB  own run READ {r['consecutive']['gbps']:.2f} GB/s "
               f"(scattered {r['scattered']['gbps']:.2f})  kvkern / NIXL "
               f"{r.get('kvkern_vs_nixl', float('nan')):.2f} "
               f"(scattered {r.get('kvkern_vs_nixl_scattered', float('nan')):.2f})")
@@ -1190,7 +1253,7 @@ def main(argv: list[str] | None = None) -> int:
     if reshards and "pull" in cases:
         res["reshards"] = benchtargets.run_reshards(s, reshards, run_xfer)
     if "pull" in cases:
-        res["targets"] = benchtargets.evaluate(res)
+        res["targets"] = benchtargets.evaluate(res, complete=ns.compare is not None)
     if ns.json:
         sys.stdout.flush()
         print(json.dumps(res), flush=True)

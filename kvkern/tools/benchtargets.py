@@ -10,8 +10,10 @@ that result into one verdict per target and place (size, reshard)::
     {"target": "reshard_vs_raw", "where": "TP 2:1, 64 MiB", "value": 0.68,
      "bound": ">= 0.9", "met": false, "what": "a reshard's pull / raw send of its bytes"}
 
-Every value comes from the same run; a target with nothing measured for it is absent, never
-met by default.
+Every value comes from the same run. A target with nothing measured for it is never met by
+default: with ``complete`` (a targets run, ``--compare``) each place the targets name (16, 64
+and 256 MiB, each reshard) that the run did not measure is a verdict of its own, ``value``
+None and ``measured`` false, counted as not met.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ TARGETS: dict[str, tuple[float, str, str]] = {
     # vLLM's connector does, descriptor ids and notification included: the stricter bound)
     "hint_to_first_byte_ms": (0.5, "<=", "hint to first byte of a 1-block pull, warm (ms)"),
     "one_block_overhead_ms": (0.5, "<=", "a warm 1-block pull less its block's copy (ms)"),
+    "pull_overhead_ms": (0.5, "<=", "a pull less its copy phase (ms)"),
     "stream_ratio": (0.9, ">=", "stream / raw send, consecutive blocks (sent and landing unstaged)"),
     "stream_scattered_ratio": (0.8, ">=", "stream / raw send, scattered blocks"),
     "reshard_vs_raw": (0.9, ">=", "a reshard's pull / raw send of its bytes"),
@@ -105,9 +108,13 @@ def _verdict(target: str, where: str, value: Any) -> dict[str, Any] | None:
             "bound": f"{op} {bound}", "met": bool(_OPS[op](value, bound)), "what": what}
 
 
-def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
+REQUIRED_SIZES = (16 << 20, 64 << 20, 256 << 20)  # where the size-bound targets are judged
+
+
+def evaluate(res: dict[str, Any], *, complete: bool = False) -> list[dict[str, Any]]:
     """One verdict per target and place measured in ``res`` (a ``kvkern bench xfer`` result,
-    with its ``compare`` and ``reshards`` when run)."""
+    with its ``compare`` and ``reshards`` when run); ``complete``: and one, not met, per
+    place the targets name that it did not measure."""
     out: list[dict[str, Any] | None] = []
     pull = res.get("cases", {}).get("pull", {})
     sizes = sorted((k for k in pull if k.isdigit()), key=int)
@@ -125,6 +132,7 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
     for key in ("hint_to_first_byte_ms", "one_block_overhead_ms"):
         out.append(_verdict(key, "1 block", pull.get(key)))
     for size in sizes:
+        out.append(_verdict("pull_overhead_ms", _where(size), pull[size].get("overhead_ms")))
         for key in ("stream_ratio", "stream_scattered_ratio"):
             out.append(_verdict(key, _where(size), pull[size].get(key)))
     for name, sub in res.get("reshards", {}).items():
@@ -132,10 +140,32 @@ def evaluate(res: dict[str, Any]) -> list[dict[str, Any]]:
         for size in sorted((k for k in sub_pull if k.isdigit()), key=int):
             out.append(_verdict("reshard_vs_raw", _where(size, name),
                                 sub_pull[size].get("ratio")))
-    return [v for v in out if v is not None]
+    found = [v for v in out if v is not None]
+    return found + (_unmeasured(found) if complete else [])
+
+
+def _unmeasured(found: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A verdict, not met, for each place the targets name that ``found`` has none for (a
+    NIXL figure from NIXL's own run counts for its size)."""
+    have = {(v["target"], v["where"].removesuffix(" (NIXL's own run)")) for v in found}
+    places = [(t, "1 block") for t in ("hint_to_first_byte_ms", "one_block_overhead_ms")]
+    for size in map(str, REQUIRED_SIZES):
+        places += [(t, _where(size)) for t in ("kvkern_vs_nixl", "kvkern_vs_nixl_scattered",
+                                               "pull_overhead_ms", "stream_ratio",
+                                               "stream_scattered_ratio")]
+        places += [("reshard_vs_raw", _where(size, name)) for name in RESHARDS]
+    out = []
+    for target, where in places:
+        if (target, where) not in have:
+            bound, op, what = TARGETS[target]
+            out.append({"target": target, "where": where, "value": None,
+                        "bound": f"{op} {bound}", "met": False, "measured": False,
+                        "what": what})
+    return out
 
 
 def format_lines(verdicts: list[dict[str, Any]]) -> list[str]:
     """The verdicts as aligned text lines, met or missed first in each."""
     return [f"  {'met   ' if v['met'] else 'MISSED'} {v['target']:26s} {v['where']:18s} "
-            f"{v['value']:8.3f}  (want {v['bound']})" for v in verdicts]
+            + (f"{v['value']:8.3f}" if v["value"] is not None else "    none")
+            + f"  (want {v['bound']})" for v in verdicts]

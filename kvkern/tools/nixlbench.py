@@ -14,9 +14,10 @@ message, as in vLLM. Each transfer is timed two ways: the READ alone (from ``tra
 per request as vLLM's connector issues one (from the descriptor ids, with ``notif_msg``, the
 notification that lets the target free the blocks; the target counts what it receives and
 the run fails unless every one arrived). Block mappings: ``consecutive`` (remote blocks ``0..n-1``) and
-``scattered`` (remote blocks in the order of ``torch.randperm(n, seed 0)``, kvkern's scattered
-source). Before every transfer the local blocks are poisoned; after it every block is compared
-with what the target holds, so a figure is never of bytes that did not move.
+``scattered`` (the first ``n`` of :func:`scattered_order` of the whole pool: where kvkern's
+scattered source keeps a pull's blocks). After every transfer each block it wrote is
+compared with what the target holds, then poisoned (off the clock; the pool starts
+poisoned), so a figure is never of bytes that did not move.
 
 Two agent configurations (``--agent``, :data:`AGENTS`): ``vllm``, what vLLM's NIXL connector
 creates by default (``num_threads=4``, NIXL's progress thread on), and ``lean`` (no progress
@@ -54,7 +55,7 @@ from typing import Any
 from kvkern.tools import engineload
 
 __all__ = ["AGENTS", "BLOCK_BYTES", "MAPPINGS", "Server", "compare", "faster",
-           "kvkern_ratios", "main", "run", "serve", "summary"]
+           "kvkern_ratios", "main", "run", "scattered_order", "serve", "summary"]
 
 MAPPINGS = ("consecutive", "scattered")
 BLOCK_BYTES = 512 << 10  # kvkern bench xfer's block: 8 layers x 2 x 8 heads x 16 x 128 x bf16
@@ -142,15 +143,26 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.01)
 
 
-def _remote_ids(n: int, mapping: str) -> list[int]:
-    """The remote blocks a READ of ``n`` blocks reads, in order: ``consecutive`` or
-    ``scattered`` (``torch.randperm(n)``, seed 0)."""
+def scattered_order(n_blocks: int) -> list[int]:
+    """Where a scattered pool keeps its blocks: block ``i`` (in a prompt's order) at position
+    ``order[i]`` of ``n_blocks`` (``torch.randperm``, seed 0; reversed in the rare case it
+    comes out sorted). kvkern's scattered source and NIXL's scattered READ use the same
+    order, so a pull of ``n < n_blocks`` blocks reads the same positions on both."""
     import torch  # noqa: PLC0415
 
+    order = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    if order == sorted(order):
+        order.reverse()
+    return order
+
+
+def _remote_ids(n: int, mapping: str, n_max: int) -> list[int]:
+    """The remote blocks a READ of ``n`` blocks of a pool of ``n_max`` reads, in order:
+    ``consecutive`` or ``scattered`` (:func:`scattered_order`)."""
     if mapping == "consecutive":
         return list(range(n))
     if mapping == "scattered":
-        return torch.randperm(n, generator=torch.Generator().manual_seed(0)).tolist()
+        return scattered_order(n_max)[:n]
     raise ValueError(f"mapping must be consecutive or scattered, got {mapping!r}")
 
 
@@ -203,8 +215,12 @@ class _Session:
         """One READ of blocks ``remote_ids`` into local blocks ``0..n-1``, timed from
         ``transfer``; ``per_request``: from the descriptor ids on, with the notification
         that tells the target the blocks were read, as vLLM's connector issues every
-        request (``make_prepped_xfer(..., notif_msg=)``). The local blocks are poisoned
-        before and compared with the target's after."""
+        request (``make_prepped_xfer(..., notif_msg=)``). The local blocks it writes are
+        compared with the target's after, then poisoned for the next READ, off the clock:
+        the pool is poisoned when made, so no READ finds the bytes it should move already
+        there, and none starts right behind a write of its blocks (a poison just before
+        the clock leaves them in the caches, dirty, which a READ into them gains from, or,
+        over the whole pool, loses to)."""
         import torch  # noqa: PLC0415
 
         if not 1 <= n <= self.n_max or len(remote_ids) != n:
@@ -212,7 +228,6 @@ class _Session:
                              f"{self.n_max}")
         nx = self.nx
         deadline = time.monotonic() + self.timeout_s
-        self.local.fill_(0xA5)
         t0 = time.perf_counter()
         h = nx.make_prepped_xfer(
             "READ", self.local_h, list(range(n)), self.remote_h, list(remote_ids),
@@ -232,6 +247,7 @@ class _Session:
         for j, r in enumerate(remote_ids):
             if not torch.equal(self.words[j], self.expect + r * STRIDE):
                 raise RuntimeError(f"NIXL READ: local block {j} is not remote {r}")
+        self.local[:n * BLOCK_BYTES].fill_(0xA5)
         return dt
 
     def _stop(self) -> int | None:
@@ -269,7 +285,7 @@ def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0,
             n = max(1, size // BLOCK_BYTES)
             row: dict[str, Any] = {"bytes": n * BLOCK_BYTES, "blocks": n}
             for mapping in MAPPINGS:
-                ids = _remote_ids(n, mapping)
+                ids = _remote_ids(n, mapping, n_max)
                 for per_request in (False, True):
                     session.read(n, ids, per_request)  # warm-up: connection, caches
                     times = [session.read(n, ids, per_request) for _ in range(repeats)]
@@ -282,11 +298,33 @@ def run(sizes: list[int], repeats: int = 5, timeout_s: float = 300.0,
     return out
 
 
+def _loaded_ucx_version() -> str | None:
+    """The version of the libucp this process has loaded (NIXL's wheel bundles its own,
+    not necessarily ucxx's), from the loaded library itself; None if none is."""
+    import ctypes  # noqa: PLC0415
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/libucp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.ucp_get_version_string.restype = ctypes.c_char_p
+            return lib.ucp_get_version_string().decode()
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 def summary(nbytes: int, times: list[float]) -> dict[str, Any]:
-    """GB/s median and range, and the median ms, of READs of ``nbytes`` taking ``times``."""
+    """GB/s median, 20th and 80th percentiles (as kvkern's pulls are summarised) and range
+    (min-max), and the median ms, of READs of ``nbytes`` taking ``times``."""
     gbps = sorted(nbytes / t / 1e9 for t in times)
-    return {"gbps": round(statistics.median(gbps), 3),
-            "gbps_range": [round(gbps[0], 3), round(gbps[-1], 3)],
+    q = statistics.quantiles(gbps, n=5) if len(gbps) >= 2 else [gbps[0]] * 4
+    return {"gbps": round(statistics.median(gbps), 3), "gbps_p20": round(q[0], 3),
+            "gbps_p80": round(q[3], 3), "gbps_range": [round(gbps[0], 3), round(gbps[-1], 3)],
             "ms": round(statistics.median(times) * 1e3, 3)}
 
 
@@ -295,6 +333,7 @@ def _environment() -> dict[str, Any]:
 
     return {"python": platform.python_version(), "cpus": os.cpu_count(),
             "nixl": getattr(nixl, "__version__", _dist_version("nixl")),
+            "ucx": _loaded_ucx_version(),
             "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")},
             "engine_load": float(os.environ.get(engineload.ENV) or 0.0)}
 
@@ -323,7 +362,7 @@ def serve(n_max: int, agent: str, timeout_s: float = 300.0) -> int:
                 if cmd.get("stop"):
                     break
                 n = int(cmd["blocks"])
-                say({"s": session.read(n, _remote_ids(n, cmd["mapping"]),
+                say({"s": session.read(n, _remote_ids(n, cmd["mapping"], n_max),
                                        bool(cmd.get("per_request")))})
             except Exception as exc:  # noqa: BLE001 (reported to the driver, which stops)
                 say({"error": f"{type(exc).__name__}: {exc}"})
@@ -440,7 +479,12 @@ def compare(kvkern_result: dict[str, Any], timeout_s: float = 600.0) -> dict[str
 def kvkern_ratios(ours: dict[str, Any], ways: dict[str, Any]) -> dict[str, float]:
     """kvkern / NIXL for one size: the pull (``ours``: a pull case's row) against NIXL's
     consecutive READs, the scattered pull against its scattered ones, each against the READ
-    alone and per request (``ways``: NIXL's GB/s per way, those it has)."""
+    alone and per request (``ways``: NIXL's GB/s per way, those it has). Also, not judged,
+    the same pull read through UCX (``ucx_pull_gbps``: as a source on another host is read,
+    where the headline reads a source on its own host with kvkern's own system calls)
+    against NIXL's consecutive READ (``kvkern_ucx_vs_nixl``), and kvkern's copy phase alone
+    (``copy_gbps``: no admission, look-up, confirmation, hand-offs or commit, which NIXL's
+    READ does not have either) against it (``kvkern_copy_vs_nixl``)."""
     out = {}
     for key, mapping, suffix in (("pull_gbps", "consecutive", ""),
                                  ("scattered_pull_gbps", "scattered", "_scattered")):
@@ -448,6 +492,10 @@ def kvkern_ratios(ours: dict[str, Any], ways: dict[str, Any]) -> dict[str, float
                           (f"{mapping}_per_request", "kvkern_vs_nixl_per_request")):
             if key in ours and way in ways:
                 out[f"{name}{suffix}"] = round(ours[key] / ways[way]["gbps"], 3)
+    for key, name in (("ucx_pull_gbps", "kvkern_ucx_vs_nixl"),
+                      ("copy_gbps", "kvkern_copy_vs_nixl")):
+        if key in ours and "consecutive" in ways:
+            out[name] = round(ours[key] / ways["consecutive"]["gbps"], 3)
     return out
 
 
