@@ -322,7 +322,7 @@ def _peer_section(records: list[tuple[str, dict]]) -> list[str]:
            "message, as vLLM's connector uses it) between two processes on pools of the same "
            "512 KiB blocks and sizes, interleaved with kvkern's pulls where the run records it "
            "and in a run of its own right after. Every NIXL READ is compared with the "
-           "target's bytes; kvkern's timed pulls are not, but each variant pulls once more "
+           "target's bytes; kvkern's timed pulls are not, but each variant pulls once "
            "per size, untimed, into poisoned blocks, every block compared (records with "
            "`checked`). Cells: GB/s median [min-max] of the run's repeats (interleaved "
            "rows: [p20-p80] where the record has them, for both).", ""]
