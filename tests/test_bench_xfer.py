@@ -171,38 +171,60 @@ def test_bench_xfer_interleaves_nixl_with_the_pulls():
 async def test_a_checked_bench_pull_catches_a_block_in_anothers_place(into):
     """The bench's checked pull poisons every destination block, then compares each pulled
     block word for word with the source's: a pull that lands block 1's bytes in block 0's
-    place, or leaves a block untouched, fails the run."""
+    place, leaves a block untouched, or swaps two heads (or K and V) inside a block of a TP
+    reshard's destination fails the run."""
     import torch
 
     from kvkern.layout.topology import ModelKVSpec, Parallelism, Topology
     from kvkern.tools import benchcli
     from kvkern.xfer.kvgroup import RankKV
 
-    topo = Topology(model=ModelKVSpec(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4,
-                                      dtype="bfloat16"), parallel=Parallelism())
+    model = ModelKVSpec(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4,
+                        dtype="bfloat16")
+    src_topo = Topology(model=model, parallel=Parallelism(tp_size=2))
+    topo = Topology(model=model, parallel=Parallelism())
     layout = topo.local_layout(0, 6)
     rkv = RankKV(0, layout, layout.allocate("cpu", fill="zeros"))
-    manager = type("Manager", (), {"evict": lambda self, hs: None,
+    manager = type("Manager", (), {"evict": lambda self, hs: {"held": []},
                                    "match_prefix": lambda self, hs: list(range(len(hs)))})()
     pb = type("Bench", (), {})()
     pb.ranks, pb.n_max, pb.bs = {0: rkv}, 3, 4
-    pb.group = type("Group", (), {"manager": manager, "hash_scheme": "kvkern-blake2b-v1"})()
+    pb.group = type("Group", (), {"manager": manager, "hash_scheme": "kvkern-blake2b-v1",
+                                  "topology": topo})()
 
-    def land(values):
+    def gather(i: int, swap: str = "") -> torch.Tensor:
+        """Destination block i as a TP 2:1 reshard gathers it: each source rank's heads."""
+        src = []
+        for r in (0, 1):
+            lay = src_topo.local_layout(r, 1)
+            pool = lay.allocate("cpu", fill="zeros")
+            benchcli._fill_block(src_topo, RankKV(r, lay, pool), 0, i)
+            src.append(lay.canonical_view(pool)[0])
+        block = torch.cat(src, dim=2)  # [L, 2, H, T, D]: rank 0's heads, then rank 1's
+        if swap == "heads":
+            block = block[:, :, [1, 0, 2, 3]]
+        elif swap == "kv":
+            block = block.flip(1)
+        return block
+
+    def land(blocks):
         async def pull(n, port=None, via=None, *, into=False, check=None):
-            for b, v in enumerate(values):
-                if v is not None:
-                    benchcli._fill_block(layout, rkv.pool, b, v)
+            for b, block in enumerate(blocks):
+                if block is not None:
+                    layout.canonical_view(rkv.pool)[b].copy_(block)
             if into:
                 check(list(range(n)))
             return "outcome"
         return pull
 
-    pb.pull = land([benchcli._block_value(i) for i in range(3)])
+    pb.pull = land([gather(i) for i in range(3)])
     assert await benchcli._PullBench.checked(pb, 3, into=into) == "outcome"
-    for wrong in ([benchcli._block_value(1), benchcli._block_value(1), benchcli._block_value(2)],
-                  [benchcli._block_value(0), None, benchcli._block_value(2)]):
+    for wrong in ([gather(1), gather(1), gather(2)], [gather(0), None, gather(2)],
+                  [gather(0), gather(1, "heads"), gather(2)],
+                  [gather(0), gather(1), gather(2, "kv")]):
         pb.pull = land(wrong)
         with pytest.raises(RuntimeError, match="wrong bytes in block"):
             await benchcli._PullBench.checked(pb, 3, into=into)
-    assert torch.all(benchcli._words(layout.canonical_view(rkv.pool)[1]) == benchcli.POISON)
+        if wrong[1] is None:  # the block left untouched still holds the poison
+            assert torch.all(benchcli._words(layout.canonical_view(rkv.pool)[1])
+                             == benchcli.POISON)

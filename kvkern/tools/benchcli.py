@@ -188,14 +188,6 @@ def _rank_pools(topo: Any, n_blocks: int, layout_name: str,
     return out
 
 
-def _block_value(i: int) -> int:
-    """The 32-bit word every word of the source's block ``i`` (in request order) holds: one
-    per block, so a block landing in another's place is caught, whatever the reshard (a
-    destination block's head or layer slices all come from source blocks of the same
-    ``i``). Never :data:`POISON`."""
-    return i + 1
-
-
 POISON = -1  # the word a destination's blocks hold before a checked pull
 
 
@@ -206,14 +198,50 @@ def _words(view: Any) -> Any:
     return view.view(torch.int32)
 
 
-def _fill_block(layout: Any, kv: Any, b: int, value: int) -> None:
-    for t in layout.tensors(kv):  # any layout: the block's slice of each canonical view
-        _words(layout.canonical_view(t)[b]).fill_(value)
+def _block_words(topo: Any, rank: int, i: int, layer: int | None = None) -> Any:
+    """What block ``i`` (in request order) holds in rank ``rank``'s pool, one 32-bit word per
+    (layer, K/V, head, token) row of the model, in global coordinates:
+    ``(i + 1) << 16 | layer << 9 | kv << 8 | head << 4 | token``, as ``[L, 2, H, T, 1]``
+    (``[2, H, T, 1]`` for the one local ``layer`` of a per-layer pool). A block, a head, a
+    layer, K/V or a token row landing in another's place, under any reshard, differs, and
+    no word is :data:`POISON`."""
+    import torch  # noqa: PLC0415
+
+    l0, l1 = topo.layer_range(rank)
+    h0, h1 = topo.head_range(rank)
+    m = topo.model
+    if not (i + 1 < 1 << 15 and m.num_layers <= 128 and m.num_kv_heads <= 16
+            and m.block_size <= 16):
+        raise ValueError(f"block {i} of a {m.num_layers}-layer, {m.num_kv_heads}-head, "
+                         f"{m.block_size}-token model has no word of its own")
+    layers = torch.arange(l0, l1) if layer is None else torch.tensor([l0 + layer])
+    word = ((i + 1) << 16 | layers.view(-1, 1, 1, 1, 1) << 9
+            | torch.arange(2).view(1, -1, 1, 1, 1) << 8
+            | torch.arange(h0, h1).view(1, 1, -1, 1, 1) << 4
+            | torch.arange(m.block_size).view(1, 1, 1, -1, 1)).to(torch.int32)
+    return word[0] if layer is not None else word
 
 
-def _block_holds(layout: Any, kv: Any, b: int, value: int) -> bool:
-    return all(bool((_words(layout.canonical_view(t)[b]) == value).all())
-               for t in layout.tensors(kv))
+def _block_views(rkv: Any, b: int) -> list[tuple[Any, int | None]]:
+    """Pool block ``b`` of a rank as (32-bit words of each tensor's canonical slice, the
+    local layer of that tensor: None for a pool of all layers)."""
+    layout = rkv.layout
+    return [(_words(layout.canonical_view(t)[b]), j if layout.per_layer else None)
+            for j, t in enumerate(layout.tensors(rkv.pool))]
+
+
+def _fill_block(topo: Any, rkv: Any, b: int, i: int) -> None:
+    """Write block ``i``'s words (:func:`_block_words`) into pool block ``b`` of a rank."""
+    for words, layer in _block_views(rkv, b):
+        words.copy_(_block_words(topo, rkv.rank, i, layer).expand_as(words))
+
+
+def _block_holds(topo: Any, rkv: Any, b: int, i: int) -> bool:
+    """Whether pool block ``b`` of a rank holds block ``i``'s words, every one."""
+    import torch  # noqa: PLC0415
+
+    return all(torch.equal(words, _block_words(topo, rkv.rank, i, layer).to(words.device)
+                           .expand_as(words)) for words, layer in _block_views(rkv, b))
 
 
 async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
@@ -244,7 +272,7 @@ async def _start_pull_source(n_blocks: int, chunk_bytes: int, in_flight: int,
         ids = [ids[k] for k in scattered_order(n_blocks)]
     for i, b in enumerate(ids):
         for rkv in ranks.values():
-            _fill_block(rkv.layout, rkv.pool, b, _block_value(i))
+            _fill_block(topo, rkv, b, i)
     pool.commit(ids, hashes)
     pool.release(ids)
     group = KVGroup(topo, 0, pool, ranks)
@@ -532,21 +560,28 @@ class _PullBench:
     async def checked(self, n: int, port: int | None = None, via: Any = None, *,
                       into: bool = False) -> Any:
         """:meth:`pull`, untimed, into a pool whose every block was poisoned first (nothing
-        cached), then every block of the ``n`` checked word for word against the source's;
-        RuntimeError on any difference. The pulled blocks are evicted after, so the next
-        pull's commit keeps its own."""
+        cached), then every block of the ``n`` checked word for word against the source's
+        (:func:`_block_words`); RuntimeError on any difference. Blocks pulled into the
+        pool's cache are evicted after, so the next pull's commit keeps its own."""
+        import torch  # noqa: PLC0415
+
         from kvkern.cache.hashing import sequence_hashes  # noqa: PLC0415
 
         hashes = sequence_hashes(list(range(self.n_max * self.bs)), self.bs,
                                  self.group.hash_scheme)
-        self.group.manager.evict(hashes)
+        if held := self.group.manager.evict(hashes)["held"]:
+            raise RuntimeError(f"{len(held)} blocks still held before a checked pull")
         for r in self.ranks.values():
             for t in r.layout.tensors(r.pool):
                 _words(r.layout.canonical_view(t)).fill_(POISON)
+                if t.is_cuda:  # (UCX writes device memory outside any stream's order)
+                    torch.cuda.current_stream(t.device).synchronize()
 
         def check(ids: list[int]) -> None:
+            if len(ids) != n:
+                raise RuntimeError(f"bench pull of {n} blocks left {len(ids)} in the pool")
             for i, b in enumerate(ids):
-                if not all(_block_holds(r.layout, r.pool, b, _block_value(i))
+                if not all(_block_holds(self.group.topology, r, b, i)
                            for r in self.ranks.values()):
                     raise RuntimeError(f"bench pull of {n} blocks delivered wrong bytes in "
                                        f"block {i} (pool block {b})")
@@ -554,7 +589,8 @@ class _PullBench:
         o = await self.pull(n, port, via, into=into, check=check)
         if not into:
             check(self.group.manager.match_prefix(hashes[:n]))
-            self.group.manager.evict(hashes)
+            if held := self.group.manager.evict(hashes)["held"]:
+                raise RuntimeError(f"{len(held)} pulled blocks still held after the pull")
         return o
 
     async def pull(self, n: int, port: int | None = None, via: Any = None, *,

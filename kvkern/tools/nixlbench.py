@@ -216,11 +216,11 @@ class _Session:
         ``transfer``; ``per_request``: from the descriptor ids on, with the notification
         that tells the target the blocks were read, as vLLM's connector issues every
         request (``make_prepped_xfer(..., notif_msg=)``). The local blocks it writes are
-        compared with the target's after, then poisoned for the next READ, off the clock:
-        the pool is poisoned when made, so no READ finds the bytes it should move already
-        there, and none starts right behind a write of its blocks (a poison just before
-        the clock leaves them in the caches, dirty, which a READ into them gains from, or,
-        over the whole pool, loses to)."""
+        compared with the target's after, then poisoned for the next READ, off the clock
+        (the pool is poisoned when made), so no READ finds the bytes it should move already
+        there. Interleaved with other transfers, a READ mostly starts after others ran
+        since that poison; back to back (NIXL's own run, or two of its ways side by side
+        in a round) it starts right behind it, its blocks in the caches, dirty."""
         import torch  # noqa: PLC0415
 
         if not 1 <= n <= self.n_max or len(remote_ids) != n:
