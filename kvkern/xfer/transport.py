@@ -676,7 +676,9 @@ class Connection:
         return oldest_i
 
     def _abort_streams(self, inflight: collections.deque, reason: str) -> None:
-        # Abort first: only an endpoint abort makes UCX let go of posted buffers.
+        # Abort first: only an endpoint abort makes UCX let go of posted buffers (ucxx's
+        # close blocks until every request in flight on the endpoint, a receive matched and
+        # mid-rendezvous included, has completed its cancellation, for up to 10 s).
         self.abort(reason)
         for _, t in inflight:
             t.cancel()
