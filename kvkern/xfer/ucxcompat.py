@@ -271,7 +271,7 @@ def _progress_thread_started() -> None:
     try:
         torch.cuda.set_device(index)
         # (set_device alone binds no context when the device is the thread's default, 0:
-        # a runtime call that needs one makes the device's primary context current here)
+        # a runtime call that needs one makes the device's primary context current on it)
         torch.cuda.mem_get_info(index)
     except Exception as exc:  # noqa: BLE001 (on UCX's thread: logged, the thread goes on)
         logging.getLogger("kvkern.xfer").warning(
