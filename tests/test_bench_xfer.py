@@ -7,6 +7,7 @@ Bounded by the bench's own --timeout and the subprocess timeout."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -37,6 +38,8 @@ def test_bench_xfer_pull_json(layout, tp, pp, reads):
         assert key in res, res
     assert res["bytes"] == 1 << 20 and res["blocks"] == 2
     assert res["env"]["device"] == "cpu"
+    # OpenMP threads that sleep once their work is done, unless the caller named a policy
+    assert res["env"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
     assert res["pull_gbps"] > 0 and res["raw_gbps"] > 0
     assert res["ratio"] == pytest.approx(res["pull_gbps"] / res["raw_gbps"], rel=0.01)
     pull = res["cases"]["pull"]

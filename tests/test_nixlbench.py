@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 
@@ -30,6 +31,7 @@ def test_nixl_reads_alone_and_per_request_with_notifications():
         assert row[key]["agent"] in nixlbench.AGENTS
     # per-request READs, warm-up included, for each of the two configurations
     assert res["notifications"] == 2 * 3 * len(nixlbench.AGENTS)
+    assert res["env"]["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def test_the_server_reads_on_request_and_counts_its_notifications():

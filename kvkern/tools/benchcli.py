@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from kvkern.tools import benchtargets, engineload
+from kvkern.tools import benchtargets, engineload, threadpools
 from kvkern.xfer.ucx_env import UCX_DEFAULTS, configure_ucx_env
 
 MiB = 1 << 20
@@ -967,7 +967,7 @@ CASES = {"raw": case_raw, "chunked": case_chunked, "messages": case_messages,
 def _environment(s: Settings) -> dict[str, Any]:
     env: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                            "machine": platform.machine(), "device": s.device,
-                           "progress_mode": s.progress_mode,
+                           "progress_mode": s.progress_mode, **threadpools.record(),
                            # kvkern's UCX settings, and every other UCX_ variable this
                            # process has (ucxx sets some when imported; NIXL inherits them)
                            "ucx_env": {**{k: os.environ.get(k) for k in UCX_DEFAULTS
@@ -1003,6 +1003,7 @@ async def _run_cases(info: dict, s: Settings, loop: Any) -> dict[str, Any]:
 def run_xfer(s: Settings) -> dict[str, Any]:
     """Start the peer (and this process's engine load, when the run asks for one), run the
     cases, always kill the peer. Returns the result object."""
+    threadpools.settle()
     s.apply_env(os.environ)
     from kvkern.xfer.auth import SECRET_ENV, SECRET_FILE_ENV, Credential, generate_secret  # noqa: PLC0415
 
@@ -1242,6 +1243,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    threadpools.settle()  # (before anything loads torch; the peer and NIXL's inherit it)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
     ns = parser.parse_args(argv)

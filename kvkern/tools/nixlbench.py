@@ -52,7 +52,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvkern.tools import engineload
+from kvkern.tools import engineload, threadpools
 
 __all__ = ["AGENTS", "BLOCK_BYTES", "MAPPINGS", "Server", "compare", "faster",
            "kvkern_ratios", "main", "run", "scattered_order", "serve", "summary"]
@@ -333,7 +333,7 @@ def _environment() -> dict[str, Any]:
 
     return {"python": platform.python_version(), "cpus": os.cpu_count(),
             "nixl": getattr(nixl, "__version__", _dist_version("nixl")),
-            "ucx": _loaded_ucx_version(),
+            "ucx": _loaded_ucx_version(), **threadpools.record(),
             "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX")},
             "engine_load": float(os.environ.get(engineload.ENV) or 0.0)}
 
@@ -509,6 +509,7 @@ def _dist_version(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    threadpools.settle()  # (before torch loads; the target and the server inherit it)
     argv = list(sys.argv[1:] if argv is None else argv)
     engineload.from_env()  # this process's engine, when the run asks for one (initiator, target)
     if argv[:1] == ["_target"]:
