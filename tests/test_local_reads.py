@@ -279,6 +279,7 @@ def test_usable_checks_the_token_and_remembers(source, monkeypatch):
     assert not local_reads.usable(wrong)
     assert metrics.value("kvkern_local_read_refusals_total") == refused + 1
     # remembered: no second call for either
+    monkeypatch.setattr(local_reads, "PASS_TTL_S", 60.0)
     monkeypatch.setattr(local_reads, "_call_once", lambda *a: pytest.fail("called again"))
     assert local_reads.usable(src) and not local_reads.usable(wrong)
     monkeypatch.undo()
@@ -293,6 +294,29 @@ def test_usable_checks_the_token_and_remembers(source, monkeypatch):
     assert not local_reads.usable(wrong) and checks == [1]
     assert metrics.value("kvkern_local_read_refusals_total") == refused + 3
     assert local_reads.refusals() == refused + 3
+
+
+def test_a_pass_is_checked_again_and_a_process_id_taken_by_another_is_refused(source,
+                                                                            monkeypatch):
+    """A pass is remembered for PASS_TTL_S only: after it, the token is read again, so a
+    process id that another process now holds (a different token at the address) is
+    refused before a read trusts it."""
+    src, _, _ = source
+    local_reads.forget(src)
+    assert local_reads.usable(src)
+    checks = []
+    real = local_reads._call_once
+    monkeypatch.setattr(local_reads, "_call_once", lambda *a: checks.append(1) or real(*a))
+    monkeypatch.setattr(local_reads, "PASS_TTL_S", 60.0)
+    assert local_reads.usable(src) and not checks  # remembered
+    monkeypatch.setattr(local_reads, "PASS_TTL_S", 0.0)
+    assert local_reads.usable(src) and checks == [1]  # proved again
+    # the same process id and address now hold another token: another process has the id
+    reused = src._replace(token=bytes(b ^ 0xFF for b in src.token))
+    with local_reads._lock:  # as if it had passed when its process was the announced one
+        local_reads._verdicts[reused] = (True, time.monotonic() - 1.0)
+    assert not local_reads.usable(reused) and checks == [1, 1]
+    local_reads.forget(reused)
 
 
 def test_a_process_gone_is_not_usable_and_its_reads_fail():

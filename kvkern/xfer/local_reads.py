@@ -21,7 +21,8 @@ announcement only from the process that served it (:func:`serves`): the state's 
 one of this host's and the announced process holds the socket listening on it, which only
 that process can; the addresses a source then names (its read directory, its grants) come
 from the process they are read in. The token then proves that the process id still names that
-process when it is read (not another that now holds the number). Any process that may call
+process (not another that now holds the number): it is read again before a read once its last
+check is :data:`PASS_TTL_S` old. Any process that may call
 ``process_vm_readv`` on the source (same user, the host's ptrace policy) may read all of its
 memory anyway; what the checks keep is that a peer cannot point this process's reads at a
 process other than itself. Where the call is not permitted, the host differs, the process
@@ -72,6 +73,9 @@ _MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 _MAX_HOST_CHARS = 128
 _VERDICTS_MAX = 1024
 REFUSAL_TTL_S = 60.0  # a refused source is checked again after this long
+# ... and a passed one once its check is this old: a process id freed by a source that ended
+# and taken by another process is refused within it (a check is one 16-byte call, 7 us)
+PASS_TTL_S = 1.0
 
 Run = tuple[int, int, int]  # (local address, remote address, nbytes)
 
@@ -261,8 +265,8 @@ def _call_once(pid: int, local: np.ndarray | ctypes.Array, remote: np.ndarray | 
         raise LocalReadError(f"process_vm_readv from process {pid}: {why}")
 
 
-# source -> (usable, when checked): a refusal is kept for REFUSAL_TTL_S, a pass until a read
-# fails (forget)
+# source -> (usable, when checked): a refusal is kept for REFUSAL_TTL_S, a pass for PASS_TTL_S
+# or until a read fails (forget)
 _verdicts: collections.OrderedDict[LocalSource, tuple[bool, float]] = collections.OrderedDict()
 _lock = threading.Lock()
 _refused = 0  # checks that refused a source (refusals())
@@ -270,11 +274,13 @@ _refused = 0  # checks that refused a source (refusals())
 
 def usable(src: LocalSource) -> bool:
     """Whether this process may read ``src`` directly: the token read at its address equals
-    the announced one. Checked once per source (one 16-byte call) and remembered, a refusal
-    for :data:`REFUSAL_TTL_S`; the reason for a refusal is logged."""
+    the announced one. Checked with one 16-byte call and remembered, a pass for
+    :data:`PASS_TTL_S` and a refusal for :data:`REFUSAL_TTL_S`; the reason for a refusal is
+    logged."""
     with _lock:
         verdict = _verdicts.get(src)
-    if verdict is not None and (verdict[0] or time.monotonic() - verdict[1] < REFUSAL_TTL_S):
+    if verdict is not None and time.monotonic() - verdict[1] < (
+            PASS_TTL_S if verdict[0] else REFUSAL_TTL_S):
         return verdict[0]
     buf = np.zeros(TOKEN_BYTES, np.uint8)
     why = None
