@@ -135,6 +135,11 @@ class PullOutcome:
         requested        [----------------]   asked of the source
         transferred      [---------]          validated and committed (best effort may stop
         skipped                    [------]   short: skipped = requested - transferred)
+
+    ``bytes_transferred`` counts the bytes the pull moved, kept or not (a stream's chunks as
+    they land, also before a failure; one-sided reads once they completed, a best-effort
+    pull's skipped blocks included), as ``kvkern_bytes_transferred_total`` counts them;
+    ``blocks_transferred`` counts what was kept.
     """
 
     request_id: str
