@@ -22,12 +22,12 @@ one of this host's and the announced process holds the socket listening on it, w
 that process can; the addresses a source then names (its read directory, its grants) come
 from the process they are read in. The token then proves that the process id still names that
 process (not another that now holds the number): it is read again before a read once its last
-check is :data:`PASS_TTL_S` old. Any process that may call
-``process_vm_readv`` on the source (same user, the host's ptrace policy) may read all of its
-memory anyway; what the checks keep is that a peer cannot point this process's reads at a
-process other than itself. Where the call is not permitted, the host differs, the process
-does not serve the state or the token does not match, the reads go through UCX as before; a
-failed call fails the read (``transfer_failed``), never a partial one.
+check is :data:`PASS_TTL_S` old. Any process that may call ``process_vm_readv`` on the source
+(same user, the host's ptrace policy) may read all of its memory anyway; what the checks keep
+is that a peer cannot point this process's reads at a process other than itself. Where the
+call is not permitted, the host differs, the process does not serve the state or the token
+does not match, the reads go through UCX as before; a failed call fails the read
+(``transfer_failed``), never a partial one.
 
 Linux only (the system call); elsewhere :func:`parse` finds no host id and nothing changes.
 """

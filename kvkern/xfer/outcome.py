@@ -138,8 +138,9 @@ class PullOutcome:
 
     ``bytes_transferred`` counts the bytes the pull moved, kept or not (a stream's chunks as
     they land, also before a failure; one-sided reads once they completed, blocks that a
-    best-effort pull moved and then skipped included), as ``kvkern_bytes_transferred_total`` counts them;
-    ``blocks_transferred`` counts what was kept.
+    best-effort pull moved and then skipped included), as
+    ``kvkern_bytes_transferred_total`` counts them; ``blocks_transferred`` counts what was
+    kept.
     """
 
     request_id: str
