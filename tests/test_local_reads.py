@@ -300,7 +300,7 @@ def test_a_pass_is_checked_again_and_a_process_id_taken_by_another_is_refused(so
                                                                             monkeypatch):
     """A pass is remembered for PASS_TTL_S only: after it, the token is read again, so a
     process id that another process now holds (a different token at the address) is
-    refused before a read trusts it."""
+    refused before a read trusts it, and is gone: no route reads it."""
     src, _, _ = source
     local_reads.forget(src)
     assert local_reads.usable(src)
@@ -314,8 +314,15 @@ def test_a_pass_is_checked_again_and_a_process_id_taken_by_another_is_refused(so
     # the same process id and address now hold another token: another process has the id
     reused = src._replace(token=bytes(b ^ 0xFF for b in src.token))
     with local_reads._lock:  # as if it had passed when its process was the announced one
-        local_reads._verdicts[reused] = (True, time.monotonic() - 1.0)
+        local_reads._verdicts[reused] = (True, time.monotonic() - 1.0, None)
     assert not local_reads.usable(reused) and checks == [1, 1]
+    # refused after it had passed: gone (its reads fail, never through UCX), and remembered
+    assert "token differs" in local_reads.gone(reused)
+    assert not local_reads.usable(reused) and checks == [1, 1]
+    local_reads.forget(reused)
+    assert local_reads.gone(reused) is None
+    # refused from the first: read through UCX, not gone
+    assert not local_reads.usable(reused) and local_reads.gone(reused) is None
     local_reads.forget(reused)
 
 

@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from kvkern.xfer.pauses import Steps
 
 __all__ = ["Beacon", "LocalReadError", "LocalSource", "host_id", "parse", "reading",
-           "serves", "usable", "forget", "refusals", "calls", "CALL_BYTES", "HOLD_BYTES",
+           "serves", "usable", "gone", "forget", "refusals", "calls", "CALL_BYTES", "HOLD_BYTES",
            "IOV_MAX", "TOKEN_BYTES"]
 
 log = logging.getLogger("kvkern.xfer")
@@ -265,9 +265,10 @@ def _call_once(pid: int, local: np.ndarray | ctypes.Array, remote: np.ndarray | 
         raise LocalReadError(f"process_vm_readv from process {pid}: {why}")
 
 
-# source -> (usable, when checked): a refusal is kept for REFUSAL_TTL_S, a pass for PASS_TTL_S
-# or until a read fails (forget)
-_verdicts: collections.OrderedDict[LocalSource, tuple[bool, float]] = collections.OrderedDict()
+# source -> (usable, when checked, why a source that had passed was refused): a refusal is kept
+# for REFUSAL_TTL_S, a pass for PASS_TTL_S or until a read fails (forget)
+_verdicts: collections.OrderedDict[LocalSource, tuple[bool, float, str | None]] = \
+    collections.OrderedDict()
 _lock = threading.Lock()
 _refused = 0  # checks that refused a source (refusals())
 
@@ -276,7 +277,7 @@ def usable(src: LocalSource) -> bool:
     """Whether this process may read ``src`` directly: the token read at its address equals
     the announced one. Checked with one 16-byte call and remembered, a pass for
     :data:`PASS_TTL_S` and a refusal for :data:`REFUSAL_TTL_S`; the reason for a refusal is
-    logged."""
+    logged. A source that passed and is then refused is :func:`gone`."""
     with _lock:
         verdict = _verdicts.get(src)
     if verdict is not None and time.monotonic() - verdict[1] < (
@@ -292,14 +293,25 @@ def usable(src: LocalSource) -> bool:
     except (LocalReadError, OSError, AttributeError) as exc:  # AttributeError: no such call
         why = str(exc)
     global _refused
+    passed = verdict is not None and (verdict[0] or verdict[2] is not None)
     if why is not None:
-        log.info("process %d on this host is read through UCX: %s", src.pid, why)
+        log.info("process %d on this host is %s: %s", src.pid,
+                 "not read any more" if passed else "read through UCX", why)
     with _lock:
         _refused += why is not None
-        _verdicts[src] = (why is None, time.monotonic())
+        _verdicts[src] = (why is None, time.monotonic(), why if passed else None)
         while len(_verdicts) > _VERDICTS_MAX:
             _verdicts.popitem(last=False)
     return why is None
+
+
+def gone(src: LocalSource) -> str | None:
+    """Why ``src`` was refused after it had passed (the process it names ended, or another
+    holds its id now), while that refusal is remembered; else None. Nothing reads such a
+    source: its reads fail, where a source refused from the first is read through UCX."""
+    with _lock:
+        verdict = _verdicts.get(src)
+    return None if verdict is None or verdict[0] else verdict[2]
 
 
 def refusals() -> int:

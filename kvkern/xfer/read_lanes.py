@@ -613,6 +613,9 @@ class ReadLanes:
         deadline = time.perf_counter() + timeout
         left = lambda: max(deadline - time.perf_counter(), 0.0)  # noqa: E731
         if local is not None and not local_reads.usable(local):
+            why = local_reads.gone(local)
+            if why is not None:  # the process read so far: no other route reaches it
+                raise TransportError("transfer_failed", f"one-sided read: {why}")
             local = None
         if nbytes is not None and nbytes <= self.loop_bytes and not self._loop_busy \
                 and self._loop in (None, loop):
