@@ -26,8 +26,9 @@ check is :data:`PASS_TTL_S` old. Any process that may call ``process_vm_readv`` 
 (same user, the host's ptrace policy) may read all of its memory anyway; what the checks keep
 is that a peer cannot point this process's reads at a process other than itself. Where the
 call is not permitted, the host differs, the process does not serve the state or the token
-does not match, the reads go through UCX as before; a failed call fails the read
-(``transfer_failed``), never a partial one.
+does not match, the reads go through UCX as before; but a process that passed and then fails
+the check (it ended, or another holds its id) is :func:`gone`, and its reads fail. A failed
+call fails the read (``transfer_failed``), never a partial one.
 
 Linux only (the system call); elsewhere :func:`parse` finds no host id and nothing changes.
 """
